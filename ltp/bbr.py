@@ -1,0 +1,225 @@
+"""BDP congestion control in the style of BBR (v1), for one sender→receiver path.
+
+Theory of operation. The model has two numbers: **BtlBw**, the windowed maximum
+of delivery-rate samples over the last 10 round trips, and **RTprop**, the
+windowed minimum RTT over the last ``probe_rtt_interval_s`` seconds. Their
+product is the BDP. The sender paces at ``pacing_gain × BtlBw`` and keeps at
+most ``cwnd_gain × BDP + 2 × burst`` bytes in flight (the burst allowance
+covers user-space pacing and ACKs that arrive in batches). **Loss is not a
+congestion signal**: nothing here looks at losses, so random (non-congestion)
+loss does not shrink the window — the property LTP needs (§III-D).
+
+States, as in BBR:
+
+* STARTUP: gains 2/ln 2 (2.89) until BtlBw stops growing by 25% for 3 rounds.
+* DRAIN: pacing gain 1/2.89 until in-flight ≤ BDP.
+* PROBE_BW: pacing gain cycles 1.25, 0.75, 1 ×6, one phase per RTprop
+  (starting phase drawn from the injected ``random.Random``); cwnd gain 2.
+* PROBE_RTT: when RTprop has not been refreshed for ``probe_rtt_interval_s``,
+  in-flight is held at 4 packets for ``probe_rtt_duration_s`` and one round.
+
+Round trips are counted with the delivered counter: a round ends when a packet
+sent after the previous round ended is acknowledged. Every input carries
+``now``; the object never reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+
+__all__ = ["BBR", "STARTUP", "DRAIN", "PROBE_BW", "PROBE_RTT"]
+
+STARTUP = "startup"
+DRAIN = "drain"
+PROBE_BW = "probe_bw"
+PROBE_RTT = "probe_rtt"
+
+HIGH_GAIN = 2.0 / math.log(2.0)
+CYCLE = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+BTLBW_ROUNDS = 10
+FULL_BW_THRESH = 1.25
+FULL_BW_ROUNDS = 3
+
+
+class _MaxFilter:
+    """Windowed maximum over the last ``window`` rounds (monotonic deque)."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._q: deque = deque()  # (round, value), values decreasing
+
+    def update(self, rnd: int, value: float) -> None:
+        q = self._q
+        while q and q[-1][1] <= value:
+            q.pop()
+        q.append((rnd, value))
+        while q[0][0] <= rnd - self.window:
+            q.popleft()
+
+    def expire(self, rnd: int) -> None:
+        q = self._q
+        while len(q) > 1 and q[0][0] <= rnd - self.window:
+            q.popleft()
+
+    @property
+    def value(self) -> float:
+        return self._q[0][1] if self._q else 0.0
+
+
+class BBR:
+    """BBR-style model of one path. Rates are bytes/s, times seconds."""
+
+    def __init__(self, *, mss: int, initial_cwnd_packets: int = 64, initial_rtt_s: float = 0.001,
+                 probe_rtt_interval_s: float = 10.0, probe_rtt_duration_s: float = 0.2,
+                 rng: random.Random | None = None) -> None:
+        self.mss = mss
+        self.initial_cwnd = initial_cwnd_packets * mss
+        self.initial_rtt_s = initial_rtt_s
+        self.probe_rtt_interval_s = probe_rtt_interval_s
+        self.probe_rtt_duration_s = probe_rtt_duration_s
+        self.rng = rng or random.Random(0)
+        self.state = STARTUP
+        self.pacing_gain = HIGH_GAIN
+        self.cwnd_gain = HIGH_GAIN
+        self._btlbw = _MaxFilter(BTLBW_ROUNDS)
+        self.rtprop: float | None = None
+        self._rtprop_stamp = 0.0
+        self.round_count = 0
+        self._next_round_delivered = 0
+        self._full_bw = 0.0
+        self._full_bw_count = 0
+        self.filled_pipe = False
+        self._cycle_index = 0
+        self._cycle_stamp = 0.0
+        self._probe_rtt_done: float | None = None
+        self._probe_rtt_round_done = False
+        self._prior_state = PROBE_BW
+
+    # -- model outputs -------------------------------------------------
+    @property
+    def btlbw(self) -> float:
+        """Bottleneck bandwidth estimate (bytes/s), 0 before the first sample."""
+        return self._btlbw.value
+
+    def bdp(self) -> float:
+        """Bandwidth-delay product (bytes) or the initial window before any sample."""
+        if self.btlbw <= 0 or self.rtprop is None:
+            return float(self.initial_cwnd)
+        return self.btlbw * self.rtprop
+
+    @property
+    def pacing_rate(self) -> float:
+        """Current pacing rate (bytes/s)."""
+        bw = self.btlbw
+        if bw <= 0:
+            rtt = self.rtprop or self.initial_rtt_s
+            bw = self.initial_cwnd / max(rtt, 1e-6)
+        return self.pacing_gain * bw
+
+    def cwnd(self, burst_bytes: int) -> int:
+        """Bytes allowed in flight, given the pacer's burst size."""
+        if self.state == PROBE_RTT:
+            return 4 * self.mss
+        target = self.cwnd_gain * self.bdp() + 2 * burst_bytes
+        return int(max(target, 4 * self.mss, self.initial_cwnd if not self.filled_pipe else 0))
+
+    # -- inputs --------------------------------------------------------
+    def on_ack(self, now: float, *, delivered: int, prior_delivered: int, rate_bps: float | None,
+               rtt_s: float | None, inflight: int, app_limited: bool = False) -> None:
+        """Feed one ACK's worth of samples.
+
+        ``delivered`` is the path's delivered-bytes counter after this ACK,
+        ``prior_delivered`` the counter when the sampled packet was sent,
+        ``rate_bps`` the delivery-rate sample (None when there is none),
+        ``rtt_s`` the newest RTT sample, ``inflight`` bytes still in flight.
+        """
+        round_start = False
+        if prior_delivered >= self._next_round_delivered:
+            self._next_round_delivered = delivered
+            self.round_count += 1
+            round_start = True
+            self._btlbw.expire(self.round_count)
+        if rate_bps is not None and rate_bps > 0 and (not app_limited or rate_bps >= self.btlbw):
+            self._btlbw.update(self.round_count, rate_bps)
+        expired = now - self._rtprop_stamp > self.probe_rtt_interval_s
+        if rtt_s is not None and rtt_s > 0 and (self.rtprop is None or rtt_s <= self.rtprop or expired):
+            self.rtprop = rtt_s
+            self._rtprop_stamp = now
+        if round_start:
+            self._check_full_pipe()
+        self._update_state(now, inflight, expired, round_start)
+
+    def _check_full_pipe(self) -> None:
+        if self.filled_pipe:
+            return
+        bw = self.btlbw
+        if bw >= self._full_bw * FULL_BW_THRESH:
+            self._full_bw = bw
+            self._full_bw_count = 0
+            return
+        self._full_bw_count += 1
+        if self._full_bw_count >= FULL_BW_ROUNDS:
+            self.filled_pipe = True
+
+    def _enter_probe_bw(self, now: float) -> None:
+        self.state = PROBE_BW
+        self.cwnd_gain = 2.0
+        # never start on the drain phase (index 1), as in BBR
+        self._cycle_index = self.rng.choice([0, 2, 3, 4, 5, 6, 7])
+        self.pacing_gain = CYCLE[self._cycle_index]
+        self._cycle_stamp = now
+
+    def _update_state(self, now: float, inflight: int, rtprop_expired: bool, round_start: bool) -> None:
+        if self.state == STARTUP and self.filled_pipe:
+            self.state = DRAIN
+            self.pacing_gain = 1.0 / HIGH_GAIN
+            self.cwnd_gain = HIGH_GAIN
+        if self.state == DRAIN and inflight <= self.bdp():
+            self._enter_probe_bw(now)
+        if self.state == PROBE_BW:
+            rtprop = self.rtprop or self.initial_rtt_s
+            if now - self._cycle_stamp > rtprop:
+                gain = CYCLE[self._cycle_index]
+                advance = True
+                if gain > 1.0 and inflight < gain * self.bdp():
+                    advance = now - self._cycle_stamp > 2 * rtprop
+                if gain < 1.0 and inflight > self.bdp():
+                    advance = now - self._cycle_stamp > 2 * rtprop
+                if advance:
+                    self._cycle_index = (self._cycle_index + 1) % len(CYCLE)
+                    self._cycle_stamp = now
+                    self.pacing_gain = CYCLE[self._cycle_index]
+        if self.state != PROBE_RTT and rtprop_expired and self.rtprop is not None:
+            self._prior_state = self.state
+            self.state = PROBE_RTT
+            self.pacing_gain = 1.0
+            self.cwnd_gain = 1.0
+            self._probe_rtt_done = None
+            self._probe_rtt_round_done = False
+        if self.state == PROBE_RTT:
+            if self._probe_rtt_done is None and inflight <= 4 * self.mss:
+                self._probe_rtt_done = now + self.probe_rtt_duration_s
+                self._probe_rtt_round_done = False
+                self._next_round_delivered = 0  # next ACK starts a round
+            elif self._probe_rtt_done is not None:
+                if round_start:
+                    self._probe_rtt_round_done = True
+                if self._probe_rtt_round_done and now >= self._probe_rtt_done:
+                    self._rtprop_stamp = now
+                    if self.filled_pipe:
+                        self._enter_probe_bw(now)
+                    else:
+                        self.state = STARTUP
+                        self.pacing_gain = self.cwnd_gain = HIGH_GAIN
+
+    def on_idle(self, now: float) -> None:
+        """The path went idle (nothing to send): refresh nothing, but keep PROBE_RTT from stalling."""
+        if self.state == PROBE_RTT and self._probe_rtt_done is not None and now >= self._probe_rtt_done:
+            self._rtprop_stamp = now
+            if self.filled_pipe:
+                self._enter_probe_bw(now)
+            else:
+                self.state = STARTUP
+                self.pacing_gain = self.cwnd_gain = HIGH_GAIN

@@ -1,0 +1,93 @@
+"""Endpoint configuration (one frozen dataclass, validated on creation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import LocalProtocolError
+
+__all__ = ["Config", "DCN", "WAN"]
+
+_GiB = 1 << 30
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tunables of an LTP endpoint. Times are seconds, sizes bytes, rates bytes/s.
+
+    The defaults suit a data-centre network (Early Close slack ``C`` = 30 ms);
+    :data:`WAN` sets ``C`` = 100 ms as in the paper.
+    """
+
+    #: link MTU; the segment size is ``mtu - 28 - 16`` rounded down to the element size
+    mtu: int = 1500
+    #: explicit payload bytes per DATA packet (overrides the MTU rule; a multiple of the element size)
+    segment_size: int | None = None
+    #: Early Close: fraction of a flow that must have arrived to close between LT threshold and deadline
+    lt_fraction: float = 0.8
+    #: Early Close: the constant C added to the largest LT threshold to make the deadline
+    deadline_slack_s: float = 0.030
+    #: how many recent full deliveries of a (link, size) the LT threshold is the minimum of
+    lt_window: int = 32
+    #: receive caps: one flow, flows per peer, memory of buffered (not yet posted) messages + bitmaps
+    max_flow_bytes: int = 4 * _GiB
+    max_flows_per_peer: int = 64
+    max_receive_memory: int = 1 * _GiB
+    max_peers: int = 4096
+    #: smallest segment size a peer may register (bounds the per-segment bitmap)
+    min_segment_size: int = 64
+    #: job key: REG packets carry HMAC-SHA256(key) and unauthenticated ones are dropped
+    job_key: bytes | None = None
+    #: congestion control start-up guesses until the first samples arrive
+    initial_cwnd_packets: int = 64
+    initial_rtt_s: float = 0.001
+    #: pacing timer granularity and smallest burst (see ltp/pacing.py)
+    pacing_granularity_s: float = 0.0005
+    min_burst_packets: int = 16
+    #: loss recovery: smallest probe timeout; REG retransmission starts at this times two
+    min_pto_s: float = 0.004
+    #: a transfer fails when the peer has been silent this long
+    idle_timeout_s: float = 10.0
+    #: closed receive flows are remembered (to repeat STOP) this long, and at most this many
+    closed_flow_ttl_s: float = 10.0
+    max_closed_flows: int = 8192
+    #: BBR: how often RTprop must be refreshed before PROBE_RTT, and how long that lasts
+    probe_rtt_interval_s: float = 10.0
+    probe_rtt_duration_s: float = 0.2
+    #: socket buffers requested by the asyncio adapter
+    socket_buffer_bytes: int = 64 * _MiB
+    #: datagrams per recvmmsg/GRO batch in the adapter
+    io_batch: int = 64
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 576 <= self.mtu <= 65535:
+            raise LocalProtocolError(f"mtu={self.mtu}: use a value between 576 and 65535")
+        if self.segment_size is not None and not 1 <= self.segment_size <= 65507 - 16:
+            raise LocalProtocolError("segment_size must be between 1 and 65491 bytes")
+        if not 0.0 < self.lt_fraction <= 1.0:
+            raise LocalProtocolError("lt_fraction must be in (0, 1]; 0.8 is the paper's default")
+        if self.deadline_slack_s < 0:
+            raise LocalProtocolError("deadline_slack_s must be >= 0 (30 ms for DCN, 100 ms for WAN)")
+        if self.job_key is not None and not isinstance(self.job_key, (bytes, bytearray)):
+            raise LocalProtocolError("job_key must be bytes (e.g. secret.encode())")
+        for name in ("max_flow_bytes", "max_flows_per_peer", "max_receive_memory", "lt_window",
+                     "initial_cwnd_packets", "min_burst_packets", "io_batch", "max_closed_flows"):
+            if getattr(self, name) <= 0:
+                raise LocalProtocolError(f"{name} must be positive")
+
+    def segment_size_for(self, element_size: int) -> int:
+        """Payload bytes per DATA packet for elements of ``element_size`` bytes (padding-bubble rule)."""
+        raw = self.segment_size if self.segment_size is not None else self.mtu - 28 - 16
+        seg = raw - raw % element_size
+        if seg <= 0:
+            raise LocalProtocolError(
+                f"element_size={element_size} does not fit a {raw}-byte segment; raise the MTU")
+        return seg
+
+
+#: data-centre defaults (C = 30 ms)
+DCN = Config()
+#: wide-area defaults (C = 100 ms)
+WAN = Config(deadline_slack_s=0.100)

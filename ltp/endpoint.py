@@ -1,0 +1,312 @@
+"""The asyncio adapter: one UDP socket, one :class:`~ltp.engine.Engine`, one timer.
+
+Theory of operation. This is the only module of the transport that does I/O.
+It owns a non-blocking UDP socket wrapped in :class:`UdpIO` (batched
+``recvmmsg``/GRO receive and GSO/``sendmmsg`` send, compiled in ``ltp_ext``).
+When the socket is readable it drains up to ``max_batches_per_wakeup``
+batches, hands each run of datagrams from one source to
+:meth:`Engine.receive_batch`, then *flushes*: it sends what
+:meth:`Engine.datagrams_to_send` returns, turns engine events into the results
+of awaiting calls, and re-arms a single ``loop.call_at`` timer at
+:meth:`Engine.get_timer` (clamped so the engine never sees a timer early).
+The engine gets ``loop.time()`` as ``now``. If the kernel refuses more data
+(EAGAIN), the rest waits in a queue drained when the socket is writable.
+
+uvloop is not installed here: pick it at your entry point (:func:`ltp.run`
+does, when it is available).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import random
+import socket
+from collections import deque
+
+from ltp_ext import load as _load
+
+from .config import Config
+from .engine import Engine, ReceiveDone, SendDone
+from .errors import LocalProtocolError, TransferTimeout
+
+_udpio = _load("udpio")
+log = logging.getLogger("ltp")
+
+__all__ = ["Endpoint", "open_endpoint"]
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class Endpoint:
+    """An LTP endpoint on one UDP socket. Create it with :func:`open_endpoint`."""
+
+    max_batches_per_wakeup = 32
+
+    def __init__(self, sock: socket.socket, config: Config, rng: random.Random) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._sock = sock
+        self.config = config
+        self._io = _udpio.UdpIO(sock, batch=config.io_batch, max_datagram=max(2048, config.mtu))
+        self.engine = Engine(config, rng=rng)
+        self._waiters: dict = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._pending: deque = deque()
+        self._writer = False
+        self._closed = False
+        self._family = sock.family
+        self._local_addr = sock.getsockname()[:2]
+        self._loop.add_reader(sock.fileno(), self._on_readable)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def local_addr(self) -> tuple:
+        """The bound ``(host, port)``."""
+        return self._local_addr
+
+    @property
+    def stats(self):
+        """:class:`~ltp.reports.EndpointStats` of the engine (drop counters included)."""
+        return self.engine.stats
+
+    @property
+    def io_stats(self) -> dict:
+        """Counters of the batched socket layer (syscalls, EAGAIN, ICMP errors...)."""
+        return self._io.stats
+
+    # ------------------------------------------------------------------ API
+    async def send(self, peer, data, *, reliable: bool = False, critical=(), element_size: int = 4, tag: int = 0,
+                   timeout: float | None = None):
+        """Send one message to ``peer``; returns a :class:`~ltp.reports.SendReport`."""
+        peer = await self._resolve(peer)
+        self._check_open()
+        handle = self.engine.send(peer, data, now=self._loop.time(), reliable=reliable, critical=critical,
+                                  element_size=element_size, tag=tag)
+        return await self._wait(handle, timeout)
+
+    async def recv(self, into, *, peer=None, tag=None, timeout: float | None = None):
+        """Receive one message into ``into``; returns a :class:`~ltp.reports.RecvReport`.
+
+        Raises :class:`~ltp.errors.TransferTimeout` when nothing arrived before ``timeout``.
+        """
+        peer = None if peer is None else await self._resolve(peer)
+        self._check_open()
+        handle = self.engine.post_receive([(peer, tag, into)], now=self._loop.time(), timeout=timeout)
+        reports = await self._wait(handle, None)
+        rep = reports[0]
+        if rep.regime == "timeout" and rep.received_bytes == 0:
+            raise TransferTimeout(f"no message from {peer or 'any peer'} within {timeout} s")
+        return rep
+
+    async def gather(self, peers, into, *, tag=None, timeout: float | None = None) -> list:
+        """Receive one message from each peer into the matching buffer, with one Early Close deadline."""
+        peers = list(peers)
+        into = list(into)
+        if len(peers) != len(into):
+            raise LocalProtocolError(f"gather got {len(peers)} peers but {len(into)} buffers; pass one buffer per peer")
+        peers = [await self._resolve(p) for p in peers]
+        self._check_open()
+        handle = self.engine.post_receive([(p, tag, b) for p, b in zip(peers, into)], now=self._loop.time(),
+                                          timeout=timeout)
+        return await self._wait(handle, None)
+
+    async def broadcast(self, peers, data, *, tag: int = 0, critical=(), element_size: int = 4,
+                        timeout: float | None = None) -> list:
+        """Send ``data`` reliably to every peer in parallel; one report per peer, in order."""
+        return list(await asyncio.gather(*[
+            self.send(p, data, reliable=True, critical=critical, element_size=element_size, tag=tag, timeout=timeout)
+            for p in peers]))
+
+    async def close(self) -> None:
+        """Abort open transfers, tell peers, close the socket."""
+        if self._closed:
+            return
+        self.engine.close(now=self._loop.time())
+        self._flush()
+        self._closed = True
+        self._loop.remove_reader(self._sock.fileno())
+        if self._writer:
+            self._loop.remove_writer(self._sock.fileno())
+        if self._timer is not None:
+            self._timer.cancel()
+        self._sock.close()
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.cancel()
+
+    async def __aenter__(self) -> "Endpoint":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LocalProtocolError("endpoint is closed; open a new one with ltp.open_endpoint()")
+
+    async def _resolve(self, peer) -> tuple:
+        if not isinstance(peer, tuple) or len(peer) < 2:
+            raise LocalProtocolError(f"peer must be a (host, port) tuple, got {peer!r}")
+        host, port = peer[0], peer[1]
+        if not isinstance(port, int):
+            raise LocalProtocolError(f"peer port must be an int, got {port!r}")
+        if _is_ip(host):
+            return (str(ipaddress.ip_address(host)), port)
+        infos = await self._loop.getaddrinfo(host, port, family=self._family, type=socket.SOCK_DGRAM)
+        if not infos:
+            raise LocalProtocolError(f"cannot resolve {host!r}")
+        return infos[0][4][:2]
+
+    async def _wait(self, handle: int, timeout: float | None):
+        fut = self._loop.create_future()
+        self._waiters[handle] = fut
+        self._flush()
+        try:
+            if timeout is None:
+                return await fut
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            self.engine.cancel(handle, now=self._loop.time())
+            self._flush()
+            raise TransferTimeout(f"transfer did not finish within {timeout} s") from None
+        except asyncio.CancelledError:
+            if not self._closed:
+                self.engine.cancel(handle, now=self._loop.time())
+                self._flush()
+            raise
+        finally:
+            self._waiters.pop(handle, None)
+
+    def _on_readable(self) -> None:
+        io = self._io
+        eng = self.engine
+        for _ in range(self.max_batches_per_wakeup):
+            try:
+                n = io.recv_batch()
+            except OSError as exc:  # socket-level failure: count it, never raise into the loop
+                eng.stats.drop(f"socket_error_{exc.errno}")
+                break
+            if n == 0:
+                break
+            now = self._loop.time()
+            buf, offs, lens = io.buffer, io.offsets, io.lengths
+            for addr, start, stop in io.runs():
+                try:
+                    eng.receive_batch(buf, offs, lens, start, stop, addr[:2], now)
+                except Exception:  # a bug must not kill the loop; count and log it
+                    eng.stats.drop("internal_error", stop - start)
+                    log.exception("ltp: error while processing datagrams from %s", addr)
+            if n < io.batch:
+                break
+        self._flush()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        now = self._loop.time()
+        try:
+            self.engine.handle_timer(now)
+        except Exception:
+            self.engine.stats.drop("internal_error")
+            log.exception("ltp: error in timer")
+        self._flush()
+
+    def _on_writable(self) -> None:
+        self._drain_pending()
+        if not self._pending and self._writer:
+            self._loop.remove_writer(self._sock.fileno())
+            self._writer = False
+            self._flush()
+
+    def _drain_pending(self) -> bool:
+        io = self._io
+        while self._pending:
+            addr, data, seg = self._pending[0]
+            sent = io.send(addr, data, seg)
+            if sent >= len(data):
+                self._pending.popleft()
+                continue
+            self._pending[0] = (addr, data[sent:], seg)
+            return False
+        return True
+
+    def _flush(self) -> None:
+        if self._closed:
+            return
+        eng = self.engine
+        io = self._io
+        now = self._loop.time()
+        for tx in eng.datagrams_to_send(now):
+            data = tx.data
+            if self._pending:
+                self._pending.append((tx.addr, bytes(data), tx.segment_size))
+                continue
+            sent = io.send(tx.addr, data, tx.segment_size)
+            if sent < len(data):
+                self._pending.append((tx.addr, bytes(data[sent:]), tx.segment_size))
+        if self._pending and not self._writer:
+            self._loop.add_writer(self._sock.fileno(), self._on_writable)
+            self._writer = True
+        while True:
+            ev = eng.next_event()
+            if ev is None:
+                break
+            fut = self._waiters.get(ev.handle)
+            if fut is None or fut.done():
+                continue
+            if ev.error is not None:
+                fut.set_exception(ev.error)
+            elif isinstance(ev, SendDone):
+                fut.set_result(ev.report)
+            elif isinstance(ev, ReceiveDone):
+                fut.set_result(ev.reports)
+        when = eng.get_timer()
+        if when is None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+                self._timer_at = None
+            return
+        if self._timer is not None and self._timer_at == when:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        # never let the engine see a timer early: the loop may fire a hair before `when`
+        self._timer = self._loop.call_at(max(when, now) + 1e-6, self._on_timer)
+
+
+async def open_endpoint(local_addr=("0.0.0.0", 0), *, config: Config | None = None,
+                        rng: random.Random | None = None) -> Endpoint:
+    """Bind a UDP socket at ``local_addr`` and return a running :class:`Endpoint`."""
+    config = config or Config()
+    host = local_addr[0]
+    family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, config.socket_buffer_bytes)
+            force = getattr(socket, "SO_RCVBUFFORCE" if opt == socket.SO_RCVBUF else "SO_SNDBUFFORCE", None)
+            if force is not None:
+                try:  # root may exceed net.core.rmem_max
+                    sock.setsockopt(socket.SOL_SOCKET, force, config.socket_buffer_bytes)
+                except OSError:
+                    pass
+        sock.bind(local_addr)
+        sock.setblocking(False)
+    except Exception:
+        sock.close()
+        raise
+    if rng is None:
+        rng = random.Random(int.from_bytes(os.urandom(16), "big"))
+    return Endpoint(sock, config, rng)

@@ -1,0 +1,725 @@
+"""The sans-IO LTP endpoint: every flow this host sends and receives.
+
+Theory of operation. :class:`Engine` is a plain object driven by four kinds
+of input, each carrying an explicit ``now`` (seconds, any monotonic origin):
+
+* commands: :meth:`send`, :meth:`post_receive`, :meth:`cancel`, :meth:`close`;
+* datagrams: :meth:`receive_datagram` (one) or :meth:`receive_batch` (a run of
+  datagrams from one address, the fast path that lets the per-flow kernel
+  consume consecutive DATA packets without returning to Python);
+* timers: :meth:`handle_timer` when :meth:`get_timer` has passed.
+
+It produces two kinds of output: :meth:`datagrams_to_send` returns
+:class:`~ltp.path.Transmit` batches (control datagrams first — REG, ACK, STOP,
+RESET — then paced DATA from each path) and :meth:`next_event` returns
+:class:`SendDone` / :class:`ReceiveDone` events. It never reads a clock,
+sleeps, touches a socket or imports asyncio; randomness (flow ids, tokens,
+BBR's probe phase) comes from the injected ``random.Random``.
+
+Invariants:
+
+1. Nothing a peer sends can raise out of :meth:`receive_datagram` /
+   :meth:`receive_batch`: malformed, unauthenticated, unknown, duplicate or
+   out-of-range datagrams are dropped and counted in ``stats.dropped`` by
+   reason; registrations beyond the configured caps are refused with RESET.
+2. Memory allocated on a peer's say-so (bitmaps, buffers for messages that no
+   receive was posted for) is bounded by ``Config.max_receive_memory``.
+3. ACKs are batched: entries queued while input is processed are flushed at
+   the next :meth:`datagrams_to_send` call, i.e. once per input batch.
+4. A closed receive flow is remembered (token, close reason) for
+   ``closed_flow_ttl_s`` so DATA that is still in flight is answered with
+   STOP again, at most once per probe interval, and never re-opens the flow.
+"""
+
+from __future__ import annotations
+
+import hmac as _hmac
+import random
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import wire
+from .config import Config
+from .early_close import LinkThresholds, decide
+from .errors import (LocalProtocolError, LTPError, TransferAborted, TransferRefused, TransferTimeout,
+                     WireError)
+from .path import Path, Transmit
+from .receiver import FlowReceiver, RecvGroup, RecvSlot
+from .reports import EndpointStats, RecvReport, SendReport
+from .sender import OPEN, FlowSender, reg_mac
+
+__all__ = ["Engine", "SendDone", "ReceiveDone"]
+
+_DATA_B0 = (wire.VERSION << 4) | wire.T_DATA
+_ONE = np.zeros(1, np.int64)
+_STOP_REPEAT_S = 0.002
+
+
+@dataclass(frozen=True)
+class SendDone:
+    """A send finished: ``report`` on success, ``error`` otherwise."""
+
+    handle: int
+    report: SendReport | None
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class ReceiveDone:
+    """A posted receive group finished: one report per slot, in order."""
+
+    handle: int
+    reports: list
+    error: Exception | None = None
+
+
+def _writable_view(buf) -> memoryview:
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise LocalProtocolError("receive buffer must support the buffer protocol (bytearray, numpy array)") from None
+    if mv.readonly:
+        raise LocalProtocolError("receive buffer is read-only; pass a bytearray or a writable numpy array")
+    if not mv.c_contiguous:
+        raise LocalProtocolError("receive buffer must be C-contiguous; use numpy.ascontiguousarray")
+    return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+
+
+class Engine:
+    """All LTP state of one endpoint (sans-IO)."""
+
+    def __init__(self, config: Config | None = None, *, rng: random.Random | None = None) -> None:
+        self.config = config or Config()
+        self.rng = rng if rng is not None else random.Random(0)
+        self.stats = EndpointStats()
+        self._paths: dict = {}
+        self._tx: dict = {}  # (peer, fid) -> FlowSender
+        self._tx_by_handle: dict = {}
+        self._rx: dict = {}  # (peer, fid) -> FlowReceiver
+        self._rx_per_peer: dict = {}
+        self._closed: OrderedDict = OrderedDict()  # (peer, fid) -> [token, code, count, expiry, last_stop]
+        self._expired_tags: OrderedDict = OrderedDict()  # (peer, tag) -> expiry
+        self._groups: dict = {}
+        self._waiting: list = []  # RecvSlots without a flow, FIFO
+        self._unexpected: deque = deque()  # FlowReceivers with internal buffers, FIFO
+        self._thresholds = LinkThresholds(self.config.lt_window, self.config.max_peers)
+        self._ctrl: deque = deque()
+        self._ack_dirty: dict = {}
+        self._events: deque = deque()
+        self._memory = 0
+        self._next_handle = 1
+        self._closed_engine = False
+        self._wakes: dict = {}
+
+    # ------------------------------------------------------------------ commands
+    def send(self, peer, data, *, now: float, reliable: bool = False, critical=(), element_size: int = 4,
+             tag: int = 0) -> int:
+        """Start sending one message to ``peer``; returns a handle (see :class:`SendDone`)."""
+        self._check_open()
+        peer = self._norm_addr(peer)
+        seg = self.config.segment_size_for(element_size)
+        path = self._paths.get(peer)
+        if path is None:
+            path = self._paths[peer] = Path(peer, self.config, self.rng, wire.HEADER_SIZE + seg)
+        fid = path.allocate_flow_id()
+        for _ in range(1 << 16):
+            if (peer, fid) not in self._tx:
+                break
+            fid = path.allocate_flow_id()
+        else:
+            raise LocalProtocolError("65536 flows to this peer are open; wait for some to finish")
+        token = self.rng.getrandbits(32) or 1
+        handle = self._new_handle()
+        flow = FlowSender(handle=handle, peer=peer, flow_id=fid, token=token, data=data,
+                          element_size=element_size, segment_size=seg, reliable=reliable, critical=critical,
+                          tag=tag, now=now, job_key=self.config.job_key)
+        path.flows.append(flow)
+        self._tx[(peer, fid)] = flow
+        self._tx_by_handle[handle] = flow
+        self.stats.flows_sent += 1
+        self._ctrl.append((flow.reg_datagram(now, path.est_word(), path.pto()), peer))
+        return handle
+
+    def post_receive(self, slots, *, now: float, timeout: float | None = None) -> int:
+        """Post receives: ``slots`` is a list of ``(peer or None, tag or None, buffer)``.
+
+        All slots form one group with one Early Close deadline; a
+        :class:`ReceiveDone` with one report per slot follows. ``timeout``
+        (seconds) closes whatever is still open at ``now + timeout``.
+        """
+        self._check_open()
+        if not slots:
+            raise LocalProtocolError("post at least one receive buffer")
+        handle = self._new_handle()
+        group = RecvGroup(handle, now, None if timeout is None else now + timeout)
+        for i, (peer, tag, buf) in enumerate(slots):
+            dest = _writable_view(buf)
+            if len(dest) == 0:
+                raise LocalProtocolError("receive buffer is empty; size it to the expected message")
+            slot = RecvSlot(group, i, None if peer is None else self._norm_addr(peer), tag, dest)
+            group.slots.append(slot)
+        self._groups[handle] = group
+        for slot in group.slots:
+            if not self._match_unexpected(slot, now):
+                self._waiting.append(slot)
+        self._check_group(group, now)
+        return handle
+
+    def cancel(self, handle: int, *, now: float) -> None:
+        """Cancel a send (RESET to the peer) or a receive group (STOP to the senders)."""
+        flow = self._tx_by_handle.get(handle)
+        if flow is not None and flow.state == OPEN:
+            self._ctrl.append((wire.pack_header(wire.T_RESET, 0, flow.flow_id, flow.token,
+                                                wire.RESET_CODES["cancelled"], 0), flow.peer))
+            flow.fail(now, TransferAborted("send cancelled"))
+            self._end_send(flow, now)
+            return
+        group = self._groups.get(handle)
+        if group is not None and not group.done:
+            for slot in group.slots:
+                if slot.flow is not None and slot.flow.regime is None:
+                    self._close_rx(slot.flow, now, "cancelled")
+                elif slot.report is None:
+                    slot.error = TransferAborted("receive cancelled")
+            self._finish_group(group, now, TransferAborted("receive cancelled"))
+
+    def close(self, *, now: float) -> None:
+        """Abort everything: RESET every open flow and fail every pending call."""
+        if self._closed_engine:
+            return
+        for flow in list(self._tx.values()):
+            if flow.state == OPEN:
+                self._ctrl.append((wire.pack_header(wire.T_RESET, 0, flow.flow_id, flow.token,
+                                                    wire.RESET_CODES["shutdown"], 0), flow.peer))
+                flow.fail(now, TransferAborted("endpoint closed"))
+                self._end_send(flow, now)
+        for flow in list(self._rx.values()):
+            self._ctrl.append((wire.pack_header(wire.T_RESET, 0, flow.flow_id, flow.token,
+                                                wire.RESET_CODES["shutdown"], 0), flow.peer))
+        for group in list(self._groups.values()):
+            if not group.done:
+                self._finish_group(group, now, TransferAborted("endpoint closed"))
+        self._rx.clear()
+        self._closed_engine = True
+
+    # ------------------------------------------------------------------ input
+    def receive_datagram(self, data, addr, now: float) -> None:
+        """Process one datagram from ``addr``."""
+        n = len(data)
+        lengths = np.array([n], np.int64)
+        self.receive_batch(data, _ONE, lengths, 0, 1, addr, now)
+
+    def receive_batch(self, buf, offsets, lengths, start: int, stop: int, addr, now: float) -> None:
+        """Process datagrams ``start..stop`` of ``buf`` (given by offsets/lengths), all from ``addr``."""
+        if self._closed_engine:
+            return
+        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+        self.stats.datagrams_in += stop - start
+        self.stats.bytes_in += int(np.sum(lengths[start:stop]))
+        i = start
+        while i < stop:
+            o = int(offsets[i])
+            length = int(lengths[i])
+            if length >= wire.HEADER_SIZE and mv[o] == _DATA_B0:
+                flow = self._rx.get((addr, mv[o + 2] << 8 | mv[o + 3]))
+                if flow is not None and flow.regime is None:
+                    w = flow.window
+                    if w.n_acks >= w.acks.shape[0]:
+                        self._flush_acks(flow, now)
+                    bad = w.bad_seq + w.bad_length
+                    j = w.ingest(mv, offsets, lengths, i, stop)
+                    if j > i:
+                        nbad = w.bad_seq + w.bad_length - bad
+                        if nbad:
+                            self.stats.drop("bad_seq_or_length", nbad)
+                        self._after_ingest(flow, now)
+                        i = j
+                        continue
+            try:
+                self._receive_one(mv[o:o + length], addr, now)
+            except WireError as exc:
+                self.stats.drop(exc.reason)
+            i += 1
+
+    def _receive_one(self, data: memoryview, addr, now: float) -> None:
+        ptype, flags, fid, token, w2, w3 = wire.unpack_header(data)
+        key = (addr, fid)
+        if ptype == wire.T_DATA:
+            flow = self._rx.get(key)
+            if flow is None or flow.token != token:
+                self._on_unknown_data(key, token, now)
+                return
+            # reaching here means the kernel refused it (bad flags are caught above)
+            self.stats.drop("bad_data")
+        elif ptype == wire.T_REG:
+            self._on_reg(data, addr, flags, fid, token, w3, now)
+        elif ptype == wire.T_ACK:
+            flow = self._tx.get(key)
+            if flow is None or flow.token != token:
+                self.stats.drop("unknown_flow" if flow is None else "bad_token")
+                return
+            entries = wire.unpack_ack_entries(data, w3)
+            flow.on_heard(now)
+            flow.receiver_count = max(flow.receiver_count, w2)
+            path = self._paths[addr]
+            lost = path.on_ack(flow, entries, now)
+            if lost.shape[0]:
+                flow.requeue_lost(lost)
+            if flow.all_acked():
+                flow.finish(now, "acked")
+                self._end_send(flow, now)
+        elif ptype == wire.T_STOP:
+            flow = self._tx.get(key)
+            if flow is None or flow.token != token:
+                self.stats.drop("unknown_flow" if flow is None else "bad_token")
+                return
+            if len(data) != wire.HEADER_SIZE:
+                raise WireError("bad_length", "STOP")
+            reason = wire.STOP_REASONS.get(w3 >> 24)
+            if reason is None:
+                raise WireError("bad_stop", "unknown reason")
+            flow.on_heard(now)
+            flow.finish(now, reason, w2)
+            self._end_send(flow, now)
+        elif ptype == wire.T_RESET:
+            reason = wire.RESET_REASONS.get(w2, "unknown")
+            flow = self._tx.get(key)
+            if flow is not None and flow.token == token:
+                flow.fail(now, TransferRefused(reason))
+                self._end_send(flow, now)
+                return
+            rflow = self._rx.get(key)
+            if rflow is not None and rflow.token == token:
+                self._close_rx(rflow, now, "cancelled", send_stop=False)
+                return
+            self.stats.drop("unknown_flow")
+
+    def _on_unknown_data(self, key, token: int, now: float) -> None:
+        rec = self._closed.get(key)
+        if rec is not None and rec[0] == token:
+            self.stats.drop("closed_flow")
+            if now - rec[4] >= _STOP_REPEAT_S:
+                rec[4] = now
+                self._ctrl.append((self._stop_datagram(key[1], token, rec[1], rec[2]), key[0]))
+            return
+        self.stats.drop("unknown_flow" if rec is None and key not in self._rx else "bad_token")
+
+    def _stop_datagram(self, fid: int, token: int, code: int, count: int) -> bytes:
+        return wire.pack_header(wire.T_STOP, 0, fid, token, count & 0xFFFFFFFF, code << 24)
+
+    def _refuse(self, addr, fid: int, token: int, reason: str) -> None:
+        self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+        self._ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES[reason], 0), addr))
+
+    def _on_reg(self, data: memoryview, addr, flags: int, fid: int, token: int, w3: int, now: float) -> None:
+        cfg = self.config
+        key = (addr, fid)
+        has_mac = bool(flags & wire.F_MAC)
+        (total, seg, elem, count, tag, mode, ranges, mac, mac_end) = wire.unpack_reg_body(
+            data, wire.HEADER_SIZE, has_mac)
+        if cfg.job_key is not None:
+            good = has_mac and _hmac.compare_digest(
+                mac, reg_mac(cfg.job_key, bytes(data[:8]), bytes(data[wire.HEADER_SIZE:mac_end])))
+            if not good:
+                self.stats.drop("unauthenticated")
+                self._refuse(addr, fid, token, "unauthenticated")
+                return
+        existing = self._rx.get(key)
+        if existing is not None:
+            if existing.token == token:
+                self._ctrl.append((wire.pack_ack(fid, token, existing.window.received, 0, ()), addr))
+                self.stats.drop("duplicate_reg")
+            else:
+                self.stats.drop("flow_id_collision")
+            return
+        rec = self._closed.get(key)
+        if rec is not None and rec[0] == token:
+            self.stats.drop("duplicate_reg")
+            self._ctrl.append((self._stop_datagram(fid, token, rec[1], rec[2]), addr))
+            return
+        if total > cfg.max_flow_bytes:
+            self._refuse(addr, fid, token, "too_large")
+            return
+        if seg < cfg.min_segment_size and count > 1:
+            self._refuse(addr, fid, token, "bad_registration")
+            return
+        if self._rx_per_peer.get(addr, 0) >= cfg.max_flows_per_peer or (
+                addr not in self._rx_per_peer and len(self._rx_per_peer) >= cfg.max_peers):
+            self._refuse(addr, fid, token, "too_many_flows")
+            return
+        expired = self._expired_tags.get((addr, tag))
+        if expired is not None and expired > now:
+            # the receive this message was meant for already passed its deadline
+            self._remember_closed(key, token, wire.STOP_CODES["deadline"], 0, now)
+            self._ctrl.append((self._stop_datagram(fid, token, wire.STOP_CODES["deadline"], 0), addr))
+            return
+        slot = None
+        for s in self._waiting:
+            if s.matches(addr, tag):
+                slot = s
+                break
+        if slot is not None and total > len(slot.dest):
+            self._refuse(addr, fid, token, "too_large")
+            slot.error = LTPError(f"a {total}-byte message from {addr} does not fit the {len(slot.dest)}-byte "
+                                  "receive buffer; post a buffer as large as the message")
+            self._waiting.remove(slot)
+            slot.report = self._empty_report(slot, "cancelled")
+            self._check_group(slot.group, now)
+            return
+        internal = slot is None
+        need = count + (total if internal else 0)
+        if self._memory + need > cfg.max_receive_memory:
+            self._refuse(addr, fid, token, "out_of_memory")
+            return
+        dest = bytearray(total) if internal else slot.dest
+        rt, bw = wire.split_estimates(w3)
+        padding = (cfg.segment_size if cfg.segment_size is not None else cfg.mtu - 44) - seg
+        flow = FlowReceiver(key=key, peer=addr, flow_id=fid, token=token, total=total, seg_size=seg,
+                            element_size=elem, tag=tag, reliable=bool(mode), critical_runs=ranges, dest=dest,
+                            internal=internal, now=now, est=(rt, bw), padding=max(0, padding))
+        self._memory += need
+        self._rx[key] = flow
+        self._rx_per_peer[addr] = self._rx_per_peer.get(addr, 0) + 1
+        self.stats.flows_received += 1
+        if slot is not None:
+            self._waiting.remove(slot)
+            self._bind(slot, flow, now)
+        else:
+            self._unexpected.append(flow)
+        self._ctrl.append((wire.pack_ack(fid, token, 0, 0, ()), addr))
+        self._check_flow(flow, now)
+
+    def _bind(self, slot: RecvSlot, flow: FlowReceiver, now: float) -> None:
+        slot.flow = flow
+        flow.slot = slot
+        group = slot.group
+        if group.t0 is None or flow.start < group.t0:
+            group.t0 = flow.start
+
+    def _match_unexpected(self, slot: RecvSlot, now: float) -> bool:
+        for flow in self._unexpected:
+            if flow.slot is None and slot.matches(flow.peer, flow.tag):
+                if flow.total > len(slot.dest):
+                    continue
+                self._bind(slot, flow, now)
+                if flow.report is not None:
+                    self._deliver_internal(flow, now)
+                return True
+        return False
+
+    def _deliver_internal(self, flow: FlowReceiver, now: float) -> None:
+        slot = flow.slot
+        slot.dest[:flow.total] = flow.dest[:flow.total]
+        slot.report = flow.report
+        self._memory -= flow.total
+        self._unexpected.remove(flow)
+        self._check_group(slot.group, now)
+
+    def _after_ingest(self, flow: FlowReceiver, now: float) -> None:
+        flow.last_arrival = now
+        if flow.ack_since is None:
+            flow.ack_since = now
+        self._ack_dirty[flow.key] = flow
+        self._check_flow(flow, now)
+
+    # ------------------------------------------------------------------ early close
+    def _lt_for(self, flow: FlowReceiver) -> float | None:
+        if flow.lt is None or flow.btlbw:
+            flow.update_estimates()
+        return self._thresholds.threshold(flow.peer, flow.total, flow.rtprop_us / 1e6, flow.btlbw)
+
+    def _deadline_for(self, flow: FlowReceiver, lt: float | None) -> float | None:
+        slack = self.config.deadline_slack_s
+        slot = flow.slot
+        if slot is None or len(slot.group.slots) == 1:
+            return None if lt is None else flow.start + lt + slack
+        group = slot.group
+        worst = 0.0
+        for s in group.slots:
+            f = s.flow
+            if f is not None:
+                if f.reliable:
+                    continue
+                v = lt if f is flow else (f.lt if f.lt is not None else self._lt_for(f))
+            elif s.report is not None:
+                continue
+            else:
+                v = None if s.peer is None else self._thresholds.history(s.peer, len(s.dest))
+            if v is None:
+                return None
+            worst = max(worst, v)
+        return group.t0 + worst + slack
+
+    def _check_flow(self, flow: FlowReceiver, now: float) -> None:
+        if flow.regime is not None:
+            return
+        if flow.complete:
+            self._close_rx(flow, now, "complete")
+            return
+        lt = self._lt_for(flow)
+        flow.lt = lt
+        deadline = self._deadline_for(flow, lt)
+        flow.deadline = deadline
+        if deadline is not None and flow.slot is not None:
+            # unregistered slots of the group expire at the same deadline
+            flow.slot.group.wake = deadline
+        regime, wake = decide(now, start=flow.start, lt=lt, deadline=deadline, fraction=flow.fraction,
+                              complete=False, critical_ok=flow.critical_ok,
+                              lt_fraction=self.config.lt_fraction, reliable=flow.reliable)
+        if regime is not None:
+            self._close_rx(flow, now, regime)
+        elif wake is not None:
+            self._wakes[flow.key] = wake
+        else:
+            self._wakes.pop(flow.key, None)
+
+    def _close_rx(self, flow: FlowReceiver, now: float, regime: str, send_stop: bool = True) -> None:
+        self._flush_acks(flow, now)
+        report = flow.close(now, regime)
+        code = wire.STOP_CODES.get(regime, wire.STOP_CODES["deadline"])
+        if send_stop:
+            self._ctrl.append((self._stop_datagram(flow.flow_id, flow.token, code, flow.window.received), flow.peer))
+        self._rx.pop(flow.key, None)
+        self._wakes.pop(flow.key, None)
+        self._ack_dirty.pop(flow.key, None)
+        left = self._rx_per_peer.get(flow.peer, 1) - 1
+        if left:
+            self._rx_per_peer[flow.peer] = left
+        else:
+            self._rx_per_peer.pop(flow.peer, None)
+        self._memory -= flow.seg_count
+        self._remember_closed(flow.key, flow.token, code, flow.window.received, now)
+        if regime == "complete":
+            self._thresholds.record_full(flow.peer, flow.total, flow.last_arrival - flow.start)
+        if flow.slot is not None:
+            if flow.internal:
+                self._deliver_internal(flow, now)
+            else:
+                flow.slot.report = report
+                self._check_group(flow.slot.group, now)
+
+    def _remember_closed(self, key, token: int, code: int, count: int, now: float) -> None:
+        self._closed[key] = [token, code, count, now + self.config.closed_flow_ttl_s, -1.0]
+        self._closed.move_to_end(key)
+        while len(self._closed) > self.config.max_closed_flows:
+            self._closed.popitem(last=False)
+
+    def _empty_report(self, slot: RecvSlot, regime: str) -> RecvReport:
+        n = len(slot.dest)
+        return RecvReport(peer=slot.peer, tag=slot.tag, total_bytes=n, received_bytes=0, delivered_fraction=0.0,
+                          bubbles=[(0, n)], critical_complete=False, regime=regime, duration_s=0.0,
+                          duplicates=0, rtprop_s=0.0, btlbw_bps=0.0, lt_threshold_s=None, deadline_s=None)
+
+    def _check_group(self, group: RecvGroup, now: float) -> None:
+        if not group.done and all(s.report is not None or s.error is not None for s in group.slots):
+            errors = [s.error for s in group.slots if s.error is not None]
+            self._finish_group(group, now, errors[0] if errors else None)
+
+    def _finish_group(self, group: RecvGroup, now: float, error: Exception | None) -> None:
+        group.done = True
+        for s in group.slots:
+            if s in self._waiting:
+                self._waiting.remove(s)
+        self._groups.pop(group.handle, None)
+        self._events.append(ReceiveDone(group.handle, [s.report for s in group.slots], error))
+
+    def _group_timers(self, group: RecvGroup, now: float) -> float | None:
+        """Close unregistered slots at the deadline and everything at the caller's timeout."""
+        wake = group.timeout_at
+        if group.timeout_at is not None and now >= group.timeout_at:
+            for s in group.slots:
+                if s.flow is not None and s.flow.regime is None:
+                    self._close_rx(s.flow, now, "timeout")
+                elif s.report is None and s.flow is None:
+                    self._expire_slot(s, now, "timeout")
+            self._check_group(group, now)
+            return None
+        if group.t0 is not None:
+            unregistered = [s for s in group.slots if s.flow is None and s.report is None]
+            if unregistered:
+                probe = next((s.flow for s in group.slots if s.flow is not None and not s.flow.reliable), None)
+                if probe is not None:
+                    deadline = self._deadline_for(probe, probe.lt)
+                    if deadline is not None:
+                        if now >= deadline:
+                            for s in unregistered:
+                                self._expire_slot(s, now, "timeout")
+                            self._check_group(group, now)
+                        else:
+                            wake = deadline if wake is None else min(wake, deadline)
+        return wake
+
+    def _expire_slot(self, slot: RecvSlot, now: float, regime: str) -> None:
+        slot.dest[:] = bytes(len(slot.dest))
+        slot.report = self._empty_report(slot, regime)
+        if slot in self._waiting:
+            self._waiting.remove(slot)
+        if slot.peer is not None and slot.tag is not None:
+            self._expired_tags[(slot.peer, slot.tag)] = now + self.config.closed_flow_ttl_s
+            while len(self._expired_tags) > self.config.max_closed_flows:
+                self._expired_tags.popitem(last=False)
+
+    # ------------------------------------------------------------------ sending side
+    def _end_send(self, flow: FlowSender, now: float) -> None:
+        path = self._paths.get(flow.peer)
+        if path is not None:
+            try:
+                path.flows.remove(flow)
+            except ValueError:
+                pass
+        self._tx.pop((flow.peer, flow.flow_id), None)
+        self._tx_by_handle.pop(flow.handle, None)
+        if flow.error is not None:
+            self._events.append(SendDone(flow.handle, None, flow.error))
+            return
+        w = flow.window
+        segs = flow.delivered_segments()
+        delivered = w.acked_bytes if w.acked_count >= segs else min(segs * flow.seg_size, flow.total)
+        rt = path.bbr.rtprop if path is not None else None
+        report = SendReport(peer=flow.peer, tag=flow.tag, total_bytes=flow.total, delivered_bytes=delivered,
+                            delivered_fraction=delivered / flow.total, packets_sent=w.packets_sent,
+                            retransmitted_packets=w.retransmits, duration_s=now - flow.started,
+                            close_reason=flow.close_reason, rtprop_s=rt or 0.0,
+                            btlbw_bps=path.bbr.btlbw if path is not None else 0.0, reliable=flow.reliable,
+                            lost_packets=w.lost_events)
+        self._events.append(SendDone(flow.handle, report))
+
+    # ------------------------------------------------------------------ output
+    def _flush_acks(self, flow: FlowReceiver, now: float) -> None:
+        w = flow.window
+        if w.n_acks == 0:
+            return
+        entries = w.take_acks()
+        delay_us = int((now - flow.ack_since) * 1e6) if flow.ack_since is not None else 0
+        flow.ack_since = None
+        step = wire.MAX_ACK_ENTRIES
+        for k in range(0, entries.shape[0], step):
+            self._ctrl.append((wire.pack_ack(flow.flow_id, flow.token, w.received, delay_us,
+                                             entries[k:k + step]), flow.peer))
+
+    def datagrams_to_send(self, now: float) -> list:
+        """Everything to transmit now: control datagrams, then paced DATA batches."""
+        for flow in list(self._ack_dirty.values()):
+            self._flush_acks(flow, now)
+        self._ack_dirty.clear()
+        out = []
+        while self._ctrl:
+            data, addr = self._ctrl.popleft()
+            out.append(Transmit(addr, memoryview(data), len(data)))
+            self.stats.datagrams_out += 1
+            self.stats.bytes_out += len(data)
+        for path in self._paths.values():
+            if not path.flows:
+                continue
+            tx = path.poll(now)
+            if tx is not None:
+                out.append(tx)
+                n = len(tx.data)
+                self.stats.datagrams_out += -(-n // tx.segment_size)
+                self.stats.bytes_out += n
+            path.wake = path.next_send_time(now)
+        return out
+
+    # ------------------------------------------------------------------ timers
+    def get_timer(self) -> float | None:
+        """The earliest time :meth:`handle_timer` must run, or None."""
+        best = None
+
+        def take(t):
+            nonlocal best
+            if t is not None and (best is None or t < best):
+                best = t
+
+        for path in self._paths.values():
+            if not path.flows:
+                continue
+            take(path.wake)
+            pto = path.pto()
+            for flow in path.flows:
+                if not flow.reg_confirmed:
+                    take(flow.reg_next)
+                oldest = flow.window.oldest_inflight_time() if flow.window.inflight_count else -1.0
+                if oldest >= 0:
+                    take(oldest + pto)
+                take(flow.last_heard + self.config.idle_timeout_s)
+        for t in self._wakes.values():
+            take(t)
+        for group in self._groups.values():
+            if not group.done:
+                take(group.wake)
+                take(group.timeout_at)
+        return best
+
+    def handle_timer(self, now: float) -> None:
+        """Run every timer due at ``now`` (REG repeat, tail-loss probe, idle, Early Close)."""
+        for path in list(self._paths.values()):
+            pto = path.pto()
+            for flow in list(path.flows):
+                if flow.state != OPEN:
+                    continue
+                if now - flow.last_heard >= self.config.idle_timeout_s:
+                    flow.fail(now, TransferTimeout(
+                        f"peer {flow.peer} did not answer for {self.config.idle_timeout_s} s"))
+                    self._end_send(flow, now)
+                    continue
+                if not flow.reg_confirmed and now >= flow.reg_next:
+                    self._ctrl.append((flow.reg_datagram(now, path.est_word(), pto), flow.peer))
+                if flow.window.inflight_count:
+                    lost = flow.window.expire(now - pto)
+                    if lost.shape[0]:
+                        flow.requeue_lost(lost)
+        for key, wake in list(self._wakes.items()):
+            if wake <= now:
+                flow = self._rx.get(key)
+                self._wakes.pop(key, None)
+                if flow is not None:
+                    self._check_flow(flow, now)
+        for group in list(self._groups.values()):
+            if not group.done:
+                group.wake = self._group_timers(group, now)
+        self._purge(now)
+
+    def _purge(self, now: float) -> None:
+        while self._closed:
+            key, rec = next(iter(self._closed.items()))
+            if rec[3] > now:
+                break
+            self._closed.popitem(last=False)
+        while self._expired_tags:
+            key, exp = next(iter(self._expired_tags.items()))
+            if exp > now:
+                break
+            self._expired_tags.popitem(last=False)
+        ttl = self.config.closed_flow_ttl_s
+        while self._unexpected and self._unexpected[0].report is not None and \
+                self._unexpected[0].slot is None and self._unexpected[0].closed_at + ttl <= now:
+            flow = self._unexpected.popleft()
+            self._memory -= flow.total
+            self.stats.drop("unclaimed_message")
+
+    def next_event(self):
+        """Pop the next :class:`SendDone` / :class:`ReceiveDone`, or None."""
+        return self._events.popleft() if self._events else None
+
+    # ------------------------------------------------------------------ helpers
+    def _new_handle(self) -> int:
+        h = self._next_handle
+        self._next_handle += 1
+        return h
+
+    def _check_open(self) -> None:
+        if self._closed_engine:
+            raise LocalProtocolError("endpoint is closed; open a new one")
+
+    @staticmethod
+    def _norm_addr(peer):
+        if not isinstance(peer, tuple) or len(peer) < 2 or not isinstance(peer[1], int):
+            raise LocalProtocolError(f"peer must be a (host, port) tuple, got {peer!r}")
+        return peer
+
+    @property
+    def receive_memory(self) -> int:
+        """Bytes currently allocated on peers' behalf (bitmaps and buffered messages)."""
+        return self._memory

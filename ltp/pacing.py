@@ -1,0 +1,61 @@
+"""User-space pacing: a token bucket refilled at the pacing rate.
+
+Theory of operation. A user-space sender cannot wake up for every packet (at
+10 Gbit/s a 1500-byte packet leaves every 1.2 µs); it wakes on a timer and
+sends a *burst*. The bucket holds at most ``burst_bytes = max(min_burst,
+rate × granularity)`` tokens, refills continuously at ``rate``, and a packet may
+leave when a whole packet's worth of tokens is there. With the default 0.5 ms
+granularity a 1 Gbit/s flow sends bursts of ≤ 62.5 kB (≈ 43 packets) and a
+10 Gbit/s flow ≤ 625 kB; the burst never drops below ``min_burst`` (16 packets)
+so slow links still amortise the wake-up. :meth:`next_time` tells the driver
+when to wake up next; it never sleeps itself. This is finer than the paper's
+"wait when more than 20 packets are queued" rule, which is the floor.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Pacer"]
+
+
+class Pacer:
+    """Token-bucket pacer (sans-IO: all methods take ``now``)."""
+
+    def __init__(self, *, granularity_s: float, min_burst_bytes: int, rate: float) -> None:
+        self.granularity_s = granularity_s
+        self.min_burst_bytes = min_burst_bytes
+        self.rate = float(rate)
+        self._tokens = float(self.burst_bytes)
+        self._last = None  # type: float | None
+
+    @property
+    def burst_bytes(self) -> int:
+        """Largest burst the bucket allows at the current rate."""
+        return max(self.min_burst_bytes, int(self.rate * self.granularity_s))
+
+    def set_rate(self, rate: float) -> None:
+        """Change the pacing rate (bytes/s)."""
+        self.rate = max(float(rate), 1.0)
+
+    def _refill(self, now: float) -> None:
+        if self._last is not None and now > self._last:
+            self._tokens = min(self._tokens + (now - self._last) * self.rate, float(self.burst_bytes))
+        self._last = now if self._last is None or now > self._last else self._last
+
+    def available(self, now: float) -> int:
+        """Bytes that may be sent at ``now``."""
+        self._refill(now)
+        return max(0, int(self._tokens))
+
+    def consume(self, now: float, nbytes: int) -> None:
+        """Account for ``nbytes`` just sent (the bucket may go briefly negative)."""
+        self._refill(now)
+        self._tokens -= nbytes
+
+    def next_time(self, now: float, nbytes: int) -> float:
+        """Earliest time at which ``nbytes`` may be sent."""
+        self._refill(now)
+        need = min(nbytes, self.burst_bytes) - self._tokens
+        if need <= 0:
+            return now
+        # one byte of margin so float rounding can never wake us a hair too early
+        return now + (need + 1.0) / self.rate

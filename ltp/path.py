@@ -1,0 +1,163 @@
+"""One sender→receiver path: congestion control, pacing, RTT and the flow scheduler.
+
+Theory of operation. Every peer we send to has one :class:`Path`. It owns the
+BBR model and the pacer, so consecutive messages to the same peer (one flow
+each, e.g. one per training iteration) inherit the learned BtlBw/RTprop
+instead of starting from scratch. Flows to the peer are served in FIFO order:
+:meth:`poll` takes the first flow that has something to send and asks it for
+as many segments as both the pacer's tokens and the congestion window allow,
+then builds them into one contiguous buffer of equal-stride datagrams (one
+GSO batch). The path also keeps the RFC 6298 smoothed RTT used for the
+tail-loss probe timeout, and the delivery-rate state (delivered bytes,
+delivered time, first-sent time, app-limited mark) that turns each ACK into
+a BBR sample.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from . import wire
+from .bbr import BBR
+from .config import Config
+from .pacing import Pacer
+
+__all__ = ["Path", "Transmit"]
+
+
+@dataclass
+class Transmit:
+    """A batch of datagrams for one address: ``data`` is cut every ``segment_size`` bytes
+    (the last datagram may be shorter). ``data`` is only valid until the next poll."""
+
+    addr: tuple
+    data: memoryview
+    segment_size: int
+
+    def datagrams(self) -> list:
+        """Split into individual datagrams (for tests and simple drivers)."""
+        d, s = self.data, self.segment_size
+        return [bytes(d[i:i + s]) for i in range(0, len(d), s)]
+
+
+class Path:
+    """Per-peer congestion control, pacing and FIFO flow scheduling."""
+
+    def __init__(self, peer, config: Config, rng: random.Random, mss: int) -> None:
+        self.peer = peer
+        self.config = config
+        self.mss = mss
+        self.bbr = BBR(mss=mss, initial_cwnd_packets=config.initial_cwnd_packets,
+                       initial_rtt_s=config.initial_rtt_s,
+                       probe_rtt_interval_s=config.probe_rtt_interval_s,
+                       probe_rtt_duration_s=config.probe_rtt_duration_s, rng=rng)
+        self.pacer = Pacer(granularity_s=config.pacing_granularity_s,
+                           min_burst_bytes=config.min_burst_packets * mss, rate=self.bbr.pacing_rate)
+        self.flows: deque = deque()
+        self.delivered = 0
+        self.delivered_time = 0.0
+        self.first_sent_time = 0.0
+        self.app_limited_until = 0
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self.next_flow_id = rng.randrange(1 << 16)
+        self._out = bytearray(0)
+        self.wake: float | None = None  # when the pacer next allows a worthwhile burst
+
+    # -- estimates ---------------------------------------------------------
+    def inflight_bytes(self) -> int:
+        """Bytes in flight over all flows of this path."""
+        return sum(f.window.inflight_bytes for f in self.flows)
+
+    def pto(self) -> float:
+        """Probe timeout: ``max(min_pto, srtt + 4·rttvar)``, doubled while nothing was measured."""
+        if self.srtt is None:
+            return max(self.config.min_pto_s, 2 * self.config.initial_rtt_s) * 2
+        return max(self.config.min_pto_s, self.srtt + 4 * self.rttvar)
+
+    def est_word(self) -> int:
+        """Header word 3 carrying this path's RTprop (µs) and BtlBw (bytes/s)."""
+        rt = self.bbr.rtprop
+        return wire.estimates_word(int(rt * 1e6) if rt else 0, int(self.bbr.btlbw))
+
+    def allocate_flow_id(self) -> int:
+        """Next flow id for this peer (16 bits, wrapping)."""
+        fid = self.next_flow_id
+        self.next_flow_id = (fid + 1) & 0xFFFF
+        return fid
+
+    # -- sending -------------------------------------------------------------
+    def _active(self):
+        for f in self.flows:
+            if f.has_sendable():
+                return f
+        return None
+
+    def poll(self, now: float):
+        """Build the next batch of DATA datagrams allowed now; ``None`` when blocked or idle."""
+        flow = self._active()
+        if flow is None:
+            return None
+        stride = wire.HEADER_SIZE + flow.seg_size
+        inflight = self.inflight_bytes()
+        room = self.bbr.cwnd(self.pacer.burst_bytes) - inflight
+        budget = min(room, self.pacer.available(now))
+        n = budget // stride
+        if n <= 0:
+            return None
+        seqs = flow.take(int(n))
+        if seqs.shape[0] == 0:
+            return None
+        if inflight == 0:
+            self.first_sent_time = now
+            self.delivered_time = now
+        need = seqs.shape[0] * stride
+        if len(self._out) < need:
+            self._out = bytearray(need)
+        nbytes = flow.window.build(seqs, now, self.delivered, self.delivered_time, self.first_sent_time,
+                                   self.est_word(), self._out)
+        self.pacer.consume(now, nbytes)
+        if self._active() is None:
+            # nothing more queued: samples until this data is delivered are app-limited
+            self.app_limited_until = self.delivered + self.inflight_bytes()
+        return Transmit(self.peer, memoryview(self._out)[:nbytes], stride)
+
+    def next_send_time(self, now: float) -> float | None:
+        """When the pacer next allows a packet of the active flow (None if idle or window-limited)."""
+        flow = self._active()
+        if flow is None:
+            return None
+        stride = wire.HEADER_SIZE + flow.seg_size
+        if self.bbr.cwnd(self.pacer.burst_bytes) - self.inflight_bytes() < stride:
+            return None  # window-limited: an ACK or the PTO will wake us
+        # wake for a worthwhile burst (the minimum burst), not for every packet
+        want = max(stride, min(self.pacer.min_burst_bytes, flow.queued_segments() * stride))
+        t = self.pacer.next_time(now, want)
+        return t if t > now else None
+
+    # -- ACK processing ------------------------------------------------------
+    def on_ack(self, flow, entries, now: float):
+        """Feed ACK entries of ``flow`` to its window and the model; returns newly lost segments."""
+        (newly, _nb, self.delivered, self.delivered_time, rtt, prior_delivered, prior_time, first_sent,
+         sample_sent, lost) = flow.window.on_ack(entries, now, self.delivered, self.delivered_time)
+        rate = None
+        if prior_delivered >= 0:
+            self.first_sent_time = sample_sent
+            interval = max(sample_sent - first_sent, now - prior_time)
+            if interval > 0:
+                rate = (self.delivered - prior_delivered) / interval
+        if rtt >= 0:
+            if self.srtt is None:
+                self.srtt, self.rttvar = rtt, rtt / 2
+            else:
+                self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+                self.srtt = 0.875 * self.srtt + 0.125 * rtt
+        if newly:
+            self.bbr.on_ack(now, delivered=self.delivered, prior_delivered=prior_delivered,
+                            rate_bps=rate, rtt_s=rtt if rtt >= 0 else None,
+                            inflight=self.inflight_bytes(),
+                            app_limited=0 <= prior_delivered < self.app_limited_until)
+            self.pacer.set_rate(self.bbr.pacing_rate)
+        return lost

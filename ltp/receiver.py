@@ -1,0 +1,142 @@
+"""The receiving side of one flow, and the receive slots applications post.
+
+Theory of operation. A :class:`FlowReceiver` is created when a valid REG
+arrives. It owns a :class:`RecvWindow` kernel that writes payload straight into
+the destination (the application's buffer when a matching receive was posted,
+else a bounded internal buffer) and queues one ACK entry per datagram. The
+flow is OPEN until Early Close (``ltp.early_close.decide``) or completion
+closes it; closing zero-fills the missing segments (packet bubbles), records a
+full-delivery time for the LT threshold when the flow was complete, and
+produces a :class:`RecvReport`.
+
+A :class:`RecvSlot` is one posted receive (``recv`` posts one, ``gather`` posts
+one per peer). Slots of one call form a :class:`RecvGroup` which shares the
+Early Close deadline and completes when every slot has a report.
+"""
+
+from __future__ import annotations
+
+from ltp_ext import load as _load
+
+from .bubbles import bubble_byte_ranges
+from .reports import RecvReport
+
+_dp = _load("datapath")
+
+__all__ = ["FlowReceiver", "RecvSlot", "RecvGroup"]
+
+
+class RecvGroup:
+    """Receives posted by one call; they share one Early Close deadline."""
+
+    def __init__(self, handle: int, now: float, timeout_at: float | None) -> None:
+        self.handle = handle
+        self.slots: list = []
+        self.t0: float | None = None  # first registration among the slots
+        self.posted = now
+        self.timeout_at = timeout_at
+        self.wake: float | None = None  # next group-level timer (deadline for unregistered slots)
+        self.done = False
+
+    def remaining(self) -> int:
+        return sum(1 for s in self.slots if s.report is None)
+
+
+class RecvSlot:
+    """One posted receive: a destination buffer and what may fill it."""
+
+    def __init__(self, group: RecvGroup, index: int, peer, tag, dest) -> None:
+        self.group = group
+        self.index = index
+        self.peer = peer
+        self.tag = tag
+        self.dest = dest
+        self.flow: FlowReceiver | None = None
+        self.report: RecvReport | None = None
+        self.error: Exception | None = None
+
+    def matches(self, peer, tag: int) -> bool:
+        return (self.flow is None and self.report is None and (self.peer is None or self.peer == peer)
+                and (self.tag is None or self.tag == tag))
+
+
+class FlowReceiver:
+    """Receive state of one flow."""
+
+    def __init__(self, *, key, peer, flow_id: int, token: int, total: int, seg_size: int, element_size: int,
+                 tag: int, reliable: bool, critical_runs, dest, internal: bool, now: float,
+                 est: tuple, padding: int) -> None:
+        import numpy as np
+
+        self.key = key
+        self.peer = peer
+        self.flow_id = flow_id
+        self.token = token
+        self.total = total
+        self.seg_size = seg_size
+        self.element_size = element_size
+        self.tag = tag
+        self.reliable = reliable
+        count = (total + seg_size - 1) // seg_size
+        mask = None
+        if critical_runs:
+            mask = np.zeros(count, np.uint8)
+            for a, b in critical_runs:
+                mask[a:b] = 1
+        self.window = _dp.RecvWindow(dest, total, seg_size, flow_id, token, mask)
+        self.seg_count = count
+        self.dest = dest
+        self.internal = internal
+        self.slot: RecvSlot | None = None
+        self.start = now
+        self.last_arrival = now
+        self.ack_since: float | None = None
+        self.rtprop_us, self.btlbw = est
+        self.padding = padding
+        self.regime: str | None = None
+        self.closed_at: float | None = None
+        self.report: RecvReport | None = None
+        self.lt: float | None = None
+        self.deadline: float | None = None
+        self.memory = count + (total if internal else 0)
+
+    @property
+    def fraction(self) -> float:
+        return self.window.received / self.seg_count
+
+    @property
+    def complete(self) -> bool:
+        return self.window.received >= self.seg_count
+
+    @property
+    def critical_ok(self) -> bool:
+        return self.window.critical_received >= self.window.critical_total
+
+    def update_estimates(self) -> None:
+        """Take the sender's newest RTprop/BtlBw from the last DATA header seen."""
+        w3 = self.window.last_word3
+        if w3:
+            from . import wire
+
+            rt, bw = wire.split_estimates(w3)
+            if rt and bw:
+                self.rtprop_us, self.btlbw = rt, bw
+
+    def close(self, now: float, regime: str) -> RecvReport:
+        """Zero-fill what is missing and build the report."""
+        self.regime = regime
+        self.closed_at = now
+        runs = self.window.missing_runs() if not self.complete else []
+        if runs:
+            self.window.zero_fill_missing()
+        w = self.window
+        self.report = RecvReport(
+            peer=self.peer, tag=self.tag, total_bytes=self.total, received_bytes=w.received_bytes,
+            delivered_fraction=w.received_bytes / self.total,
+            bubbles=bubble_byte_ranges(runs, self.seg_size, self.total),
+            critical_complete=self.critical_ok, regime=regime,
+            duration_s=(self.last_arrival if regime == "complete" else now) - self.start,
+            duplicates=w.duplicates, rtprop_s=self.rtprop_us / 1e6, btlbw_bps=float(self.btlbw),
+            lt_threshold_s=self.lt, deadline_s=None if self.deadline is None else self.deadline - self.start,
+            reliable=self.reliable, padding_bytes_per_packet=self.padding)
+        return self.report

@@ -1,0 +1,74 @@
+"""Transfer reports returned by every send and receive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["SendReport", "RecvReport", "EndpointStats"]
+
+
+@dataclass(frozen=True)
+class SendReport:
+    """What happened to one sent message."""
+
+    peer: tuple
+    tag: int
+    total_bytes: int
+    delivered_bytes: int
+    delivered_fraction: float
+    packets_sent: int
+    retransmitted_packets: int
+    duration_s: float
+    #: "acked" (every segment acknowledged) or the receiver's STOP reason:
+    #: "complete", "early", "deadline", "cancelled"
+    close_reason: str
+    rtprop_s: float
+    btlbw_bps: float
+    reliable: bool
+    lost_packets: int = 0
+
+
+@dataclass(frozen=True)
+class RecvReport:
+    """What arrived of one received message; missing bytes are zero-filled ``bubbles``."""
+
+    peer: tuple | None
+    tag: int | None
+    total_bytes: int
+    received_bytes: int
+    delivered_fraction: float
+    #: zero-filled byte ranges (packet bubbles), half-open, sorted
+    bubbles: list
+    critical_complete: bool
+    #: "complete", "early", "deadline", "cancelled" or "timeout" (never registered)
+    regime: str
+    duration_s: float
+    duplicates: int
+    #: the sender's estimates as carried in its packet headers
+    rtprop_s: float
+    btlbw_bps: float
+    lt_threshold_s: float | None
+    deadline_s: float | None
+    reliable: bool = False
+    #: bytes of each packet's room left unused so no element is split (padding bubble)
+    padding_bytes_per_packet: int = 0
+
+
+@dataclass
+class EndpointStats:
+    """Counters of an endpoint (monotonic)."""
+
+    datagrams_in: int = 0
+    datagrams_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    flows_sent: int = 0
+    flows_received: int = 0
+    #: dropped datagrams by reason ("truncated", "bad_token", "unknown_flow", ...)
+    dropped: dict = field(default_factory=dict)
+    #: refused registrations by reason
+    refused: dict = field(default_factory=dict)
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        """Count ``n`` dropped datagrams under ``reason``."""
+        self.dropped[reason] = self.dropped.get(reason, 0) + n

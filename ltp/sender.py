@@ -1,0 +1,202 @@
+"""The sending side of one flow (one message).
+
+Theory of operation. A flow starts by queueing a REG datagram (repeated with
+exponential back-off until the receiver answers with any ACK or STOP) and its
+segments: critical ones into the **Critical Queue (CQ)**, the rest into the
+**Normal Queue (NQ)**, both FIFO in segment order. :meth:`take` hands the path
+scheduler up to *n* segments to transmit, always CQ first, then NQ, and the
+**Retransmit Queue (RQ)** only once CQ and NQ are empty. Loss detection lives
+in the :class:`SendWindow` kernel (three later transmissions acknowledged, or
+the tail-loss timer); a lost critical segment goes back into CQ, a lost
+normal one into RQ. The same machine serves both modes: in reliable mode the
+receiver never stops early, so the flow ends only when every segment is
+acknowledged; in loss-tolerant mode it also ends when the receiver sends STOP.
+
+States: ``OPEN`` (sending) → ``DONE`` (all acked or STOP) or ``FAILED``
+(RESET, idle timeout, abort). Nothing here reads a clock: every input carries
+``now``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections import deque
+
+import numpy as np
+
+from ltp_ext import load as _load
+
+from . import wire
+from .bubbles import critical_mask
+from .errors import LocalProtocolError
+
+_dp = _load("datapath")
+SEG_ACKED = _dp.SEG_ACKED
+SEG_LOST = _dp.SEG_LOST
+
+__all__ = ["FlowSender", "OPEN", "DONE", "FAILED", "reg_mac"]
+
+OPEN = "open"
+DONE = "done"
+FAILED = "failed"
+
+
+def reg_mac(key: bytes, header8: bytes, body: bytes) -> bytes:
+    """The 16-byte registration MAC (HMAC-SHA256 over header bytes 0-7 and the body)."""
+    return hmac.new(key, header8 + body, hashlib.sha256).digest()[:wire.MAC_SIZE]
+
+
+class FlowSender:
+    """Sender state machine of one message to one peer."""
+
+    def __init__(self, *, handle: int, peer, flow_id: int, token: int, data, element_size: int,
+                 segment_size: int, reliable: bool, critical, tag: int, now: float,
+                 job_key: bytes | None = None) -> None:
+        try:
+            mv = memoryview(data)
+        except TypeError:
+            raise LocalProtocolError("data must support the buffer protocol (bytes, bytearray, numpy array)") from None
+        if not mv.c_contiguous:
+            raise LocalProtocolError("data must be C-contiguous; pass numpy.ascontiguousarray(x)")
+        mv = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+        total = mv.nbytes
+        if total == 0:
+            raise LocalProtocolError("cannot send an empty message; send at least one element")
+        if element_size <= 0 or total % element_size:
+            raise LocalProtocolError(
+                f"message of {total} bytes is not a multiple of element_size={element_size}; "
+                "pad it or pass the right element_size (4 for float32)")
+        if not 0 <= tag < 1 << 64:
+            raise LocalProtocolError("tag must be an integer in [0, 2**64)")
+        self.handle = handle
+        self.peer = peer
+        self.flow_id = flow_id
+        self.token = token
+        self.tag = tag
+        self.reliable = reliable
+        self.element_size = element_size
+        self.total = total
+        self.seg_size = segment_size
+        mask, runs = critical_mask(critical, total, segment_size)
+        if len(runs) > wire.MAX_RANGES:
+            raise LocalProtocolError(
+                f"{len(runs)} critical ranges after merging; at most {wire.MAX_RANGES} fit a registration — merge them")
+        self.critical_runs = runs
+        flags = wire.F_RELIABLE if reliable else 0
+        self.window = _dp.SendWindow(mv, total, segment_size, flow_id, token, flags, mask)
+        n = self.window.seg_count
+        if n - 1 > wire.MAX_SEQ:
+            raise LocalProtocolError(f"message needs {n} segments; at most {wire.MAX_SEQ + 1} fit one flow — split it")
+        self.seg_count = n
+        self.cq: deque = deque(np.flatnonzero(mask).tolist())
+        self.normal = np.flatnonzero(mask == 0).astype(np.int64)
+        self.nq_pos = 0
+        self.rq: deque = deque()
+        self.state = OPEN
+        self.close_reason = ""
+        self.error: Exception | None = None
+        self.started = now
+        self.finished: float | None = None
+        self.last_heard = now
+        self.receiver_count = 0
+        # registration
+        mode = 1 if reliable else 0
+        body = wire.pack_reg_body(total, segment_size, element_size, n, tag, mode, runs)
+        reg_flags = flags | (wire.F_MAC if job_key else 0)
+        head8 = wire.pack_header(wire.T_REG, reg_flags, flow_id, token, 0, 0)[:8]
+        if job_key:
+            body += reg_mac(job_key, head8, body)
+        self._reg_flags = reg_flags
+        self._reg_body = body
+        self.reg_confirmed = False
+        self.reg_attempts = 0
+        self.reg_next: float = now
+
+    # -- registration ---------------------------------------------------
+    def reg_datagram(self, now: float, est_word: int, rto: float) -> bytes:
+        """The REG datagram to (re)send now; schedules the next repetition."""
+        self.reg_attempts += 1
+        self.reg_next = now + min(rto * (2 ** min(self.reg_attempts - 1, 8)), 1.0)
+        head = wire.pack_header(wire.T_REG, self._reg_flags, self.flow_id, self.token,
+                                self.reg_attempts & 0xFF, est_word)
+        return head + self._reg_body
+
+    # -- sending --------------------------------------------------------
+    def has_sendable(self) -> bool:
+        """True when a segment is waiting in CQ, NQ or RQ."""
+        if self.state != OPEN:
+            return False
+        return bool(self.cq) or self.nq_pos < self.normal.shape[0] or bool(self.rq)
+
+    def queued_segments(self) -> int:
+        """Segments waiting in CQ, NQ and RQ (RQ may hold already-acknowledged ones)."""
+        return len(self.cq) + (self.normal.shape[0] - self.nq_pos) + len(self.rq)
+
+    def take(self, n: int) -> np.ndarray:
+        """Up to ``n`` segments to transmit next: CQ, then NQ, then RQ; the short last segment goes last."""
+        out = []
+        state = self.window.state
+        while self.cq and len(out) < n:
+            s = self.cq.popleft()
+            if state[s] != SEG_ACKED:
+                out.append(s)
+        room = n - len(out)
+        tail = None
+        if room > 0 and self.nq_pos < self.normal.shape[0]:
+            tail = self.normal[self.nq_pos:self.nq_pos + room]
+            self.nq_pos += tail.shape[0]
+            room -= tail.shape[0]
+        while room > 0 and self.rq:
+            s = self.rq.popleft()
+            if state[s] == SEG_LOST:
+                out.append(s)
+                room -= 1
+        if tail is not None and tail.shape[0]:
+            seqs = np.concatenate((np.array(out, np.int64), tail)) if out else tail
+        else:
+            seqs = np.array(out, np.int64)
+        last = self.seg_count - 1
+        if seqs.shape[0] > 1 and self.window.last_len != self.seg_size:
+            where = np.flatnonzero(seqs[:-1] == last)
+            if where.size:
+                seqs = np.concatenate((np.delete(seqs, where), [last]))
+        return seqs
+
+    def requeue_lost(self, lost) -> None:
+        """Route newly lost segments: critical back into CQ, normal into RQ."""
+        crit = self.window.critical
+        for s in lost.tolist():
+            (self.cq if crit[s] else self.rq).append(s)
+
+    # -- inputs ------------------------------------------------------------
+    def on_heard(self, now: float) -> None:
+        """Any valid datagram of this flow arrived."""
+        self.last_heard = now
+        self.reg_confirmed = True
+
+    def all_acked(self) -> bool:
+        """True when every segment has been acknowledged."""
+        return self.window.acked_count >= self.seg_count
+
+    def finish(self, now: float, reason: str, receiver_count: int | None = None) -> None:
+        """Enter DONE with ``reason`` ("acked" or the STOP reason)."""
+        if self.state != OPEN:
+            return
+        if receiver_count is not None:
+            self.receiver_count = max(self.receiver_count, receiver_count)
+        self.state = DONE
+        self.close_reason = reason
+        self.finished = now
+
+    def fail(self, now: float, error: Exception) -> None:
+        """Enter FAILED with ``error``."""
+        if self.state != OPEN:
+            return
+        self.state = FAILED
+        self.error = error
+        self.finished = now
+
+    def delivered_segments(self) -> int:
+        """Segments known delivered (ACKed, or counted by the receiver's STOP)."""
+        return max(self.window.acked_count, min(self.receiver_count, self.seg_count))

@@ -1,0 +1,365 @@
+"""Per-flow data-path kernels, pure-Python twin of ``ltp_ext._datapath``.
+
+Theory of operation.
+
+:class:`SendWindow` is the per-flow bookkeeping of a sender. Each segment has a
+state (PENDING → INFLIGHT → ACKED, or INFLIGHT → LOST → INFLIGHT again when
+retransmitted), an 8-bit attempt counter (echoed by the receiver so an ACK
+names one exact transmission), its send time and the delivery-rate snapshot
+taken when it was sent. Every transmission is appended to the *send log* in
+the order packets actually left. Loss detection walks the log from its head
+(the oldest unresolved transmission): the head is lost when at least three
+transmissions sent after it have been acknowledged (``acked_in_window`` counts
+the acknowledged entries between head and tail, so the test is O(1)); acked,
+stale (segment retransmitted since) and already-resolved entries are skipped.
+Because the head has at least as many acknowledged successors as any later
+entry, stopping at the first head that does not qualify is exact.
+:meth:`SendWindow.expire` is the tail-loss timer's counterpart: it declares
+lost every in-flight transmission sent before a cutoff.
+
+:class:`RecvWindow` is the per-flow state of a receiver: it validates each DATA
+datagram of its flow, copies the payload straight into the destination buffer
+at ``seq × segment_size``, sets the segment's bitmap byte and queues one ACK
+entry (``seq << 8 | attempt``) per datagram, duplicates included, so the
+sender learns about every transmission. It stops at the first datagram that
+is not a DATA packet of this flow and leaves it to the caller's general path.
+
+Byte accounting: in-flight and delivered bytes count whole datagrams (payload
+plus the 16-byte header), which is what occupies the network.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ltp.errors import LocalProtocolError
+
+from ._wire_py import F_CRITICAL, F_KNOWN, HEADER_SIZE, T_DATA, VERSION, pack_header_into
+
+SEG_PENDING = 0
+SEG_INFLIGHT = 1
+SEG_ACKED = 2
+SEG_LOST = 3
+_DATA_B0 = (VERSION << 4) | T_DATA
+
+
+def _as_bytes_view(buf, writable: bool) -> memoryview:
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise LocalProtocolError("buffer must support the buffer protocol (bytes, bytearray, numpy array)") from None
+    if not mv.c_contiguous:
+        raise LocalProtocolError("buffer must be C-contiguous; pass numpy.ascontiguousarray(x)")
+    if writable and mv.readonly:
+        raise LocalProtocolError("receive buffer is read-only; pass a bytearray or a writable numpy array")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+class SendWindow:
+    """Sender-side per-segment state, packet building, ACK processing and loss detection."""
+
+    def __init__(self, data, total: int, seg_size: int, flow_id: int, token: int, flags: int, critical) -> None:
+        self.data = _as_bytes_view(data, False)
+        if total > len(self.data) or total <= 0 or seg_size <= 0:
+            raise LocalProtocolError("total must be in 1..len(data) and seg_size positive")
+        self.total = total
+        self.seg_size = seg_size
+        self.seg_count = n = (total + seg_size - 1) // seg_size
+        self.last_len = total - (n - 1) * seg_size
+        self.flow_id = flow_id
+        self.token = token
+        self.flags = flags
+        self.critical = np.ascontiguousarray(critical, dtype=np.uint8)
+        if self.critical.shape[0] != n:
+            raise LocalProtocolError("critical mask must have one entry per segment")
+        self.state = np.zeros(n, np.uint8)
+        self.attempt = np.zeros(n, np.uint8)
+        self.sent_time = np.zeros(n, np.float64)
+        self.sent_idx = np.full(n, -1, np.int64)
+        self.snap_delivered = np.zeros(n, np.int64)
+        self.snap_delivered_time = np.zeros(n, np.float64)
+        self.snap_first_sent = np.zeros(n, np.float64)
+        cap = max(64, n + n // 4)
+        self.log_seq = np.empty(cap, np.int64)
+        self.log_acked = np.zeros(cap, np.uint8)
+        self.log_base = 0  # send index of log_seq[0]
+        self.head = 0  # oldest unresolved send index
+        self.tail = 0  # next send index
+        self.acked_in_window = 0
+        self.acked_count = 0
+        self.acked_bytes = 0
+        self.inflight_count = 0
+        self.inflight_bytes = 0
+        self.packets_sent = 0
+        self.retransmits = 0
+        self.lost_events = 0
+        self.bad_acks = 0
+        self.dup_acks = 0
+
+    def seg_len(self, seq: int) -> int:
+        """Payload bytes of segment ``seq``."""
+        return self.last_len if seq == self.seg_count - 1 else self.seg_size
+
+    def _log_append(self, seq: int) -> int:
+        pos = self.tail - self.log_base
+        if pos >= self.log_seq.shape[0]:
+            keep = self.tail - self.head
+            start = self.head - self.log_base
+            if keep * 2 > self.log_seq.shape[0]:
+                new_seq = np.empty(self.log_seq.shape[0] * 2, np.int64)
+                new_acked = np.zeros(self.log_seq.shape[0] * 2, np.uint8)
+            else:
+                new_seq, new_acked = self.log_seq, self.log_acked
+            new_seq[:keep] = self.log_seq[start:start + keep]
+            new_acked[:keep] = self.log_acked[start:start + keep]
+            new_acked[keep:] = 0
+            self.log_seq, self.log_acked = new_seq, new_acked
+            self.log_base = self.head
+            pos = self.tail - self.log_base
+        self.log_seq[pos] = seq
+        self.log_acked[pos] = 0
+        idx = self.tail
+        self.tail += 1
+        return idx
+
+    def build(self, seqs, now: float, delivered: int, delivered_time: float, first_sent_time: float,
+              est_word: int, out) -> int:
+        """Write DATA packets for ``seqs`` into ``out`` at a stride of ``16 + seg_size``.
+
+        Only the last packet may be short (the caller puts the final segment
+        last). Returns the number of bytes written.
+        """
+        mv = _as_bytes_view(out, True)
+        stride = HEADER_SIZE + self.seg_size
+        written = 0
+        for k in range(len(seqs)):
+            seq = int(seqs[k])
+            if seq < 0 or seq >= self.seg_count:
+                raise LocalProtocolError(f"segment {seq} out of range")
+            a = (int(self.attempt[seq]) + 1) & 0xFF
+            self.attempt[seq] = a
+            st = self.state[seq]
+            if st != SEG_PENDING:
+                self.retransmits += 1
+            if st == SEG_INFLIGHT:
+                self.inflight_count -= 1
+                self.inflight_bytes -= self.seg_len(seq) + HEADER_SIZE
+            length = self.seg_len(seq)
+            off = k * stride
+            flags = self.flags | (F_CRITICAL if self.critical[seq] else 0)
+            pack_header_into(mv, off, T_DATA, flags, self.flow_id, self.token, (seq << 8) | a, est_word)
+            start = seq * self.seg_size
+            mv[off + HEADER_SIZE:off + HEADER_SIZE + length] = self.data[start:start + length]
+            self.state[seq] = SEG_INFLIGHT
+            self.inflight_count += 1
+            self.inflight_bytes += length + HEADER_SIZE
+            self.sent_time[seq] = now
+            self.snap_delivered[seq] = delivered
+            self.snap_delivered_time[seq] = delivered_time
+            self.snap_first_sent[seq] = first_sent_time
+            self.sent_idx[seq] = self._log_append(seq)
+            self.packets_sent += 1
+            written = off + HEADER_SIZE + length
+        return written
+
+    def on_ack(self, entries, now: float, delivered: int, delivered_time: float) -> tuple:
+        """Process ACK entries (``seq << 8 | attempt``).
+
+        Returns ``(newly_acked, newly_acked_bytes, delivered, delivered_time,
+        rtt, prior_delivered, prior_time, first_sent, sample_sent, lost)``:
+        ``rtt`` is the smallest RTT sample (-1.0 if none), the ``prior_*``,
+        ``first_sent`` and ``sample_sent`` describe the most recently sent
+        newly acknowledged transmission (``prior_delivered`` = -1 if none) and
+        ``lost`` is an int64 array of segments newly declared lost.
+        """
+        newly = 0
+        newly_bytes = 0
+        rtt = -1.0
+        best_idx = -1
+        best_seq = -1
+        n = self.seg_count
+        for k in range(len(entries)):
+            e = int(entries[k])
+            seq = e >> 8
+            a = e & 0xFF
+            if seq >= n:
+                self.bad_acks += 1
+                continue
+            st = self.state[seq]
+            if st == SEG_ACKED:
+                self.dup_acks += 1
+                continue
+            if st == SEG_PENDING:
+                self.bad_acks += 1
+                continue
+            wire = self.seg_len(seq) + HEADER_SIZE
+            if st == SEG_INFLIGHT:
+                self.inflight_count -= 1
+                self.inflight_bytes -= wire
+            if a == self.attempt[seq]:
+                r = now - self.sent_time[seq]
+                if rtt < 0.0 or r < rtt:
+                    rtt = r
+                idx = int(self.sent_idx[seq])
+                if idx >= self.head:
+                    self.log_acked[idx - self.log_base] = 1
+                    self.acked_in_window += 1
+                if idx > best_idx:
+                    best_idx = idx
+                    best_seq = seq
+            self.state[seq] = SEG_ACKED
+            self.acked_count += 1
+            self.acked_bytes += wire - HEADER_SIZE
+            newly += 1
+            newly_bytes += wire
+        if newly:
+            delivered += newly_bytes
+            delivered_time = now
+        if best_seq >= 0:
+            prior_delivered = int(self.snap_delivered[best_seq])
+            prior_time = float(self.snap_delivered_time[best_seq])
+            first_sent = float(self.snap_first_sent[best_seq])
+            sample_sent = float(self.sent_time[best_seq])
+        else:
+            prior_delivered, prior_time, first_sent, sample_sent = -1, 0.0, 0.0, 0.0
+        lost = self._detect(3, -1.0)
+        return (newly, newly_bytes, delivered, delivered_time, rtt, prior_delivered, prior_time,
+                first_sent, sample_sent, lost)
+
+    def expire(self, cutoff: float) -> np.ndarray:
+        """Declare lost every in-flight transmission sent at or before ``cutoff`` (tail-loss timer)."""
+        return self._detect(0, cutoff)
+
+    def _detect(self, threshold: int, cutoff: float) -> np.ndarray:
+        lost = []
+        while self.head < self.tail:
+            i = self.head - self.log_base
+            seq = int(self.log_seq[i])
+            if self.log_acked[i]:
+                self.acked_in_window -= 1
+                self.head += 1
+                continue
+            if self.sent_idx[seq] != self.head or self.state[seq] != SEG_INFLIGHT:
+                self.head += 1
+                continue
+            if (threshold and self.acked_in_window >= threshold) or (not threshold and self.sent_time[seq] <= cutoff):
+                self.state[seq] = SEG_LOST
+                self.inflight_count -= 1
+                self.inflight_bytes -= self.seg_len(seq) + HEADER_SIZE
+                self.lost_events += 1
+                lost.append(seq)
+                self.head += 1
+                continue
+            break
+        return np.array(lost, dtype=np.int64)
+
+    def oldest_inflight_time(self) -> float:
+        """Send time of the oldest unresolved in-flight transmission, or -1.0."""
+        h = self.head
+        while h < self.tail:
+            i = h - self.log_base
+            seq = int(self.log_seq[i])
+            if not self.log_acked[i] and self.sent_idx[seq] == h and self.state[seq] == SEG_INFLIGHT:
+                return float(self.sent_time[seq])
+            h += 1
+        return -1.0
+
+
+class RecvWindow:
+    """Receiver-side per-flow state: validation, in-place reassembly, bitmap and ACK entries."""
+
+    def __init__(self, dest, total: int, seg_size: int, flow_id: int, token: int, critical,
+                 ack_capacity: int = 4096) -> None:
+        self.dest = _as_bytes_view(dest, True)
+        if total > len(self.dest) or total <= 0 or seg_size <= 0:
+            raise LocalProtocolError("total must be in 1..len(dest) and seg_size positive")
+        self.total = total
+        self.seg_size = seg_size
+        self.seg_count = n = (total + seg_size - 1) // seg_size
+        self.last_len = total - (n - 1) * seg_size
+        self.flow_id = flow_id
+        self.token = token
+        self.bitmap = np.zeros(n, np.uint8)
+        if critical is None:
+            self.critical = np.zeros(n, np.uint8)
+        else:
+            self.critical = np.ascontiguousarray(critical, dtype=np.uint8)
+            if self.critical.shape[0] != n:
+                raise LocalProtocolError("critical mask must have one entry per segment")
+        self.critical_total = int(self.critical.sum())
+        self.critical_received = 0
+        self.received = 0
+        self.received_bytes = 0
+        self.duplicates = 0
+        self.bad_seq = 0
+        self.bad_length = 0
+        self.last_word3 = 0
+        self.acks = np.empty(ack_capacity, np.uint32)
+        self.n_acks = 0
+
+    def ingest(self, buf, offsets, lengths, start: int, stop: int) -> int:
+        """Consume DATA datagrams of this flow from index ``start``; return the first index not consumed."""
+        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+        n = self.seg_count
+        cap = self.acks.shape[0]
+        for i in range(start, stop):
+            o = int(offsets[i])
+            length = int(lengths[i])
+            if length < HEADER_SIZE or mv[o] != _DATA_B0:
+                return i
+            flags = mv[o + 1]
+            if (mv[o + 2] << 8 | mv[o + 3]) != self.flow_id or flags & ~F_KNOWN:
+                return i
+            if int.from_bytes(mv[o + 4:o + 8], "big") != self.token:
+                return i
+            w2 = int.from_bytes(mv[o + 8:o + 12], "big")
+            seq = w2 >> 8
+            if seq >= n:
+                self.bad_seq += 1
+                continue
+            plen = length - HEADER_SIZE
+            if plen != (self.last_len if seq == n - 1 else self.seg_size):
+                self.bad_length += 1
+                continue
+            if self.n_acks >= cap:
+                return i
+            self.acks[self.n_acks] = w2
+            self.n_acks += 1
+            self.last_word3 = int.from_bytes(mv[o + 12:o + 16], "big")
+            if self.bitmap[seq]:
+                self.duplicates += 1
+                continue
+            start_b = seq * self.seg_size
+            self.dest[start_b:start_b + plen] = mv[o + HEADER_SIZE:o + length]
+            self.bitmap[seq] = 1
+            self.received += 1
+            self.received_bytes += plen
+            if self.critical[seq]:
+                self.critical_received += 1
+        return stop
+
+    def take_acks(self) -> np.ndarray:
+        """Return and clear the queued ACK entries."""
+        out = self.acks[:self.n_acks].copy()
+        self.n_acks = 0
+        return out
+
+    def missing_runs(self) -> list:
+        """Half-open segment ranges that have not arrived, in order."""
+        missing = np.flatnonzero(self.bitmap == 0)
+        if missing.size == 0:
+            return []
+        breaks = np.flatnonzero(np.diff(missing) != 1)
+        starts = np.concatenate(([missing[0]], missing[breaks + 1]))
+        ends = np.concatenate((missing[breaks] + 1, [missing[-1] + 1]))
+        return [(int(a), int(b)) for a, b in zip(starts, ends)]
+
+    def zero_fill_missing(self) -> int:
+        """Write zeros over every missing segment (packet bubbles); return bytes zeroed."""
+        zeroed = 0
+        for a, b in self.missing_runs():
+            lo = a * self.seg_size
+            hi = min(b * self.seg_size, self.total)
+            self.dest[lo:hi] = bytes(hi - lo)
+            zeroed += hi - lo
+        return zeroed

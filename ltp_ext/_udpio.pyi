@@ -1,0 +1,49 @@
+"""Type stubs for the compiled ``ltp_ext._udpio`` (twin: ``ltp_ext._udpio_py``)."""
+
+import socket
+from collections.abc import Iterable
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import Buffer
+
+ICMP_ERRNOS: frozenset[int]
+GSO_MAX_SEGMENTS: int
+GSO_MAX_BYTES: int
+MAX_SEGMENT_SIZE: int
+GRO_SLOT_SIZE: int
+MAX_BATCH: int
+
+Address = tuple[str, int] | tuple[str, int, int] | tuple[str, int, int, int]
+
+class UdpIO:
+    """Batched, non-blocking UDP I/O on an existing socket (IPv4 and IPv6)."""
+
+    family: int
+    batch: int
+    max_datagram: int
+    gso_enabled: bool
+    gro_enabled: bool
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        batch: int = 64,
+        max_datagram: int = 2048,
+        gso: bool = True,
+        gro: bool = True,
+    ) -> None: ...
+    @property
+    def buffer(self) -> memoryview: ...
+    @property
+    def offsets(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def lengths(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def stats(self) -> dict[str, int | dict[str, int]]: ...
+    def __len__(self) -> int: ...
+    def recv_batch(self) -> int: ...
+    def addr(self, i: int) -> Address: ...
+    def runs(self) -> list[tuple[Address, int, int]]: ...
+    def send(self, addr: Address | None, data: Buffer, segment_size: int) -> int: ...
+    def send_many(self, items: Iterable[tuple[Address | None, Buffer, int]]) -> int: ...

@@ -1,0 +1,810 @@
+# cython: language_level=3
+"""Batched, non-blocking UDP socket I/O with the GIL released (compiled).
+
+Twin: ``ltp_ext._udpio_py`` (same API, same exceptions, same stats keys).
+
+Theory of operation
+-------------------
+Receive.  One ``recvmmsg(2)`` fills up to ``batch`` preallocated *slots* of
+one contiguous buffer.  A slot is ``max_datagram`` bytes, or 65536 bytes when
+UDP GRO is on, because the kernel may then hand one slot a coalesced run of
+up to 64 (locally: 128) equal-sized datagrams from one source, with a
+``SOL_UDP/UDP_GRO`` control message carrying the segment size.  After the
+syscall a C loop (still without Python objects) cuts every slot into its
+datagrams and writes their offsets and lengths into two preallocated int64
+arrays, so callers always see individual datagrams.  Each datagram remembers
+its slot; the slot's raw ``sockaddr`` is only turned into a Python tuple when
+``addr(i)`` or ``runs()`` asks, through a small cache.
+
+Send.  ``send``/``send_many`` first validate everything (addresses are
+encoded to ``sockaddr`` once and cached, buffers are acquired), then walk a
+cursor ``(item, byte offset)`` over the items and fill up to ``max(batch, 64)``
+``mmsghdr`` entries per ``sendmmsg(2)``.  With GSO each entry is a
+super-datagram of at most 64 segments / 65000 bytes carrying a
+``UDP_SEGMENT`` control message; without GSO each entry is one datagram.
+When the kernel takes only ``k`` entries, the cursor moves to entry ``k`` and
+the error of that entry decides:
+
+* ``EAGAIN``/``ENOBUFS``: stop, return what was accepted;
+* an ICMP-reported error (``ECONNREFUSED``, ``EHOSTUNREACH``, ``ENETUNREACH``,
+  ``EHOSTDOWN``): counted; the pending socket error is consumed by the failed
+  call, so the entry is retried once, and dropped (counted as accepted, as a
+  loss would be) if it fails again;
+* ``EINVAL``/``EIO`` on a GSO entry (no checksum offload, ``SO_NO_CHECK``,
+  segment larger than the route MTU): counted, the rest of the call is sent
+  without GSO; ``EIO`` also turns GSO off for good (``gso_enabled = False``);
+* anything else: raised as ``OSError`` if nothing was accepted yet in this
+  call, otherwise counted and the accepted amount returned (the next call
+  meets the error again and raises).
+
+The GIL is released around every ``recvmmsg``/``sendmmsg``; nothing in the
+per-datagram loops touches Python objects.
+"""
+
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBuffer_IsContiguous, PyBUF_STRIDES
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
+from libc.errno cimport errno, EAGAIN, EINTR, ENOBUFS, EINVAL, EIO
+from libc.stdint cimport int64_t, uint16_t, uint32_t
+from libc.stdlib cimport malloc, calloc, free
+from libc.string cimport memset, memcpy, memcmp
+
+import errno as _errno
+import operator as _operator
+import os as _os
+import socket as _socket
+
+import numpy as np
+
+cdef extern from *:
+    """
+    #include <sys/types.h>
+    #include <sys/socket.h>
+    #include <sys/uio.h>
+    #include <netinet/in.h>
+    #include <arpa/inet.h>
+    #include <errno.h>
+    #include <string.h>
+    #ifndef SOL_UDP
+    #define SOL_UDP 17
+    #endif
+    #ifndef UDP_SEGMENT
+    #define UDP_SEGMENT 103
+    #endif
+    #ifndef UDP_GRO
+    #define UDP_GRO 104
+    #endif
+    #define LTP_CMSG_SIZE 64   /* >= CMSG_SPACE(sizeof(int)) and CMSG_SPACE(sizeof(uint16_t)) */
+
+    /* Segment size from a UDP_GRO control message, 0 when absent. */
+    static int ltp_gro_size(struct msghdr *m) {
+        struct cmsghdr *c;
+        int v = 0;
+        if (m->msg_controllen == 0) return 0;
+        for (c = CMSG_FIRSTHDR(m); c != NULL; c = CMSG_NXTHDR(m, c)) {
+            if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+                memcpy(&v, CMSG_DATA(c), sizeof(int));
+                return v;
+            }
+        }
+        return 0;
+    }
+
+    /* Attach a UDP_SEGMENT control message (cbuf must hold LTP_CMSG_SIZE bytes). */
+    static void ltp_set_gso(struct msghdr *m, char *cbuf, uint16_t seg) {
+        struct cmsghdr *c;
+        memset(cbuf, 0, CMSG_SPACE(sizeof(uint16_t)));
+        m->msg_control = cbuf;
+        m->msg_controllen = CMSG_SPACE(sizeof(uint16_t));
+        c = CMSG_FIRSTHDR(m);
+        c->cmsg_level = SOL_UDP;
+        c->cmsg_type = UDP_SEGMENT;
+        c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+        memcpy(CMSG_DATA(c), &seg, sizeof(uint16_t));
+    }
+
+    /* sockaddr -> numeric host text (as Python's socket module formats it), port, flowinfo, scope. */
+    static int ltp_decode_addr(const struct sockaddr_storage *ss, char *host, size_t hostlen,
+                               unsigned int *port, unsigned int *flowinfo, unsigned int *scope) {
+        if (ss->ss_family == AF_INET) {
+            const struct sockaddr_in *a = (const struct sockaddr_in *)ss;
+            if (inet_ntop(AF_INET, &a->sin_addr, host, hostlen) == NULL) return -1;
+            *port = ntohs(a->sin_port); *flowinfo = 0; *scope = 0;
+            return AF_INET;
+        }
+        if (ss->ss_family == AF_INET6) {
+            const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)ss;
+            if (inet_ntop(AF_INET6, &a->sin6_addr, host, hostlen) == NULL) return -1;
+            *port = ntohs(a->sin6_port); *flowinfo = ntohl(a->sin6_flowinfo); *scope = a->sin6_scope_id;
+            return AF_INET6;
+        }
+        return -1;
+    }
+
+    /* Numeric host text + port (+ flowinfo, scope) -> sockaddr; returns its length or 0. */
+    static int ltp_encode_addr(int family, const char *host, unsigned int port, unsigned int flowinfo,
+                               unsigned int scope, struct sockaddr_storage *ss) {
+        memset(ss, 0, sizeof(*ss));
+        if (family == AF_INET) {
+            struct sockaddr_in *a = (struct sockaddr_in *)ss;
+            if (inet_pton(AF_INET, host, &a->sin_addr) != 1) return 0;
+            a->sin_family = AF_INET; a->sin_port = htons((uint16_t)port);
+            return (int)sizeof(*a);
+        }
+        if (family == AF_INET6) {
+            struct sockaddr_in6 *a = (struct sockaddr_in6 *)ss;
+            if (inet_pton(AF_INET6, host, &a->sin6_addr) != 1) return 0;
+            a->sin6_family = AF_INET6; a->sin6_port = htons((uint16_t)port);
+            a->sin6_flowinfo = htonl(flowinfo); a->sin6_scope_id = scope;
+            return (int)sizeof(*a);
+        }
+        return 0;
+    }
+    """
+    int SOL_UDP
+    int UDP_SEGMENT
+    int UDP_GRO
+    int LTP_CMSG_SIZE
+    int AF_INET
+    int AF_INET6
+    int MSG_DONTWAIT
+    int MSG_TRUNC
+    int ENETUNREACH
+    int EHOSTUNREACH
+    int ECONNREFUSED
+    int EHOSTDOWN
+    int EWOULDBLOCK
+    ctypedef unsigned int socklen_t
+    struct sockaddr:
+        pass
+    struct sockaddr_storage:
+        unsigned short ss_family
+    struct iovec:
+        void *iov_base
+        size_t iov_len
+    struct msghdr:
+        void *msg_name
+        socklen_t msg_namelen
+        iovec *msg_iov
+        size_t msg_iovlen
+        void *msg_control
+        size_t msg_controllen
+        int msg_flags
+    struct mmsghdr:
+        msghdr msg_hdr
+        unsigned int msg_len
+    struct timespec:
+        pass
+    int recvmmsg(int fd, mmsghdr *msgs, unsigned int vlen, int flags, timespec *timeout) nogil
+    int sendmmsg(int fd, mmsghdr *msgs, unsigned int vlen, int flags) nogil
+    int ltp_gro_size(msghdr *m) nogil
+    void ltp_set_gso(msghdr *m, char *cbuf, uint16_t seg) nogil
+    int ltp_decode_addr(const sockaddr_storage *ss, char *host, size_t hostlen,
+                        unsigned int *port, unsigned int *flowinfo, unsigned int *scope) nogil
+    int ltp_encode_addr(int family, const char *host, unsigned int port, unsigned int flowinfo,
+                        unsigned int scope, sockaddr_storage *ss) nogil
+
+
+#: Errno values that ICMP reports on UDP sockets; counted and ignored, never raised.
+ICMP_ERRNOS = frozenset({_errno.ECONNREFUSED, _errno.EHOSTUNREACH, _errno.ENETUNREACH, _errno.EHOSTDOWN})
+#: Most segments per GSO super-datagram.
+GSO_MAX_SEGMENTS = 64
+#: Most payload bytes per GSO super-datagram.
+GSO_MAX_BYTES = 65000
+#: Largest UDP payload over IPv4; the upper bound of ``segment_size``.
+MAX_SEGMENT_SIZE = 65507
+#: Receive slot size when GRO is on (the largest coalesced datagram).
+GRO_SLOT_SIZE = 65536
+#: Most ``mmsghdr`` entries per syscall accepted by the kernel (UIO_MAXIOV).
+MAX_BATCH = 1024
+
+cdef int _ADDR_CACHE_MAX = 4096
+cdef int _ICMP_RETRIES = 4
+
+
+cdef inline bint _is_icmp(int e) noexcept nogil:
+    return e == ECONNREFUSED or e == EHOSTUNREACH or e == ENETUNREACH or e == EHOSTDOWN
+
+
+def _closed_error():
+    return OSError(_errno.EBADF, "UdpIO: the socket is closed; create a new socket and a new UdpIO")
+
+
+def _check_addr(int family, addr):
+    """Validate an address tuple for ``family``; return ``(host, port, flowinfo, scope_id)``."""
+    six = family == _socket.AF_INET6
+    if not isinstance(addr, tuple) or not (2 <= len(addr) <= 4 if six else len(addr) == 2):
+        raise TypeError("address must be a tuple (host, port" + ("[, flowinfo[, scope_id]]" if six else "")
+                        + f") for this socket, got {addr!r:.80}")
+    host = addr[0]
+    port = _operator.index(addr[1])
+    flowinfo = _operator.index(addr[2]) if len(addr) > 2 else 0
+    scope = _operator.index(addr[3]) if len(addr) > 3 else 0
+    if not isinstance(host, str):
+        raise TypeError(f"address host must be a str, got {type(host).__name__}")
+    if not 0 <= port <= 0xFFFF:
+        raise OverflowError(f"port must be 0-65535, got {port}")
+    if not 0 <= flowinfo <= 0xFFFFF:
+        raise OverflowError(f"flowinfo must be 0-1048575, got {flowinfo}")
+    if not 0 <= scope <= 0xFFFFFFFF:
+        raise OverflowError(f"scope_id must be 0-4294967295, got {scope}")
+    return host, port, flowinfo, scope
+
+
+cdef class UdpIO:
+    """Batched, non-blocking UDP I/O on an existing socket (IPv4 and IPv6).
+
+    The socket is switched to non-blocking mode and must stay open while the
+    ``UdpIO`` is used; the ``UdpIO`` does not own it (close the socket yourself).
+    ``gro=True`` enables ``UDP_GRO`` on the socket; ``gso=True`` uses
+    ``UDP_SEGMENT`` when the kernel offers it (``gso_enabled`` says whether).
+    ``stats`` counts syscalls, datagrams in and out, receive/send calls that
+    met EAGAIN (or ENOBUFS), and ``errors`` by errno name: ICMP-reported
+    errors, ``EMSGSIZE`` for dropped oversized datagrams, ``EINVAL``/``EIO``
+    for GSO fallbacks, ``ENOBUFS``.  Not thread-safe: use one ``UdpIO`` per
+    thread (the GIL is released during syscalls).
+    """
+
+    cdef object _sock
+    cdef readonly int family
+    cdef readonly int batch
+    cdef readonly int max_datagram
+    cdef readonly bint gso_enabled
+    cdef readonly bint gro_enabled
+    cdef Py_ssize_t _slot_size
+    # receive side
+    cdef object _buf_arr
+    cdef char *_buf
+    cdef object _buffer_view
+    cdef mmsghdr *_rmsgs
+    cdef iovec *_riov
+    cdef sockaddr_storage *_rnames
+    cdef char *_rcmsg
+    cdef object _off_arr
+    cdef object _len_arr
+    cdef object _slot_arr
+    cdef int64_t[::1] _off
+    cdef int64_t[::1] _len
+    cdef int64_t[::1] _slot
+    cdef Py_ssize_t _cap
+    cdef Py_ssize_t _n
+    cdef dict _addr_cache
+    # send side
+    cdef int _scap
+    cdef mmsghdr *_smsgs
+    cdef iovec *_siov
+    cdef char *_scmsg
+    cdef Py_ssize_t *_m_item
+    cdef Py_ssize_t *_m_off
+    cdef Py_ssize_t *_m_len
+    cdef Py_ssize_t *_m_nseg
+    cdef bint *_m_gso
+    cdef dict _name_cache
+    # stats
+    cdef int64_t _syscalls
+    cdef int64_t _dgrams_in
+    cdef int64_t _dgrams_out
+    cdef int64_t _eagain
+    cdef dict _errors
+
+    def __cinit__(self):
+        self._rmsgs = NULL
+        self._riov = NULL
+        self._rnames = NULL
+        self._rcmsg = NULL
+        self._smsgs = NULL
+        self._siov = NULL
+        self._scmsg = NULL
+        self._m_item = NULL
+        self._m_off = NULL
+        self._m_len = NULL
+        self._m_nseg = NULL
+        self._m_gso = NULL
+
+    def __init__(self, sock, *, int batch=64, int max_datagram=2048, bint gso=True, bint gro=True):
+        if self._rmsgs != NULL:
+            raise RuntimeError("UdpIO.__init__ called twice; create a new UdpIO instead")
+        if not isinstance(sock, _socket.socket):
+            raise TypeError(f"UdpIO needs a socket.socket, got {type(sock).__name__}")
+        if sock.fileno() < 0:
+            raise _closed_error()
+        if sock.type != _socket.SOCK_DGRAM or sock.family not in (_socket.AF_INET, _socket.AF_INET6):
+            raise ValueError("UdpIO needs an AF_INET or AF_INET6 SOCK_DGRAM (UDP) socket, "
+                             f"got family={sock.family!r} type={sock.type!r}")
+        if not 1 <= batch <= MAX_BATCH:
+            raise ValueError(f"batch must be in 1..{MAX_BATCH}, got {batch}")
+        if not 1 <= max_datagram <= 65535:
+            raise ValueError(f"max_datagram must be in 1..65535, got {max_datagram}")
+        self._sock = sock
+        self.family = int(sock.family)
+        self.batch = batch
+        self.max_datagram = max_datagram
+        sock.setblocking(False)
+        self.gro_enabled = False
+        if gro:
+            try:
+                sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+                self.gro_enabled = True
+            except OSError:
+                pass
+        else:
+            try:
+                sock.setsockopt(SOL_UDP, UDP_GRO, 0)
+            except OSError:
+                pass
+        self.gso_enabled = False
+        if gso:
+            try:
+                sock.getsockopt(SOL_UDP, UDP_SEGMENT)
+                self.gso_enabled = True
+            except OSError:
+                pass
+        self._slot_size = max(max_datagram, GRO_SLOT_SIZE) if self.gro_enabled else max_datagram
+
+        # receive buffers: one contiguous byte buffer cut into `batch` slots
+        self._buf_arr = np.zeros(self._slot_size * batch, dtype=np.uint8)
+        cdef unsigned char[::1] bv = self._buf_arr
+        self._buf = <char *>&bv[0]
+        self._buffer_view = memoryview(self._buf_arr).cast("B")
+        self._rmsgs = <mmsghdr *>calloc(batch, sizeof(mmsghdr))
+        self._riov = <iovec *>calloc(batch, sizeof(iovec))
+        self._rnames = <sockaddr_storage *>calloc(batch, sizeof(sockaddr_storage))
+        self._rcmsg = <char *>calloc(batch, LTP_CMSG_SIZE)
+        # send buffers
+        self._scap = max(batch, GSO_MAX_SEGMENTS)
+        self._smsgs = <mmsghdr *>calloc(self._scap, sizeof(mmsghdr))
+        self._siov = <iovec *>calloc(self._scap, sizeof(iovec))
+        self._scmsg = <char *>calloc(self._scap, LTP_CMSG_SIZE)
+        self._m_item = <Py_ssize_t *>calloc(self._scap, sizeof(Py_ssize_t))
+        self._m_off = <Py_ssize_t *>calloc(self._scap, sizeof(Py_ssize_t))
+        self._m_len = <Py_ssize_t *>calloc(self._scap, sizeof(Py_ssize_t))
+        self._m_nseg = <Py_ssize_t *>calloc(self._scap, sizeof(Py_ssize_t))
+        self._m_gso = <bint *>calloc(self._scap, sizeof(bint))
+        if (self._rmsgs == NULL or self._riov == NULL or self._rnames == NULL or self._rcmsg == NULL
+                or self._smsgs == NULL or self._siov == NULL or self._scmsg == NULL
+                or self._m_item == NULL or self._m_off == NULL or self._m_len == NULL
+                or self._m_nseg == NULL or self._m_gso == NULL):
+            raise MemoryError()
+        cdef int i
+        for i in range(batch):
+            self._riov[i].iov_base = self._buf + i * self._slot_size
+            self._riov[i].iov_len = self._slot_size
+            self._rmsgs[i].msg_hdr.msg_name = &self._rnames[i]
+            self._rmsgs[i].msg_hdr.msg_iov = &self._riov[i]
+            self._rmsgs[i].msg_hdr.msg_iovlen = 1
+            self._rmsgs[i].msg_hdr.msg_control = self._rcmsg + i * LTP_CMSG_SIZE
+        for i in range(self._scap):
+            self._smsgs[i].msg_hdr.msg_iov = &self._siov[i]
+            self._smsgs[i].msg_hdr.msg_iovlen = 1
+        self._alloc_out(batch * GSO_MAX_SEGMENTS if self.gro_enabled else batch)
+        self._n = 0
+        self._addr_cache = {}
+        self._name_cache = {}
+        self._syscalls = 0
+        self._dgrams_in = 0
+        self._dgrams_out = 0
+        self._eagain = 0
+        self._errors = {}
+
+    def __dealloc__(self):
+        free(self._rmsgs)
+        free(self._riov)
+        free(self._rnames)
+        free(self._rcmsg)
+        free(self._smsgs)
+        free(self._siov)
+        free(self._scmsg)
+        free(self._m_item)
+        free(self._m_off)
+        free(self._m_len)
+        free(self._m_nseg)
+        free(self._m_gso)
+
+    cdef _alloc_out(self, Py_ssize_t cap):
+        self._cap = cap
+        self._off_arr = np.zeros(cap, dtype=np.int64)
+        self._len_arr = np.zeros(cap, dtype=np.int64)
+        self._slot_arr = np.zeros(cap, dtype=np.int64)
+        self._off = self._off_arr
+        self._len = self._len_arr
+        self._slot = self._slot_arr
+
+    cdef int _fd(self) except -1:
+        cdef int fd = self._sock.fileno()
+        if fd < 0:
+            raise _closed_error()
+        return fd
+
+    cdef void _count_error(self, int e):
+        name = _errno.errorcode.get(e, str(e))
+        self._errors[name] = self._errors.get(name, 0) + 1
+
+    # ------------------------------------------------------------------ receive
+
+    @property
+    def buffer(self):
+        """The receive buffer (a ``memoryview`` of bytes), valid until the next ``recv_batch``."""
+        return self._buffer_view
+
+    @property
+    def offsets(self):
+        """int64 offsets in ``buffer`` of the datagrams of the last ``recv_batch``."""
+        return self._off_arr[:self._n]
+
+    @property
+    def lengths(self):
+        """int64 lengths of the datagrams of the last ``recv_batch``."""
+        return self._len_arr[:self._n]
+
+    @property
+    def stats(self):
+        """Counters: syscalls, datagrams_in, datagrams_out, eagain, errors (errno name -> count)."""
+        return {
+            "syscalls": self._syscalls,
+            "datagrams_in": self._dgrams_in,
+            "datagrams_out": self._dgrams_out,
+            "eagain": self._eagain,
+            "errors": dict(self._errors),
+        }
+
+    def __len__(self):
+        """Number of datagrams from the last ``recv_batch``."""
+        return self._n
+
+    def recv_batch(self):
+        """Receive without blocking; return the number of datagrams (0 when none is waiting).
+
+        One ``recvmmsg`` fills up to ``batch`` slots; with GRO a slot may hold a
+        coalesced run, which is split back into its datagrams, so the count can
+        exceed ``batch``.  Datagrams longer than ``max_datagram`` (without GRO)
+        are dropped and counted as ``errors['EMSGSIZE']``.  After the call,
+        datagram ``i`` is ``buffer[offsets[i]:offsets[i] + lengths[i]]`` from
+        ``addr(i)``.
+        """
+        cdef int fd = self._fd()
+        cdef int r = -1, e = 0, i, tries = 0, g
+        cdef unsigned int vlen = self.batch
+        cdef Py_ssize_t total, k, n, L, base, pos, need
+        self._n = 0
+        while True:
+            for i in range(self.batch):
+                self._rmsgs[i].msg_hdr.msg_namelen = sizeof(sockaddr_storage)
+                self._rmsgs[i].msg_hdr.msg_controllen = LTP_CMSG_SIZE
+                self._rmsgs[i].msg_hdr.msg_flags = 0
+            with nogil:
+                r = recvmmsg(fd, self._rmsgs, vlen, MSG_DONTWAIT, NULL)
+                if r < 0:
+                    e = errno
+            self._syscalls += 1
+            if r >= 0:
+                break
+            if e == EINTR:
+                continue
+            if e == EAGAIN or e == EWOULDBLOCK:
+                self._eagain += 1
+                return 0
+            if _is_icmp(e):
+                # the pending socket error was consumed by this call; try again
+                self._count_error(e)
+                tries += 1
+                if tries <= _ICMP_RETRIES:
+                    continue
+                return 0
+            raise OSError(e, f"UdpIO.recv_batch: recvmmsg failed: {_os.strerror(e)}")
+        # how many datagrams, then make sure the output arrays are big enough
+        need = 0
+        for i in range(r):
+            L = self._rmsgs[i].msg_len
+            g = ltp_gro_size(&self._rmsgs[i].msg_hdr)
+            if g > 0 and L > g:
+                need += (L + g - 1) // g
+            else:
+                need += 1
+        if need > self._cap:
+            self._alloc_out(need)
+        n = 0
+        for i in range(r):
+            L = self._rmsgs[i].msg_len
+            base = i * self._slot_size
+            if self._rmsgs[i].msg_hdr.msg_flags & MSG_TRUNC:
+                self._count_error(_errno.EMSGSIZE)
+                continue
+            g = ltp_gro_size(&self._rmsgs[i].msg_hdr)
+            if g > 0 and L > g:
+                pos = 0
+                while pos < L:
+                    self._off[n] = base + pos
+                    self._len[n] = g if L - pos > g else L - pos
+                    self._slot[n] = i
+                    n += 1
+                    pos += g
+            else:
+                self._off[n] = base
+                self._len[n] = L
+                self._slot[n] = i
+                n += 1
+        self._n = n
+        self._dgrams_in += n
+        return n
+
+    cdef object _decode(self, Py_ssize_t slot):
+        cdef sockaddr_storage *ss = &self._rnames[slot]
+        cdef socklen_t nl = self._rmsgs[slot].msg_hdr.msg_namelen
+        cdef char host[64]
+        cdef unsigned int port, flowinfo, scope
+        cdef int fam
+        key = PyBytes_FromStringAndSize(<char *>ss, nl)
+        t = self._addr_cache.get(key)
+        if t is not None:
+            return t
+        fam = ltp_decode_addr(ss, host, sizeof(host), &port, &flowinfo, &scope)
+        if fam == AF_INET:
+            t = (host.decode("ascii"), port)
+        elif fam == AF_INET6:
+            t = (host.decode("ascii"), port, flowinfo, scope)
+        else:
+            t = (int(ss.ss_family), key)
+        if len(self._addr_cache) >= _ADDR_CACHE_MAX:
+            self._addr_cache.clear()
+        self._addr_cache[key] = t
+        return t
+
+    def addr(self, Py_ssize_t i):
+        """Source address of datagram ``i`` of the last batch, as the socket module returns it."""
+        if i < 0 or i >= self._n:
+            raise IndexError(f"datagram index {i} out of range for a batch of {self._n}")
+        return self._decode(self._slot[i])
+
+    cdef inline bint _same_source(self, Py_ssize_t a, Py_ssize_t b):
+        cdef socklen_t la, lb
+        if a == b:
+            return True
+        la = self._rmsgs[a].msg_hdr.msg_namelen
+        lb = self._rmsgs[b].msg_hdr.msg_namelen
+        return la == lb and memcmp(&self._rnames[a], &self._rnames[b], la) == 0
+
+    def runs(self):
+        """``[(addr, start, stop), ...]``: maximal runs of consecutive datagrams from one source."""
+        cdef Py_ssize_t start = 0, j
+        out = []
+        if self._n == 0:
+            return out
+        for j in range(1, self._n + 1):
+            if j == self._n or not self._same_source(self._slot[start], self._slot[j]):
+                out.append((self._decode(self._slot[start]), start, j))
+                start = j
+        return out
+
+    # ------------------------------------------------------------------ send
+
+    cdef int _encode_name(self, addr, sockaddr_storage *ss) except -1:
+        """Encode an address tuple into ``ss``; returns the sockaddr length (0 for None)."""
+        cdef bytes raw
+        if addr is None:
+            return 0
+        raw = self._name_cache.get(addr)
+        if raw is None:
+            raw = self._resolve(addr)
+            if len(self._name_cache) >= _ADDR_CACHE_MAX:
+                self._name_cache.clear()
+            self._name_cache[addr] = raw
+        memcpy(ss, PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw))
+        return <int>PyBytes_GET_SIZE(raw)
+
+    cdef bytes _resolve(self, addr):
+        cdef sockaddr_storage ss
+        cdef int n
+        cdef unsigned int flowinfo, scope
+        host, port, flowinfo, scope = _check_addr(self.family, addr)
+        try:
+            hb = host.encode("ascii")
+        except UnicodeEncodeError:
+            hb = b""
+        if b"\0" in hb:
+            hb = b""
+        n = ltp_encode_addr(self.family, hb, port, flowinfo, scope, &ss)
+        if n == 0:
+            # not a numeric address: resolve like the socket module would
+            infos = _socket.getaddrinfo(host, port, self.family, _socket.SOCK_DGRAM)
+            sa = infos[0][4]
+            if self.family == AF_INET6 and len(addr) <= 3:
+                scope = sa[3]
+            n = ltp_encode_addr(self.family, sa[0].encode("ascii"), port, flowinfo, scope, &ss)
+            if n == 0:
+                raise OSError(_errno.EINVAL, f"cannot encode address {addr!r}")
+        return PyBytes_FromStringAndSize(<char *>&ss, n)
+
+    def send(self, addr, data, segment_size):
+        """Send ``data`` to ``addr`` as datagrams of ``segment_size`` bytes (the last may be shorter).
+
+        ``data`` is any C-contiguous buffer; ``addr`` is an address tuple, or
+        ``None`` for the peer of a connected socket.  Non-blocking: returns the
+        number of bytes accepted, a multiple of ``segment_size`` unless
+        everything was sent; stops early on EAGAIN/ENOBUFS.  Empty ``data``
+        sends nothing and returns 0.
+        """
+        return self._send(addr, data, segment_size, None, False)
+
+    def send_many(self, items):
+        """Send several ``(addr, data, segment_size)`` items; return how many were sent completely.
+
+        Items go out in order, batched into as few syscalls as possible.  When
+        it stops early (EAGAIN/ENOBUFS), the first item not counted may have
+        had some of its datagrams sent.  All items are validated before
+        anything is sent.
+        """
+        return self._send(None, None, None, items, True)
+
+    cdef object _send(self, addr1, data1, seg1, list_items, bint many):
+        cdef Py_ssize_t n_items, i, it = 0, off, L, seg, rem, chunk, per, nm, k, j, accepted = 0
+        cdef Py_ssize_t *lens = NULL
+        cdef Py_ssize_t *segs = NULL
+        cdef char **ptrs = NULL
+        cdef int *namelens = NULL
+        cdef sockaddr_storage *names = NULL
+        cdef Py_buffer *views = NULL
+        cdef Py_ssize_t nviews = 0
+        cdef Py_ssize_t one_len, one_seg
+        cdef char *one_ptr
+        cdef int one_namelen
+        cdef sockaddr_storage one_name
+        cdef Py_buffer one_view
+        cdef int fd = self._fd()
+        cdef int r, e, retry_at_item = -1
+        cdef Py_ssize_t retry_at_off = -1
+        cdef bint gso_ok = self.gso_enabled, use_gso
+        cdef msghdr *h
+        if many:
+            items = list(list_items)
+            n_items = len(items)
+        else:
+            items = None
+            n_items = 1
+        if n_items == 0:
+            return 0
+        if n_items == 1:
+            # the common case (one message, one ACK): no heap allocation
+            lens, segs, ptrs, namelens, names, views = &one_len, &one_seg, &one_ptr, &one_namelen, &one_name, &one_view
+        else:
+            lens = <Py_ssize_t *>malloc(n_items * sizeof(Py_ssize_t))
+            segs = <Py_ssize_t *>malloc(n_items * sizeof(Py_ssize_t))
+            ptrs = <char **>malloc(n_items * sizeof(char *))
+            namelens = <int *>malloc(n_items * sizeof(int))
+            names = <sockaddr_storage *>malloc(n_items * sizeof(sockaddr_storage))
+            views = <Py_buffer *>malloc(n_items * sizeof(Py_buffer))
+        try:
+            if lens == NULL or segs == NULL or ptrs == NULL or namelens == NULL or names == NULL or views == NULL:
+                raise MemoryError()
+            # 1. validate everything before any I/O
+            for i in range(n_items):
+                if many:
+                    item = items[i]
+                    if not isinstance(item, tuple) or len(item) != 3:
+                        raise TypeError(f"item {i} must be a tuple (addr, data, segment_size), got {item!r:.80}")
+                    addr, data, segment_size = item
+                else:
+                    addr, data, segment_size = addr1, data1, seg1
+                segment_size = _operator.index(segment_size)
+                if not 0 < segment_size <= MAX_SEGMENT_SIZE:
+                    raise ValueError(f"segment_size must be in 1..{MAX_SEGMENT_SIZE} (a UDP payload), got {segment_size}")
+                seg = segment_size
+                PyObject_GetBuffer(data, &views[nviews], PyBUF_STRIDES)
+                nviews += 1
+                if not PyBuffer_IsContiguous(&views[nviews - 1], b'C'):
+                    raise ValueError("data must be a C-contiguous buffer; pass bytes(x) or numpy.ascontiguousarray(x)")
+                namelens[i] = self._encode_name(addr, &names[i])
+                lens[i] = views[i].len
+                segs[i] = seg
+                ptrs[i] = <char *>views[i].buf
+            # 2. walk a cursor (it, off) over the items, sendmmsg per batch of messages
+            it = 0
+            off = 0
+            while it < n_items:
+                nm = 0
+                i = it
+                L = off
+                while nm < self._scap and i < n_items:
+                    if L >= lens[i]:
+                        i += 1
+                        L = 0
+                        continue
+                    seg = segs[i]
+                    rem = lens[i] - L
+                    use_gso = False
+                    if gso_ok and rem > seg:
+                        per = GSO_MAX_BYTES // seg
+                        if per > GSO_MAX_SEGMENTS:
+                            per = GSO_MAX_SEGMENTS
+                        if per >= 2:
+                            use_gso = True
+                            chunk = per * seg
+                            if chunk > rem:
+                                chunk = rem
+                        else:
+                            chunk = seg
+                    else:
+                        chunk = seg if rem > seg else rem
+                    h = &self._smsgs[nm].msg_hdr
+                    if namelens[i] > 0:
+                        h.msg_name = &names[i]
+                        h.msg_namelen = namelens[i]
+                    else:
+                        h.msg_name = NULL
+                        h.msg_namelen = 0
+                    self._siov[nm].iov_base = ptrs[i] + L
+                    self._siov[nm].iov_len = chunk
+                    if use_gso:
+                        ltp_set_gso(h, self._scmsg + nm * LTP_CMSG_SIZE, <uint16_t>seg)
+                    else:
+                        h.msg_control = NULL
+                        h.msg_controllen = 0
+                    h.msg_flags = 0
+                    self._m_item[nm] = i
+                    self._m_off[nm] = L
+                    self._m_len[nm] = chunk
+                    self._m_nseg[nm] = (chunk + seg - 1) // seg
+                    self._m_gso[nm] = use_gso
+                    nm += 1
+                    L += chunk
+                if nm == 0:
+                    it = n_items
+                    break
+                e = 0
+                with nogil:
+                    r = sendmmsg(fd, self._smsgs, nm, MSG_DONTWAIT)
+                    if r < 0:
+                        e = errno
+                self._syscalls += 1
+                k = r if r > 0 else 0
+                for j in range(k):
+                    accepted += self._m_len[j]
+                    self._dgrams_out += self._m_nseg[j]
+                if k == nm:
+                    it = i
+                    off = L
+                    continue
+                # entry k was not sent: move the cursor there
+                it = self._m_item[k]
+                off = self._m_off[k]
+                if r > 0:
+                    continue  # the next call reports entry k's error, if any
+                if e == EINTR:
+                    continue
+                if e == EAGAIN or e == EWOULDBLOCK or e == ENOBUFS:
+                    self._eagain += 1
+                    if e == ENOBUFS:
+                        self._count_error(e)
+                    break
+                self._count_error(e)
+                if _is_icmp(e):
+                    if retry_at_item == it and retry_at_off == off:
+                        # failed twice in a row: the destination is unreachable, drop it like a loss
+                        accepted += self._m_len[k]
+                        off += self._m_len[k]
+                        retry_at_item = -1
+                    else:
+                        retry_at_item = it
+                        retry_at_off = off
+                    continue
+                if self._m_gso[k] and (e == EINVAL or e == EIO):
+                    gso_ok = False
+                    if e == EIO:
+                        self.gso_enabled = False
+                    continue
+                if accepted > 0 or it > 0:
+                    break
+                raise OSError(e, f"UdpIO.send: sendmmsg failed: {_os.strerror(e)}"
+                              + (" (is segment_size larger than the path allows?)" if e == _errno.EMSGSIZE else ""))
+        finally:
+            for i in range(nviews):
+                PyBuffer_Release(&views[i])
+            if n_items > 1:
+                free(lens)
+                free(segs)
+                free(ptrs)
+                free(namelens)
+                free(names)
+                free(views)
+        # every item before the cursor went out completely (zero-length items included)
+        if many:
+            return it
+        return accepted

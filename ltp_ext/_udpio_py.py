@@ -1,0 +1,441 @@
+"""Batched, non-blocking UDP socket I/O, pure-Python twin of ``ltp_ext._udpio``.
+
+Same API, same exceptions, same stats keys as the compiled module; it is about
+ten times slower because every datagram costs a Python-level syscall.
+
+Theory of operation
+-------------------
+Receive.  ``socket.recvmsg_into`` is called up to ``batch`` times per
+``recv_batch``, each call filling its own *slot* of one preallocated buffer
+(``max_datagram`` bytes, or 65536 with GRO).  With ``UDP_GRO`` enabled the
+kernel may deliver a coalesced run of equal-sized datagrams in one slot,
+together with a ``SOL_UDP/UDP_GRO`` control message carrying the segment
+size; the slot is then cut back into its datagrams, so callers always see
+individual datagrams.  Offsets and lengths go into int64 arrays exactly as
+in the compiled module.
+
+Send.  Everything is validated first (address tuples, segment sizes,
+C-contiguous buffers).  A cursor ``(item, byte offset)`` then walks the items;
+each step sends one message with ``socket.sendmsg``: with GSO a
+super-datagram of at most 64 segments / 65000 bytes with a ``UDP_SEGMENT``
+control message, otherwise one datagram (the compiled module batches these
+with ``sendmmsg``; Python has no ``sendmmsg``).  Errors are handled exactly
+as in the compiled module: ``EAGAIN``/``ENOBUFS`` stop the call; ICMP-reported
+errors are counted, the message retried once and then dropped as a loss;
+``EINVAL``/``EIO`` on a GSO message make the rest of the call go without GSO
+(``EIO`` for good); anything else raises unless something was already
+accepted in this call.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import operator as _operator
+import os as _os
+import socket as _socket
+import struct as _struct
+
+import numpy as np
+
+__all__ = [
+    "UdpIO",
+    "ICMP_ERRNOS",
+    "GSO_MAX_SEGMENTS",
+    "GSO_MAX_BYTES",
+    "MAX_SEGMENT_SIZE",
+    "GRO_SLOT_SIZE",
+    "MAX_BATCH",
+]
+
+SOL_UDP = 17
+UDP_SEGMENT = 103
+UDP_GRO = 104
+
+#: Errno values that ICMP reports on UDP sockets; counted and ignored, never raised.
+ICMP_ERRNOS = frozenset({_errno.ECONNREFUSED, _errno.EHOSTUNREACH, _errno.ENETUNREACH, _errno.EHOSTDOWN})
+#: Most segments per GSO super-datagram.
+GSO_MAX_SEGMENTS = 64
+#: Most payload bytes per GSO super-datagram.
+GSO_MAX_BYTES = 65000
+#: Largest UDP payload over IPv4; the upper bound of ``segment_size``.
+MAX_SEGMENT_SIZE = 65507
+#: Receive slot size when GRO is on (the largest coalesced datagram).
+GRO_SLOT_SIZE = 65536
+#: Most ``mmsghdr`` entries per syscall accepted by the kernel (UIO_MAXIOV).
+MAX_BATCH = 1024
+
+_ADDR_CACHE_MAX = 4096
+_ICMP_RETRIES = 4
+_GRO_ANC = _socket.CMSG_SPACE(4)
+_INT = _struct.Struct("@i")
+_U16 = _struct.Struct("@H")
+
+
+def _closed_error() -> OSError:
+    return OSError(_errno.EBADF, "UdpIO: the socket is closed; create a new socket and a new UdpIO")
+
+
+def _check_addr(family: int, addr) -> tuple:
+    """Validate an address tuple for ``family``; return ``(host, port, flowinfo, scope_id)``."""
+    six = family == _socket.AF_INET6
+    if not isinstance(addr, tuple) or not (2 <= len(addr) <= 4 if six else len(addr) == 2):
+        raise TypeError("address must be a tuple (host, port" + ("[, flowinfo[, scope_id]]" if six else "")
+                        + f") for this socket, got {addr!r:.80}")
+    host = addr[0]
+    port = _operator.index(addr[1])
+    flowinfo = _operator.index(addr[2]) if len(addr) > 2 else 0
+    scope = _operator.index(addr[3]) if len(addr) > 3 else 0
+    if not isinstance(host, str):
+        raise TypeError(f"address host must be a str, got {type(host).__name__}")
+    if not 0 <= port <= 0xFFFF:
+        raise OverflowError(f"port must be 0-65535, got {port}")
+    if not 0 <= flowinfo <= 0xFFFFF:
+        raise OverflowError(f"flowinfo must be 0-1048575, got {flowinfo}")
+    if not 0 <= scope <= 0xFFFFFFFF:
+        raise OverflowError(f"scope_id must be 0-4294967295, got {scope}")
+    return host, port, flowinfo, scope
+
+
+class UdpIO:
+    """Batched, non-blocking UDP I/O on an existing socket (IPv4 and IPv6).
+
+    The socket is switched to non-blocking mode and must stay open while the
+    ``UdpIO`` is used; the ``UdpIO`` does not own it (close the socket yourself).
+    ``gro=True`` enables ``UDP_GRO`` on the socket; ``gso=True`` uses
+    ``UDP_SEGMENT`` when the kernel offers it (``gso_enabled`` says whether).
+    ``stats`` counts syscalls, datagrams in and out, receive/send calls that
+    met EAGAIN (or ENOBUFS), and ``errors`` by errno name: ICMP-reported
+    errors, ``EMSGSIZE`` for dropped oversized datagrams, ``EINVAL``/``EIO``
+    for GSO fallbacks, ``ENOBUFS``.  Not thread-safe: use one ``UdpIO`` per
+    thread.
+    """
+
+    def __init__(self, sock, *, batch: int = 64, max_datagram: int = 2048, gso: bool = True, gro: bool = True):
+        batch = _operator.index(batch)
+        max_datagram = _operator.index(max_datagram)
+        if not isinstance(sock, _socket.socket):
+            raise TypeError(f"UdpIO needs a socket.socket, got {type(sock).__name__}")
+        if sock.fileno() < 0:
+            raise _closed_error()
+        if sock.type != _socket.SOCK_DGRAM or sock.family not in (_socket.AF_INET, _socket.AF_INET6):
+            raise ValueError("UdpIO needs an AF_INET or AF_INET6 SOCK_DGRAM (UDP) socket, "
+                             f"got family={sock.family!r} type={sock.type!r}")
+        if not 1 <= batch <= MAX_BATCH:
+            raise ValueError(f"batch must be in 1..{MAX_BATCH}, got {batch}")
+        if not 1 <= max_datagram <= 65535:
+            raise ValueError(f"max_datagram must be in 1..65535, got {max_datagram}")
+        self._sock = sock
+        self._family = int(sock.family)
+        self._batch = batch
+        self._max_datagram = max_datagram
+        sock.setblocking(False)
+        self._gro = False
+        if gro:
+            try:
+                sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+                self._gro = True
+            except OSError:
+                pass
+        else:
+            try:
+                sock.setsockopt(SOL_UDP, UDP_GRO, 0)
+            except OSError:
+                pass
+        self._gso = False
+        if gso:
+            try:
+                sock.getsockopt(SOL_UDP, UDP_SEGMENT)
+                self._gso = True
+            except OSError:
+                pass
+        self._slot_size = max(max_datagram, GRO_SLOT_SIZE) if self._gro else max_datagram
+        self._buf = bytearray(self._slot_size * batch)
+        self._buffer_view = memoryview(self._buf)
+        self._slots = [self._buffer_view[i * self._slot_size:(i + 1) * self._slot_size] for i in range(batch)]
+        self._alloc_out(batch * GSO_MAX_SEGMENTS if self._gro else batch)
+        self._n = 0
+        self._addrs: list = []        # source address per datagram of the last batch
+        self._name_cache: dict = {}
+        self._syscalls = 0
+        self._dgrams_in = 0
+        self._dgrams_out = 0
+        self._eagain = 0
+        self._errors: dict[str, int] = {}
+
+    # read-only attributes, as in the compiled module
+    family = property(lambda self: self._family, doc="The socket family (AF_INET or AF_INET6).")
+    batch = property(lambda self: self._batch, doc="Most receive slots (and at least the send entries) per syscall.")
+    max_datagram = property(lambda self: self._max_datagram, doc="Largest datagram received without GRO.")
+    gso_enabled = property(lambda self: self._gso, doc="UDP_SEGMENT usable (probed; False when the kernel refuses).")
+    gro_enabled = property(lambda self: self._gro, doc="UDP_GRO enabled on the socket.")
+
+    def _alloc_out(self, cap: int) -> None:
+        self._cap = cap
+        self._off_arr = np.zeros(cap, dtype=np.int64)
+        self._len_arr = np.zeros(cap, dtype=np.int64)
+
+    def _fd(self) -> int:
+        fd = self._sock.fileno()
+        if fd < 0:
+            raise _closed_error()
+        return fd
+
+    def _count_error(self, e: int) -> None:
+        name = _errno.errorcode.get(e, str(e))
+        self._errors[name] = self._errors.get(name, 0) + 1
+
+    # ------------------------------------------------------------------ receive
+
+    @property
+    def buffer(self) -> memoryview:
+        """The receive buffer (a ``memoryview`` of bytes), valid until the next ``recv_batch``."""
+        return self._buffer_view
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """int64 offsets in ``buffer`` of the datagrams of the last ``recv_batch``."""
+        return self._off_arr[:self._n]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 lengths of the datagrams of the last ``recv_batch``."""
+        return self._len_arr[:self._n]
+
+    @property
+    def stats(self) -> dict:
+        """Counters: syscalls, datagrams_in, datagrams_out, eagain, errors (errno name -> count)."""
+        return {
+            "syscalls": self._syscalls,
+            "datagrams_in": self._dgrams_in,
+            "datagrams_out": self._dgrams_out,
+            "eagain": self._eagain,
+            "errors": dict(self._errors),
+        }
+
+    def __len__(self) -> int:
+        """Number of datagrams from the last ``recv_batch``."""
+        return self._n
+
+    def recv_batch(self) -> int:
+        """Receive without blocking; return the number of datagrams (0 when none is waiting).
+
+        Up to ``batch`` receives fill one slot each; with GRO a slot may hold a
+        coalesced run, which is split back into its datagrams, so the count can
+        exceed ``batch``.  Datagrams longer than ``max_datagram`` (without GRO)
+        are dropped and counted as ``errors['EMSGSIZE']``.  After the call,
+        datagram ``i`` is ``buffer[offsets[i]:offsets[i] + lengths[i]]`` from
+        ``addr(i)``.
+        """
+        self._fd()
+        sock = self._sock
+        self._n = 0
+        got = []  # (slot, length, gro segment size, address)
+        tries = 0
+        slot = 0
+        while slot < self._batch:
+            try:
+                nbytes, anc, flags, address = sock.recvmsg_into([self._slots[slot]], _GRO_ANC, _socket.MSG_DONTWAIT)
+            except InterruptedError:
+                self._syscalls += 1
+                continue
+            except BlockingIOError:
+                self._syscalls += 1
+                if not got:
+                    self._eagain += 1
+                break
+            except OSError as exc:
+                self._syscalls += 1
+                if exc.errno in ICMP_ERRNOS:
+                    # the pending socket error was consumed by this call; try again
+                    self._count_error(exc.errno)
+                    tries += 1
+                    if tries <= _ICMP_RETRIES:
+                        continue
+                    break
+                if got:
+                    # report it on the next call, as recvmmsg does
+                    break
+                raise OSError(exc.errno, f"UdpIO.recv_batch: recvmsg failed: {_os.strerror(exc.errno)}") from None
+            self._syscalls += 1
+            if flags & _socket.MSG_TRUNC:
+                self._count_error(_errno.EMSGSIZE)
+                slot += 1
+                continue
+            g = 0
+            for level, kind, cdata in anc:
+                if level == SOL_UDP and kind == UDP_GRO:
+                    g = _INT.unpack(cdata[:_INT.size])[0]
+            got.append((slot, nbytes, g, address))
+            slot += 1
+        need = sum(-(-n // g) if 0 < g < n else 1 for _, n, g, _ in got)
+        if need > self._cap:
+            self._alloc_out(need)
+        off, lens, addrs = self._off_arr, self._len_arr, []
+        n = 0
+        for slot, length, g, address in got:
+            base = slot * self._slot_size
+            if 0 < g < length:
+                for pos in range(0, length, g):
+                    off[n] = base + pos
+                    lens[n] = min(g, length - pos)
+                    addrs.append(address)
+                    n += 1
+            else:
+                off[n] = base
+                lens[n] = length
+                addrs.append(address)
+                n += 1
+        self._n = n
+        self._addrs = addrs
+        self._dgrams_in += n
+        return n
+
+    def addr(self, i: int) -> tuple:
+        """Source address of datagram ``i`` of the last batch, as the socket module returns it."""
+        i = _operator.index(i)
+        if i < 0 or i >= self._n:
+            raise IndexError(f"datagram index {i} out of range for a batch of {self._n}")
+        return self._addrs[i]
+
+    def runs(self) -> list:
+        """``[(addr, start, stop), ...]``: maximal runs of consecutive datagrams from one source."""
+        out = []
+        start = 0
+        addrs = self._addrs
+        for j in range(1, self._n + 1):
+            if j == self._n or addrs[j] != addrs[start]:
+                out.append((addrs[start], start, j))
+                start = j
+        return out
+
+    # ------------------------------------------------------------------ send
+
+    def _resolve(self, addr):
+        if addr is None:
+            return None
+        try:
+            return self._name_cache[addr]
+        except (KeyError, TypeError):
+            pass
+        host, port, flowinfo, scope = _check_addr(self._family, addr)
+        try:
+            _socket.inet_pton(self._family, host)
+        except (OSError, ValueError):
+            # not a numeric address: resolve like the socket module would
+            sa = _socket.getaddrinfo(host, port, self._family, _socket.SOCK_DGRAM)[0][4]
+            host = sa[0]
+            if self._family == _socket.AF_INET6 and len(addr) <= 3:
+                scope = sa[3]
+        name = (host, port) if self._family == _socket.AF_INET else (host, port, flowinfo, scope)
+        if len(self._name_cache) >= _ADDR_CACHE_MAX:
+            self._name_cache.clear()
+        self._name_cache[addr] = name
+        return name
+
+    def send(self, addr, data, segment_size) -> int:
+        """Send ``data`` to ``addr`` as datagrams of ``segment_size`` bytes (the last may be shorter).
+
+        ``data`` is any C-contiguous buffer; ``addr`` is an address tuple, or
+        ``None`` for the peer of a connected socket.  Non-blocking: returns the
+        number of bytes accepted, a multiple of ``segment_size`` unless
+        everything was sent; stops early on EAGAIN/ENOBUFS.  Empty ``data``
+        sends nothing and returns 0.
+        """
+        return self._send([(addr, data, segment_size)], False)
+
+    def send_many(self, items) -> int:
+        """Send several ``(addr, data, segment_size)`` items; return how many were sent completely.
+
+        Items go out in order, batched into as few syscalls as possible.  When
+        it stops early (EAGAIN/ENOBUFS), the first item not counted may have
+        had some of its datagrams sent.  All items are validated before
+        anything is sent.
+        """
+        return self._send(list(items), True)
+
+    def _send(self, items: list, many: bool) -> int:
+        self._fd()
+        n_items = len(items)
+        if n_items == 0:
+            return 0
+        # 1. validate everything before any I/O
+        names, views, segs = [], [], []
+        for i, item in enumerate(items):
+            if not isinstance(item, tuple) or len(item) != 3:
+                raise TypeError(f"item {i} must be a tuple (addr, data, segment_size), got {item!r:.80}")
+            addr, data, segment_size = item
+            segment_size = _operator.index(segment_size)
+            if not 0 < segment_size <= MAX_SEGMENT_SIZE:
+                raise ValueError(f"segment_size must be in 1..{MAX_SEGMENT_SIZE} (a UDP payload), got {segment_size}")
+            mv = memoryview(data)
+            if not mv.c_contiguous:
+                raise ValueError("data must be a C-contiguous buffer; pass bytes(x) or numpy.ascontiguousarray(x)")
+            names.append(self._resolve(addr))
+            views.append(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv)
+            segs.append(segment_size)
+        # 2. walk a cursor (it, off) over the items, one sendmsg per message
+        sock = self._sock
+        gso_ok = self._gso
+        accepted = 0
+        it, off = 0, 0
+        retry_at = None
+        while it < n_items:
+            mv, seg, name = views[it], segs[it], names[it]
+            length = len(mv)
+            if off >= length:
+                it, off = it + 1, 0
+                continue
+            rem = length - off
+            use_gso = False
+            if gso_ok and rem > seg:
+                per = min(GSO_MAX_BYTES // seg, GSO_MAX_SEGMENTS)
+                if per >= 2:
+                    use_gso = True
+                    chunk = min(per * seg, rem)
+                else:
+                    chunk = seg
+            else:
+                chunk = min(seg, rem)
+            anc = [(SOL_UDP, UDP_SEGMENT, _U16.pack(seg))] if use_gso else []
+            try:
+                self._syscalls += 1
+                if name is None:
+                    sock.sendmsg([mv[off:off + chunk]], anc, _socket.MSG_DONTWAIT)
+                else:
+                    sock.sendmsg([mv[off:off + chunk]], anc, _socket.MSG_DONTWAIT, name)
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                e = exc.errno
+                if e in (_errno.EAGAIN, _errno.EWOULDBLOCK, _errno.ENOBUFS):
+                    self._eagain += 1
+                    if e == _errno.ENOBUFS:
+                        self._count_error(e)
+                    break
+                self._count_error(e)
+                if e in ICMP_ERRNOS:
+                    if retry_at == (it, off):
+                        # failed twice in a row: the destination is unreachable, drop it like a loss
+                        accepted += chunk
+                        off += chunk
+                        retry_at = None
+                    else:
+                        retry_at = (it, off)
+                    continue
+                if use_gso and e in (_errno.EINVAL, _errno.EIO):
+                    gso_ok = False
+                    if e == _errno.EIO:
+                        self._gso = False
+                    continue
+                if accepted > 0 or it > 0:
+                    break
+                raise OSError(e, f"UdpIO.send: sendmsg failed: {_os.strerror(e)}"
+                              + (" (is segment_size larger than the path allows?)" if e == _errno.EMSGSIZE else "")
+                              ) from None
+            accepted += chunk
+            self._dgrams_out += -(-chunk // seg)
+            off += chunk
+        # every item before the cursor went out completely (zero-length items included)
+        if many:
+            return it
+        return accepted

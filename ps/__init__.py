@@ -1,0 +1,1 @@
+"""Parameter server on LTP (installed as ``ltp_ps``)."""

@@ -1,0 +1,44 @@
+"""Exceptions of the parameter server, in one module.
+
+Two families, as in h11: :class:`ConfigError` means *this* process was set up
+wrongly (fix the command line or environment), :class:`RemoteError` means a
+peer sent something we cannot accept.  Every message says how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class PSError(Exception):
+    """Base of every error raised by ``ltp_ps``."""
+
+
+class ConfigError(PSError, ValueError):
+    """Local misuse: bad option, missing environment variable, bad model."""
+
+
+class RemoteError(PSError):
+    """A peer violated the protocol (bad header, wrong size, wrong version)."""
+
+
+class RendezvousError(PSError):
+    """Joining the job through the TCPStore failed."""
+
+
+class AuthError(RendezvousError):
+    """The job secret of this process and of the PS differ."""
+
+
+class MembershipError(RendezvousError):
+    """The PS rejected this worker (model size, dtype, world size, job full)."""
+
+
+class TransportError(PSError):
+    """A transfer failed (peer gone, timeout, connection refused)."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A transfer did not finish within its timeout."""
+
+
+class Stopped(PSError):
+    """The PS told this worker that training is over."""

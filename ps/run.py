@@ -1,0 +1,61 @@
+"""torchrun entry point: ranks ``< --num-servers`` are PS shards, the others workers.
+
+    torchrun --nproc-per-node 5 -m ltp_ps.run --model digits --epochs 10 --transport tcp
+    torchrun --nnodes 3 --node-rank K --master-addr HOST --master-port 29500 \\
+             --nproc-per-node 4 -m ltp_ps.run --host 0.0.0.0 --advertise <this node's IP> ...
+
+Rendezvous uses torchrun's TCPStore (MASTER_ADDR/MASTER_PORT; torchrun's
+agent hosts it, otherwise rank 0 does).  ``LTP_PS_ROLE=server|worker`` overrides
+the role; the number of workers is ``WORLD_SIZE - num_servers`` unless
+``--workers`` is given.  All processes need the same ``LTP_PS_SECRET``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import cli
+from . import rendezvous as rdv
+from .errors import PSError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m ltp_ps.run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli._common(ap)
+    cli._server_opts(ap)
+    cli._worker_opts(ap)
+    ap.set_defaults(workers=None)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rank = int(os.environ["RANK"])
+        world = int(os.environ["WORLD_SIZE"])
+    except KeyError as exc:
+        print(f"ltp_ps.run: {exc.args[0]} is not set; start this module with torchrun", file=sys.stderr)
+        return 2
+    role = os.environ.get("LTP_PS_ROLE") or ("server" if rank < args.num_servers else "worker")
+    if args.workers is None:
+        args.workers = world - args.num_servers
+    cli._limit_threads()
+    try:
+        store = rdv.store_from_env(args.store_timeout)
+        if role == "server":
+            args.shard = rank
+            cli._run(cli.serve(args, store=store))
+        else:
+            args.rank = rank - args.num_servers
+            cli._run(cli.work(args, store=store))
+        return 0
+    except PSError as exc:
+        print(f"ltp-ps[{role} rank {rank}]: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

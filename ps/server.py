@@ -1,0 +1,407 @@
+"""The PS shard: BSP rounds (gather -> aggregate -> optimizer -> broadcast) or asynchronous updates.
+
+Theory of operation (BSP)
+-------------------------
+One round ``i`` of shard ``s``::
+
+    poll joins        admit workers whose join request verified (rendezvous)
+    broadcast(i)      reliable: header(i, version) | params | bubbles of round i-1
+                      a failed send drops that worker (its process is gone)
+    gather(i)         loss-tolerant, one Early Close deadline (``gather_timeout_s``)
+                      for all active workers; a worker that delivers nothing is
+                      "missed" and dropped after ``max_missed`` misses in a row
+    combine           schedule.combine -> unbiased or zero-filled mean
+    optimizer step    in place on the broadcast buffer; version += 1
+    metrics, checkpoint every ``checkpoint_every`` rounds (atomic)
+
+Workers run the mirror loop (``ltp_ps.worker``): pull(i) -> compute -> push(i).
+A worker that joins late, or restarts and rejoins, receives the current
+parameters with the next broadcast.  After the last round every active worker
+gets a STOP message.
+
+Asynchronous mode: one task per worker loops ``send params -> recv gradient
+-> apply`` independently; every gradient is applied on arrival and its
+staleness (PS version now minus the version it was computed on) is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+from .aggregate import Aggregator
+from .checkpoint import load_latest, save_checkpoint
+from .errors import ConfigError, RendezvousError
+from .membership import Membership, Staleness
+from .metrics import MetricsLog, format_summary, summarize
+from .optim import FlatOptimizer
+from .schedule import DirectSchedule, Schedule
+from .sharding import ShardPlan
+from .transport.base import Transport
+from .wire import (ELEM, HEADER_BYTES, KIND_GRAD, KIND_PARAMS, KIND_STOP, MAX_BUBBLES, ParamsHeader,
+                   encode_bubbles, params_message_capacity, tag_of)
+from .workloads import Workload
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    world_size: int  # workers the job expects
+    epochs: int = 1
+    iterations: int | None = None  # overrides epochs * iters_per_epoch
+    mode: str = "bsp"  # "bsp" | "async"
+    aggregation: str = "unbiased"  # | "zero_fill"
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    gather_timeout_s: float = 10.0  # seconds; Early Close deadline bound for the gather
+    broadcast_timeout_s: float = 30.0  # seconds
+    max_missed: int = 3
+    min_workers: int | None = None  # BSP starts when this many joined (default: world_size)
+    join_timeout_s: float = 120.0  # seconds to wait for workers to (re)join
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # rounds; 0 = only at the end
+    metrics_path: str | None = None
+    evaluate: bool = True
+    progress: bool = False  # tqdm bar on stderr
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in ("bsp", "async"):
+            raise ConfigError(f"unknown mode {self.mode!r}; use bsp or async")
+        if self.world_size < 1:
+            raise ConfigError("--workers must be >= 1")
+
+
+class ParameterServer:
+    """One PS shard.  ``admit()`` directly, or pass a ``rendezvous`` to admit through the store."""
+
+    def __init__(self, workload: Workload, transport: Transport, config: ServerConfig, *,
+                 plan: ShardPlan | None = None, shard: int = 0, schedule: Schedule | None = None,
+                 rendezvous=None, log: Callable[[str], None] | None = None):
+        self.workload = workload
+        self.transport = transport
+        self.cfg = config
+        self.plan = plan or ShardPlan(workload.n_params, 1)
+        self.shard = shard
+        self.lo, self.hi = self.plan.ranges[shard]
+        self.n = self.hi - self.lo
+        self.schedule = schedule or DirectSchedule()
+        self.rendezvous = rendezvous
+        self.log = log or (lambda s: print(s, flush=True))
+        self.membership = Membership(max_missed=config.max_missed)
+        self.staleness = Staleness()
+        self.aggregator = Aggregator(self.n, config.aggregation)
+        # The broadcast buffer: header | params | bubble table; params are optimized in place.
+        self._msg = np.zeros(params_message_capacity(self.n), dtype=np.uint8)
+        self.params = self._msg[HEADER_BYTES:HEADER_BYTES + ELEM * self.n].view(np.float32)
+        self.params[:] = workload.initial_params(config.seed)[self.lo:self.hi]
+        self.optimizer = FlatOptimizer(self.params, config.optimizer, lr=config.lr, momentum=config.momentum,
+                                       weight_decay=config.weight_decay)
+        self.iteration = 0
+        self.version = 0
+        self.ipe = max(1, workload.iters_per_epoch(config.world_size))
+        self.total = config.iterations if config.iterations is not None else config.epochs * self.ipe
+        self.epochs_total = -(-self.total // self.ipe)
+        self._bufs: dict[int, np.ndarray] = {}
+        self._lost_prev: dict[int, list] = {}
+        self.metrics = MetricsLog(config.metrics_path)
+        self.epoch_lines: list[str] = []
+        self._stopping = False
+        self._resume()
+
+    # -- membership ------------------------------------------------------
+    def admit(self, rank: int, addr: tuple) -> None:
+        m = self.membership.admit(rank, addr, self.iteration)
+        self._bufs.setdefault(rank, np.zeros(HEADER_BYTES + ELEM * self.n, dtype=np.uint8))
+        self.metrics.write({"event": "join", "t": time.time(), "rank": rank, "addr": list(addr),
+                            "generation": m.generation, "iteration": self.iteration})
+
+    def _poll(self) -> None:
+        if self.rendezvous is None:
+            return
+        accepted, rejected = self.rendezvous.poll()
+        for req in accepted:
+            self.admit(int(req["rank"]), tuple(req["addr"]))
+        for rank, reason in rejected:
+            self.log(f"[ps{self.shard}] refused worker {rank}: {reason}")
+            self.metrics.write({"event": "refused", "t": time.time(), "rank": rank, "reason": reason})
+
+    async def _wait_workers(self, want: int) -> None:
+        deadline = time.monotonic() + self.cfg.join_timeout_s
+        while True:
+            self._poll()
+            if len(self.membership.active()) >= want:
+                return
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"only {len(self.membership.active())} of {want} workers joined PS shard {self.shard} within "
+                    f"{self.cfg.join_timeout_s:.0f} s; start the workers (same --store, --job, secret) or "
+                    f"lower --min-workers")
+            await asyncio.sleep(0.02)
+
+    # -- checkpoints -----------------------------------------------------
+    def _resume(self) -> None:
+        st = load_latest(self.cfg.checkpoint_dir, self.shard, n_params=self.workload.n_params,
+                         shard_range=(self.lo, self.hi))
+        if st is None:
+            return
+        self.params[:] = st["params"].numpy()
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.iteration, self.version = st["iteration"], st["version"]
+        self.log(f"[ps{self.shard}] resumed from checkpoint at iteration {self.iteration}")
+
+    def checkpoint(self) -> str | None:
+        if not self.cfg.checkpoint_dir:
+            return None
+        return save_checkpoint(self.cfg.checkpoint_dir, self.shard, params=self.params,
+                               optimizer_state=self.optimizer.state_dict(), iteration=self.iteration,
+                               version=self.version, n_params=self.workload.n_params,
+                               shard_range=(self.lo, self.hi))
+
+    # -- messages --------------------------------------------------------
+    def _params_message(self, kind: int, lost: dict) -> memoryview:
+        table = encode_bubbles(lost, MAX_BUBBLES) if kind == KIND_PARAMS else encode_bubbles({})
+        hdr = ParamsHeader(kind, self.shard, self.iteration, self.version, self.n, len(table),
+                           self.iteration // self.ipe)
+        hdr.pack_into(self._msg)
+        off = HEADER_BYTES + ELEM * self.n
+        raw = table.view(np.uint8)
+        self._msg[off:off + raw.size] = raw
+        return memoryview(self._msg)[:off + raw.size]
+
+    def _evaluate(self) -> dict:
+        if not self.cfg.evaluate or self.plan.n_shards != 1:
+            return {}
+        return self.workload.evaluate(self.params)
+
+    # -- BSP ---------------------------------------------------------------
+    async def run(self) -> dict:
+        """Train to the end; returns the summary dict."""
+        try:
+            if self.cfg.mode == "async":
+                await self._run_async()
+            else:
+                await self._run_bsp()
+        finally:
+            self.checkpoint()
+            self.metrics.close()
+        s = summarize(self.metrics.rows)
+        s["staleness_mean"] = self.staleness.mean
+        s["staleness_max"] = self.staleness.max
+        return s
+
+    async def _run_bsp(self) -> None:
+        await self._wait_workers(self.cfg.min_workers or self.cfg.world_size)
+        bar = _bar(self.total, self.iteration, self.cfg.progress, f"ps{self.shard}")
+        epoch_rows: list[dict] = []
+        while self.iteration < self.total:
+            self._poll()
+            if not self.membership.active():
+                self.log(f"[ps{self.shard}] no active workers; waiting for workers to rejoin")
+                await self._wait_workers(1)
+            row = await self.round()
+            epoch_rows.append(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", sync=f"{(row['gather_s'] + row['broadcast_s']) * 1e3:.1f}ms")
+            if self.iteration % self.ipe == 0 or self.iteration == self.total:
+                self._end_epoch(epoch_rows)
+                epoch_rows = []
+            if self.cfg.checkpoint_every and self.iteration % self.cfg.checkpoint_every == 0:
+                self.checkpoint()
+        if bar is not None:
+            bar.close()
+        await self._stop_all()
+
+    async def round(self) -> dict:
+        """One BSP round (broadcast i, gather i, update).  Returns its metrics row."""
+        it = self.iteration
+        members = self.membership.active()
+        self.transport.discard_before(tag_of(it, 0))  # late gradients of earlier rounds
+        msg = self._params_message(KIND_PARAMS, self._lost_prev)
+        t0 = time.monotonic()
+        reps = await self.schedule.server_broadcast(self.transport, [m.addr for m in members], msg,
+                                                    tag=tag_of(it, KIND_PARAMS), timeout=self.cfg.broadcast_timeout_s)
+        t_b = time.monotonic() - t0
+        alive = []
+        for m, r in zip(members, reps):
+            if isinstance(r, BaseException):
+                self.membership.failed(m.rank, f"broadcast failed: {r}")
+            else:
+                alive.append(m)
+        bufs = [self._bufs[m.rank] for m in alive]
+        t1 = time.monotonic()
+        greps = await self.schedule.server_gather(self.transport, [m.addr for m in alive], bufs,
+                                                  tag=tag_of(it, KIND_GRAD), timeout=self.cfg.gather_timeout_s)
+        t_wait = time.monotonic() - t1
+        contribs = []
+        lost: dict = {}
+        delivered: dict = {}
+        regimes: dict = {}
+        bubbles: dict = {}
+        losses, samples, compute = [], 0, []
+        for m, buf, r in zip(alive, bufs, greps):
+            c = self.schedule.contribution(m.rank, buf, r, self.n)
+            if c.usable and (c.header.iteration != it or c.header.rank != m.rank or c.header.shard != self.shard):
+                c = dataclasses.replace(c, header=None, lost=[(0, self.n)])  # stale or misrouted
+            contribs.append(c)
+            delivered[m.rank] = r.delivered_fraction if c.usable else 0.0
+            regimes[m.rank] = r.regime
+            if c.usable:
+                self.membership.delivered(m.rank)
+                losses.append(c.header.loss)
+                samples += c.header.samples
+                compute.append(c.header.compute_s)
+                if c.lost:
+                    bubbles[m.rank] = len(c.lost)
+            elif self.membership.missed(m.rank):
+                self.log(f"[ps{self.shard}] dropped worker {m.rank} after {self.cfg.max_missed} missed rounds")
+            if c.lost:
+                lost[m.rank] = c.lost
+        grad = self.schedule.combine(self.aggregator, contribs)
+        if self.aggregator.contributors:
+            self.optimizer.step(grad)
+            self.version += 1
+        self._lost_prev = lost
+        self.iteration += 1
+        # The gather wait includes the workers' compute; subtract the slowest one.
+        t_g = max(0.0, t_wait - (max(compute) if compute else 0.0))
+        row = {"event": "iteration", "t": time.time(), "shard": self.shard, "iteration": it,
+               "epoch": it // self.ipe, "workers": len(alive), "contributors": self.aggregator.contributors,
+               "gather_s": t_g, "gather_wait_s": t_wait, "broadcast_s": t_b,
+               "delivered": {str(k): v for k, v in delivered.items()}, "regime": {str(k): v for k, v in regimes.items()},
+               "bubbles": {str(k): v for k, v in bubbles.items()},
+               "lost_elements": {str(k): int(sum(e - s for s, e in v)) for k, v in lost.items()},
+               "loss": float(np.mean(losses)) if losses else float("nan"), "samples": samples}
+        for ev in self.membership.drain_events():
+            self.metrics.write({"event": ev.kind, "t": time.time(), "rank": ev.rank, "reason": ev.reason,
+                                "iteration": it})
+        self.metrics.write(row)
+        return row
+
+    def _end_epoch(self, rows: list[dict], epoch: int | None = None) -> None:
+        epoch = (self.iteration - 1) // self.ipe if epoch is None else epoch
+        ev = self._evaluate()
+        sync = [r["gather_s"] + r["broadcast_s"] for r in rows] or [float("nan")]
+        fr = [f for r in rows for f in r["delivered"].values()] or [float("nan")]
+        loss = [r["loss"] for r in rows if r["loss"] == r["loss"]] or [float("nan")]
+        row = {"event": "epoch", "t": time.time(), "shard": self.shard, "epoch": epoch,
+               "iteration": self.iteration, "loss": float(np.mean(loss)), "sync_mean_s": float(np.mean(sync)),
+               "delivered_mean": float(np.mean(fr)), "workers": len(self.membership.active()), **ev}
+        self.metrics.write(row)
+        acc = f"acc {ev['accuracy']:.4f}  " if "accuracy" in ev else ""
+        line = (f"[ps{self.shard}] epoch {epoch + 1:>3}/{self.epochs_total}  {acc}loss {row['loss']:.4f}  "
+                f"sync {row['sync_mean_s'] * 1e3:7.2f} ms  delivered {row['delivered_mean']:.4f}  "
+                f"workers {row['workers']}")
+        self.epoch_lines.append(line)
+        self.log(line)
+
+    async def _stop_all(self) -> None:
+        members = self.membership.active()
+        msg = self._params_message(KIND_STOP, {})
+        await self.transport.broadcast([m.addr for m in members], msg, tag=tag_of(self.iteration, KIND_STOP),
+                                       timeout=self.cfg.broadcast_timeout_s)
+
+    # -- asynchronous ------------------------------------------------------
+    async def _run_async(self) -> None:
+        total_updates = self.total * self.cfg.world_size if self.cfg.iterations is None else self.total
+        self._async_total = total_updates
+        await self._wait_workers(self.cfg.min_workers or self.cfg.world_size)
+        tasks: dict[int, asyncio.Task] = {}
+        self._done = asyncio.Event()
+        bar = _bar(total_updates, self.version, self.cfg.progress, f"ps{self.shard} async")
+        self._async_bar = bar
+        self._async_rows: list[dict] = []
+        while not self._done.is_set():
+            self._poll()
+            for m in self.membership.active():
+                t = tasks.get(m.rank)
+                if t is None or t.done() or getattr(t, "generation", -1) != m.generation:
+                    if t is not None and not t.done():
+                        t.cancel()
+                    t = asyncio.create_task(self._async_worker(m))
+                    t.generation = m.generation
+                    tasks[m.rank] = t
+            if not self.membership.active() and not any(not t.done() for t in tasks.values()):
+                await self._wait_workers(1)
+            try:
+                await asyncio.wait_for(self._done.wait(), 0.05)
+            except asyncio.TimeoutError:
+                pass
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        if bar is not None:
+            bar.close()
+
+    async def _async_worker(self, m) -> None:
+        own = np.zeros(params_message_capacity(self.n), dtype=np.uint8)
+        buf = self._bufs[m.rank]
+        while m.state.value == "active" and m is self.membership.members.get(m.rank):
+            if self.version >= self._async_total:
+                hdr = ParamsHeader(KIND_STOP, self.shard, self.version, self.version, 0, 0)
+                hdr.pack_into(own)
+                try:
+                    await self.transport.send(m.addr, own[:HEADER_BYTES], reliable=True,
+                                              tag=tag_of(self.version, KIND_STOP), timeout=self.cfg.broadcast_timeout_s)
+                except Exception:
+                    pass
+                self._done.set()
+                return
+            ParamsHeader(KIND_PARAMS, self.shard, self.version, self.version, self.n, 0,
+                         self.version // (self.ipe * self.cfg.world_size)).pack_into(own)
+            own[HEADER_BYTES:HEADER_BYTES + ELEM * self.n] = self._msg[HEADER_BYTES:HEADER_BYTES + ELEM * self.n]
+            try:
+                t0 = time.monotonic()
+                await self.transport.send(m.addr, own[:HEADER_BYTES + ELEM * self.n], reliable=True,
+                                          tag=tag_of(self.version, KIND_PARAMS), timeout=self.cfg.broadcast_timeout_s)
+                t_b = time.monotonic() - t0
+                r = await self.schedule.worker_pull(self.transport, m.addr, buf, timeout=self.cfg.gather_timeout_s)
+            except Exception as exc:  # dead or slow worker
+                if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+                    if self.membership.missed(m.rank, "no gradient within the gather timeout"):
+                        break
+                    continue
+                self.membership.failed(m.rank, f"transfer failed: {exc}")
+                break
+            c = self.schedule.contribution(m.rank, buf, r, self.n)
+            if not c.usable or c.header.rank != m.rank:
+                self.membership.missed(m.rank, "unusable gradient")
+                continue
+            self.membership.delivered(m.rank)
+            st = self.staleness.record(c.header.model_version, self.version)
+            grad = self.schedule.combine(self.aggregator, [c])
+            self.optimizer.step(grad)  # no await between snapshot and update: atomic in asyncio
+            self.version += 1
+            self.iteration = self.version
+            row = {"event": "iteration", "t": time.time(), "shard": self.shard, "iteration": self.version - 1,
+                   "rank": m.rank, "staleness": st, "gather_s": r.duration_s, "broadcast_s": t_b,
+                   "delivered": {str(m.rank): r.delivered_fraction}, "regime": {str(m.rank): r.regime},
+                   "loss": c.header.loss, "samples": c.header.samples}
+            self.metrics.write(row)
+            self._async_rows.append(row)
+            if self._async_bar is not None:
+                self._async_bar.update(1)
+            per_epoch = self.ipe * self.cfg.world_size
+            if self.version % per_epoch == 0 or self.version == self._async_total:
+                self._end_epoch(self._async_rows, (self.version - 1) // per_epoch)
+                self._async_rows = []
+            if self.cfg.checkpoint_every and self.version % self.cfg.checkpoint_every == 0:
+                self.checkpoint()
+
+
+def _bar(total, initial, enabled, desc):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="it", file=sys.stderr, leave=False)
+
+
+def summary_text(server: ParameterServer, summary: dict) -> str:
+    return format_summary(summary, f"ltp-ps shard {server.shard} ({server.transport.name}, {server.cfg.mode}, "
+                                   f"{server.cfg.aggregation})")

@@ -1,0 +1,34 @@
+"""Transports behind one interface: TCP (kernel CC), LTP, and an in-memory fake."""
+
+from __future__ import annotations
+
+from .base import (CANCELLED, COMPLETE, DEADLINE, EARLY, TIMEOUT, Address, RecvReport, SendReport,
+                   Transport, missing_report)
+from .memory import MemoryNetwork, MemoryTransport
+from .tcp import TcpTransport, available_congestion_controls
+
+__all__ = ["Address", "RecvReport", "SendReport", "Transport", "TcpTransport", "LtpTransport",
+           "MemoryNetwork", "MemoryTransport", "open_transport", "missing_report",
+           "available_congestion_controls", "COMPLETE", "EARLY", "DEADLINE", "CANCELLED", "TIMEOUT"]
+
+
+def __getattr__(name):
+    if name == "LtpTransport":
+        from .ltp import LtpTransport
+
+        return LtpTransport
+    raise AttributeError(name)
+
+
+async def open_transport(kind: str, host: str = "127.0.0.1", port: int = 0, *, cc: str | None = "cubic",
+                         job_key: bytes | None = None, advertise_host: str | None = None) -> Transport:
+    """Open a ``"tcp"`` or ``"ltp"`` endpoint listening on ``(host, port)``."""
+    if kind == "tcp":
+        return await TcpTransport.open(host, port, cc=cc, advertise_host=advertise_host)
+    if kind == "ltp":
+        from .ltp import LtpTransport
+
+        return await LtpTransport.open(host, port, job_key=job_key, advertise_host=advertise_host)
+    from ..errors import ConfigError
+
+    raise ConfigError(f"unknown transport {kind!r}; use --transport ltp or --transport tcp")

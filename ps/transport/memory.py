@@ -1,0 +1,131 @@
+"""In-memory transport with LTP-like loss semantics, for deterministic tests.
+
+A :class:`MemoryNetwork` connects any number of :class:`MemoryTransport`
+endpoints inside one event loop.  Loss-tolerant sends (``reliable=False``)
+are cut into ``segment_size``-byte segments; each non-critical segment is lost
+with probability ``loss`` (seeded ``random.Random``), and the receiver gets the
+message with the lost segments zero-filled and listed as ``bubbles`` -- what
+LTP's bubble-filling delivers.  Segments overlapping a critical byte range are
+always delivered.  ``kill(addr)`` makes an endpoint vanish (sends to it fail,
+its pending transfers never complete), like a crashed process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Sequence
+
+from ..errors import TransportError, TransportTimeout
+from .base import COMPLETE, EARLY, Address, RecvReport, SendReport, Transport, as_bytes_view, gather_by_recv
+from .mailbox import Mailbox
+
+
+def _overlaps(a0, a1, ranges) -> bool:
+    return any(a0 < e and s < a1 for s, e in ranges)
+
+
+class MemoryNetwork:
+    def __init__(self, *, loss: float = 0.0, segment_size: int = 1024, seed: int = 0):
+        self.loss = loss
+        self.segment_size = segment_size
+        self.rng = random.Random(seed)
+        self.endpoints: dict = {}
+        self.dead: set = set()
+        self._next = 1
+
+    def endpoint(self) -> "MemoryTransport":
+        addr = ("mem", self._next)
+        self._next += 1
+        ep = MemoryTransport(self, addr)
+        self.endpoints[addr] = ep
+        return ep
+
+    def kill(self, addr: Address) -> None:
+        self.dead.add(tuple(addr))
+        ep = self.endpoints.get(tuple(addr))
+        for other in self.endpoints.values():
+            if other is not ep:
+                other._mailbox.peer_closed(tuple(addr))
+
+    def lose(self, data: memoryview, critical) -> tuple:
+        """Return ``(payload, bubbles)`` after dropping segments."""
+        if self.loss <= 0:
+            return bytes(data), ()
+        buf = bytearray(data)
+        bubbles = []
+        seg = self.segment_size
+        for s in range(0, len(buf), seg):
+            e = min(s + seg, len(buf))
+            if _overlaps(s, e, critical):
+                continue
+            if self.rng.random() < self.loss:
+                buf[s:e] = bytes(e - s)
+                if bubbles and bubbles[-1][1] == s:
+                    bubbles[-1] = (bubbles[-1][0], e)
+                else:
+                    bubbles.append((s, e))
+        return bytes(buf), tuple(bubbles)
+
+
+class MemoryTransport(Transport):
+    name = "memory"
+
+    def __init__(self, net: MemoryNetwork, addr: Address):
+        self.net = net
+        self._addr = addr
+        self._mailbox = Mailbox()
+        self._closed = False
+
+    @property
+    def local_addr(self) -> Address:
+        return self._addr
+
+    async def send(self, peer, data, *, reliable=False, critical=(), element_size=4, tag=0, timeout=None):
+        if self._closed or self._addr in self.net.dead:
+            raise TransportError("transport is closed")
+        view = as_bytes_view(data)
+        if element_size and view.nbytes % element_size:
+            raise ValueError(f"send: {view.nbytes} bytes is not a multiple of element_size={element_size}")
+        peer = tuple(peer)
+        dst = self.net.endpoints.get(peer)
+        if dst is None or peer in self.net.dead or dst._closed:
+            raise TransportError(f"send to {peer} failed: no such endpoint (dead?)")
+        if reliable:
+            payload, bubbles = bytes(view), ()
+        else:
+            payload, bubbles = self.net.lose(view, critical)
+        lost = sum(e - s for s, e in bubbles)
+        await asyncio.sleep(0)
+        dst._mailbox.deliver(self._addr, tag, payload, bubbles)
+        n = view.nbytes
+        frac = (n - lost) / n if n else 1.0
+        return SendReport(peer=peer, tag=tag, total_bytes=n, delivered_bytes=n - lost,
+                          delivered_fraction=frac, close_reason="complete" if not lost else "early",
+                          reliable=reliable)
+
+    async def recv(self, into, *, peer=None, tag=None, timeout=None):
+        view = as_bytes_view(into)
+        t0 = time.monotonic()
+        fut = self._mailbox.post(peer, tag)
+        try:
+            src, t, payload, bubbles = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError as exc:
+            raise TransportTimeout(f"no message (peer={peer}, tag={tag}) within {timeout} s") from exc
+        n = len(payload)
+        if n > view.nbytes:
+            raise TransportError(f"message of {n} bytes does not fit the {view.nbytes}-byte buffer")
+        view[:n] = payload
+        lost = sum(e - s for s, e in bubbles)
+        return RecvReport(peer=src, tag=t, total_bytes=n, received_bytes=n - lost,
+                          delivered_fraction=(n - lost) / n if n else 1.0, bubbles=tuple(bubbles),
+                          critical_complete=True, regime=EARLY if bubbles else COMPLETE,
+                          duration_s=time.monotonic() - t0)
+
+    async def gather(self, peers: Sequence[Address], into: Sequence, *, tag, timeout=None):
+        return await gather_by_recv(self, peers, into, tag=tag, timeout=timeout)
+
+    async def close(self):
+        self._closed = True
+        self._mailbox.close(TransportError("transport closed"))

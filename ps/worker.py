@@ -1,0 +1,147 @@
+"""The worker: pull parameters from every shard, compute, push gradients (ps-lite's KVWorker).
+
+Loop (same for BSP and asynchronous mode; the PS decides the pace)::
+
+    pull     one parameter message from each shard, in parallel (reliable)
+             STOP from any shard -> return
+    feedback the bubble table names the element ranges of *our* previous
+             push that the PS did not receive -> error feedback residual
+    compute  gradient at those parameters on the next local batch (in a
+             thread, so the event loop keeps serving the transport)
+    push     header | gradient slice to each shard, loss-tolerant, critical =
+             header + first/last element of every tensor (tag = iteration)
+
+``push``/``pull`` are also public coroutines returning reports, the
+request-tracking layer of ps-lite (our futures are asyncio awaitables).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Sequence
+
+import numpy as np
+
+from .aggregate import critical_ranges
+from .errors import RemoteError, TransportTimeout
+from .feedback import ErrorFeedback
+from .schedule import DirectSchedule, Schedule
+from .transport.base import Transport
+from .wire import (BUBBLE_BYTES, ELEM, HEADER_BYTES, KIND_GRAD, KIND_STOP, GradHeader, ParamsHeader,
+                   decode_bubbles, params_message_capacity, tag_of)
+from .workloads import Workload, set_flat
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRef:
+    """Where a shard lives and which contiguous range of the model it owns."""
+
+    shard: int
+    addr: tuple
+    lo: int
+    hi: int
+
+
+@dataclasses.dataclass
+class WorkerConfig:
+    rank: int
+    world_size: int
+    error_feedback: bool = False
+    pull_timeout_s: float = 60.0  # seconds without parameters before giving up
+    push_timeout_s: float | None = 30.0
+    edge_elems: int = 1  # critical elements at each end of every tensor
+    seed: int = 0
+    max_iterations: int | None = None  # stop after this many pushes (tests: simulate a crash)
+
+
+class Worker:
+    def __init__(self, workload: Workload, transport: Transport, shards: Sequence[ShardRef], config: WorkerConfig,
+                 *, schedule: Schedule | None = None):
+        self.workload = workload
+        self.transport = transport
+        self.shards = sorted(shards, key=lambda s: s.shard)
+        self.cfg = config
+        self.schedule = schedule or DirectSchedule()
+        self.n = workload.n_params
+        self.model = workload.build_model()
+        self.flat = np.zeros(self.n, dtype=np.float32)
+        self._in = [np.zeros(params_message_capacity(s.hi - s.lo), dtype=np.uint8) for s in self.shards]
+        self._out = [np.zeros(HEADER_BYTES + ELEM * (s.hi - s.lo), dtype=np.uint8) for s in self.shards]
+        layout = workload.layout()
+        self._critical = [critical_ranges(layout, header_bytes=HEADER_BYTES, shard=(s.lo, s.hi),
+                                          edge_elems=config.edge_elems) for s in self.shards]
+        self.feedback = ErrorFeedback(self.n) if config.error_feedback else None
+        self._batches = None
+        self.iterations = 0
+        self.last_loss = float("nan")
+        self.pushes: list = []
+
+    async def pull(self) -> list[ParamsHeader]:
+        """Receive one parameter message per shard; parameters land in ``self.flat``."""
+        reps = await asyncio.gather(*(self.schedule.worker_pull(self.transport, s.addr, buf,
+                                                                timeout=self.cfg.pull_timeout_s)
+                                      for s, buf in zip(self.shards, self._in)))
+        headers = []
+        for s, buf, r in zip(self.shards, self._in, reps):
+            h = ParamsHeader.unpack(buf)
+            if h.kind != KIND_STOP and h.n_elems != s.hi - s.lo:
+                raise RemoteError(f"shard {s.shard} sent {h.n_elems} parameters, expected {s.hi - s.lo}")
+            headers.append(h)
+        if any(h.kind == KIND_STOP for h in headers):
+            return headers
+        its = {h.iteration for h in headers}
+        if len(its) != 1:
+            raise RemoteError(f"shards are at different iterations {sorted(its)}; BSP shards must advance together")
+        for s, buf, h in zip(self.shards, self._in, headers):
+            self.flat[s.lo:s.hi] = buf[HEADER_BYTES:HEADER_BYTES + ELEM * h.n_elems].view(np.float32)
+            if self.feedback is not None and h.n_bubbles:
+                off = HEADER_BYTES + ELEM * h.n_elems
+                mine = decode_bubbles(buf[off:off + BUBBLE_BYTES * h.n_bubbles], h.n_bubbles).get(self.cfg.rank, [])
+                if mine:
+                    self.feedback.lost_shard(h.iteration - 1, [(s.lo + a, s.lo + b) for a, b in mine])
+        if self.feedback is not None:
+            self.feedback.commit()
+        return headers
+
+    async def push(self, grad: np.ndarray, *, iteration: int, model_version: int, loss: float, samples: int,
+                   compute_s: float = 0.0) -> list:
+        """Send ``grad`` (full model) to every shard; returns the SendReports."""
+        coros = []
+        for s, out, crit in zip(self.shards, self._out, self._critical):
+            GradHeader(self.cfg.rank, s.shard, iteration, model_version, samples, loss, compute_s).pack_into(out)
+            out[HEADER_BYTES:].view(np.float32)[:] = grad[s.lo:s.hi]
+            coros.append(self.schedule.worker_push(self.transport, s.addr, out, critical=crit,
+                                                   tag=tag_of(iteration, KIND_GRAD), timeout=self.cfg.push_timeout_s))
+        return list(await asyncio.gather(*coros))
+
+    async def run(self) -> dict:
+        """Train until the PS says STOP.  Returns a small stats dict."""
+        if self._batches is None:
+            self._batches = self.workload.batches(self.cfg.rank, self.cfg.world_size, self.cfg.seed)
+        while True:
+            try:
+                headers = await self.pull()
+            except TransportTimeout as exc:
+                raise TransportTimeout(
+                    f"worker {self.cfg.rank}: no parameters from the PS within {self.cfg.pull_timeout_s} s; the PS "
+                    f"may have dropped this worker (raise --max-missed / --gather-timeout) or exited") from exc
+            if any(h.kind == KIND_STOP for h in headers):
+                return {"iterations": self.iterations, "last_loss": self.last_loss, "stopped": True}
+            h = headers[0]
+            if self.model is not None:
+                set_flat(self.model, self.flat)
+            batch = next(self._batches)
+            t0 = time.monotonic()
+            grad, loss, samples = await asyncio.to_thread(self.workload.compute, self.model, batch)
+            compute_s = time.monotonic() - t0
+            if self.feedback is not None:
+                grad = self.feedback.compensate(grad, h.iteration)
+            reps = await self.push(grad, iteration=h.iteration, model_version=h.model_version, loss=loss,
+                                   samples=samples, compute_s=compute_s)
+            self.pushes.append([r.delivered_fraction for r in reps])
+            self.iterations += 1
+            self.last_loss = loss
+            if self.cfg.max_iterations is not None and self.iterations >= self.cfg.max_iterations:
+                return {"iterations": self.iterations, "last_loss": loss, "stopped": False}

@@ -1,0 +1,86 @@
+"""Helpers for the ltp_ps tests: an in-memory job (PS shards + workers in one event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from ltp_ps.server import ParameterServer, ServerConfig
+from ltp_ps.sharding import ShardPlan
+from ltp_ps.transport import MemoryNetwork
+from ltp_ps.worker import ShardRef, Worker, WorkerConfig
+from ltp_ps.workloads import get_workload
+
+_WORKLOADS: dict = {}
+
+
+def workload(name="digits"):
+    if name not in _WORKLOADS:
+        _WORKLOADS[name] = get_workload(name)
+    return _WORKLOADS[name]
+
+
+@dataclasses.dataclass
+class Job:
+    net: MemoryNetwork
+    servers: list
+    workers: list
+    worker_transports: list
+
+
+def make_job(n_workers=4, *, n_shards=1, loss=0.0, seed=0, wl=None, worker_kw=None, **server_kw) -> Job:
+    wl = wl or workload()
+    net = MemoryNetwork(loss=loss, segment_size=1024, seed=seed)
+    plan = ShardPlan(wl.n_params, n_shards)
+    server_kw.setdefault("world_size", n_workers)
+    servers = []
+    for s in range(n_shards):
+        t = net.endpoint()
+        servers.append(ParameterServer(wl, t, ServerConfig(**server_kw), plan=plan, shard=s, log=lambda _: None))
+    refs = [ShardRef(s.shard, s.transport.local_addr, s.lo, s.hi) for s in servers]
+    workers, wts = [], []
+    for r in range(n_workers):
+        t = net.endpoint()
+        for s in servers:
+            s.admit(r, t.local_addr)
+        workers.append(Worker(wl, t, refs, WorkerConfig(rank=r, world_size=n_workers, **(worker_kw or {}))))
+        wts.append(t)
+    return Job(net, servers, workers, wts)
+
+
+async def run_job(job: Job, *extra):
+    return await asyncio.gather(*(s.run() for s in job.servers), *(w.run() for w in job.workers), *extra)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**kw) -> dict:
+    env = dict(os.environ)
+    env.setdefault("LTP_PS_SECRET", "test-secret")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    env.update(kw)
+    return env
+
+
+def ps_cmd(*args) -> list:
+    return [sys.executable, "-m", "ltp_ps.cli", *map(str, args)]
+
+
+def stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

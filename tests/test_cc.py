@@ -1,0 +1,112 @@
+"""BBR model, pacer and Early Close policy: pure objects, no network."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ltp.bbr import BBR, DRAIN, PROBE_BW, PROBE_RTT, STARTUP
+from ltp.early_close import LinkThresholds, decide
+from ltp.pacing import Pacer
+
+MSS = 1472
+
+
+def _drive(bbr, *, rate, rtt, rounds, start=0.0, inflight=None, delivered0=0):
+    """Feed one ACK per round with a constant delivery rate and RTT."""
+    now = start
+    delivered = delivered0
+    for _ in range(rounds):
+        prior = delivered
+        now += rtt
+        delivered += int(rate * rtt)
+        bbr.on_ack(now, delivered=delivered, prior_delivered=prior, rate_bps=rate, rtt_s=rtt,
+                   inflight=inflight if inflight is not None else int(rate * rtt))
+    return now, delivered
+
+
+def test_startup_fills_pipe_drains_and_probes_bandwidth():
+    bbr = BBR(mss=MSS, rng=random.Random(1))
+    assert bbr.state == STARTUP and bbr.pacing_gain == pytest.approx(2.885, rel=1e-3)
+    now, d = _drive(bbr, rate=1e6, rtt=0.01, rounds=2)
+    assert bbr.state == STARTUP
+    now, d = _drive(bbr, rate=1e6, rtt=0.01, rounds=4, start=now, delivered0=d, inflight=10**9)
+    assert bbr.filled_pipe and bbr.state == DRAIN
+    now, d = _drive(bbr, rate=1e6, rtt=0.01, rounds=1, start=now, delivered0=d, inflight=0)
+    assert bbr.state == PROBE_BW
+    assert bbr.btlbw == 1e6 and bbr.rtprop == 0.01
+    assert bbr.bdp() == pytest.approx(1e4)
+    gains = set()
+    for _ in range(20):
+        now, d = _drive(bbr, rate=1e6, rtt=0.01, rounds=1, start=now + 0.001, delivered0=d)
+        gains.add(bbr.pacing_gain)
+    assert {1.25, 0.75, 1.0} <= gains
+    assert bbr.pacing_rate in (1.25e6, 0.75e6, 1e6)
+
+
+def test_btlbw_is_windowed_max_and_expires_after_ten_rounds():
+    bbr = BBR(mss=MSS)
+    now, d = _drive(bbr, rate=5e6, rtt=0.01, rounds=1)
+    now, d = _drive(bbr, rate=1e6, rtt=0.01, rounds=5, start=now, delivered0=d)
+    assert bbr.btlbw == 5e6
+    now, d = _drive(bbr, rate=1e6, rtt=0.01, rounds=10, start=now, delivered0=d)
+    assert bbr.btlbw == 1e6
+
+
+def test_loss_is_not_a_signal_window_depends_only_on_bdp():
+    """Two models fed the same delivery samples end with the same window, whatever was lost."""
+    a, b = BBR(mss=MSS, rng=random.Random(3)), BBR(mss=MSS, rng=random.Random(3))
+    _drive(a, rate=2e6, rtt=0.02, rounds=30)
+    _drive(b, rate=2e6, rtt=0.02, rounds=30)
+    assert a.cwnd(30_000) == b.cwnd(30_000) >= 2 * 2e6 * 0.02
+
+
+def test_probe_rtt_after_rtprop_goes_stale():
+    bbr = BBR(mss=MSS, probe_rtt_interval_s=1.0, probe_rtt_duration_s=0.2, rng=random.Random(0))
+    now, d = _drive(bbr, rate=1e6, rtt=0.01, rounds=10)
+    # RTT rises (queue) so RTprop is not refreshed; after 1 s PROBE_RTT starts
+    now, d = _drive(bbr, rate=1e6, rtt=0.05, rounds=30, start=now, delivered0=d)
+    assert bbr.state == PROBE_RTT and bbr.cwnd(10_000) == 4 * MSS
+    now, d = _drive(bbr, rate=1e6, rtt=0.011, rounds=30, start=now, delivered0=d, inflight=MSS)
+    assert bbr.state != PROBE_RTT and bbr.rtprop == pytest.approx(0.011)
+
+
+def test_pacer_bursts_and_next_time():
+    p = Pacer(granularity_s=0.001, min_burst_bytes=10 * MSS, rate=125e6)  # 1 Gbit/s
+    assert p.burst_bytes == 125_000
+    assert p.available(0.0) == 125_000
+    p.consume(0.0, 125_000)
+    assert p.available(0.0) == 0
+    t = p.next_time(0.0, MSS)
+    assert t == pytest.approx(MSS / 125e6, rel=0.01)
+    assert p.available(t) >= MSS
+    assert p.available(10.0) == 125_000  # capped at one burst
+    slow = Pacer(granularity_s=0.001, min_burst_bytes=10 * MSS, rate=1e5)
+    assert slow.burst_bytes == 10 * MSS  # never below the minimum burst
+
+
+def test_decide_regimes():
+    kw = dict(start=0.0, lt=0.1, deadline=0.2, critical_ok=True, lt_fraction=0.8, reliable=False)
+    assert decide(0.05, fraction=0.99, complete=False, **kw) == (None, 0.1)  # before LT: wait for all
+    assert decide(0.05, fraction=1.0, complete=True, **kw)[0] == "complete"
+    assert decide(0.15, fraction=0.85, complete=False, **kw)[0] == "early"
+    assert decide(0.15, fraction=0.75, complete=False, **kw) == (None, 0.2)
+    assert decide(0.15, fraction=0.9, complete=False, **{**kw, "critical_ok": False}) == (None, 0.2)
+    assert decide(0.2, fraction=0.1, complete=False, **kw)[0] == "deadline"
+    assert decide(5.0, fraction=0.1, complete=False, **{**kw, "reliable": True}) == (None, None)
+    assert decide(5.0, fraction=0.9, complete=False, **{**kw, "lt": None, "deadline": None}) == (None, None)
+
+
+def test_lt_threshold_initial_formula_then_shortest_full_delivery():
+    t = LinkThresholds(window=3)
+    link = ("10.0.0.1", 1)
+    assert t.threshold(link, 1000) is None
+    assert t.threshold(link, 10_000_000, 0.001, 1e9) == pytest.approx(1.5e-3 + 0.01)
+    for d in (0.05, 0.03, 0.04):
+        t.record_full(link, 10_000_000, d)
+    assert t.threshold(link, 10_000_000, 0.002, 1e9) == pytest.approx(0.03 + 0.001)
+    for d in (0.06, 0.07, 0.08):  # the window forgets the old best: the link got slower
+        t.record_full(link, 10_000_000, d)
+    assert t.history(link, 10_000_000) == 0.06
+    assert t.threshold(("10.0.0.2", 1), 10_000_000) is None  # per link

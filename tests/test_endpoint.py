@@ -1,0 +1,168 @@
+"""Loopback socket tier: real UDP sockets through the asyncio adapter and the blocking wrapper."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+import ltp
+from ltp.config import Config
+from ltp.errors import LocalProtocolError, TransferTimeout
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class LossyIO:
+    """Wraps the adapter's UdpIO: drops data-sized datagrams with probability ``loss`` (seeded)."""
+
+    def __init__(self, io, loss: float, seed: int) -> None:
+        self._io = io
+        self.loss = loss
+        self.rng = random.Random(seed)
+        self.dropped = 0
+
+    def __getattr__(self, name):
+        return getattr(self._io, name)
+
+    def send(self, addr, data, segment_size):
+        mv = memoryview(data)
+        for i in range(0, len(mv), segment_size):
+            d = mv[i:i + segment_size]
+            if len(d) > 200 and self.rng.random() < self.loss:
+                self.dropped += 1
+                continue
+            if self._io.send(addr, d, len(d)) < len(d):
+                return i
+        return len(mv)
+
+
+async def _pair(loss=0.0, seed=0, **cfg):
+    a = await ltp.open_endpoint(("127.0.0.1", 0), config=Config(**cfg))
+    b = await ltp.open_endpoint(("127.0.0.1", 0), config=Config(**cfg))
+    if loss:
+        a._io = LossyIO(a._io, loss, seed)
+    return a, b
+
+
+async def test_send_recv_reliable_bit_exact_and_reports():
+    a, b = await _pair()
+    async with a, b:
+        data = np.random.default_rng(1).standard_normal(500_000).astype(np.float32)
+        out = np.zeros_like(data)
+        s, r = await asyncio.gather(a.send(b.local_addr, data, reliable=True, tag=3),
+                                    b.recv(out, peer=a.local_addr, tag=3))
+        assert np.array_equal(out, data)
+        assert s.close_reason in ("acked", "complete") and s.delivered_fraction == 1.0 and s.reliable
+        assert r.regime == "complete" and r.peer == a.local_addr and r.tag == 3 and r.bubbles == []
+        assert s.rtprop_s > 0 and s.btlbw_bps > 0
+        assert b.stats.flows_received == 1 and sum(b.stats.dropped.values()) == 0
+
+
+async def test_reliable_mode_over_lossy_loopback_is_exact():
+    a, b = await _pair(loss=0.05, seed=3)
+    async with a, b:
+        data = np.random.default_rng(2).standard_normal(300_000).astype(np.float32)
+        out = np.zeros_like(data)
+        s, r = await asyncio.gather(a.send(b.local_addr, data, reliable=True), b.recv(out))
+        assert a._io.dropped > 0 and s.retransmitted_packets >= a._io.dropped * 0.9
+        assert np.array_equal(out, data)
+
+
+async def test_loss_tolerant_gather_with_bubbles_over_lossy_loopback():
+    ps = await ltp.open_endpoint(("127.0.0.1", 0), config=Config(deadline_slack_s=0.002))
+    workers = [await ltp.open_endpoint(("127.0.0.1", 0)) for _ in range(3)]
+    for i, w in enumerate(workers):
+        w._io = LossyIO(w._io, 0.2, seed=i)
+    try:
+        data = [np.full(200_000, i + 1, np.float32) for i in range(3)]
+        for it in range(3):
+            outs = [np.full(200_000, -1.0, np.float32) for _ in range(3)]
+            reps, *sends = await asyncio.gather(
+                ps.gather([w.local_addr for w in workers], outs, tag=it, timeout=10),
+                *[w.send(ps.local_addr, d, tag=it, critical=[(0, 1456)]) for w, d in zip(workers, data)])
+            for rep, out, i in zip(reps, outs, range(3)):
+                assert rep.critical_complete and out[0] == i + 1
+                assert set(np.unique(out).tolist()) <= {0.0, float(i + 1)}  # only data or zero bubbles
+                zeros = sum(b - a for a, b in rep.bubbles)
+                assert zeros == int((out == 0).sum()) * 4
+                assert rep.regime in ("complete", "early", "deadline")
+    finally:
+        for e in [ps, *workers]:
+            await e.close()
+
+
+async def test_broadcast_reaches_every_peer_exactly():
+    ps = await ltp.open_endpoint(("127.0.0.1", 0))
+    workers = [await ltp.open_endpoint(("127.0.0.1", 0)) for _ in range(3)]
+    try:
+        params = np.arange(100_000, dtype=np.float32)
+        outs = [np.zeros_like(params) for _ in workers]
+        reps, *recvs = await asyncio.gather(ps.broadcast([w.local_addr for w in workers], params, tag=9),
+                                            *[w.recv(o, tag=9) for w, o in zip(workers, outs)])
+        assert len(reps) == 3 and all(r.delivered_fraction == 1.0 for r in reps)
+        assert all(np.array_equal(o, params) for o in outs)
+    finally:
+        for e in [ps, *workers]:
+            await e.close()
+
+
+async def test_recv_timeout_and_misuse_errors():
+    a, b = await _pair()
+    async with a, b:
+        with pytest.raises(TransferTimeout):
+            await b.recv(bytearray(100), timeout=0.05)
+        with pytest.raises(LocalProtocolError, match="one buffer per peer"):
+            await b.gather([a.local_addr], [bytearray(4), bytearray(4)])
+        with pytest.raises(LocalProtocolError, match="multiple of element_size"):
+            await a.send(b.local_addr, b"123")
+    with pytest.raises(LocalProtocolError, match="closed"):
+        await a.send(b.local_addr, b"1234")
+
+
+async def test_garbage_datagrams_are_dropped_not_raised():
+    import socket
+
+    a, b = await _pair()
+    async with a, b:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        for blob in (b"", b"x", bytes(15), bytes([0x11]) + bytes(40), bytes([0x10]) + bytes(60), b"\xff" * 1500):
+            s.sendto(blob, b.local_addr)
+        s.close()
+        data = np.ones(1000, np.float32)
+        out = np.zeros_like(data)
+        await asyncio.gather(a.send(b.local_addr, data), b.recv(out))
+        assert np.array_equal(out, data)
+        assert sum(b.stats.dropped.values()) >= 5
+
+
+def test_blocking_socket_api():
+    with ltp.Socket(("127.0.0.1", 0)) as a, ltp.Socket(("127.0.0.1", 0)) as b:
+        data = np.arange(50_000, dtype=np.float32)
+        out = np.zeros_like(data)
+        import threading
+
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("r", b.recv(out, tag=1)))
+        t.start()
+        rep = a.send(b.local_addr, data, tag=1, reliable=True)
+        t.join(30)
+        assert rep.delivered_fraction == 1.0 and box["r"].regime == "complete"
+        assert np.array_equal(out, data)
+        assert a.local_addr[0] == "127.0.0.1"
+    with pytest.raises(LocalProtocolError, match="closed"):
+        a.send(b.local_addr, data)
+
+
+def test_hostname_peers_resolve():
+    async def main():
+        a, b = await _pair()
+        async with a, b:
+            data = np.ones(100, np.float32)
+            out = np.zeros_like(data)
+            await asyncio.gather(a.send(("localhost", b.local_addr[1]), data), b.recv(out))
+            return np.array_equal(out, data)
+
+    assert ltp.run(main())

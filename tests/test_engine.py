@@ -1,0 +1,307 @@
+"""Deterministic end-to-end tests of the sans-IO engine on a simulated network (virtual clock)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ltp import wire
+from ltp.config import Config
+from ltp.engine import Engine
+from ltp.errors import LocalProtocolError, TransferRefused, TransferTimeout
+
+GBIT = 125e6  # bytes/s
+
+
+def _transfer(h, data, out, *, reliable=False, critical=(), tag=0, element_size=4, timeout=60.0):
+    a, b = h.engines
+    hs = a.send(h.addrs[1], data, now=h.now, reliable=reliable, critical=critical, tag=tag,
+                element_size=element_size)
+    hr = b.post_receive([(h.addrs[0], tag, out)], now=h.now)
+    sent, recv = h.wait([(0, hs), (1, hr)], timeout=timeout)
+    return sent, recv
+
+
+def test_lossless_transfer_is_exact_and_acked(harness, floats):
+    h = harness(seed=1)
+    h.links(rate=GBIT, delay_s=0.0005)
+    data = floats(250_000)
+    out = np.full_like(data, 9.0)
+    sent, recv = _transfer(h, data, out)
+    assert sent.error is None and sent.report.close_reason == "acked"
+    assert sent.report.delivered_fraction == 1.0 and sent.report.retransmitted_packets == 0
+    rep = recv.reports[0]
+    assert rep.regime == "complete" and rep.bubbles == [] and rep.delivered_fraction == 1.0
+    assert np.array_equal(out, data)
+    # 1 MB over 1 Gbit/s: at least the serialisation time, and not wildly more
+    assert 0.008 <= sent.report.duration_s < 0.05
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_reliable_mode_bit_exact_at_10_percent_loss_with_reordering_and_duplicates(harness, floats, seed):
+    h = harness(seed=seed)
+    h.links(rate=GBIT, delay_s=0.0005, jitter_s=0.0003, loss=0.10, duplicate=0.02, loss_min_size=200)
+    data = floats(200_000, seed)
+    out = np.zeros_like(data)
+    sent, recv = _transfer(h, data, out, reliable=True)
+    # the receiver's STOP(complete) may overtake the last ACKs on a reordering link
+    assert sent.report.close_reason in ("acked", "complete") and sent.report.delivered_fraction == 1.0
+    assert sent.report.retransmitted_packets > 0
+    assert recv.reports[0].regime == "complete"
+    assert out.tobytes() == data.tobytes()
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_critical_segments_always_delivered_at_20_percent_loss(harness, floats, seed):
+    h = harness(seed=seed)
+    h.links(rate=GBIT, delay_s=0.0005, loss=0.20, loss_min_size=200)
+    data = floats(300_000, seed)
+    crit = [(0, 4096), (600_000, 604_000), (len(data) * 4 - 100, len(data) * 4)]
+    for it in range(3):
+        out = np.zeros_like(data)
+        sent, recv = _transfer(h, data, out, critical=crit, tag=it)
+        rep = recv.reports[0]
+        assert rep.critical_complete
+        raw_in, raw_out = data.view(np.uint8), out.view(np.uint8)
+        for a, b in crit:
+            assert raw_out[a:b].tobytes() == raw_in[a:b].tobytes()
+        assert 0.5 < rep.delivered_fraction <= 1.0
+
+
+def test_three_later_acks_declare_loss_and_lost_normal_goes_to_rq_after_nq(harness, floats):
+    """Drop exactly one early data packet: it is retransmitted from RQ only after NQ drained."""
+    h = harness(seed=7)
+    h.links(rate=GBIT, delay_s=0.0005)
+    dropped = []
+    net = h.net
+    orig = net._transmit
+
+    def drop_seq_3_once(src, dst, data):
+        if len(data) > 100 and data[0] == 0x11 and (int.from_bytes(data[8:12], "big") >> 8) == 3 and not dropped:
+            dropped.append(net.now)
+            return
+        orig(src, dst, data)
+
+    net._transmit = drop_seq_3_once
+    net.trace = []
+    data = floats(100_000)
+    out = np.zeros_like(data)
+    sent, recv = _transfer(h, data, out, reliable=True)
+    assert dropped and np.array_equal(out, data)
+    assert sent.report.retransmitted_packets == 1 and sent.report.lost_packets == 1
+    seqs = [int.from_bytes(d[8:12], "big") >> 8 for (_, s, _, d) in net.trace
+            if s == h.addrs[0] and len(d) > 100 and d[0] == 0x11]
+    n = (len(data) * 4 + 1455) // 1456
+    # the retransmission of 3 comes after every first transmission (RQ waits for NQ)
+    assert seqs.index(3) == len(seqs) - 1 and sorted(set(seqs)) == list(range(n)) and len(seqs) == n
+
+
+def test_early_close_regimes_complete_then_early_then_deadline(harness, floats):
+    """First flow measures the link (complete); then loss makes flows close early or at the deadline."""
+    cfg = Config(deadline_slack_s=0.010, lt_fraction=0.8)
+    h = harness(seed=11, config=cfg)
+    h.links(rate=GBIT, delay_s=0.0005)
+    data = floats(250_000)
+    out = np.zeros_like(data)
+    _, recv = _transfer(h, data, out, tag=0)
+    first = recv.reports[0]
+    assert first.regime == "complete"
+    # LT threshold now comes from the measured full delivery (+ half an RTprop)
+    _, recv = _transfer(h, data, out, tag=1)
+    assert recv.reports[0].lt_threshold_s == pytest.approx(first.duration_s + 0.5 * first.rtprop_s, rel=0.3)
+    # 30% loss: by the LT threshold >= 80% has arrived, so the flow closes early
+    h.link(0, 1, rate=GBIT, delay_s=0.0005, loss=0.30, loss_min_size=200)
+    _, recv = _transfer(h, data, out, tag=2)
+    rep = recv.reports[0]
+    assert rep.regime == "early" and 0.8 <= rep.delivered_fraction < 1.0
+    assert rep.duration_s >= rep.lt_threshold_s
+    # 60% loss: the fraction cannot reach 80% by the deadline
+    h.link(0, 1, rate=GBIT, delay_s=0.0005, loss=0.60, loss_min_size=200)
+    _, recv = _transfer(h, data, out, tag=3)
+    rep = recv.reports[0]
+    assert rep.regime == "deadline" and rep.delivered_fraction < 0.8
+    assert rep.duration_s == pytest.approx(rep.deadline_s, abs=0.002)
+    assert rep.deadline_s == pytest.approx(rep.lt_threshold_s + 0.010, abs=1e-6)
+
+
+def test_lt_threshold_initialised_from_sender_estimates(harness, floats):
+    h = harness(seed=12, config=Config(deadline_slack_s=0.0))
+    h.links(rate=GBIT, delay_s=0.0005)
+    data = floats(50_000)
+    out = np.zeros_like(data)
+    _transfer(h, data, out, tag=0)  # the sender learns RTprop/BtlBw
+    b = h.engines[1]
+    b._thresholds._full.clear()  # forget the measured history: only the estimates remain
+    big = floats(500_000)
+    out = np.zeros_like(big)
+    _, recv = _transfer(h, big, out, tag=1)
+    rep = recv.reports[0]
+    assert rep.rtprop_s > 0 and rep.btlbw_bps > 0
+    assert rep.lt_threshold_s == pytest.approx(1.5 * rep.rtprop_s + big.nbytes / rep.btlbw_bps, rel=0.01)
+
+
+def test_bubbles_are_exact_zero_filled_and_element_aligned(harness):
+    cfg = Config(segment_size=1000)  # 1000 bytes of room; with 12-byte elements 996 are used
+    h = harness(seed=13, config=cfg)
+    h.links(rate=GBIT, delay_s=0.0005, loss=0.3, loss_min_size=200)
+    data = np.arange(1, 3 * 40_000 + 1, dtype=np.float32)  # 120000 floats = 40000 12-byte elements
+    out = np.full(data.shape, np.float32(-1.0))
+    hs = h.engines[0].send(h.addrs[1], data, now=h.now, element_size=12)
+    hr = h.engines[1].post_receive([(h.addrs[0], None, out)], now=h.now, timeout=0.005)
+    sent, recv = h.wait([(0, hs), (1, hr)])
+    rep = recv.reports[0]
+    assert rep.bubbles, "30% loss cut at 5 ms must leave bubbles"
+    assert rep.padding_bytes_per_packet == 4
+    raw_out = out.view(np.uint8)
+    mask = np.ones(raw_out.shape[0], bool)
+    for a, b in rep.bubbles:
+        assert a % 12 == 0 and (b % 12 == 0 or b == raw_out.shape[0])
+        assert a % 996 == 0
+        assert not raw_out[a:b].any()
+        mask[a:b] = False
+    assert np.array_equal(raw_out[mask], data.view(np.uint8)[mask])
+    assert rep.received_bytes == int(mask.sum())
+    # no element is partially filled: every 12-byte element is either intact or all zero
+    elems_out = out.reshape(-1, 3)
+    elems_in = data.reshape(-1, 3)
+    intact = (elems_out == elems_in).all(axis=1)
+    zero = (elems_out == 0).all(axis=1)
+    assert (intact | zero).all()
+
+
+def test_gather_incast_shares_one_deadline_and_reports_per_peer(harness, floats):
+    n = 5
+    h = harness(n_hosts=n, seed=21, config=Config(deadline_slack_s=0.005))
+    h.links(rate=GBIT, delay_s=0.0002, queue_bytes=300_000)
+    ps = h.engines[0]
+    data = [floats(60_000, s) for s in range(n - 1)]
+    for it in range(3):
+        outs = [np.zeros_like(d) for d in data]
+        hr = ps.post_receive([(h.addrs[i + 1], it, outs[i]) for i in range(n - 1)], now=h.now)
+        hs = [h.engines[i + 1].send(h.addrs[0], data[i], now=h.now, tag=it) for i in range(n - 1)]
+        evs = h.wait([(0, hr)] + [(i + 1, x) for i, x in enumerate(hs)])
+        reps = evs[0].reports
+        assert [r.peer for r in reps] == h.addrs[1:]
+        for r, d, o in zip(reps, data, outs):
+            assert r.regime in ("complete", "early", "deadline")
+            if r.regime == "complete":
+                assert np.array_equal(o, d)
+        deadlines = {r.deadline_s is not None and round(r.deadline_s + 0, 6) for r in reps}
+        assert deadlines
+
+
+def test_dead_peer_times_out_at_the_group_deadline_and_late_message_is_stopped(harness, floats):
+    h = harness(n_hosts=3, seed=22, config=Config(deadline_slack_s=0.005))
+    h.links(rate=GBIT, delay_s=0.0002)
+    ps = h.engines[0]
+    data = floats(50_000)
+    # iteration 0: both workers deliver, so both links have history
+    outs = [np.zeros_like(data), np.zeros_like(data)]
+    hr = ps.post_receive([(h.addrs[1], 0, outs[0]), (h.addrs[2], 0, outs[1])], now=h.now)
+    hs = [h.engines[i].send(h.addrs[0], data, now=h.now, tag=0) for i in (1, 2)]
+    h.wait([(0, hr), (1, hs[0]), (2, hs[1])])
+    # iteration 1: worker 2 is dead
+    outs = [np.zeros_like(data), np.full_like(data, 5.0)]
+    hr = ps.post_receive([(h.addrs[1], 1, outs[0]), (h.addrs[2], 1, outs[1])], now=h.now)
+    s1 = h.engines[1].send(h.addrs[0], data, now=h.now, tag=1)
+    (done,) = h.wait([(0, hr)], timeout=5)
+    r1, r2 = done.reports
+    assert r1.regime == "complete" and r2.regime == "timeout" and r2.delivered_fraction == 0
+    assert not outs[1].any(), "a missing message is one big bubble of zeros"
+    # the dead worker comes back late with tag 1: it is told to stop, not buffered
+    s2 = h.engines[2].send(h.addrs[0], data, now=h.now, tag=1)
+    (late,) = h.wait([(2, s2)])
+    assert late.report.close_reason == "deadline" and late.report.delivered_fraction == 0
+    assert ps.receive_memory == 0
+
+
+def test_unexpected_message_is_buffered_then_delivered(harness, floats):
+    h = harness(seed=23)
+    h.links(rate=GBIT, delay_s=0.0002)
+    data = floats(10_000)
+    hs = h.engines[0].send(h.addrs[1], data, now=h.now, tag=5)
+    (sent,) = h.wait([(0, hs)])
+    assert sent.report.close_reason == "acked"
+    assert h.engines[1].receive_memory >= data.nbytes
+    out = np.zeros_like(data)
+    hr = h.engines[1].post_receive([(None, 5, out)], now=h.now)
+    (recv,) = h.wait([(1, hr)])
+    assert np.array_equal(out, data) and recv.reports[0].regime == "complete"
+    assert h.engines[1].receive_memory == 0
+
+
+def test_caps_refuse_oversized_and_out_of_memory_registrations(harness, floats):
+    h = harness(seed=24, configs=[Config(), Config(max_flow_bytes=130_000, max_receive_memory=200_000)])
+    h.links(rate=GBIT, delay_s=0.0002)
+    a = h.engines[0]
+    (ev,) = h.wait([(0, a.send(h.addrs[1], floats(30_000), now=h.now))])  # 120 kB: fits
+    assert ev.error is None
+    (ev,) = h.wait([(0, a.send(h.addrs[1], floats(40_000), now=h.now))])  # 160 kB > max_flow_bytes
+    assert isinstance(ev.error, TransferRefused) and ev.error.reason == "too_large"
+    (ev,) = h.wait([(0, a.send(h.addrs[1], floats(20_000), now=h.now))])  # 120k buffered + 80k > 200k
+    assert isinstance(ev.error, TransferRefused) and ev.error.reason == "out_of_memory"
+    assert h.engines[1].stats.refused == {"too_large": 1, "out_of_memory": 1}
+
+
+def test_job_key_rejects_unauthenticated_registration(harness, floats):
+    h = harness(n_hosts=3, seed=25, configs=[Config(job_key=b"wrong"), Config(job_key=b"right"), Config(job_key=b"right")])
+    h.links(rate=GBIT, delay_s=0.0002)
+    (ev,) = h.wait([(0, h.engines[0].send(h.addrs[1], floats(1000), now=h.now))])
+    assert isinstance(ev.error, TransferRefused) and ev.error.reason == "unauthenticated"
+    assert h.engines[1].stats.dropped.get("unauthenticated") == 1
+    (ev,) = h.wait([(2, h.engines[2].send(h.addrs[1], floats(1000), now=h.now))])
+    assert ev.error is None
+
+
+def test_silent_peer_fails_with_timeout(harness, floats):
+    h = harness(seed=26, config=Config(idle_timeout_s=0.5))
+    h.links(rate=GBIT, delay_s=0.0002, loss=1.0)
+    (ev,) = h.wait([(0, h.engines[0].send(h.addrs[1], floats(1000), now=h.now))], timeout=5)
+    assert isinstance(ev.error, TransferTimeout)
+
+
+def test_api_misuse_raises_clear_errors():
+    eng = Engine(Config(), rng=random.Random(0))
+    peer = ("127.0.0.1", 1)
+    with pytest.raises(LocalProtocolError, match="multiple of element_size"):
+        eng.send(peer, b"abcdef", now=0.0, element_size=4)
+    with pytest.raises(LocalProtocolError, match="outside"):
+        eng.send(peer, bytes(16), now=0.0, critical=[(8, 32)])
+    with pytest.raises(LocalProtocolError, match="empty"):
+        eng.send(peer, b"", now=0.0)
+    with pytest.raises(LocalProtocolError, match="read-only"):
+        eng.post_receive([(peer, None, b"immutable")], now=0.0)
+    with pytest.raises(LocalProtocolError, match="tuple"):
+        eng.send("127.0.0.1:1", bytes(4), now=0.0)
+    with pytest.raises(LocalProtocolError, match="C-contiguous"):
+        eng.send(peer, np.zeros((4, 4), np.float32)[:, 1], now=0.0)
+    eng.close(now=0.0)
+    with pytest.raises(LocalProtocolError, match="closed"):
+        eng.send(peer, bytes(4), now=0.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(min_size=0, max_size=120), min_size=1, max_size=20), st.integers(0, 3))
+def test_garbage_never_raises_and_is_counted(blobs, prefix_kind):
+    eng = Engine(Config(), rng=random.Random(0))
+    # a real flow so that some garbage hits known flow ids
+    out = bytearray(4000)
+    eng.post_receive([(None, None, out)], now=0.0)
+    sender = Engine(Config(), rng=random.Random(1))
+    sender.send(("10.0.0.2", 1), bytes(4000), now=0.0)
+    real = [bytes(tx.data) for tx in sender.datagrams_to_send(0.0)]
+    for d in real[:1]:
+        eng.receive_datagram(d, ("10.0.0.1", 1), 0.0)
+    prefixes = [b"", bytes([0x11]), bytes([0x10, 0]), real[0][:16]]
+    n_before = sum(eng.stats.dropped.values())
+    for blob in blobs:
+        eng.receive_datagram(prefixes[prefix_kind] + blob, ("10.0.0.1", 1), 0.001)
+    eng.handle_timer(0.002)
+    eng.datagrams_to_send(0.002)
+    assert eng.stats.datagrams_in == len(blobs) + 1
+    assert sum(eng.stats.dropped.values()) + eng.stats.flows_received >= n_before
+    assert eng.receive_memory <= Config().max_receive_memory

@@ -1,0 +1,149 @@
+"""Transports of ltp_ps: kernel TCP (loopback) and the in-memory LTP-like fake."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import numpy as np
+import pytest
+
+from ltp_ps.errors import ConfigError, TransportError, TransportTimeout
+from ltp_ps.transport import (CANCELLED, COMPLETE, TIMEOUT, MemoryNetwork, TcpTransport,
+                              available_congestion_controls)
+from ltp_ps.transport.tcp import TCP_CONGESTION
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def _pair(cc="cubic"):
+    a = await TcpTransport.open(cc=cc)
+    b = await TcpTransport.open(cc=cc)
+    return a, b
+
+
+async def test_tcp_send_recv_bit_exact_and_tag_matching():
+    a, b = await _pair()
+    try:
+        x = np.random.default_rng(0).standard_normal(300_000).astype(np.float32)
+        await a.send(b.local_addr, np.zeros(4, np.float32), tag=1)
+        rep_s = await a.send(b.local_addr, x, tag=2)
+        assert rep_s.delivered_fraction == 1.0 and rep_s.total_bytes == x.nbytes
+        into = np.empty_like(x)
+        rep = await b.recv(into, peer=a.local_addr, tag=2)  # tag 1 arrived first and waits
+        assert rep.regime == COMPLETE and rep.bubbles == () and rep.delivered_fraction == 1.0
+        assert rep.peer == a.local_addr and rep.tag == 2
+        np.testing.assert_array_equal(into, x)
+        small = np.empty(4, np.float32)
+        rep1 = await b.recv(small, tag=None)
+        assert rep1.tag == 1
+        with pytest.raises(TransportTimeout):
+            await b.recv(small, tag=3, timeout=0.1)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_tcp_message_too_big_for_buffer_is_an_error():
+    a, b = await _pair()
+    try:
+        await a.send(b.local_addr, np.zeros(10, np.float32), tag=0)
+        with pytest.raises(TransportError, match="does not fit"):
+            await b.recv(np.zeros(5, np.float32), tag=0, timeout=5)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_tcp_gather_reports_timeout_and_closed_peers_without_raising():
+    ps = await TcpTransport.open()
+    ws = [await TcpTransport.open() for _ in range(3)]
+    try:
+        await ws[0].send(ps.local_addr, np.full(8, 1, np.float32), tag=5)
+        # worker 1 connects (sends another tag) then dies: its gather slot must close at once
+        await ws[1].send(ps.local_addr, np.zeros(1, np.float32), tag=4)
+        await asyncio.sleep(0.05)
+        await ws[1].close()
+        bufs = [np.zeros(8, np.float32) for _ in ws]
+        t0 = asyncio.get_running_loop().time()
+        reps = await ps.gather([w.local_addr for w in ws], bufs, tag=5, timeout=0.5)
+        elapsed = asyncio.get_running_loop().time() - t0
+        assert [r.regime for r in reps] == [COMPLETE, CANCELLED, TIMEOUT]
+        assert [r.delivered_fraction for r in reps] == [1.0, 0.0, 0.0]
+        assert not reps[2].critical_complete and reps[2].bubbles == ((0, 32),)
+        assert 0.4 < elapsed < 2.0
+        np.testing.assert_array_equal(bufs[0], 1)
+    finally:
+        for t in [ps, *ws]:
+            await t.close()
+
+
+async def test_tcp_broadcast_to_dead_peer_returns_the_exception():
+    ps = await TcpTransport.open()
+    w = await TcpTransport.open()
+    dead = await TcpTransport.open()
+    dead_addr = dead.local_addr
+    await dead.close()
+    try:
+        reps = await ps.broadcast([w.local_addr, dead_addr], np.arange(4, dtype=np.float32), tag=9, timeout=5)
+        assert reps[0].delivered_fraction == 1.0
+        assert isinstance(reps[1], TransportError)
+        got = np.zeros(4, np.float32)
+        await w.recv(got, tag=9, timeout=5)
+        np.testing.assert_array_equal(got, np.arange(4))
+    finally:
+        await ps.close()
+        await w.close()
+
+
+@pytest.mark.parametrize("cc", ["cubic", "reno", "bbr"])
+async def test_tcp_congestion_control_is_set_per_socket(cc):
+    if cc not in available_congestion_controls():
+        pytest.skip(f"kernel offers {available_congestion_controls()}, not {cc}")
+    a, b = await _pair(cc)
+    try:
+        await a.send(b.local_addr, np.zeros(4, np.float32), tag=0)
+        _, writer = a._out[tuple(b.local_addr)]
+        sock = writer.get_extra_info("socket")
+        got = sock.getsockopt(socket.IPPROTO_TCP, TCP_CONGESTION, 16).rstrip(b"\0").decode()
+        assert got == cc
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_tcp_unknown_congestion_control_says_how_to_fix():
+    with pytest.raises(ConfigError, match="--cc"):
+        await TcpTransport.open(cc="no-such-cc")
+
+
+async def test_memory_transport_loss_spares_critical_and_reports_bubbles():
+    net = MemoryNetwork(loss=0.3, segment_size=64, seed=3)
+    a, b = net.endpoint(), net.endpoint()
+    x = np.arange(1, 4097, dtype=np.float32)  # 16 KiB = 256 segments
+    crit = [(0, 64), (x.nbytes - 4, x.nbytes)]
+    srep = await a.send(b.local_addr, x, critical=crit, tag=1)
+    into = np.zeros_like(x)
+    rep = await b.recv(into, tag=1)
+    assert 0.5 < rep.delivered_fraction < 0.9
+    assert srep.delivered_fraction == pytest.approx(rep.delivered_fraction)
+    assert rep.bubbles and all(s >= 64 and e <= x.nbytes - 64 for s, e in rep.bubbles)
+    mask = np.ones(x.size, bool)
+    for s, e in rep.bubbles:
+        mask[s // 4:e // 4] = False
+    np.testing.assert_array_equal(into[mask], x[mask])
+    assert not into[~mask].any()  # bubble-filled with zeros
+    # reliable sends are never cut
+    await a.send(b.local_addr, x, reliable=True, tag=2)
+    rep2 = await b.recv(into, tag=2)
+    assert rep2.bubbles == () and np.array_equal(into, x)
+
+
+async def test_memory_kill_makes_peer_unreachable():
+    net = MemoryNetwork()
+    a, b = net.endpoint(), net.endpoint()
+    net.kill(b.local_addr)
+    with pytest.raises(TransportError):
+        await a.send(b.local_addr, np.zeros(1, np.float32))
+    reps = await a.gather([b.local_addr], [np.zeros(1, np.float32)], tag=0, timeout=0.2)
+    assert reps[0].regime in (CANCELLED, TIMEOUT) and reps[0].delivered_fraction == 0

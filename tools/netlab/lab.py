@@ -1,0 +1,514 @@
+"""The lab: hosts in network namespaces behind a bridge "ToR switch", with impairments.
+
+Theory of operation
+    Topology. One namespace ``<prefix>-sw`` holds the switch: a single bridge ``ltpbr0`` or,
+    with ``racks=[a, b, ...]``, one bridge per rack (``ltpbrR``) joined by veth uplinks
+    (``ltpuR`` <-> ``ltpsR``) to a spine bridge ``ltpspine``. Each host is a namespace
+    ``<prefix>-hI`` with one veth ``ltpeth0`` (address ``10.77.0.(I+1)/24``) whose peer
+    ``ltppI`` is a bridge port in the switch namespace. The veth pair is created inside the
+    switch namespace and one end moved out, so the root namespace is never touched.
+    IPv6 is off everywhere (no stray router solicitations in the counters).
+
+    Offloads. TSO/GSO/GRO and the UDP segmentation offloads are off on every lab veth, so
+    the sender's stack segments GSO super-packets before they leave the host and every loss
+    point sees wire-sized packets. An nft counter (``oversize``: length > MTU) at each loss
+    point verifies this; :meth:`Lab.loss_stats` reports it.
+
+    Where each impairment lives ("ingress" = traffic INTO host h, "egress" = OUT of h):
+
+        =========  ===================================  ====================================
+        impairment ingress                              egress
+        =========  ===================================  ====================================
+        loss       nft netdev ingress hook on ltpeth0   nft netdev ingress hook on ltppI
+                   (host namespace)                     (switch namespace)
+        rate       tbf on ltppI (the host's DOWNLINK,   tbf on ltpeth0 (the host's uplink)
+                   bridge-side veth egress)
+        delay      nfqueue: C delayer on the host's     nfqueue: C delayer in the switch
+                   PREROUTING (receiving side);         namespace, PREROUTING of bridged
+                   netem: netem under the downlink tbf  packets (br_netfilter, physdev-in);
+                                                        netem: netem on ltpeth0
+        =========  ===================================  ====================================
+
+    The delayer always sits on the receiving side of the impaired hop: a packet held on the
+    sender's egress stays charged to its TCP socket and TCP throttles itself (TSQ). The
+    loss rule is the same for every transport: drop IPv4 packets longer than 200 bytes
+    (data, not ACKs) with probability ``loss`` using ``numgen random``; ``all_sizes=True``
+    drops every IPv4 packet. Order on the downlink path: rate (tbf, switch side), then loss,
+    then delay (both at the host).
+
+    Cleanup. :meth:`Lab.close` (run by ``__exit__``, by a SIGTERM handler installed while the
+    lab is open, and by ``atexit``) kills every process in the lab's namespaces and deletes
+    the namespaces, which removes all links, qdiscs and rules. ``support.clean(prefix)``
+    does the same for leftovers of crashed runs.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import ipaddress
+import json
+import os
+import secrets
+import signal
+import subprocess
+import threading
+from typing import Sequence
+
+from . import support
+from .delayer import start_delayer
+from .support import LabUnsupported
+
+HOST_IF = "ltpeth0"
+DATA_MIN_IP_LEN = 200  # bytes; packets longer than this are "data" for the default loss rule
+LOSS_SCALE = 1_000_000  # numgen modulus: loss probability resolution 1e-6
+OFFLOADS_OFF = ["tso", "off", "gso", "off", "gro", "off", "tx-udp-segmentation", "off",
+                "rx-gro-list", "off", "rx-udp-gro-forwarding", "off"]
+DIRECTIONS = ("ingress", "egress")
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """One lab host: a network namespace with one interface on the switch."""
+
+    name: str      # "h0", "h1", ...
+    netns: str     # namespace name, e.g. "ltplab-3fa2c1-h0"
+    addr: str      # IPv4 address without prefix length, e.g. "10.77.0.1"
+    ifname: str    # the host's interface inside its namespace ("ltpeth0")
+    index: int     # position in Lab.hosts
+    rack: int      # rack number (0 for a single-tier lab)
+    port: str      # the switch-side veth (in the switch namespace) = the host's downlink
+
+
+@dataclasses.dataclass
+class Impairment:
+    """The impairment currently applied to one (host, direction)."""
+
+    loss: float = 0.0
+    rate_bps: float | None = None
+    queue_bytes: int | None = None
+    delay_s: float = 0.0
+    jitter_s: float = 0.0
+    all_sizes: bool = False
+
+
+class Lab:
+    """A set of hosts (network namespaces) behind a bridge switch, with per-host impairments.
+
+    Use as a context manager; everything is removed on exit, also on exceptions, Ctrl-C and
+    SIGTERM. ``racks`` (e.g. ``[2, 2]``) builds a two-tier topology and overrides
+    ``n_hosts`` with ``sum(racks)``. ``prefix`` names every namespace (default
+    ``"ltplab-" + 6 random hex digits``). ``persistent=True`` keeps the lab after the
+    process exits (used by ``ltp-lab up``; remove it with :func:`destroy` / ``ltp-lab down``).
+    """
+
+    def __init__(self, n_hosts: int = 3, racks: Sequence[int] | None = None, prefix: str | None = None,
+                 mtu: int = 1500, subnet: str = "10.77.0.0/24", persistent: bool = False):
+        if racks is not None:
+            racks = [int(r) for r in racks]
+            if not racks or any(r < 1 for r in racks):
+                raise ValueError(f"racks must be a non-empty list of positive host counts, got {racks}")
+            n_hosts = sum(racks)
+        if n_hosts < 1:
+            raise ValueError(f"n_hosts must be >= 1, got {n_hosts}")
+        net = ipaddress.ip_network(subnet)
+        if n_hosts > net.num_addresses - 2:
+            raise ValueError(f"{n_hosts} hosts do not fit in {subnet}")
+        if not 576 <= mtu <= 9000:
+            raise ValueError(f"mtu must be in 576..9000, got {mtu}")
+        self.prefix = prefix if prefix is not None else f"{support.DEFAULT_PREFIX}{secrets.token_hex(3)}"
+        self.racks = list(racks) if racks else None
+        self.mtu = mtu
+        self.subnet = net
+        self.persistent = persistent
+        self.switch_ns = f"{self.prefix}-sw"
+        rack_of = []
+        for r, count in enumerate(self.racks or [n_hosts]):
+            rack_of += [r] * count
+        hosts = net.hosts()
+        self.hosts: list[Host] = [
+            Host(name=f"h{i}", netns=f"{self.prefix}-h{i}", addr=str(next(hosts)), ifname=HOST_IF,
+                 index=i, rack=rack_of[i], port=f"ltpp{i}")
+            for i in range(n_hosts)]
+        self._impair: dict[tuple[int, str], Impairment] = {}
+        self._delayers: dict[tuple[int, str], subprocess.Popen] = {}
+        self._procs: list[subprocess.Popen] = []
+        self._created: list[str] = []
+        self._open = False
+        self._old_sigterm = None
+        self._delay_backend: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "Lab":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.persistent:
+            self.close()
+
+    def start(self) -> "Lab":
+        """Create namespaces, links, addresses and counters (done by ``__enter__``)."""
+        problem = support.check_support()
+        if problem:
+            raise LabUnsupported(problem)
+        existing = support.list_netns(self.prefix + "-")
+        if existing:
+            raise RuntimeError(f"namespaces with prefix {self.prefix!r} already exist ({existing}); "
+                               f"remove them with `ltp-lab clean --prefix {self.prefix}`")
+        self._open = True
+        if not self.persistent:
+            atexit.register(self.close)
+            if threading.current_thread() is threading.main_thread():
+                self._old_sigterm = signal.getsignal(signal.SIGTERM)
+                if self._old_sigterm in (signal.SIG_DFL, None):
+                    signal.signal(signal.SIGTERM, _raise_system_exit)
+                else:
+                    self._old_sigterm = None
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Kill every process in the lab and delete its namespaces. Idempotent."""
+        if not self._open:
+            return
+        self._open = False
+        for p in list(self._delayers.values()) + self._procs:
+            _terminate(p)
+        self._delayers.clear()
+        self._procs.clear()
+        for name in reversed(self._created):
+            support.kill_netns_pids(name)
+            support.netns_del(name)
+        self._created.clear()
+        if self._old_sigterm is not None:
+            try:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+            except ValueError:
+                pass
+            self._old_sigterm = None
+        try:
+            atexit.unregister(self.close)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _build(self) -> None:
+        for name in [self.switch_ns] + [h.netns for h in self.hosts]:
+            self._created.append(name)
+            support.netns_add(name)
+        sw_cmds = ["sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1",
+                   "sysctl -qw net.bridge.bridge-nf-call-iptables=0 net.bridge.bridge-nf-call-ip6tables=0 "
+                   "net.bridge.bridge-nf-call-arptables=0"]
+        self._sh(self.switch_ns, sw_cmds[:1])
+        self._sh(self.switch_ns, sw_cmds[1:], check=False)  # no br_netfilter: nothing to turn off
+        for h in self.hosts:
+            self._sh(h.netns, ["sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1"])
+        mtu = self.mtu
+        with support.iproute(self.switch_ns) as ipr:
+            def up(ifname, **kw):
+                ipr.link("set", index=ipr.link_lookup(ifname=ifname)[0], state="up", mtu=mtu, **kw)
+
+            bridges = []
+            if self.racks:
+                ipr.link("add", ifname="ltpspine", kind="bridge", br_stp_state=0, br_forward_delay=0)
+                bridges.append("ltpspine")
+                for r in range(len(self.racks)):
+                    ipr.link("add", ifname=f"ltpbr{r}", kind="bridge", br_stp_state=0, br_forward_delay=0)
+                    bridges.append(f"ltpbr{r}")
+            else:
+                ipr.link("add", ifname="ltpbr0", kind="bridge", br_stp_state=0, br_forward_delay=0)
+                bridges.append("ltpbr0")
+            for b in bridges:
+                up(b)
+            if self.racks:
+                for r in range(len(self.racks)):
+                    ipr.link("add", ifname=f"ltpu{r}", kind="veth", peer=f"ltps{r}")
+                    up(f"ltpu{r}", master=ipr.link_lookup(ifname=f"ltpbr{r}")[0])
+                    up(f"ltps{r}", master=ipr.link_lookup(ifname="ltpspine")[0])
+            for h in self.hosts:
+                bridge = f"ltpbr{h.rack}" if self.racks else "ltpbr0"
+                # pyroute2 resolves a namespace *name* in its helper's mount namespace, where
+                # /run/netns may not show it: hand it an fd opened here instead
+                fd = os.open(f"/run/netns/{h.netns}", os.O_RDONLY)
+                try:
+                    ipr.link("add", ifname=h.port, kind="veth", peer={"ifname": h.ifname, "net_ns_fd": fd})
+                finally:
+                    os.close(fd)
+                up(h.port, master=ipr.link_lookup(ifname=bridge)[0])
+        sw_ifs = [h.port for h in self.hosts] + (
+            [f"ltpu{r}" for r in range(len(self.racks))] + [f"ltps{r}" for r in range(len(self.racks))]
+            if self.racks else [])
+        self._sh(self.switch_ns, [f"ethtool -K {i} {' '.join(OFFLOADS_OFF)}" for i in sw_ifs])
+        for h in self.hosts:
+            with support.iproute(h.netns) as ipr:
+                ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+                idx = ipr.link_lookup(ifname=h.ifname)[0]
+                ipr.link("set", index=idx, mtu=mtu)
+                ipr.addr("add", index=idx, address=h.addr, prefixlen=self.subnet.prefixlen)
+                ipr.link("set", index=idx, state="up")
+            self._sh(h.netns, [f"ethtool -K {h.ifname} {' '.join(OFFLOADS_OFF)}"])
+            self._nft(h.netns, _counter_table("ltplab", h.ifname))
+            self._nft(self.switch_ns, _counter_table(f"ltplab_{h.name}", h.port))
+            for d in DIRECTIONS:
+                self._set_loss_rules(h, d, Impairment())
+
+    # ------------------------------------------------------------------ helpers
+    def _sh(self, ns: str, cmds: list[str], check: bool = True) -> None:
+        if not cmds:
+            return
+        r = support._ns_exec(ns, ["sh", "-ec", "\n".join(cmds)])
+        if check and r.returncode != 0:
+            raise RuntimeError(f"in namespace {ns}: {cmds!r} failed: {r.stderr.strip()}")
+
+    def _nft(self, ns: str, script: str) -> None:
+        r = support._ns_exec(ns, ["nft", "-f", "-"], input=script)
+        if r.returncode != 0:
+            raise RuntimeError(f"nft failed in {ns}: {r.stderr.strip()}\nscript:\n{script}")
+
+    def _host(self, h: Host | int | str) -> Host:
+        if isinstance(h, Host):
+            return self.hosts[h.index]
+        if isinstance(h, int):
+            return self.hosts[h]
+        for x in self.hosts:
+            if h in (x.name, x.netns, x.addr):
+                return x
+        raise KeyError(f"no host {h!r} in lab {self.prefix} (hosts: {[x.name for x in self.hosts]})")
+
+    def _loss_point(self, h: Host, direction: str) -> tuple[str, str]:
+        """(namespace, nft table) of the loss point of (h, direction)."""
+        return (h.netns, "ltplab") if direction == "ingress" else (self.switch_ns, f"ltplab_{h.name}")
+
+    # ------------------------------------------------------------------ impairments
+    @property
+    def backend(self) -> str:
+        """The impairment backend, e.g. ``"nftables+tbf+nfqueue-delayer"`` or ``"nftables+tbf+netem"``."""
+        d = self._delay_backend or support.delay_backend()
+        delay = {"netem": "netem", "nfqueue": "nfqueue-delayer"}.get(d, "no-delay")
+        return f"nftables+tbf+{delay}"
+
+    def impair(self, h: Host | int | str, direction: str = "ingress", loss: float = 0.0,
+               rate_bps: float | None = None, queue_bytes: int | None = None, delay_s: float = 0.0,
+               jitter_s: float = 0.0, all_sizes: bool = False) -> None:
+        """Set the impairments of host ``h`` in ``direction``, replacing earlier ones there.
+
+        ``direction``: ``"ingress"`` (traffic into the host: loss/delay at the host's ingress,
+        rate on its downlink), ``"egress"`` (traffic out of the host), or ``"both"``.
+        ``loss``: drop probability 0..1 of IPv4 packets longer than 200 bytes (every IPv4
+        packet with ``all_sizes=True``). ``rate_bps``: tbf rate in bit/s (L2 bytes count), with
+        a queue of ``queue_bytes`` (default: 5 ms at that rate, at least 10 MTU-sized packets).
+        ``delay_s`` ± ``jitter_s``: one-way delay, uniform jitter (reorders like netem).
+        Calling with only the defaults removes the impairments of that direction. The loss
+        counters of that direction restart from zero, so :meth:`loss_stats` compares the
+        measured loss with exactly this setting.
+        """
+        if direction == "both":
+            for d in DIRECTIONS:
+                self.impair(h, d, loss, rate_bps, queue_bytes, delay_s, jitter_s, all_sizes)
+            return
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be 'ingress', 'egress' or 'both', got {direction!r}")
+        if not 0.0 <= loss <= 1.0:
+            raise ValueError(f"loss is a probability in [0, 1], got {loss}")
+        if rate_bps is not None and rate_bps <= 0:
+            raise ValueError(f"rate_bps must be positive or None, got {rate_bps}")
+        if delay_s < 0 or jitter_s < 0 or jitter_s > delay_s:
+            raise ValueError(f"need 0 <= jitter_s <= delay_s, got delay_s={delay_s} jitter_s={jitter_s}")
+        if not self._open:
+            raise RuntimeError("the lab is not running (use it inside `with Lab(...) as lab:`)")
+        h = self._host(h)
+        new = Impairment(loss, rate_bps, queue_bytes, delay_s, jitter_s, all_sizes)
+        old = self._impair.get((h.index, direction), Impairment())
+        delay_changed = (new.delay_s, new.jitter_s) != (old.delay_s, old.jitter_s)
+        if delay_changed or (new.rate_bps, new.queue_bytes) != (old.rate_bps, old.queue_bytes):
+            self._set_qdisc_and_delay(h, direction, new, delay_changed)
+        self._set_loss_rules(h, direction, new)
+        self._impair[(h.index, direction)] = new
+        self.reset_stats(h, direction)
+
+    def clear(self, h: Host | int | str) -> None:
+        """Remove all impairments (both directions) of host ``h``."""
+        for d in DIRECTIONS:
+            self.impair(h, d)
+
+    def impairment(self, h: Host | int | str, direction: str = "ingress") -> Impairment:
+        """The impairment currently set on (h, direction)."""
+        return dataclasses.replace(self._impair.get((self._host(h).index, direction), Impairment()))
+
+    def _set_loss_rules(self, h: Host, direction: str, imp: Impairment) -> None:
+        ns, table = self._loss_point(h, direction)
+        match = "meta protocol ip" if imp.all_sizes else f"ip length > {DATA_MIN_IP_LEN}"
+        rules = [f"flush chain netdev {table} lossy",
+                 f'add rule netdev {table} lossy meta length > {self.mtu} counter name "oversize"',
+                 f'add rule netdev {table} lossy {match} counter name "seen"']
+        threshold = round(imp.loss * LOSS_SCALE)
+        if threshold >= LOSS_SCALE:
+            rules.append(f'add rule netdev {table} lossy {match} counter name "dropped" drop')
+        elif threshold > 0:
+            rules.append(f'add rule netdev {table} lossy {match} numgen random mod {LOSS_SCALE} < {threshold} '
+                         f'counter name "dropped" drop')
+        self._nft(ns, "\n".join(rules) + "\n")
+
+    def _set_qdisc_and_delay(self, h: Host, direction: str, imp: Impairment, delay_changed: bool) -> None:
+        from pyroute2.netlink.exceptions import NetlinkError
+
+        backend = support.delay_backend()
+        if imp.delay_s > 0 and backend == "none":
+            raise LabUnsupported(support.delay_unavailable_reason())
+        self._delay_backend = backend
+        # rate (and, for netem, delay) live on the egress qdisc of one veth end
+        rate_ns, rate_if = (self.switch_ns, h.port) if direction == "ingress" else (h.netns, h.ifname)
+        use_netem = backend == "netem" and imp.delay_s > 0
+        with support.iproute(rate_ns) as ipr:
+            idx = ipr.link_lookup(ifname=rate_if)[0]
+            try:
+                ipr.tc("del", index=idx, handle="1:", root=True)
+            except NetlinkError:
+                pass  # no root qdisc yet
+            parent = None
+            if imp.rate_bps:
+                wire = self.mtu + 14
+                qbytes = imp.queue_bytes if imp.queue_bytes is not None else max(10 * wire, int(imp.rate_bps / 8 * 0.005))
+                burst = max(2 * wire, int(imp.rate_bps / 8 * 0.0002))  # 200 us of line rate
+                ipr.tc("add", "tbf", index=idx, handle="1:", rate=int(imp.rate_bps / 8), burst=burst,
+                       limit=max(qbytes, wire))
+                parent = "1:1"
+            if use_netem:
+                kw = dict(delay=int(imp.delay_s * 1e6), jitter=int(imp.jitter_s * 1e6), limit=1_000_000)
+                if parent:
+                    ipr.tc("add", "netem", index=idx, parent=parent, handle="10:", **kw)
+                else:
+                    ipr.tc("add", "netem", index=idx, handle="1:", **kw)
+        if not delay_changed or (backend != "nfqueue" and (h.index, direction) not in self._delayers):
+            return  # a running delayer keeps its held packets when only the rate changes
+        # user-space delayer: on the receiving side of the impaired hop
+        self._stop_delayer(h, direction)
+        if imp.delay_s > 0 and backend == "nfqueue":
+            if direction == "ingress":
+                ns, queue = h.netns, 0
+                rule = ["-i", h.ifname]
+            else:
+                ns, queue = self.switch_ns, h.index + 1
+                self._sh(ns, ["sysctl -qw net.bridge.bridge-nf-call-iptables=1"])
+                rule = ["-m", "physdev", "--physdev-in", h.port]
+            self._delayers[(h.index, direction)] = start_delayer(
+                ns, queue, imp.delay_s, imp.jitter_s, seed=1 + 2 * h.index + (direction == "egress"))
+            r = support._ns_exec(ns, ["iptables-legacy", "-t", "raw", "-A", "PREROUTING", *rule,
+                                      "-j", "NFQUEUE", "--queue-num", str(queue)])
+            if r.returncode != 0:
+                self._stop_delayer(h, direction)
+                raise RuntimeError(f"iptables-legacy NFQUEUE rule failed in {ns}: {r.stderr.strip()}")
+
+    def _stop_delayer(self, h: Host, direction: str) -> None:
+        p = self._delayers.pop((h.index, direction), None)
+        if p is None:
+            return
+        if direction == "ingress":
+            ns, queue, rule = h.netns, 0, ["-i", h.ifname]
+        else:
+            ns, queue, rule = self.switch_ns, h.index + 1, ["-m", "physdev", "--physdev-in", h.port]
+        support._ns_exec(ns, ["iptables-legacy", "-t", "raw", "-D", "PREROUTING", *rule,
+                              "-j", "NFQUEUE", "--queue-num", str(queue)])
+        _terminate(p)
+
+    # ------------------------------------------------------------------ measurement
+    def loss_stats(self, h: Host | int | str, direction: str = "ingress") -> dict:
+        """Counters at the loss point of (h, direction) since the last :meth:`impair` there (or :meth:`reset_stats`).
+
+        Returns ``dict(seen, dropped, oversize, measured_loss, requested_loss)``: ``seen`` counts
+        packets eligible for loss (IPv4 > 200 B, or all IPv4 with ``all_sizes``), ``oversize``
+        packets longer than the MTU (must stay 0: offloads are off), ``measured_loss`` =
+        dropped / seen (0.0 when nothing was seen).
+        """
+        h = self._host(h)
+        ns, table = self._loss_point(h, direction)
+        r = support._ns_exec(ns, ["nft", "-j", "list", "counters", "table", "netdev", table])
+        if r.returncode != 0:
+            raise RuntimeError(f"reading nft counters in {ns} failed: {r.stderr.strip()}")
+        c = {item["counter"]["name"]: item["counter"]["packets"]
+             for item in json.loads(r.stdout)["nftables"] if "counter" in item}
+        seen, dropped = c.get("seen", 0), c.get("dropped", 0)
+        return dict(seen=seen, dropped=dropped, oversize=c.get("oversize", 0),
+                    measured_loss=dropped / seen if seen else 0.0,
+                    requested_loss=self._impair.get((h.index, direction), Impairment()).loss)
+
+    def reset_stats(self, h: Host | int | str, direction: str = "ingress") -> None:
+        """Zero the loss counters of (h, direction)."""
+        h = self._host(h)
+        ns, table = self._loss_point(h, direction)
+        r = support._ns_exec(ns, ["nft", "reset", "counters", "table", "netdev", table])
+        if r.returncode != 0:
+            raise RuntimeError(f"resetting nft counters in {ns} failed: {r.stderr.strip()}")
+
+    def delayer_stats(self, h: Host | int | str, direction: str = "ingress") -> dict | None:
+        """Kernel counters of the NFQUEUE feeding the delayer of (h, direction), or None without one.
+
+        Returns ``dict(queue=, held=, queue_dropped=, user_dropped=)``: ``held`` packets are in
+        the queue now; ``queue_dropped`` overflowed the queue (maxlen) and ``user_dropped``
+        the netlink socket buffer — both must stay 0, or the delayer cannot keep up.
+        Read from /proc/net/netfilter/nfnetlink_queue inside the delayer's namespace.
+        """
+        h = self._host(h)
+        if (h.index, direction) not in self._delayers:
+            return None
+        ns, queue = (h.netns, 0) if direction == "ingress" else (self.switch_ns, h.index + 1)
+        r = support._ns_exec(ns, ["cat", "/proc/net/netfilter/nfnetlink_queue"])
+        for line in r.stdout.splitlines():
+            f = line.split()
+            if len(f) >= 7 and int(f[0]) == queue:
+                return dict(queue=queue, held=int(f[2]), queue_dropped=int(f[5]), user_dropped=int(f[6]))
+        raise RuntimeError(f"queue {queue} not found in {ns}'s nfnetlink_queue: is the delayer running?")
+
+    # ------------------------------------------------------------------ processes
+    def _argv(self, h: Host | int | str, argv: Sequence[str]) -> list[str]:
+        if isinstance(argv, str):
+            raise TypeError("argv must be a list of strings, not a shell string")
+        return ["ip", "netns", "exec", self._host(h).netns, *argv]
+
+    def run(self, h: Host | int | str, argv: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside host ``h``'s namespace (``subprocess.run`` keyword arguments apply)."""
+        return subprocess.run(self._argv(h, argv), **kwargs)
+
+    def popen(self, h: Host | int | str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside host ``h``'s namespace; it is killed at lab exit if still running."""
+        kwargs.setdefault("start_new_session", True)
+        p = subprocess.Popen(self._argv(h, argv), **kwargs)
+        self._procs.append(p)
+        return p
+
+    def describe(self) -> dict:
+        """A JSON-able description of the lab (used by ``ltp-lab up``)."""
+        return dict(prefix=self.prefix, switch_ns=self.switch_ns, mtu=self.mtu, racks=self.racks,
+                    backend=self.backend,
+                    hosts=[dataclasses.asdict(h) for h in self.hosts])
+
+
+def _counter_table(table: str, device: str) -> str:
+    return (f"table netdev {table} {{\n"
+            f"  counter seen {{}}\n  counter dropped {{}}\n  counter oversize {{}}\n"
+            f'  chain lossy {{ type filter hook ingress device "{device}" priority 0; policy accept; }}\n'
+            f"}}\n")
+
+
+def _terminate(p: subprocess.Popen, grace_s: float = 1.0) -> None:
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        p.terminate()
+    try:
+        p.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=5)
+
+
+def _raise_system_exit(signum, frame):  # noqa: ARG001
+    raise SystemExit(128 + signum)
