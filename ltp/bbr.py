@@ -143,7 +143,8 @@ class BBR:
             self._btlbw.expire(self.round_count)
         if rate_bps is not None and rate_bps > 0 and (not app_limited or rate_bps >= self.btlbw):
             self._btlbw.update(self.round_count, rate_bps)
-        expired = now - self._rtprop_stamp > self.probe_rtt_interval_s
+        # the filter can only expire once it holds a sample (the clock's origin is arbitrary)
+        expired = self.rtprop is not None and now - self._rtprop_stamp > self.probe_rtt_interval_s
         if rtt_s is not None and rtt_s > 0 and (self.rtprop is None or rtt_s <= self.rtprop or expired):
             self.rtprop = rtt_s
             self._rtprop_stamp = now

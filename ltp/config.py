@@ -43,7 +43,7 @@ class Config:
     initial_cwnd_packets: int = 64
     initial_rtt_s: float = 0.001
     #: pacing timer granularity and smallest burst (see ltp/pacing.py)
-    pacing_granularity_s: float = 0.0005
+    pacing_granularity_s: float = 0.001
     min_burst_packets: int = 16
     #: loss recovery: smallest probe timeout; REG retransmission starts at this times two
     min_pto_s: float = 0.004

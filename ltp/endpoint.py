@@ -9,7 +9,9 @@ batches, hands each run of datagrams from one source to
 :meth:`Engine.datagrams_to_send` returns, turns engine events into the results
 of awaiting calls, and re-arms a single ``loop.call_at`` timer at
 :meth:`Engine.get_timer` (clamped so the engine never sees a timer early).
-The engine gets ``loop.time()`` as ``now``. If the kernel refuses more data
+The engine gets ``time.monotonic()`` as ``now``, not ``loop.time()``: uvloop's
+loop clock is cached per iteration at millisecond resolution, which would
+quantise every RTT and delivery-rate sample. If the kernel refuses more data
 (EAGAIN), the rest waits in a queue drained when the socket is writable.
 
 uvloop is not installed here: pick it at your entry point (:func:`ltp.run`
@@ -24,6 +26,7 @@ import logging
 import os
 import random
 import socket
+import time
 from collections import deque
 
 from ltp_ext import load as _load
@@ -36,6 +39,8 @@ _udpio = _load("udpio")
 log = logging.getLogger("ltp")
 
 __all__ = ["Endpoint", "open_endpoint"]
+
+_now = time.monotonic
 
 
 def _is_ip(host: str) -> bool:
@@ -89,7 +94,7 @@ class Endpoint:
         """Send one message to ``peer``; returns a :class:`~ltp.reports.SendReport`."""
         peer = await self._resolve(peer)
         self._check_open()
-        handle = self.engine.send(peer, data, now=self._loop.time(), reliable=reliable, critical=critical,
+        handle = self.engine.send(peer, data, now=_now(), reliable=reliable, critical=critical,
                                   element_size=element_size, tag=tag)
         return await self._wait(handle, timeout)
 
@@ -100,7 +105,7 @@ class Endpoint:
         """
         peer = None if peer is None else await self._resolve(peer)
         self._check_open()
-        handle = self.engine.post_receive([(peer, tag, into)], now=self._loop.time(), timeout=timeout)
+        handle = self.engine.post_receive([(peer, tag, into)], now=_now(), timeout=timeout)
         reports = await self._wait(handle, None)
         rep = reports[0]
         if rep.regime == "timeout" and rep.received_bytes == 0:
@@ -115,7 +120,7 @@ class Endpoint:
             raise LocalProtocolError(f"gather got {len(peers)} peers but {len(into)} buffers; pass one buffer per peer")
         peers = [await self._resolve(p) for p in peers]
         self._check_open()
-        handle = self.engine.post_receive([(p, tag, b) for p, b in zip(peers, into)], now=self._loop.time(),
+        handle = self.engine.post_receive([(p, tag, b) for p, b in zip(peers, into)], now=_now(),
                                           timeout=timeout)
         return await self._wait(handle, None)
 
@@ -130,7 +135,7 @@ class Endpoint:
         """Abort open transfers, tell peers, close the socket."""
         if self._closed:
             return
-        self.engine.close(now=self._loop.time())
+        self.engine.close(now=_now())
         self._flush()
         self._closed = True
         self._loop.remove_reader(self._sock.fileno())
@@ -176,18 +181,22 @@ class Endpoint:
                 return await fut
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except (asyncio.TimeoutError, TimeoutError):
-            self.engine.cancel(handle, now=self._loop.time())
+            self.engine.cancel(handle, now=_now())
             self._flush()
             raise TransferTimeout(f"transfer did not finish within {timeout} s") from None
         except asyncio.CancelledError:
             if not self._closed:
-                self.engine.cancel(handle, now=self._loop.time())
+                self.engine.cancel(handle, now=_now())
                 self._flush()
             raise
         finally:
             self._waiters.pop(handle, None)
 
     def _on_readable(self) -> None:
+        self._receive_pending()
+        self._flush()
+
+    def _receive_pending(self) -> None:
         io = self._io
         eng = self.engine
         for _ in range(self.max_batches_per_wakeup):
@@ -198,7 +207,7 @@ class Endpoint:
                 break
             if n == 0:
                 break
-            now = self._loop.time()
+            now = _now()
             buf, offs, lens = io.buffer, io.offsets, io.lengths
             for addr, start, stop in io.runs():
                 try:
@@ -208,12 +217,14 @@ class Endpoint:
                     log.exception("ltp: error while processing datagrams from %s", addr)
             if n < io.batch:
                 break
-        self._flush()
 
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
-        now = self._loop.time()
+        # read what already arrived first: a loss timer must not fire on ACKs that are
+        # sitting in the socket buffer because the loop ran this callback before the reader
+        self._receive_pending()
+        now = _now()
         try:
             self.engine.handle_timer(now)
         except Exception:
@@ -245,7 +256,7 @@ class Endpoint:
             return
         eng = self.engine
         io = self._io
-        now = self._loop.time()
+        now = _now()
         for tx in eng.datagrams_to_send(now):
             data = tx.data
             if self._pending:
@@ -283,7 +294,7 @@ class Endpoint:
             self._timer.cancel()
         self._timer_at = when
         # never let the engine see a timer early: the loop may fire a hair before `when`
-        self._timer = self._loop.call_at(max(when, now) + 1e-6, self._on_timer)
+        self._timer = self._loop.call_later(max(when - now, 0.0) + 1e-6, self._on_timer)
 
 
 async def open_endpoint(local_addr=("0.0.0.0", 0), *, config: Config | None = None,

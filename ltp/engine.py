@@ -642,7 +642,8 @@ class Engine:
                     take(flow.reg_next)
                 oldest = flow.window.oldest_inflight_time() if flow.window.inflight_count else -1.0
                 if oldest >= 0:
-                    take(oldest + pto)
+                    # tail-loss timer: re-armed by every ACK, so it only fires when ACKs stop
+                    take(max(oldest, flow.last_heard) + pto)
                 take(flow.last_heard + self.config.idle_timeout_s)
         for t in self._wakes.values():
             take(t)
@@ -666,7 +667,7 @@ class Engine:
                     continue
                 if not flow.reg_confirmed and now >= flow.reg_next:
                     self._ctrl.append((flow.reg_datagram(now, path.est_word(), pto), flow.peer))
-                if flow.window.inflight_count:
+                if flow.window.inflight_count and now - flow.last_heard >= pto:
                     lost = flow.window.expire(now - pto)
                     if lost.shape[0]:
                         flow.requeue_lost(lost)

@@ -5,9 +5,11 @@ Theory of operation. A user-space sender cannot wake up for every packet (at
 sends a *burst*. The bucket holds at most ``burst_bytes = max(min_burst,
 rate × granularity)`` tokens, refills continuously at ``rate``, and a packet may
 leave when a whole packet's worth of tokens is there. With the default 0.5 ms
-granularity a 1 Gbit/s flow sends bursts of ≤ 62.5 kB (≈ 43 packets) and a
-10 Gbit/s flow ≤ 625 kB; the burst never drops below ``min_burst`` (16 packets)
-so slow links still amortise the wake-up. :meth:`next_time` tells the driver
+granularity a 1 Gbit/s flow sends bursts of about 62.5 kB (≈ 43 packets) and a
+10 Gbit/s flow about 625 kB; the burst never drops below ``min_burst`` (16
+packets) so slow links still amortise the wake-up. The bucket is two bursts
+deep: event-loop timers fire late (uvloop's have millisecond resolution), and
+a late wake-up may then catch up instead of losing rate. :meth:`next_time` tells the driver
 when to wake up next; it never sleeps itself. This is finer than the paper's
 "wait when more than 20 packets are queued" rule, which is the floor.
 """
@@ -36,9 +38,14 @@ class Pacer:
         """Change the pacing rate (bytes/s)."""
         self.rate = max(float(rate), 1.0)
 
+    @property
+    def depth_bytes(self) -> int:
+        """Bucket depth: two bursts, so a timer that fires one granularity late costs no rate."""
+        return 2 * self.burst_bytes
+
     def _refill(self, now: float) -> None:
         if self._last is not None and now > self._last:
-            self._tokens = min(self._tokens + (now - self._last) * self.rate, float(self.burst_bytes))
+            self._tokens = min(self._tokens + (now - self._last) * self.rate, float(self.depth_bytes))
         self._last = now if self._last is None or now > self._last else self._last
 
     def available(self, now: float) -> int:

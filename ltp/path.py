@@ -148,12 +148,15 @@ class Path:
             interval = max(sample_sent - first_sent, now - prior_time)
             if interval > 0:
                 rate = (self.delivered - prior_delivered) / interval
-        if rtt >= 0:
+        if prior_delivered >= 0:
+            # srtt follows the freshest sample (the newest transmission acknowledged), so it
+            # sees queueing; RTprop below takes the smallest sample of the batch
+            fresh = now - sample_sent
             if self.srtt is None:
-                self.srtt, self.rttvar = rtt, rtt / 2
+                self.srtt, self.rttvar = fresh, fresh / 2
             else:
-                self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
-                self.srtt = 0.875 * self.srtt + 0.125 * rtt
+                self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - fresh)
+                self.srtt = 0.875 * self.srtt + 0.125 * fresh
         if newly:
             self.bbr.on_ack(now, delivered=self.delivered, prior_delivered=prior_delivered,
                             rate_bps=rate, rtt_s=rtt if rtt >= 0 else None,

@@ -463,7 +463,10 @@ cdef class UdpIO:
         cdef int fd = self._fd()
         cdef int r = -1, e = 0, i, tries = 0, g
         cdef unsigned int vlen = self.batch
-        cdef Py_ssize_t total, k, n, L, base, pos, need
+        cdef Py_ssize_t n, L, base, pos, need
+        cdef int64_t *off
+        cdef int64_t *lens
+        cdef int64_t *slots
         self._n = 0
         while True:
             for i in range(self.batch):
@@ -501,6 +504,9 @@ cdef class UdpIO:
                 need += 1
         if need > self._cap:
             self._alloc_out(need)
+        off = &self._off[0]
+        lens = &self._len[0]
+        slots = &self._slot[0]
         n = 0
         for i in range(r):
             L = self._rmsgs[i].msg_len
@@ -512,15 +518,15 @@ cdef class UdpIO:
             if g > 0 and L > g:
                 pos = 0
                 while pos < L:
-                    self._off[n] = base + pos
-                    self._len[n] = g if L - pos > g else L - pos
-                    self._slot[n] = i
+                    off[n] = base + pos
+                    lens[n] = g if L - pos > g else L - pos
+                    slots[n] = i
                     n += 1
                     pos += g
             else:
-                self._off[n] = base
-                self._len[n] = L
-                self._slot[n] = i
+                off[n] = base
+                lens[n] = L
+                slots[n] = i
                 n += 1
         self._n = n
         self._dgrams_in += n
@@ -530,7 +536,7 @@ cdef class UdpIO:
         cdef sockaddr_storage *ss = &self._rnames[slot]
         cdef socklen_t nl = self._rmsgs[slot].msg_hdr.msg_namelen
         cdef char host[64]
-        cdef unsigned int port, flowinfo, scope
+        cdef unsigned int port = 0, flowinfo = 0, scope = 0
         cdef int fam
         key = PyBytes_FromStringAndSize(<char *>ss, nl)
         t = self._addr_cache.get(key)
@@ -643,9 +649,9 @@ cdef class UdpIO:
         cdef sockaddr_storage *names = NULL
         cdef Py_buffer *views = NULL
         cdef Py_ssize_t nviews = 0
-        cdef Py_ssize_t one_len, one_seg
-        cdef char *one_ptr
-        cdef int one_namelen
+        cdef Py_ssize_t one_len = 0, one_seg = 0
+        cdef char *one_ptr = NULL
+        cdef int one_namelen = 0
         cdef sockaddr_storage one_name
         cdef Py_buffer one_view
         cdef int fd = self._fd()

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import tokenize
 
 import pytest
 
@@ -105,8 +106,9 @@ def test_torchrun_one_ps_two_workers():
 
 def test_ddp_example_switches_to_ltp_hook_with_one_line():
     script = os.path.join(REPO, "ps", "examples", "ddp_digits.py")
-    src = open(script).read()
-    assert sum("ltp_ps" in line for line in src.splitlines() if not line.lstrip().startswith(("#", '"'))) == 2
+    with open(script, "rb") as f:  # code lines naming ltp_ps: the import and the hook registration
+        lines = {t.start[0] for t in tokenize.tokenize(f.readline) if t.type == tokenize.NAME and t.string == "ltp_ps"}
+    assert len(lines) == 2
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                         "--master-port", str(free_port()), script, "--epochs", "8"],
                        env=child_env(LTP_PS_TRANSPORT="tcp"), capture_output=True, text=True, timeout=150)

@@ -147,3 +147,105 @@ async def test_memory_kill_makes_peer_unreachable():
         await a.send(b.local_addr, np.zeros(1, np.float32))
     reps = await a.gather([b.local_addr], [np.zeros(1, np.float32)], tag=0, timeout=0.2)
     assert reps[0].regime in (CANCELLED, TIMEOUT) and reps[0].delivered_fraction == 0
+
+
+# -- the LTP adapter against a strict fake of docs/api.md ----------------------------------
+class _FakeErrors:
+    class LTPError(Exception):
+        pass
+
+    class LocalProtocolError(LTPError, ValueError):
+        pass
+
+    class TransferTimeout(LTPError, TimeoutError):
+        pass
+
+
+class _Rep:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _FakeEndpoint:
+    """Only the documented signatures; keyword-only where the doc says so."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.local_addr = ("0.0.0.0", inner.local_addr[1])
+        self.calls = []
+
+    async def send(self, peer, data, *, reliable=False, critical=(), element_size=4, tag=0, timeout=None):
+        self.calls.append(("send", reliable, list(critical), element_size, tag))
+        r = await self.inner.send(("mem", peer[1]), data, reliable=reliable, critical=critical, tag=tag)
+        return _Rep(peer=peer, tag=tag, total_bytes=r.total_bytes, delivered_bytes=r.delivered_bytes,
+                    delivered_fraction=r.delivered_fraction, packets_sent=1, retransmitted_packets=0,
+                    duration_s=0.0, close_reason="acked", rtprop_s=0.0, btlbw_bps=0.0, reliable=reliable)
+
+    def _rrep(self, r):
+        return _Rep(peer=("127.0.0.1", r.peer[1]), tag=r.tag, total_bytes=r.total_bytes,
+                    received_bytes=r.received_bytes, delivered_fraction=r.delivered_fraction,
+                    bubbles=list(r.bubbles), critical_complete=True, regime=r.regime, duration_s=0.0, duplicates=0,
+                    rtprop_s=0.0, btlbw_bps=0.0, lt_threshold_s=0.0, deadline_s=0.0)
+
+    async def recv(self, into, *, peer=None, tag=None, timeout=None):
+        return self._rrep(await self.inner.recv(into, peer=None if peer is None else ("mem", peer[1]), tag=tag,
+                                                timeout=timeout))
+
+    async def gather(self, peers, into, *, tag=None, timeout=None):
+        self.calls.append(("gather", len(peers), tag))
+        return [self._rrep(r) for r in await self.inner.gather([("mem", p[1]) for p in peers], into, tag=tag,
+                                                                 timeout=timeout)]
+
+    async def broadcast(self, peers, data, *, tag=0, critical=(), element_size=4, timeout=None):
+        self.calls.append(("broadcast", len(peers), tag))
+        if any(("mem", p[1]) in self.inner.net.dead for p in peers):
+            raise _FakeErrors.TransferTimeout("peer stopped answering")
+        return [await self.send(p, data, reliable=True, tag=tag) for p in peers]
+
+    async def close(self):
+        await self.inner.close()
+
+
+def _fake_ltp(net):
+    import types
+
+    mod = types.SimpleNamespace(errors=_FakeErrors, configs=[])
+
+    def Config(**kw):
+        mod.configs.append(kw)
+        return kw
+
+    async def open_endpoint(local_addr=("0.0.0.0", 0), *, config=None, rng=None):
+        return _FakeEndpoint(net.endpoint())
+
+    mod.Config, mod.open_endpoint = Config, open_endpoint
+    return mod
+
+
+async def test_ltp_adapter_speaks_the_documented_api(monkeypatch):
+    import sys
+
+    from ltp_ps.transport import LtpTransport
+
+    net = MemoryNetwork(loss=0.2, segment_size=64, seed=1)
+    fake = _fake_ltp(net)
+    monkeypatch.setitem(sys.modules, "ltp", fake)
+    ps = await LtpTransport.open("0.0.0.0", 0, job_key=b"k")
+    w1 = await LtpTransport.open("0.0.0.0", 0, job_key=b"k")
+    w2 = await LtpTransport.open("0.0.0.0", 0, job_key=b"k")
+    assert fake.configs == [{"job_key": b"k"}] * 3
+    assert ps.local_addr[0] == "127.0.0.1"  # 0.0.0.0 is not dialable
+    x = np.arange(1, 1025, dtype=np.float32)
+    bufs = [np.zeros(1024, np.float32), np.zeros(1024, np.float32)]
+    reps, *_ = await asyncio.gather(ps.gather([w1.local_addr, w2.local_addr], bufs, tag=5, timeout=5),
+                                    w1.send(ps.local_addr, x, critical=[(0, 64)], tag=5),
+                                    w2.send(ps.local_addr, x, critical=[(0, 64)], tag=5))
+    assert w1._ep.calls[0] == ("send", False, [(0, 64)], 4, 5)
+    assert all(isinstance(b, tuple) for r in reps for b in r.bubbles) and any(r.bubbles for r in reps)
+    assert all(r.raw is not None and 0 < r.delivered_fraction < 1 for r in reps)
+    # broadcast failing as a whole falls back to per-peer sends and names the dead peer
+    net.kill(("mem", w2.local_addr[1]))
+    breps = await ps.broadcast([w1.local_addr, w2.local_addr], x, tag=6, timeout=5)
+    assert not isinstance(breps[0], BaseException) and isinstance(breps[1], TransportError)
+    for t in (ps, w1, w2):
+        await t.close()

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -164,6 +165,25 @@ def test_large_send_is_cut_into_gso_chunks(mod, socks, fam):
         assert tx.stats["syscalls"] == (1 if mod.__name__ == "ltp_ext._udpio" else -(-200 // per))
 
 
+def test_coalesced_run_longer_than_the_preallocated_arrays(mod, socks):
+    # newer kernels accept up to 128 segments per UDP_SEGMENT send; with GRO on loopback they
+    # arrive in one slot, more datagrams than batch * 64 preallocated entries
+    a, b = socks.make(), socks.make()
+    rx = mod.UdpIO(a, batch=1)
+    if not rx.gro_enabled:
+        pytest.skip("kernel has no UDP_GRO")
+    data = payload(1000, 5)
+    try:
+        b.sendmsg([data], [(17, 103, struct.pack("@H", 10))], 0, a.getsockname())   # SOL_UDP, UDP_SEGMENT
+    except OSError as exc:
+        pytest.skip(f"kernel refuses 100 segments per GSO send: {exc}")
+    time.sleep(0.02)
+    assert rx.recv_batch() == 100
+    assert rx.lengths.tolist() == [10] * 100
+    assert b"".join(bytes(rx.buffer[o:o + n]) for o, n in zip(rx.offsets, rx.lengths)) == data
+    assert rx.runs() == [(b.getsockname(), 0, 100)]
+
+
 def test_multidimensional_buffer_is_sent_as_bytes(mod, socks):
     a, b = socks.make(), socks.make()
     rx, tx = mod.UdpIO(a), mod.UdpIO(b)
@@ -276,6 +296,43 @@ def test_unreachable_destination_is_dropped_like_a_loss(mod):
     messages = (1 + 3) if out["gso"] else (2 + 3 * 2)    # GSO: one message per item
     assert errors == {"ENETUNREACH": 2 * messages}        # every message fails twice
     assert out["stats"]["datagrams_out"] == 0
+
+
+_EAGAIN_SCRIPT = """
+import importlib, json, socket, subprocess, sys
+# lo throttled to 1 Mbit/s: queued datagrams hold the sender's tiny send buffer, so sends hit EAGAIN
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1mbit", "burst", "1600",
+                "limit", "10000000"], check=True)
+mod = importlib.import_module(sys.argv[1])
+r = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+r.bind(("127.0.0.1", 0))
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+io = mod.UdpIO(s, gso=sys.argv[2] == "1")
+sent = [io.send(r.getsockname(), b"x" * 100000, 1000) for _ in range(3)]
+many = io.send_many([(r.getsockname(), b"y" * 10, 10)] * 5)
+print(json.dumps({"sent": sent, "many": many, "stats": io.stats}))
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("gso", ["1", "0"], ids=["gso", "nogso"])
+def test_send_stops_early_on_eagain(mod, gso):
+    if shutil.which("unshare") is None or shutil.which("tc") is None or os.geteuid() != 0:
+        pytest.skip("needs root, unshare(1) and tc(8) for a throttled loopback in a network namespace")
+    proc = subprocess.run(["unshare", "-n", sys.executable, "-c", _EAGAIN_SCRIPT, mod.__name__, gso],
+                          capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0 and ("unshare" in proc.stderr or "RTNETLINK" in proc.stderr):
+        pytest.skip(f"cannot set up the namespace: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    first = out["sent"][0]
+    assert 0 < first < 100000 and first % 1000 == 0       # whole segments only
+    assert out["sent"][1:] == [0, 0] and out["many"] == 0
+    st_ = out["stats"]
+    assert st_["datagrams_out"] == first // 1000
+    assert st_["eagain"] == 4 and st_["errors"] == {}
 
 
 def test_gso_refused_by_kernel_falls_back(mod, socks):

@@ -1,0 +1,734 @@
+# cython: language_level=3
+"""Per-flow data-path kernels, compiled. Twin: ``ltp_ext._datapath_py``.
+
+Theory of operation
+-------------------
+The twin is the specification (read its docstring for the protocol logic:
+segment states, the send log, three-ACK loss detection, the tail-loss
+``expire``, receive-side validation and in-place reassembly).  This module
+keeps exactly the same state, in the same numpy arrays, and updates it with
+the same rules in the same order, so that after any sequence of calls both
+implementations hold identical arrays and counters and return equal values.
+
+How it is fast:
+
+1. Every per-segment array the caller can see (``state``, ``attempt``,
+   ``critical``, ``bitmap``, ``acks``, ...) is a numpy array owned by the
+   window; the C code writes through raw pointers taken from those arrays
+   once, at construction (or when the send log grows), so Python and C see
+   the same memory.  The attributes are read-only: the arrays can be read
+   and indexed but not rebound.
+2. The loops (``ingest``, ``build``, ``on_ack``, ``expire``, ...) run in C
+   over raw pointers: big-endian header fields are loaded and stored byte
+   by byte (gcc turns that into ``bswap``), payloads move with ``memcpy``,
+   and no Python object is created per datagram or per ACK entry.
+   ``ingest`` checks the first 8 header bytes (version/type, flags, flow
+   id, token) with one masked 64-bit compare and releases the GIL for runs
+   of 8 datagrams or more; ``zero_fill_missing`` releases it for its
+   ``memset``.  The send window never releases the GIL, because growing the
+   send log reallocates arrays.
+3. Inputs of the documented types take the fast path: ``seqs``, ``offsets``
+   and ``lengths`` as 1-D native int64 arrays, ACK ``entries`` as a 1-D
+   native uint32 array, ``out`` a bytearray.  Anything else goes through a
+   generic path that converts each element the way the twin does
+   (``int(x[k])``), so results stay the same.
+4. Misuse fails like the twin where the twin fails cleanly: the same
+   :class:`ltp.errors.LocalProtocolError` messages, a ``struct.error``
+   (raised by the twin's own ``pack_header_into``) when header fields do
+   not fit or ``out`` is too short for a header, and ``ValueError`` when it
+   is too short for a payload, after the same partial updates.  Where the
+   twin would read out of bounds or index from the end (datagrams outside
+   ``buf``, a negative ``start``, negative ACK entries) this module raises
+   ``LocalProtocolError`` (negative entries: counts them as ``bad_acks``)
+   instead of touching memory it does not own.
+"""
+
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
+from cpython.number cimport PyNumber_Index
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+from libc.string cimport memcpy, memmove, memset
+
+import numpy as np
+cimport numpy as cnp
+
+# Defined before the imports below: importing ``ltp.errors`` runs ``ltp/__init__``,
+# which imports ``ltp.sender``, which loads this module and reads these constants
+# while it is still initialising (when this module is the first thing imported).
+SEG_PENDING = 0
+SEG_INFLIGHT = 1
+SEG_ACKED = 2
+SEG_LOST = 3
+
+from ltp.errors import LocalProtocolError
+
+from ._wire_py import pack_header_into as _py_pack_header_into
+
+cnp.import_array()
+
+cdef extern from "Python.h":
+    bint PyByteArray_CheckExact(object o)
+
+cdef enum:
+    _PENDING = 0
+    _INFLIGHT = 1
+    _ACKED = 2
+    _LOST = 3
+    _HDR = 16
+    _T_DATA = 1
+    _DATA_B0 = 0x11          # version 1, type DATA
+    _F_CRITICAL = 0x01
+    _F_UNKNOWN = 0xF8        # flag bits that must be zero
+    _NOGIL_MIN = 8           # ingest runs at least this long release the GIL
+
+cdef int64_t _I64_MAX = 0x7FFFFFFFFFFFFFFF
+
+
+# ---------------------------------------------------------------- helpers
+
+cdef inline uint32_t _ld32(const uint8_t *p) noexcept nogil:
+    return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3]
+
+
+cdef inline void _st32(uint8_t *p, uint32_t v) noexcept nogil:
+    p[0] = <uint8_t>(v >> 24)
+    p[1] = <uint8_t>(v >> 16)
+    p[2] = <uint8_t>(v >> 8)
+    p[3] = <uint8_t>v
+
+
+cdef inline bint _is_vec(object a, int typenum):
+    """True for a 1-D, aligned, native-order ndarray of ``typenum``."""
+    if not cnp.PyArray_Check(a):
+        return False
+    cdef cnp.ndarray arr = <cnp.ndarray>a
+    return (cnp.PyArray_TYPE(arr) == typenum and cnp.PyArray_NDIM(arr) == 1
+            and cnp.PyArray_ISALIGNED(arr) and cnp.PyArray_ISNOTSWAPPED(arr))
+
+
+cdef inline object _new_vec(Py_ssize_t n, int typenum, const void *src, size_t itemsize):
+    """A new 1-D array of ``n`` items copied from ``src``."""
+    cdef cnp.npy_intp dims[1]
+    dims[0] = n
+    cdef object out = cnp.PyArray_SimpleNew(1, dims, typenum)
+    if n:
+        memcpy(cnp.PyArray_DATA(<cnp.ndarray>out), src, <size_t>n * itemsize)
+    return out
+
+
+cdef inline void *_ptr(object a):
+    return cnp.PyArray_DATA(<cnp.ndarray>a)
+
+
+cdef int64_t _u_in(object v, int64_t hi) except -2:
+    """``v`` as an integer in ``0..hi`` or -1 if it is not one (the twin would then fail or never match)."""
+    try:
+        x = PyNumber_Index(v)
+    except TypeError:
+        return -1
+    if x < 0 or x > hi:
+        return -1
+    return <int64_t>x
+
+
+def _as_bytes_view(buf, writable):
+    """Same as the twin's helper: a 1-D byte memoryview over ``buf`` with the twin's error messages."""
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise LocalProtocolError("buffer must support the buffer protocol (bytes, bytearray, numpy array)") from None
+    if not mv.c_contiguous:
+        raise LocalProtocolError("buffer must be C-contiguous; pass numpy.ascontiguousarray(x)")
+    if writable and mv.readonly:
+        raise LocalProtocolError("receive buffer is read-only; pass a bytearray or a writable numpy array")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+cdef object _i64_vec(object a):
+    """``a`` itself when it is a fast int64 vector, else ``a`` converted (like ``int(a[k])``)."""
+    if _is_vec(a, cnp.NPY_INT64):
+        return a
+    out = np.asarray(a, dtype=np.int64)
+    if out.ndim != 1:
+        raise LocalProtocolError("offsets and lengths must be 1-D integer arrays")
+    return out
+
+
+ctypedef struct _AckAcc:
+    double now
+    double rtt
+    int64_t newly
+    int64_t newly_bytes
+    int64_t best_idx
+    int64_t best_seq
+
+
+# ---------------------------------------------------------------- sender
+
+cdef class SendWindow:
+    """Sender-side per-segment state, packet building, ACK processing and loss detection."""
+
+    cdef readonly object data, critical, state, attempt, sent_time, sent_idx
+    cdef readonly object snap_delivered, snap_delivered_time, snap_first_sent, log_seq, log_acked
+    cdef readonly object flow_id, token, flags
+    cdef readonly int64_t total, seg_size, seg_count, last_len
+    cdef readonly int64_t log_base, head, tail, acked_in_window
+    cdef readonly int64_t acked_count, acked_bytes, inflight_count, inflight_bytes
+    cdef readonly int64_t packets_sent, retransmits, lost_events, bad_acks, dup_acks
+
+    cdef object _data_ref            # keeps the Py_buffer export of ``data`` alive
+    cdef Py_buffer _data_view
+    cdef bint _have_view
+    cdef object _lost_buf
+    cdef const uint8_t *_data
+    cdef uint8_t *_crit
+    cdef uint8_t *_state
+    cdef uint8_t *_attempt
+    cdef double *_sent_time
+    cdef int64_t *_sent_idx
+    cdef int64_t *_snap_d
+    cdef double *_snap_dt
+    cdef double *_snap_fs
+    cdef int64_t *_log_seq
+    cdef uint8_t *_log_acked
+    cdef int64_t *_lost
+    cdef int64_t _log_cap
+    cdef bint _hdr_fast              # flow id, token and flags fit the header fields
+    cdef uint8_t _hdr[2][8]          # header bytes 0..7 without / with F_CRITICAL
+
+    def __cinit__(self, data, total, seg_size, flow_id, token, flags, critical):
+        mv = _as_bytes_view(data, False)
+        self.data = mv
+        if total > len(mv) or total <= 0 or seg_size <= 0:
+            raise LocalProtocolError("total must be in 1..len(data) and seg_size positive")
+        n = (total + seg_size - 1) // seg_size
+        self.total = total
+        self.seg_size = seg_size
+        self.seg_count = n
+        self.last_len = total - (n - 1) * seg_size
+        self.flow_id = flow_id
+        self.token = token
+        self.flags = flags
+        crit = np.ascontiguousarray(critical, dtype=np.uint8)
+        if crit.ndim != 1 or crit.shape[0] != n:
+            raise LocalProtocolError("critical mask must have one entry per segment")
+        self.critical = crit
+        self.state = np.zeros(n, np.uint8)
+        self.attempt = np.zeros(n, np.uint8)
+        self.sent_time = np.zeros(n, np.float64)
+        self.sent_idx = np.full(n, -1, np.int64)
+        self.snap_delivered = np.zeros(n, np.int64)
+        self.snap_delivered_time = np.zeros(n, np.float64)
+        self.snap_first_sent = np.zeros(n, np.float64)
+        cap = max(64, n + n // 4)
+        self.log_seq = np.empty(cap, np.int64)
+        self.log_acked = np.zeros(cap, np.uint8)
+        self._lost_buf = np.empty(n, np.int64)
+        PyObject_GetBuffer(mv, &self._data_view, PyBUF_SIMPLE)
+        self._have_view = True
+        self._data_ref = mv
+        self._data = <const uint8_t *>self._data_view.buf
+        self._crit = <uint8_t *>_ptr(crit)
+        self._state = <uint8_t *>_ptr(self.state)
+        self._attempt = <uint8_t *>_ptr(self.attempt)
+        self._sent_time = <double *>_ptr(self.sent_time)
+        self._sent_idx = <int64_t *>_ptr(self.sent_idx)
+        self._snap_d = <int64_t *>_ptr(self.snap_delivered)
+        self._snap_dt = <double *>_ptr(self.snap_delivered_time)
+        self._snap_fs = <double *>_ptr(self.snap_first_sent)
+        self._log_seq = <int64_t *>_ptr(self.log_seq)
+        self._log_acked = <uint8_t *>_ptr(self.log_acked)
+        self._lost = <int64_t *>_ptr(self._lost_buf)
+        self._log_cap = cap
+        cdef int64_t fid = _u_in(flow_id, 0xFFFF)
+        cdef int64_t tok = _u_in(token, 0xFFFFFFFF)
+        cdef int64_t fl = _u_in(flags, 0xFF)
+        self._hdr_fast = fid >= 0 and tok >= 0 and fl >= 0
+        cdef int c
+        if self._hdr_fast:
+            for c in range(2):
+                self._hdr[c][0] = _DATA_B0
+                self._hdr[c][1] = <uint8_t>(fl | (_F_CRITICAL if c else 0))
+                self._hdr[c][2] = <uint8_t>(fid >> 8)
+                self._hdr[c][3] = <uint8_t>fid
+                _st32(&self._hdr[c][4], <uint32_t>tok)
+
+    def __dealloc__(self):
+        if self._have_view:
+            PyBuffer_Release(&self._data_view)
+            self._have_view = False
+
+    def seg_len(self, seq):
+        """Payload bytes of segment ``seq``."""
+        return self.last_len if seq == self.seg_count - 1 else self.seg_size
+
+    cdef inline int64_t _len(self, int64_t seq) noexcept nogil:
+        return self.last_len if seq == self.seg_count - 1 else self.seg_size
+
+    # -- send log --------------------------------------------------------------
+    cdef int _log_grow(self) except -1:
+        cdef int64_t keep = self.tail - self.head
+        cdef int64_t start = self.head - self.log_base
+        cdef int64_t cap = self._log_cap
+        if keep * 2 > cap:
+            new_seq = np.empty(cap * 2, np.int64)
+            new_acked = np.zeros(cap * 2, np.uint8)
+            memcpy(_ptr(new_seq), self._log_seq + start, <size_t>keep * sizeof(int64_t))
+            memcpy(_ptr(new_acked), self._log_acked + start, <size_t>keep)
+            self.log_seq = new_seq
+            self.log_acked = new_acked
+            self._log_seq = <int64_t *>_ptr(new_seq)
+            self._log_acked = <uint8_t *>_ptr(new_acked)
+            self._log_cap = cap * 2
+        else:
+            memmove(self._log_seq, self._log_seq + start, <size_t>keep * sizeof(int64_t))
+            memmove(self._log_acked, self._log_acked + start, <size_t>keep)
+            memset(self._log_acked + keep, 0, <size_t>(cap - keep))
+        self.log_base = self.head
+        return 0
+
+    cdef inline int64_t _log_append(self, int64_t seq) except -1:
+        cdef int64_t pos = self.tail - self.log_base
+        if pos >= self._log_cap:
+            self._log_grow()
+            pos = self.tail - self.log_base
+        self._log_seq[pos] = seq
+        self._log_acked[pos] = 0
+        cdef int64_t idx = self.tail
+        self.tail += 1
+        return idx
+
+    # -- building --------------------------------------------------------------
+    cdef int64_t _build_one(self, int64_t seq, int64_t k, uint8_t *buf, Py_ssize_t buflen, double now,
+                            int64_t delivered, double delivered_time, double first_sent_time,
+                            int64_t est, object est_obj, object out_obj) except -1:
+        cdef uint8_t a = <uint8_t>(self._attempt[seq] + 1)
+        self._attempt[seq] = a
+        cdef uint8_t st = self._state[seq]
+        cdef int64_t length = self._len(seq)
+        if st != _PENDING:
+            self.retransmits += 1
+        if st == _INFLIGHT:
+            self.inflight_count -= 1
+            self.inflight_bytes -= length + _HDR
+        cdef int64_t off = k * (_HDR + self.seg_size)
+        cdef int c = self._crit[seq] != 0
+        cdef int64_t word2 = (seq << 8) | a
+        cdef uint8_t *p
+        if not self._hdr_fast or est < 0 or word2 > 0xFFFFFFFF or off + _HDR > buflen:
+            # the twin's own packer raises the twin's exact struct.error
+            _py_pack_header_into(out_obj, off, _T_DATA, self.flags | (_F_CRITICAL if c else 0),
+                                 self.flow_id, self.token, word2, est_obj)
+        else:
+            p = buf + off
+            memcpy(p, &self._hdr[c][0], 8)
+            _st32(p + 8, <uint32_t>word2)
+            _st32(p + 12, <uint32_t>est)
+        if off + _HDR + length > buflen:
+            raise ValueError("memoryview assignment: lvalue and rvalue have different structures")
+        memcpy(buf + off + _HDR, self._data + seq * self.seg_size, <size_t>length)
+        self._state[seq] = _INFLIGHT
+        self.inflight_count += 1
+        self.inflight_bytes += length + _HDR
+        self._sent_time[seq] = now
+        self._snap_d[seq] = delivered
+        self._snap_dt[seq] = delivered_time
+        self._snap_fs[seq] = first_sent_time
+        self._sent_idx[seq] = self._log_append(seq)
+        self.packets_sent += 1
+        return off + _HDR + length
+
+    def build(self, seqs, double now, int64_t delivered, double delivered_time, double first_sent_time,
+              est_word, out):
+        """Write DATA packets for ``seqs`` into ``out`` at a stride of ``16 + seg_size``.
+
+        Only the last packet may be short (the caller puts the final segment
+        last). Returns the number of bytes written.
+        """
+        cdef Py_buffer view
+        cdef object out_obj = out
+        if PyByteArray_CheckExact(out):
+            PyObject_GetBuffer(out, &view, PyBUF_WRITABLE)
+        else:
+            out_obj = _as_bytes_view(out, True)
+            PyObject_GetBuffer(out_obj, &view, PyBUF_WRITABLE)
+        cdef int64_t est = _u_in(est_word, 0xFFFFFFFF)
+        cdef int64_t written = 0, k, m, seq, n = self.seg_count
+        cdef const char *sp
+        cdef Py_ssize_t sstride
+        cdef uint8_t *buf = <uint8_t *>view.buf
+        cdef Py_ssize_t buflen = view.len
+        try:
+            if _is_vec(seqs, cnp.NPY_INT64):
+                sp = <const char *>cnp.PyArray_DATA(<cnp.ndarray>seqs)
+                sstride = cnp.PyArray_STRIDE(<cnp.ndarray>seqs, 0)
+                m = cnp.PyArray_DIM(<cnp.ndarray>seqs, 0)
+                for k in range(m):
+                    seq = (<const int64_t *>(sp + k * sstride))[0]
+                    if seq < 0 or seq >= n:
+                        raise LocalProtocolError(f"segment {seq} out of range")
+                    written = self._build_one(seq, k, buf, buflen, now, delivered, delivered_time,
+                                              first_sent_time, est, est_word, out_obj)
+            else:
+                m = len(seqs)
+                for k in range(m):
+                    s = int(seqs[k])
+                    if s < 0 or s >= n:
+                        raise LocalProtocolError(f"segment {s} out of range")
+                    written = self._build_one(<int64_t>s, k, buf, buflen, now, delivered, delivered_time,
+                                              first_sent_time, est, est_word, out_obj)
+        finally:
+            PyBuffer_Release(&view)
+        return written
+
+    # -- ACKs and loss -----------------------------------------------------------
+    cdef inline void _ack_one(self, int64_t e, _AckAcc *acc) noexcept nogil:
+        cdef int64_t seq = e >> 8
+        cdef uint8_t a = <uint8_t>(e & 0xFF)
+        cdef int64_t wire, idx
+        cdef double r
+        if seq >= self.seg_count or e < 0:
+            self.bad_acks += 1
+            return
+        cdef uint8_t st = self._state[seq]
+        if st == _ACKED:
+            self.dup_acks += 1
+            return
+        if st == _PENDING:
+            self.bad_acks += 1
+            return
+        wire = self._len(seq) + _HDR
+        if st == _INFLIGHT:
+            self.inflight_count -= 1
+            self.inflight_bytes -= wire
+        if a == self._attempt[seq]:
+            r = acc.now - self._sent_time[seq]
+            if acc.rtt < 0.0 or r < acc.rtt:
+                acc.rtt = r
+            idx = self._sent_idx[seq]
+            if idx >= self.head:
+                self._log_acked[idx - self.log_base] = 1
+                self.acked_in_window += 1
+            if idx > acc.best_idx:
+                acc.best_idx = idx
+                acc.best_seq = seq
+        self._state[seq] = _ACKED
+        self.acked_count += 1
+        self.acked_bytes += wire - _HDR
+        acc.newly += 1
+        acc.newly_bytes += wire
+
+    def on_ack(self, entries, now, delivered, delivered_time):
+        """Process ACK entries (``seq << 8 | attempt``).
+
+        Returns ``(newly_acked, newly_acked_bytes, delivered, delivered_time,
+        rtt, prior_delivered, prior_time, first_sent, sample_sent, lost)``:
+        ``rtt`` is the smallest RTT sample (-1.0 if none), the ``prior_*``,
+        ``first_sent`` and ``sample_sent`` describe the most recently sent
+        newly acknowledged transmission (``prior_delivered`` = -1 if none) and
+        ``lost`` is an int64 array of segments newly declared lost.
+        """
+        cdef _AckAcc acc
+        acc.now = now
+        acc.rtt = -1.0
+        acc.newly = 0
+        acc.newly_bytes = 0
+        acc.best_idx = -1
+        acc.best_seq = -1
+        cdef const char *ep
+        cdef Py_ssize_t estride, k, m
+        if _is_vec(entries, cnp.NPY_UINT32):
+            ep = <const char *>cnp.PyArray_DATA(<cnp.ndarray>entries)
+            estride = cnp.PyArray_STRIDE(<cnp.ndarray>entries, 0)
+            m = cnp.PyArray_DIM(<cnp.ndarray>entries, 0)
+            for k in range(m):
+                self._ack_one((<const uint32_t *>(ep + k * estride))[0], &acc)
+        else:
+            m = len(entries)
+            for k in range(m):
+                e = int(entries[k])
+                if e > _I64_MAX:
+                    self.bad_acks += 1       # seq >= 2**55 > seg_count, as in the twin
+                else:
+                    self._ack_one(<int64_t>e, &acc)   # negative: bad_acks (see module docstring)
+        if acc.newly:
+            delivered = delivered + acc.newly_bytes
+            delivered_time = now
+        cdef int64_t b = acc.best_seq
+        if b >= 0:
+            prior = (self._snap_d[b], self._snap_dt[b], self._snap_fs[b], self._sent_time[b])
+        else:
+            prior = (-1, 0.0, 0.0, 0.0)
+        lost = self._detect(3, -1.0)
+        return (acc.newly, acc.newly_bytes, delivered, delivered_time, acc.rtt) + prior + (lost,)
+
+    def expire(self, double cutoff):
+        """Declare lost every in-flight transmission sent at or before ``cutoff`` (tail-loss timer)."""
+        return self._detect(0, cutoff)
+
+    cdef object _detect(self, int threshold, double cutoff):
+        cdef int64_t cnt = 0, i, seq
+        while self.head < self.tail:
+            i = self.head - self.log_base
+            seq = self._log_seq[i]
+            if self._log_acked[i]:
+                self.acked_in_window -= 1
+                self.head += 1
+                continue
+            if self._sent_idx[seq] != self.head or self._state[seq] != _INFLIGHT:
+                self.head += 1
+                continue
+            if ((threshold != 0 and self.acked_in_window >= threshold)
+                    or (threshold == 0 and self._sent_time[seq] <= cutoff)):
+                self._state[seq] = _LOST
+                self.inflight_count -= 1
+                self.inflight_bytes -= self._len(seq) + _HDR
+                self.lost_events += 1
+                self._lost[cnt] = seq
+                cnt += 1
+                self.head += 1
+                continue
+            break
+        return _new_vec(cnt, cnp.NPY_INT64, self._lost, sizeof(int64_t))
+
+    def oldest_inflight_time(self):
+        """Send time of the oldest unresolved in-flight transmission, or -1.0."""
+        cdef int64_t h = self.head, i, seq
+        while h < self.tail:
+            i = h - self.log_base
+            seq = self._log_seq[i]
+            if not self._log_acked[i] and self._sent_idx[seq] == h and self._state[seq] == _INFLIGHT:
+                return self._sent_time[seq]
+            h += 1
+        return -1.0
+
+
+# ---------------------------------------------------------------- receiver
+
+cdef class RecvWindow:
+    """Receiver-side per-flow state: validation, in-place reassembly, bitmap and ACK entries."""
+
+    cdef readonly object dest, bitmap, critical, acks, flow_id, token
+    cdef readonly int64_t total, seg_size, seg_count, last_len
+    cdef readonly object critical_total
+    cdef readonly int64_t critical_received, received, received_bytes, duplicates, bad_seq, bad_length
+    cdef readonly int64_t last_word3, n_acks
+
+    cdef Py_buffer _dest_view
+    cdef bint _have_view
+    cdef uint8_t *_dest
+    cdef uint8_t *_bitmap
+    cdef uint8_t *_crit
+    cdef uint32_t *_acks
+    cdef int64_t _cap
+    cdef uint64_t _match             # header bytes 0..7 expected (memory order) after masking
+    cdef uint64_t _mask
+    cdef bint _never                 # flow id / token cannot match any header
+
+    def __cinit__(self, dest, total, seg_size, flow_id, token, critical, ack_capacity=4096):
+        mv = _as_bytes_view(dest, True)
+        self.dest = mv
+        if total > len(mv) or total <= 0 or seg_size <= 0:
+            raise LocalProtocolError("total must be in 1..len(dest) and seg_size positive")
+        n = (total + seg_size - 1) // seg_size
+        self.total = total
+        self.seg_size = seg_size
+        self.seg_count = n
+        self.last_len = total - (n - 1) * seg_size
+        self.flow_id = flow_id
+        self.token = token
+        self.bitmap = np.zeros(n, np.uint8)
+        if critical is None:
+            crit = np.zeros(n, np.uint8)
+        else:
+            crit = np.ascontiguousarray(critical, dtype=np.uint8)
+            if crit.ndim != 1 or crit.shape[0] != n:
+                raise LocalProtocolError("critical mask must have one entry per segment")
+        self.critical = crit
+        self.critical_total = int(crit.sum())
+        self.acks = np.empty(ack_capacity, np.uint32)
+        PyObject_GetBuffer(mv, &self._dest_view, PyBUF_SIMPLE | PyBUF_WRITABLE)
+        self._have_view = True
+        self._dest = <uint8_t *>self._dest_view.buf
+        self._bitmap = <uint8_t *>_ptr(self.bitmap)
+        self._crit = <uint8_t *>_ptr(crit)
+        self._acks = <uint32_t *>_ptr(self.acks)
+        self._cap = self.acks.shape[0]
+        cdef int64_t fid = -1, tok = -1
+        try:   # the twin compares with ==, so 7.0 matches flow 7 and 7.5 matches nothing
+            if flow_id == int(flow_id):
+                fid = _u_in(int(flow_id), 0xFFFF)
+            if token == int(token):
+                tok = _u_in(int(token), 0xFFFFFFFF)
+        except (TypeError, ValueError, OverflowError):
+            pass
+        self._never = fid < 0 or tok < 0
+        cdef uint8_t m[8]
+        cdef uint8_t x[8]
+        if not self._never:
+            x[0] = _DATA_B0
+            x[1] = 0
+            x[2] = <uint8_t>(fid >> 8)
+            x[3] = <uint8_t>fid
+            _st32(&x[4], <uint32_t>tok)
+            memset(m, 0xFF, 8)
+            m[1] = _F_UNKNOWN
+            memcpy(&self._match, x, 8)
+            memcpy(&self._mask, m, 8)
+
+    def __dealloc__(self):
+        if self._have_view:
+            PyBuffer_Release(&self._dest_view)
+            self._have_view = False
+
+    cdef Py_ssize_t _run(self, const uint8_t *b, Py_ssize_t blen, const char *op, Py_ssize_t ostride,
+                         const char *lp, Py_ssize_t lstride, Py_ssize_t i, Py_ssize_t lim,
+                         int *err) noexcept nogil:
+        """Consume datagrams ``i..lim``; return the first not consumed (``err`` set: outside ``b``)."""
+        cdef int64_t n = self.seg_count, seg = self.seg_size, last = self.last_len, cap = self._cap
+        cdef int64_t n_acks = self.n_acks, received = self.received, rbytes = self.received_bytes
+        cdef int64_t dups = self.duplicates, bad_seq = self.bad_seq, bad_len = self.bad_length
+        cdef int64_t crit_rx = self.critical_received, word3 = self.last_word3
+        cdef uint64_t match = self._match, mask = self._mask, h
+        cdef uint8_t *dest = self._dest
+        cdef uint8_t *bitmap = self._bitmap
+        cdef const uint8_t *crit = self._crit
+        cdef uint32_t *acks = self._acks
+        cdef bint never = self._never
+        cdef int64_t o, length, plen, seq
+        cdef uint32_t w2
+        cdef const uint8_t *p
+        while i < lim:
+            o = (<const int64_t *>(op + i * ostride))[0]
+            length = (<const int64_t *>(lp + i * lstride))[0]
+            if length < _HDR:
+                break
+            if o < 0 or o > blen - length:
+                err[0] = 1
+                break
+            p = b + o
+            memcpy(&h, p, 8)
+            if never or (h & mask) != match:
+                break
+            w2 = _ld32(p + 8)
+            seq = w2 >> 8
+            i += 1
+            if seq >= n:
+                bad_seq += 1
+                continue
+            plen = length - _HDR
+            if plen != (last if seq == n - 1 else seg):
+                bad_len += 1
+                continue
+            if n_acks >= cap:
+                i -= 1
+                break
+            acks[n_acks] = w2
+            n_acks += 1
+            word3 = _ld32(p + 12)
+            if bitmap[seq]:
+                dups += 1
+                continue
+            memcpy(dest + seq * seg, p + _HDR, <size_t>plen)
+            bitmap[seq] = 1
+            received += 1
+            rbytes += plen
+            if crit[seq]:
+                crit_rx += 1
+        self.n_acks = n_acks
+        self.received = received
+        self.received_bytes = rbytes
+        self.duplicates = dups
+        self.bad_seq = bad_seq
+        self.bad_length = bad_len
+        self.critical_received = crit_rx
+        self.last_word3 = word3
+        return i
+
+    def ingest(self, buf, offsets, lengths, Py_ssize_t start, Py_ssize_t stop):
+        """Consume DATA datagrams of this flow from index ``start``; return the first index not consumed."""
+        cdef Py_buffer view
+        cdef object keep = buf
+        try:
+            PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+        except BufferError:            # not contiguous: read a copy (the twin indexes the view)
+            keep = memoryview(buf).tobytes()
+            PyObject_GetBuffer(keep, &view, PyBUF_SIMPLE)
+        cdef Py_ssize_t lim, j
+        cdef int err = 0
+        try:
+            if start >= stop:
+                return stop
+            if start < 0:
+                raise LocalProtocolError("start must be non-negative")
+            off = _i64_vec(offsets)
+            lens = _i64_vec(lengths)
+            n_off = cnp.PyArray_DIM(<cnp.ndarray>off, 0)
+            n_len = cnp.PyArray_DIM(<cnp.ndarray>lens, 0)
+            lim = min(stop, n_off, n_len)
+            if lim < start:
+                lim = start
+            if lim - start >= _NOGIL_MIN:
+                with nogil:
+                    j = self._run(<const uint8_t *>view.buf, view.len,
+                                  <const char *>cnp.PyArray_DATA(<cnp.ndarray>off),
+                                  cnp.PyArray_STRIDE(<cnp.ndarray>off, 0),
+                                  <const char *>cnp.PyArray_DATA(<cnp.ndarray>lens),
+                                  cnp.PyArray_STRIDE(<cnp.ndarray>lens, 0), start, lim, &err)
+            else:
+                j = self._run(<const uint8_t *>view.buf, view.len,
+                              <const char *>cnp.PyArray_DATA(<cnp.ndarray>off),
+                              cnp.PyArray_STRIDE(<cnp.ndarray>off, 0),
+                              <const char *>cnp.PyArray_DATA(<cnp.ndarray>lens),
+                              cnp.PyArray_STRIDE(<cnp.ndarray>lens, 0), start, lim, &err)
+            if err:
+                raise LocalProtocolError(
+                    f"datagram {j} (offset {off[j]}, length {lens[j]}) lies outside the buffer of {view.len} bytes")
+            if j == lim and lim < stop:
+                size = n_off if n_off <= lim else n_len
+                raise IndexError(f"index {lim} is out of bounds for axis 0 with size {size}")
+            return j
+        finally:
+            PyBuffer_Release(&view)
+
+    def take_acks(self):
+        """Return and clear the queued ACK entries."""
+        out = _new_vec(self.n_acks, cnp.NPY_UINT32, self._acks, sizeof(uint32_t))
+        self.n_acks = 0
+        return out
+
+    def missing_runs(self):
+        """Half-open segment ranges that have not arrived, in order."""
+        cdef int64_t s = 0, a, n = self.seg_count
+        cdef const uint8_t *bm = self._bitmap
+        runs = []
+        while s < n:
+            if bm[s]:
+                s += 1
+                continue
+            a = s
+            while s < n and not bm[s]:
+                s += 1
+            runs.append((a, s))
+        return runs
+
+    def zero_fill_missing(self):
+        """Write zeros over every missing segment (packet bubbles); return bytes zeroed."""
+        cdef int64_t s = 0, a, lo, hi, zeroed = 0
+        cdef int64_t n = self.seg_count, seg = self.seg_size, total = self.total
+        cdef const uint8_t *bm = self._bitmap
+        cdef uint8_t *dest = self._dest
+        with nogil:
+            while s < n:
+                if bm[s]:
+                    s += 1
+                    continue
+                a = s
+                while s < n and not bm[s]:
+                    s += 1
+                lo = a * seg
+                hi = s * seg
+                if hi > total:
+                    hi = total
+                memset(dest + lo, 0, <size_t>(hi - lo))
+                zeroed += hi - lo
+        return zeroed

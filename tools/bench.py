@@ -1,0 +1,289 @@
+"""``ltp-bench``: one bulk transfer over an emulated link, LTP or kernel TCP, as one JSON line.
+
+Theory of operation
+    As root (and where namespaces work) the benchmark builds a two-host
+    :class:`~ltp_tools.netlab.Lab` — sender ``h0``, receiver ``h1``, joined
+    through the lab's switch — and impairs the receiver's side: ``--loss``
+    (random drop of data-sized packets at the receiver's ingress, the lab's
+    default rule, so small ACKs survive; ``--loss-both`` also drops in the
+    reverse direction and all sizes), ``--rate`` (tbf on the receiver's
+    downlink), ``--delay`` (one-way, on the receiver's ingress). Offloads are
+    off on the lab's veths, so GSO batches are segmented before the loss point
+    and the loss rate holds per wire packet (the lab's ``oversize`` counter
+    checks it; it is reported). Without root it falls back to loopback and
+    refuses impairments.
+
+    Sender and receiver run as two processes (one core each on a 2-core box).
+    For LTP the receiver posts one receive into a preallocated buffer; the
+    sender's clock runs from ``send()`` until the flow ends (all acknowledged,
+    or the receiver's STOP). For TCP the lab's ``tcpbench`` is used: the
+    client's clock stops when the server has read every byte. ``--mode
+    reliable`` (default) delivers every byte so goodput compares honestly with
+    TCP; ``--mode tolerant`` reports its delivered fraction beside goodput.
+    Goodput counts delivered payload bytes only.
+
+    ltp-bench --transport ltp --size 1G --loss 0.01 --rate 1gbit --delay 10ms
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+
+__all__ = ["main", "parse_size", "parse_rate", "parse_time", "run_bench"]
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1024, "mi": 1024 ** 2, "gi": 1024 ** 3}
+
+
+def parse_size(text: str) -> int:
+    """'100M' -> 100_000_000 bytes; 'Mi'/'Gi' suffixes are binary."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]i?)?b?\s*", str(text).lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 98M, 1G, 512Mi")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def parse_rate(text: str | None) -> float | None:
+    """'1gbit' / '1g' / '500mbit' -> bits/s; 'none' -> None."""
+    if text is None or str(text).lower() in ("none", "0", "unlimited"):
+        return None
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(bit|bps|b)?(/s)?\s*", str(text).lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad rate {text!r}; use e.g. 1gbit, 500mbit, none")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_time(text: str) -> float:
+    """'10ms' / '0.01s' / '10' (ms) -> seconds."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|us)?\s*", str(text).lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad time {text!r}; use e.g. 10ms")
+    v = float(m.group(1))
+    return {"s": v, "ms": v / 1e3, "us": v / 1e6, None: v / 1e3}[m.group(2)]
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _pattern(size: int, start: int = 0):
+    """Bytes ``start .. start+size`` of the test message (little-endian uint64 counter), start % 8 == 0."""
+    import numpy as np
+
+    n8 = (size + 7) // 8
+    return np.arange(start // 8, start // 8 + n8, dtype=np.uint64).view(np.uint8)[:size]
+
+
+# ---------------------------------------------------------------------------- LTP roles
+def _ltp_receiver(args) -> int:
+    import numpy as np
+
+    import ltp
+
+    async def main():
+        cfg = ltp.Config(mtu=args.mtu, deadline_slack_s=0.1 if args.delay_s else 0.03)
+        ep = await ltp.open_endpoint((args.bind, args.port), config=cfg)
+        buf = np.empty(args.size, np.uint8)
+        buf.fill(0)  # fault the pages in before the clock starts
+        base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print("READY", flush=True)
+        cpu0 = _cpu_s()
+        rep = await ep.recv(buf, timeout=args.timeout)
+        cpu = _cpu_s() - cpu0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        ok = None
+        if rep.regime == "complete":
+            step = 1 << 24  # verify in chunks: no message-sized temporaries
+            ok = all(np.array_equal(buf[i:i + step], _pattern(min(step, args.size - i), i))
+                     for i in range(0, args.size, step))
+        out = dict(regime=rep.regime, received_bytes=rep.received_bytes, delivered_fraction=rep.delivered_fraction,
+                   receiver_cpu_s=round(cpu, 3), verified=ok, receiver_peak_rss=peak,
+                   receiver_rss_before_transfer=base_rss, dropped=dict(ep.stats.dropped),
+                   extensions=ltp.using_extensions())
+        await ep.close()
+        print(json.dumps(out), flush=True)
+
+    ltp.run(main())
+    return 0
+
+
+def _ltp_sender(args) -> int:
+    import ltp
+
+    async def main():
+        ep = await ltp.open_endpoint(("0.0.0.0", 0), config=ltp.Config(mtu=args.mtu))
+        data = _pattern(args.size)
+        cpu0 = _cpu_s()
+        t0 = time.perf_counter()
+        rep = await ep.send((args.host, args.port), data, reliable=args.mode == "reliable", timeout=args.timeout)
+        dt = time.perf_counter() - t0
+        cpu = _cpu_s() - cpu0
+        out = dict(duration_s=round(dt, 4), delivered_bytes=rep.delivered_bytes,
+                   delivered_fraction=rep.delivered_fraction, retransmitted_packets=rep.retransmitted_packets,
+                   packets_sent=rep.packets_sent, close_reason=rep.close_reason, sender_cpu_s=round(cpu, 3),
+                   rtprop_ms=round(rep.rtprop_s * 1e3, 3), btlbw_gbps=round(rep.btlbw_bps * 8 / 1e9, 3))
+        await ep.close()
+        print(json.dumps(out), flush=True)
+
+    ltp.run(main())
+    return 0
+
+
+# ---------------------------------------------------------------------------- orchestration
+def _read_json(p: subprocess.Popen, timeout: float) -> dict:
+    out, err = p.communicate(timeout=timeout)
+    for line in reversed(out.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"no result from {p.args}: exit {p.returncode}\n{err[-2000:]}")
+
+
+def _wait_ready(p: subprocess.Popen, timeout: float) -> None:
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        line = p.stdout.readline()
+        if not line:
+            break
+        if line.strip() == "READY":
+            return
+    raise RuntimeError(f"receiver did not start: {p.stderr.read()[-2000:] if p.stderr else ''}")
+
+
+def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 0.0, rate_bps: float | None = None,
+              delay_s: float = 0.0, mtu: int = 1500, mode: str = "reliable", loss_both: bool = False,
+              timeout: float = 300.0, lab=None, port: int = 7447) -> dict:
+    """Run one transfer and return the result dict (see module docstring)."""
+    from ltp_tools.netlab import Lab, check_support
+
+    own_lab = None
+    problem = check_support() if lab is None else None
+    if lab is None and problem is None:
+        own_lab = lab = Lab(n_hosts=2, mtu=mtu).start()
+    elif lab is None and (loss or rate_bps or delay_s):
+        raise SystemExit(f"impairments need the network lab, which is unavailable here: {problem}")
+    try:
+        if lab is not None:
+            snd, rcv = lab.hosts[0], lab.hosts[1]
+            lab.impair(rcv, "ingress", loss=loss, rate_bps=rate_bps, delay_s=delay_s,
+                       queue_bytes=None if rate_bps is None else max(256_000, int(rate_bps / 8 * 0.005)))
+            if loss_both:
+                lab.impair(snd, "ingress", loss=loss, all_sizes=True)
+            host = rcv.addr
+            popen = lab.popen
+        else:
+            snd = rcv = None
+            host = "127.0.0.1"
+
+            def popen(_h, argv, **kw):
+                return subprocess.Popen(argv, **kw)
+        py = sys.executable
+        kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        common = ["--size", str(size), "--mtu", str(mtu), "--timeout", str(timeout), "--mode", mode,
+                  "--delay", f"{delay_s * 1e3}ms"]
+        t_wall = time.time()
+        if transport == "ltp":
+            rp = popen(rcv, [py, "-m", "ltp_tools.bench", "_ltp_recv", "--port", str(port), *common], **kw)
+            _wait_ready(rp, 60)
+            sp = popen(snd, [py, "-m", "ltp_tools.bench", "_ltp_send", "--host", host, "--port", str(port), *common],
+                       **kw)
+            s = _read_json(sp, timeout + 30)
+            r = _read_json(rp, 60)
+            delivered = s["delivered_bytes"]
+            result = dict(transport="ltp", mode=mode, **{k: s[k] for k in (
+                "duration_s", "retransmitted_packets", "packets_sent", "sender_cpu_s", "close_reason",
+                "rtprop_ms", "btlbw_gbps")},
+                delivered_fraction=r["delivered_fraction"], receiver_cpu_s=r["receiver_cpu_s"],
+                verified=r["verified"], receiver_peak_rss=r["receiver_peak_rss"],
+                receiver_overhead_bytes=r["receiver_peak_rss"] - size, dropped_by_receiver=r["dropped"],
+                extensions=r["extensions"])
+            result["goodput_gbps"] = round(min(delivered, r["received_bytes"]) * 8 / s["duration_s"] / 1e9, 4)
+        else:
+            from ltp_tools import tcpbench
+
+            if lab is not None:
+                res = tcpbench.run_tcp_transfer(lab, snd, rcv, size, cc=transport, timeout_s=timeout)
+            else:
+                res = _tcp_loopback(size, transport, timeout)
+            rx = res.get("receiver", {})
+            result = dict(transport=transport, mode="reliable", duration_s=res["duration_s"],
+                          retransmitted_packets=res.get("total_retrans"), sender_cpu_s=res.get("sender_cpu_s"),
+                          receiver_cpu_s=rx.get("receiver_cpu_s", rx.get("cpu_s")), delivered_fraction=1.0,
+                          goodput_gbps=round(size * 8 / res["duration_s"] / 1e9, 4))
+        stats = lab.loss_stats(rcv) if lab is not None else {}
+        result.update(size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
+                      measured_loss=stats.get("measured_loss"), oversize_packets=stats.get("oversize"),
+                      backend=lab.backend if lab is not None else "loopback", wall_s=round(time.time() - t_wall, 2))
+        order = ["transport", "size_bytes", "loss", "rate", "goodput_gbps", "duration_s", "delivered_fraction",
+                 "retransmitted_packets", "sender_cpu_s", "receiver_cpu_s"]
+        return {k: result[k] for k in order} | {k: v for k, v in result.items() if k not in order}
+    finally:
+        if own_lab is not None:
+            own_lab.close()
+
+
+def _tcp_loopback(size: int, cc: str, timeout: float) -> dict:
+    py = sys.executable
+    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    srv = subprocess.Popen([py, "-m", "ltp_tools.tcpbench", "server", "--port", "5299", "--once", "--bind",
+                            "127.0.0.1"], **kw)
+    try:
+        cli = subprocess.run([py, "-m", "ltp_tools.tcpbench", "client", "--host", "127.0.0.1", "--port", "5299",
+                              "--size", str(size), "--cc", cc], timeout=timeout, **kw)
+        res = json.loads(cli.stdout.strip().splitlines()[-1])
+        res["receiver"] = _read_json(srv, 30)
+        return res
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+
+
+def main(argv=None) -> int:
+    """Entry point of ``ltp-bench``."""
+    ap = argparse.ArgumentParser(prog="ltp-bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--transport", default="ltp", choices=["ltp", "cubic", "bbr", "reno"])
+    ap.add_argument("--size", type=parse_size, default=parse_size("200M"))
+    ap.add_argument("--loss", type=float, default=0.0, help="random drop probability of data packets (0.01 = 1%%)")
+    ap.add_argument("--loss-both", action="store_true", help="drop in both directions and all sizes")
+    ap.add_argument("--rate", type=parse_rate, default=None, help="tbf rate, e.g. 1gbit (default: unlimited)")
+    ap.add_argument("--delay", type=parse_time, default=0.0, help="one-way delay, e.g. 10ms")
+    ap.add_argument("--mtu", type=int, default=1500)
+    ap.add_argument("--mode", choices=["reliable", "tolerant"], default="reliable")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args(argv)
+    for _ in range(args.repeats):
+        res = run_bench(transport=args.transport, size=args.size, loss=args.loss, rate_bps=args.rate,
+                        delay_s=args.delay, mtu=args.mtu, mode=args.mode, loss_both=args.loss_both,
+                        timeout=args.timeout)
+        print(json.dumps(res), flush=True)
+    return 0
+
+
+def _role_main(argv) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=["_ltp_recv", "_ltp_send"])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--bind", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=7447)
+    ap.add_argument("--size", type=int, required=True)
+    ap.add_argument("--mtu", type=int, default=1500)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--mode", default="reliable")
+    ap.add_argument("--delay", type=parse_time, default=0.0)
+    args = ap.parse_args(argv)
+    args.delay_s = args.delay
+    return _ltp_receiver(args) if args.role == "_ltp_recv" else _ltp_sender(args)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
+        sys.exit(_role_main(sys.argv[1:]))
+    sys.exit(main())
