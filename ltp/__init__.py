@@ -3,24 +3,41 @@
 The protocol core is sans-IO (:mod:`ltp.engine` and the modules it uses);
 :mod:`ltp.endpoint` is the asyncio adapter and :class:`ltp.Socket` a blocking
 wrapper. See docs/api.md and docs/protocol.md.
+
+Public names are loaded on first use (PEP 562), so importing a leaf module
+such as :mod:`ltp.errors` from the compiled extensions never drags in the
+whole package (and never forms an import cycle).
 """
 
 from __future__ import annotations
 
-from .blocking import Socket
-from .config import DCN, WAN, Config
-from .endpoint import Endpoint, open_endpoint
-from .errors import (LocalProtocolError, LTPError, RemoteProtocolError, TransferAborted, TransferRefused,
-                     TransferTimeout, WireError)
-from .reports import EndpointStats, RecvReport, SendReport
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Config", "DCN", "WAN", "Endpoint", "open_endpoint", "Socket", "run", "SendReport", "RecvReport",
-    "EndpointStats", "LTPError", "LocalProtocolError", "RemoteProtocolError", "WireError", "TransferRefused",
-    "TransferTimeout", "TransferAborted", "using_extensions",
-]
+_EXPORTS = {
+    "Config": "config", "DCN": "config", "WAN": "config",
+    "Endpoint": "endpoint", "open_endpoint": "endpoint",
+    "Socket": "blocking",
+    "SendReport": "reports", "RecvReport": "reports", "EndpointStats": "reports",
+    "LTPError": "errors", "LocalProtocolError": "errors", "RemoteProtocolError": "errors", "WireError": "errors",
+    "TransferRefused": "errors", "TransferTimeout": "errors", "TransferAborted": "errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["run", "using_extensions"]
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'ltp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ltp.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
 
 
 def run(coro):
@@ -38,4 +55,7 @@ def using_extensions() -> dict:
     """Which ``ltp_ext`` modules are compiled (True) or pure-Python twins (False)."""
     import ltp_ext
 
+    for name in ("wire", "datapath", "udpio"):
+        if name not in ltp_ext.loaded:
+            ltp_ext.load(name)
     return dict(ltp_ext.loaded)

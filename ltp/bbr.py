@@ -4,8 +4,12 @@ Theory of operation. The model has two numbers: **BtlBw**, the windowed maximum
 of delivery-rate samples over the last 10 round trips, and **RTprop**, the
 windowed minimum RTT over the last ``probe_rtt_interval_s`` seconds. Their
 product is the BDP. The sender paces at ``pacing_gain × BtlBw`` and keeps at
-most ``cwnd_gain × BDP + 2 × burst`` bytes in flight (the burst allowance
-covers user-space pacing and ACKs that arrive in batches). **Loss is not a
+most ``cwnd_gain × BDP + extra_acked + 2 × burst`` bytes in flight. The burst
+allowance covers user-space pacing; ``extra_acked`` is BBR's ACK-aggregation
+estimate (the windowed maximum, over 10 rounds, of data acknowledged beyond
+what BtlBw predicts since an aggregation epoch began), which covers ACKs that
+arrive in batches and timers that fire a millisecond late — both are normal
+for a user-space transport. **Loss is not a
 congestion signal**: nothing here looks at losses, so random (non-congestion)
 loss does not shrink the window — the property LTP needs (§III-D).
 
@@ -96,6 +100,9 @@ class BBR:
         self._probe_rtt_done: float | None = None
         self._probe_rtt_round_done = False
         self._prior_state = PROBE_BW
+        self._extra_acked = _MaxFilter(BTLBW_ROUNDS)
+        self._ack_epoch_start: float | None = None
+        self._ack_epoch_acked = 0
 
     # -- model outputs -------------------------------------------------
     @property
@@ -122,18 +129,37 @@ class BBR:
         """Bytes allowed in flight, given the pacer's burst size."""
         if self.state == PROBE_RTT:
             return 4 * self.mss
-        target = self.cwnd_gain * self.bdp() + 2 * burst_bytes
+        target = self.cwnd_gain * self.bdp() + self.extra_acked + 2 * burst_bytes
         return int(max(target, 4 * self.mss, self.initial_cwnd if not self.filled_pipe else 0))
+
+    @property
+    def extra_acked(self) -> float:
+        """ACK-aggregation allowance (bytes), capped at 100 ms of BtlBw."""
+        return min(self._extra_acked.value, self.btlbw * 0.1)
+
+    def _update_ack_aggregation(self, now: float, acked: int) -> None:
+        bw = self.btlbw
+        if bw <= 0 or acked <= 0:
+            return
+        if self._ack_epoch_start is None:
+            self._ack_epoch_start, self._ack_epoch_acked = now, 0
+        expected = bw * (now - self._ack_epoch_start)
+        if self._ack_epoch_acked <= expected:
+            self._ack_epoch_start, self._ack_epoch_acked = now, 0
+            expected = 0.0
+        self._ack_epoch_acked += acked
+        self._extra_acked.update(self.round_count, self._ack_epoch_acked - expected)
 
     # -- inputs --------------------------------------------------------
     def on_ack(self, now: float, *, delivered: int, prior_delivered: int, rate_bps: float | None,
-               rtt_s: float | None, inflight: int, app_limited: bool = False) -> None:
+               rtt_s: float | None, inflight: int, app_limited: bool = False, acked: int = 0) -> None:
         """Feed one ACK's worth of samples.
 
         ``delivered`` is the path's delivered-bytes counter after this ACK,
         ``prior_delivered`` the counter when the sampled packet was sent,
         ``rate_bps`` the delivery-rate sample (None when there is none),
-        ``rtt_s`` the newest RTT sample, ``inflight`` bytes still in flight.
+        ``rtt_s`` the newest RTT sample, ``inflight`` bytes still in flight,
+        ``acked`` the bytes this ACK newly acknowledged.
         """
         round_start = False
         if prior_delivered >= self._next_round_delivered:
@@ -148,6 +174,7 @@ class BBR:
         if rtt_s is not None and rtt_s > 0 and (self.rtprop is None or rtt_s <= self.rtprop or expired):
             self.rtprop = rtt_s
             self._rtprop_stamp = now
+        self._update_ack_aggregation(now, acked)
         if round_start:
             self._check_full_pipe()
         self._update_state(now, inflight, expired, round_start)

@@ -42,6 +42,9 @@ class Config:
     #: congestion control start-up guesses until the first samples arrive
     initial_cwnd_packets: int = 64
     initial_rtt_s: float = 0.001
+    #: ACKs: one datagram per this many entries, or when the oldest entry waited ack_delay_s
+    ack_every: int = 32
+    ack_delay_s: float = 0.0005
     #: pacing timer granularity and smallest burst (see ltp/pacing.py)
     pacing_granularity_s: float = 0.001
     min_burst_packets: int = 16
@@ -73,7 +76,7 @@ class Config:
         if self.job_key is not None and not isinstance(self.job_key, (bytes, bytearray)):
             raise LocalProtocolError("job_key must be bytes (e.g. secret.encode())")
         for name in ("max_flow_bytes", "max_flows_per_peer", "max_receive_memory", "lt_window",
-                     "initial_cwnd_packets", "min_burst_packets", "io_batch", "max_closed_flows"):
+                     "initial_cwnd_packets", "min_burst_packets", "io_batch", "max_closed_flows", "ack_every"):
             if getattr(self, name) <= 0:
                 raise LocalProtocolError(f"{name} must be positive")
 

@@ -11,7 +11,10 @@ of awaiting calls, and re-arms a single ``loop.call_at`` timer at
 :meth:`Engine.get_timer` (clamped so the engine never sees a timer early).
 The engine gets ``time.monotonic()`` as ``now``, not ``loop.time()``: uvloop's
 loop clock is cached per iteration at millisecond resolution, which would
-quantise every RTT and delivery-rate sample. If the kernel refuses more data
+quantise every RTT and delivery-rate sample. Each received datagram also
+carries its kernel arrival time (``SO_TIMESTAMPNS``): when the loop reads a
+backlog of ACKs late, each is still timed by when it arrived, so BBR's
+delivery-rate samples are not compressed into one instant. If the kernel refuses more data
 (EAGAIN), the rest waits in a queue drained when the socket is writable.
 
 uvloop is not installed here: pick it at your entry point (:func:`ltp.run`
@@ -26,6 +29,7 @@ import logging
 import os
 import random
 import socket
+import sys
 import time
 from collections import deque
 
@@ -41,6 +45,9 @@ log = logging.getLogger("ltp")
 __all__ = ["Endpoint", "open_endpoint"]
 
 _now = time.monotonic
+# Python's socket module does not export these (Linux values, asm-generic/socket.h)
+_SO_SNDBUFFORCE = 32 if sys.platform.startswith("linux") else None
+_SO_RCVBUFFORCE = 33 if sys.platform.startswith("linux") else None
 
 
 def _is_ip(host: str) -> bool:
@@ -209,9 +216,13 @@ class Endpoint:
                 break
             now = _now()
             buf, offs, lens = io.buffer, io.offsets, io.lengths
+            times = None
+            if io.timestamps_enabled:
+                # kernel arrival times (CLOCK_REALTIME) moved onto the monotonic clock
+                times = io.times - (time.time() - now)
             for addr, start, stop in io.runs():
                 try:
-                    eng.receive_batch(buf, offs, lens, start, stop, addr[:2], now)
+                    eng.receive_batch(buf, offs, lens, start, stop, addr[:2], now, times)
                 except Exception:  # a bug must not kill the loop; count and log it
                     eng.stats.drop("internal_error", stop - start)
                     log.exception("ltp: error while processing datagrams from %s", addr)
@@ -305,11 +316,10 @@ async def open_endpoint(local_addr=("0.0.0.0", 0), *, config: Config | None = No
     family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
-        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        for opt, force in ((socket.SO_RCVBUF, _SO_RCVBUFFORCE), (socket.SO_SNDBUF, _SO_SNDBUFFORCE)):
             sock.setsockopt(socket.SOL_SOCKET, opt, config.socket_buffer_bytes)
-            force = getattr(socket, "SO_RCVBUFFORCE" if opt == socket.SO_RCVBUF else "SO_SNDBUFFORCE", None)
-            if force is not None:
-                try:  # root may exceed net.core.rmem_max
+            if force is not None and sock.getsockopt(socket.SOL_SOCKET, opt) < config.socket_buffer_bytes:
+                try:  # with CAP_NET_ADMIN the *FORCE options may exceed net.core.[rw]mem_max
                     sock.setsockopt(socket.SOL_SOCKET, force, config.socket_buffer_bytes)
                 except OSError:
                     pass

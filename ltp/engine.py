@@ -24,8 +24,10 @@ Invariants:
    reason; registrations beyond the configured caps are refused with RESET.
 2. Memory allocated on a peer's say-so (bitmaps, buffers for messages that no
    receive was posted for) is bounded by ``Config.max_receive_memory``.
-3. ACKs are batched: entries queued while input is processed are flushed at
-   the next :meth:`datagrams_to_send` call, i.e. once per input batch.
+3. ACKs are batched: one ACK datagram carries the entries of ``ack_every``
+   received packets, or fewer once the oldest has waited ``ack_delay_s`` (a
+   timer), or when the flow closes. At high rates one input batch yields one
+   ACK; at low rates the sender is not woken once per packet.
 4. A closed receive flow is remembered (token, close reason) for
    ``closed_flow_ttl_s`` so DATA that is still in flight is answered with
    STOP again, at most once per probe interval, and never re-opens the flow.
@@ -211,8 +213,14 @@ class Engine:
         lengths = np.array([n], np.int64)
         self.receive_batch(data, _ONE, lengths, 0, 1, addr, now)
 
-    def receive_batch(self, buf, offsets, lengths, start: int, stop: int, addr, now: float) -> None:
-        """Process datagrams ``start..stop`` of ``buf`` (given by offsets/lengths), all from ``addr``."""
+    def receive_batch(self, buf, offsets, lengths, start: int, stop: int, addr, now: float, times=None) -> None:
+        """Process datagrams ``start..stop`` of ``buf`` (given by offsets/lengths), all from ``addr``.
+
+        ``times`` (optional, indexed like ``offsets``) are the datagrams' arrival
+        times on the same clock as ``now`` — kernel receive timestamps. A batch
+        read late holds ACKs that arrived over a stretch of time; timing each one
+        by its own arrival keeps RTT and delivery-rate samples honest.
+        """
         if self._closed_engine:
             return
         mv = buf if isinstance(buf, memoryview) else memoryview(buf)
@@ -238,7 +246,7 @@ class Engine:
                         i = j
                         continue
             try:
-                self._receive_one(mv[o:o + length], addr, now)
+                self._receive_one(mv[o:o + length], addr, now if times is None else min(now, float(times[i])))
             except WireError as exc:
                 self.stats.drop(exc.reason)
             i += 1
@@ -601,9 +609,13 @@ class Engine:
 
     def datagrams_to_send(self, now: float) -> list:
         """Everything to transmit now: control datagrams, then paced DATA batches."""
-        for flow in list(self._ack_dirty.values()):
-            self._flush_acks(flow, now)
-        self._ack_dirty.clear()
+        if self._ack_dirty:
+            every, delay = self.config.ack_every, self.config.ack_delay_s
+            for key, flow in list(self._ack_dirty.items()):
+                # same expression as the timer in get_timer: no float-rounding livelock
+                if flow.window.n_acks >= every or flow.ack_since is None or flow.ack_since + delay <= now:
+                    self._flush_acks(flow, now)
+                    del self._ack_dirty[key]
         out = []
         while self._ctrl:
             data, addr = self._ctrl.popleft()
@@ -647,6 +659,9 @@ class Engine:
                 take(flow.last_heard + self.config.idle_timeout_s)
         for t in self._wakes.values():
             take(t)
+        for flow in self._ack_dirty.values():
+            if flow.ack_since is not None:
+                take(flow.ack_since + self.config.ack_delay_s)
         for group in self._groups.values():
             if not group.done:
                 take(group.wake)
@@ -660,15 +675,16 @@ class Engine:
             for flow in list(path.flows):
                 if flow.state != OPEN:
                     continue
-                if now - flow.last_heard >= self.config.idle_timeout_s:
+                if flow.last_heard + self.config.idle_timeout_s <= now:
                     flow.fail(now, TransferTimeout(
                         f"peer {flow.peer} did not answer for {self.config.idle_timeout_s} s"))
                     self._end_send(flow, now)
                     continue
                 if not flow.reg_confirmed and now >= flow.reg_next:
                     self._ctrl.append((flow.reg_datagram(now, path.est_word(), pto), flow.peer))
-                if flow.window.inflight_count and now - flow.last_heard >= pto:
-                    lost = flow.window.expire(now - pto)
+                if flow.window.inflight_count and max(flow.window.oldest_inflight_time(), flow.last_heard) + pto <= now:
+                    # a nanosecond of slack so the transmission the timer was armed for is included
+                    lost = flow.window.expire(now - pto + 1e-9)
                     if lost.shape[0]:
                         flow.requeue_lost(lost)
         for key, wake in list(self._wakes.items()):

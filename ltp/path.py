@@ -140,13 +140,16 @@ class Path:
     # -- ACK processing ------------------------------------------------------
     def on_ack(self, flow, entries, now: float):
         """Feed ACK entries of ``flow`` to its window and the model; returns newly lost segments."""
-        (newly, _nb, self.delivered, self.delivered_time, rtt, prior_delivered, prior_time, first_sent,
+        (newly, newly_bytes, self.delivered, self.delivered_time, rtt, prior_delivered, prior_time, first_sent,
          sample_sent, lost) = flow.window.on_ack(entries, now, self.delivered, self.delivered_time)
         rate = None
         if prior_delivered >= 0:
             self.first_sent_time = sample_sent
             interval = max(sample_sent - first_sent, now - prior_time)
-            if interval > 0:
+            # as Linux's rate sampler: an interval shorter than the minimum RTT comes from
+            # ACK compression or a send burst and would overestimate the bottleneck
+            min_rtt = self.bbr.rtprop if self.bbr.rtprop is not None else (rtt if rtt >= 0 else 0.0)
+            if interval > 0 and interval >= min_rtt:
                 rate = (self.delivered - prior_delivered) / interval
         if prior_delivered >= 0:
             # srtt follows the freshest sample (the newest transmission acknowledged), so it
@@ -161,6 +164,6 @@ class Path:
             self.bbr.on_ack(now, delivered=self.delivered, prior_delivered=prior_delivered,
                             rate_bps=rate, rtt_s=rtt if rtt >= 0 else None,
                             inflight=self.inflight_bytes(),
-                            app_limited=0 <= prior_delivered < self.app_limited_until)
+                            app_limited=0 <= prior_delivered < self.app_limited_until, acked=newly_bytes)
             self.pacer.set_rate(self.bbr.pacing_rate)
         return lost

@@ -49,6 +49,8 @@ class SimNetwork:
         self._seq = 0
         self._timer_version: dict = {}
         self.trace: list | None = None
+        self._last_fire: dict = {}
+        self._same_fire: dict = {}
 
     def add_host(self, addr, engine) -> None:
         """Attach ``engine`` at address ``addr`` (a ``(host, port)`` tuple)."""
@@ -136,6 +138,13 @@ class SimNetwork:
                 addr, version = payload
                 if version != self._timer_version[addr]:
                     continue
+                if self.now == self._last_fire.get(addr):
+                    self._same_fire[addr] = self._same_fire.get(addr, 0) + 1
+                    if self._same_fire[addr] > 1000:
+                        raise RuntimeError(f"timer livelock: {addr} keeps asking for a timer at t={self.now}")
+                else:
+                    self._same_fire[addr] = 0
+                self._last_fire[addr] = self.now
                 self.hosts[addr].handle_timer(self.now)
                 self.pump(addr)
             if stop is not None and stop():

@@ -13,6 +13,7 @@ GSO_MAX_BYTES: int
 MAX_SEGMENT_SIZE: int
 GRO_SLOT_SIZE: int
 MAX_BATCH: int
+SO_TIMESTAMPNS_OPT: int
 
 Address = tuple[str, int] | tuple[str, int, int] | tuple[str, int, int, int]
 
@@ -24,6 +25,7 @@ class UdpIO:
     max_datagram: int
     gso_enabled: bool
     gro_enabled: bool
+    timestamps_enabled: bool
     def __init__(
         self,
         sock: socket.socket,
@@ -32,6 +34,7 @@ class UdpIO:
         max_datagram: int = 2048,
         gso: bool = True,
         gro: bool = True,
+        timestamps: bool = True,
     ) -> None: ...
     @property
     def buffer(self) -> memoryview: ...
@@ -39,6 +42,8 @@ class UdpIO:
     def offsets(self) -> npt.NDArray[np.int64]: ...
     @property
     def lengths(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def times(self) -> npt.NDArray[np.float64]: ...
     @property
     def stats(self) -> dict[str, int | dict[str, int]]: ...
     def __len__(self) -> int: ...

@@ -44,7 +44,7 @@ per-datagram loops touches Python objects.
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBuffer_IsContiguous, PyBUF_STRIDES
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 from libc.errno cimport errno, EAGAIN, EINTR, ENOBUFS, EINVAL, EIO
-from libc.stdint cimport int64_t, uint16_t, uint32_t
+from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset, memcpy, memcmp
 
@@ -73,7 +73,8 @@ cdef extern from *:
     #ifndef UDP_GRO
     #define UDP_GRO 104
     #endif
-    #define LTP_CMSG_SIZE 64   /* >= CMSG_SPACE(sizeof(int)) and CMSG_SPACE(sizeof(uint16_t)) */
+    #define LTP_CMSG_SIZE 64    /* send: >= CMSG_SPACE(sizeof(uint16_t)) */
+    #define LTP_RCMSG_SIZE 256  /* receive: the UDP_GRO cmsg plus room for timestamps, pktinfo... */
 
     /* Segment size from a UDP_GRO control message, 0 when absent. */
     static int ltp_gro_size(struct msghdr *m) {
@@ -87,6 +88,20 @@ cdef extern from *:
             }
         }
         return 0;
+    }
+
+    /* Kernel receive time (SO_TIMESTAMPNS, CLOCK_REALTIME seconds), -1.0 when absent. */
+    static double ltp_rx_time(struct msghdr *m) {
+        struct cmsghdr *c;
+        struct timespec ts;
+        if (m->msg_controllen == 0) return -1.0;
+        for (c = CMSG_FIRSTHDR(m); c != NULL; c = CMSG_NXTHDR(m, c)) {
+            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SO_TIMESTAMPNS) {
+                memcpy(&ts, CMSG_DATA(c), sizeof(ts));
+                return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+            }
+        }
+        return -1.0;
     }
 
     /* Attach a UDP_SEGMENT control message (cbuf must hold LTP_CMSG_SIZE bytes). */
@@ -144,6 +159,8 @@ cdef extern from *:
     int UDP_SEGMENT
     int UDP_GRO
     int LTP_CMSG_SIZE
+    int LTP_RCMSG_SIZE
+    int MSG_CTRUNC
     int AF_INET
     int AF_INET6
     int MSG_DONTWAIT
@@ -177,6 +194,7 @@ cdef extern from *:
     int recvmmsg(int fd, mmsghdr *msgs, unsigned int vlen, int flags, timespec *timeout) nogil
     int sendmmsg(int fd, mmsghdr *msgs, unsigned int vlen, int flags) nogil
     int ltp_gro_size(msghdr *m) nogil
+    double ltp_rx_time(msghdr *m) nogil
     void ltp_set_gso(msghdr *m, char *cbuf, uint16_t seg) nogil
     int ltp_decode_addr(const sockaddr_storage *ss, char *host, size_t hostlen,
                         unsigned int *port, unsigned int *flowinfo, unsigned int *scope) nogil
@@ -187,6 +205,8 @@ cdef extern from *:
 #: Errno values that ICMP reports on UDP sockets; counted and ignored, never raised.
 ICMP_ERRNOS = frozenset({_errno.ECONNREFUSED, _errno.EHOSTUNREACH, _errno.ENETUNREACH, _errno.EHOSTDOWN})
 #: Most segments per GSO super-datagram.
+#: setsockopt option number of SO_TIMESTAMPNS (Linux; not exported by Python's socket module)
+SO_TIMESTAMPNS_OPT = 35
 GSO_MAX_SEGMENTS = 64
 #: Most payload bytes per GSO super-datagram.
 GSO_MAX_BYTES = 65000
@@ -240,8 +260,10 @@ cdef class UdpIO:
     ``stats`` counts syscalls, datagrams in and out, receive/send calls that
     met EAGAIN (or ENOBUFS), and ``errors`` by errno name: ICMP-reported
     errors, ``EMSGSIZE`` for dropped oversized datagrams, ``EINVAL``/``EIO``
-    for GSO fallbacks, ``ENOBUFS``.  Not thread-safe: use one ``UdpIO`` per
-    thread (the GIL is released during syscalls).
+    for GSO fallbacks, ``ENOBUFS``; and ``MSG_CTRUNC`` for receives dropped
+    because other control messages left no room for the GRO one.  Not
+    thread-safe: use one ``UdpIO`` per thread (the GIL is released during
+    syscalls).
     """
 
     cdef object _sock
@@ -250,6 +272,7 @@ cdef class UdpIO:
     cdef readonly int max_datagram
     cdef readonly bint gso_enabled
     cdef readonly bint gro_enabled
+    cdef readonly bint timestamps_enabled
     cdef Py_ssize_t _slot_size
     # receive side
     cdef object _buf_arr
@@ -262,6 +285,8 @@ cdef class UdpIO:
     cdef object _off_arr
     cdef object _len_arr
     cdef object _slot_arr
+    cdef object _time_arr
+    cdef double[::1] _time
     cdef int64_t[::1] _off
     cdef int64_t[::1] _len
     cdef int64_t[::1] _slot
@@ -300,7 +325,8 @@ cdef class UdpIO:
         self._m_nseg = NULL
         self._m_gso = NULL
 
-    def __init__(self, sock, *, int batch=64, int max_datagram=2048, bint gso=True, bint gro=True):
+    def __init__(self, sock, *, int batch=64, int max_datagram=2048, bint gso=True, bint gro=True,
+                 bint timestamps=True):
         if self._rmsgs != NULL:
             raise RuntimeError("UdpIO.__init__ called twice; create a new UdpIO instead")
         if not isinstance(sock, _socket.socket):
@@ -338,6 +364,13 @@ cdef class UdpIO:
                 self.gso_enabled = True
             except OSError:
                 pass
+        self.timestamps_enabled = False
+        if timestamps:
+            try:
+                sock.setsockopt(_socket.SOL_SOCKET, SO_TIMESTAMPNS_OPT, 1)
+                self.timestamps_enabled = True
+            except OSError:
+                pass
         self._slot_size = max(max_datagram, GRO_SLOT_SIZE) if self.gro_enabled else max_datagram
 
         # receive buffers: one contiguous byte buffer cut into `batch` slots
@@ -348,7 +381,7 @@ cdef class UdpIO:
         self._rmsgs = <mmsghdr *>calloc(batch, sizeof(mmsghdr))
         self._riov = <iovec *>calloc(batch, sizeof(iovec))
         self._rnames = <sockaddr_storage *>calloc(batch, sizeof(sockaddr_storage))
-        self._rcmsg = <char *>calloc(batch, LTP_CMSG_SIZE)
+        self._rcmsg = <char *>calloc(batch, LTP_RCMSG_SIZE)
         # send buffers
         self._scap = max(batch, GSO_MAX_SEGMENTS)
         self._smsgs = <mmsghdr *>calloc(self._scap, sizeof(mmsghdr))
@@ -371,7 +404,7 @@ cdef class UdpIO:
             self._rmsgs[i].msg_hdr.msg_name = &self._rnames[i]
             self._rmsgs[i].msg_hdr.msg_iov = &self._riov[i]
             self._rmsgs[i].msg_hdr.msg_iovlen = 1
-            self._rmsgs[i].msg_hdr.msg_control = self._rcmsg + i * LTP_CMSG_SIZE
+            self._rmsgs[i].msg_hdr.msg_control = self._rcmsg + i * LTP_RCMSG_SIZE
         for i in range(self._scap):
             self._smsgs[i].msg_hdr.msg_iov = &self._siov[i]
             self._smsgs[i].msg_hdr.msg_iovlen = 1
@@ -404,6 +437,8 @@ cdef class UdpIO:
         self._off_arr = np.zeros(cap, dtype=np.int64)
         self._len_arr = np.zeros(cap, dtype=np.int64)
         self._slot_arr = np.zeros(cap, dtype=np.int64)
+        self._time_arr = np.full(cap, -1.0, dtype=np.float64)
+        self._time = self._time_arr
         self._off = self._off_arr
         self._len = self._len_arr
         self._slot = self._slot_arr
@@ -415,7 +450,9 @@ cdef class UdpIO:
         return fd
 
     cdef void _count_error(self, int e):
-        name = _errno.errorcode.get(e, str(e))
+        self._count_error_name(_errno.errorcode.get(e, str(e)))
+
+    cdef void _count_error_name(self, str name):
         self._errors[name] = self._errors.get(name, 0) + 1
 
     # ------------------------------------------------------------------ receive
@@ -434,6 +471,11 @@ cdef class UdpIO:
     def lengths(self):
         """int64 lengths of the datagrams of the last ``recv_batch``."""
         return self._len_arr[:self._n]
+
+    @property
+    def times(self):
+        """float64 kernel receive times (CLOCK_REALTIME seconds) of the last batch; -1.0 where unknown."""
+        return self._time_arr[:self._n]
 
     @property
     def stats(self):
@@ -467,11 +509,13 @@ cdef class UdpIO:
         cdef int64_t *off
         cdef int64_t *lens
         cdef int64_t *slots
+        cdef double *times
+        cdef double t
         self._n = 0
         while True:
             for i in range(self.batch):
                 self._rmsgs[i].msg_hdr.msg_namelen = sizeof(sockaddr_storage)
-                self._rmsgs[i].msg_hdr.msg_controllen = LTP_CMSG_SIZE
+                self._rmsgs[i].msg_hdr.msg_controllen = LTP_RCMSG_SIZE
                 self._rmsgs[i].msg_hdr.msg_flags = 0
             with nogil:
                 r = recvmmsg(fd, self._rmsgs, vlen, MSG_DONTWAIT, NULL)
@@ -507,26 +551,35 @@ cdef class UdpIO:
         off = &self._off[0]
         lens = &self._len[0]
         slots = &self._slot[0]
+        times = &self._time[0]
         n = 0
         for i in range(r):
             L = self._rmsgs[i].msg_len
             base = i * self._slot_size
+            t = ltp_rx_time(&self._rmsgs[i].msg_hdr)
             if self._rmsgs[i].msg_hdr.msg_flags & MSG_TRUNC:
                 self._count_error(_errno.EMSGSIZE)
                 continue
             g = ltp_gro_size(&self._rmsgs[i].msg_hdr)
+            if g == 0 and self.gro_enabled and self._rmsgs[i].msg_hdr.msg_flags & MSG_CTRUNC:
+                # the UDP_GRO cmsg may have been cut off: the slot could be a coalesced run
+                # that cannot be split, so drop it rather than deliver glued datagrams
+                self._count_error_name("MSG_CTRUNC")
+                continue
             if g > 0 and L > g:
                 pos = 0
                 while pos < L:
                     off[n] = base + pos
                     lens[n] = g if L - pos > g else L - pos
                     slots[n] = i
+                    times[n] = t
                     n += 1
                     pos += g
             else:
                 off[n] = base
                 lens[n] = L
                 slots[n] = i
+                times[n] = t
                 n += 1
         self._n = n
         self._dgrams_in += n
@@ -669,7 +722,8 @@ cdef class UdpIO:
             return 0
         if n_items == 1:
             # the common case (one message, one ACK): no heap allocation
-            lens, segs, ptrs, namelens, names, views = &one_len, &one_seg, &one_ptr, &one_namelen, &one_name, &one_view
+            lens, segs, ptrs = &one_len, &one_seg, &one_ptr
+            namelens, names, views = &one_namelen, &one_name, &one_view
         else:
             lens = <Py_ssize_t *>malloc(n_items * sizeof(Py_ssize_t))
             segs = <Py_ssize_t *>malloc(n_items * sizeof(Py_ssize_t))
@@ -691,7 +745,8 @@ cdef class UdpIO:
                     addr, data, segment_size = addr1, data1, seg1
                 segment_size = _operator.index(segment_size)
                 if not 0 < segment_size <= MAX_SEGMENT_SIZE:
-                    raise ValueError(f"segment_size must be in 1..{MAX_SEGMENT_SIZE} (a UDP payload), got {segment_size}")
+                    raise ValueError(f"segment_size must be in 1..{MAX_SEGMENT_SIZE} (a UDP payload), "
+                                     f"got {segment_size}")
                 seg = segment_size
                 PyObject_GetBuffer(data, &views[nviews], PyBUF_STRIDES)
                 nviews += 1

@@ -1,7 +1,10 @@
 """Batched, non-blocking UDP socket I/O, pure-Python twin of ``ltp_ext._udpio``.
 
-Same API, same exceptions, same stats keys as the compiled module; it is about
-ten times slower because every datagram costs a Python-level syscall.
+Same API, same exceptions, same stats keys as the compiled module. It exercises
+the same kernel features (UDP_GRO receive, UDP_SEGMENT send) but makes one
+Python-level syscall per receive slot or send message, so it receives several
+times slower than the compiled ``recvmmsg`` path (see ``python -m
+ltp_tools.udpio_bench``); GSO sends, where the kernel does the work, come close.
 
 Theory of operation
 -------------------
@@ -66,7 +69,10 @@ MAX_BATCH = 1024
 
 _ADDR_CACHE_MAX = 4096
 _ICMP_RETRIES = 4
-_GRO_ANC = _socket.CMSG_SPACE(4)
+#: setsockopt option number of SO_TIMESTAMPNS (Linux; not exported by Python's socket module)
+SO_TIMESTAMPNS_OPT = 35
+_TIMESPEC = _struct.Struct("@qq")
+_ANC_SIZE = 256   # the UDP_GRO cmsg plus room for timestamps, pktinfo... (as the compiled module)
 _INT = _struct.Struct("@i")
 _U16 = _struct.Struct("@H")
 
@@ -106,11 +112,13 @@ class UdpIO:
     ``stats`` counts syscalls, datagrams in and out, receive/send calls that
     met EAGAIN (or ENOBUFS), and ``errors`` by errno name: ICMP-reported
     errors, ``EMSGSIZE`` for dropped oversized datagrams, ``EINVAL``/``EIO``
-    for GSO fallbacks, ``ENOBUFS``.  Not thread-safe: use one ``UdpIO`` per
-    thread.
+    for GSO fallbacks, ``ENOBUFS``; and ``MSG_CTRUNC`` for receives dropped
+    because other control messages left no room for the GRO one.  Not
+    thread-safe: use one ``UdpIO`` per thread.
     """
 
-    def __init__(self, sock, *, batch: int = 64, max_datagram: int = 2048, gso: bool = True, gro: bool = True):
+    def __init__(self, sock, *, batch: int = 64, max_datagram: int = 2048, gso: bool = True, gro: bool = True,
+                 timestamps: bool = True):
         batch = _operator.index(batch)
         max_datagram = _operator.index(max_datagram)
         if not isinstance(sock, _socket.socket):
@@ -148,6 +156,13 @@ class UdpIO:
                 self._gso = True
             except OSError:
                 pass
+        self._ts = False
+        if timestamps:
+            try:
+                sock.setsockopt(_socket.SOL_SOCKET, SO_TIMESTAMPNS_OPT, 1)
+                self._ts = True
+            except OSError:
+                pass
         self._slot_size = max(max_datagram, GRO_SLOT_SIZE) if self._gro else max_datagram
         self._buf = bytearray(self._slot_size * batch)
         self._buffer_view = memoryview(self._buf)
@@ -168,11 +183,13 @@ class UdpIO:
     max_datagram = property(lambda self: self._max_datagram, doc="Largest datagram received without GRO.")
     gso_enabled = property(lambda self: self._gso, doc="UDP_SEGMENT usable (probed; False when the kernel refuses).")
     gro_enabled = property(lambda self: self._gro, doc="UDP_GRO enabled on the socket.")
+    timestamps_enabled = property(lambda self: self._ts, doc="SO_TIMESTAMPNS enabled (kernel receive times).")
 
     def _alloc_out(self, cap: int) -> None:
         self._cap = cap
         self._off_arr = np.zeros(cap, dtype=np.int64)
         self._len_arr = np.zeros(cap, dtype=np.int64)
+        self._time_arr = np.full(cap, -1.0, dtype=np.float64)
 
     def _fd(self) -> int:
         fd = self._sock.fileno()
@@ -200,6 +217,11 @@ class UdpIO:
     def lengths(self) -> np.ndarray:
         """int64 lengths of the datagrams of the last ``recv_batch``."""
         return self._len_arr[:self._n]
+
+    @property
+    def times(self) -> np.ndarray:
+        """float64 kernel receive times (CLOCK_REALTIME seconds) of the last batch; -1.0 where unknown."""
+        return self._time_arr[:self._n]
 
     @property
     def stats(self) -> dict:
@@ -234,7 +256,8 @@ class UdpIO:
         slot = 0
         while slot < self._batch:
             try:
-                nbytes, anc, flags, address = sock.recvmsg_into([self._slots[slot]], _GRO_ANC, _socket.MSG_DONTWAIT)
+                nbytes, anc, flags, address = sock.recvmsg_into([self._slots[slot]], _ANC_SIZE,
+                                                                  _socket.MSG_DONTWAIT)
             except InterruptedError:
                 self._syscalls += 1
                 continue
@@ -262,27 +285,39 @@ class UdpIO:
                 slot += 1
                 continue
             g = 0
+            t = -1.0
             for level, kind, cdata in anc:
                 if level == SOL_UDP and kind == UDP_GRO:
                     g = _INT.unpack(cdata[:_INT.size])[0]
-            got.append((slot, nbytes, g, address))
+                elif level == _socket.SOL_SOCKET and kind == SO_TIMESTAMPNS_OPT and len(cdata) >= _TIMESPEC.size:
+                    sec, nsec = _TIMESPEC.unpack(cdata[:_TIMESPEC.size])
+                    t = sec + nsec * 1e-9
+            if g == 0 and self._gro and flags & _socket.MSG_CTRUNC:
+                # the UDP_GRO cmsg may have been cut off: the slot could be a coalesced run
+                # that cannot be split, so drop it rather than deliver glued datagrams
+                self._errors["MSG_CTRUNC"] = self._errors.get("MSG_CTRUNC", 0) + 1
+                slot += 1
+                continue
+            got.append((slot, nbytes, g, address, t))
             slot += 1
-        need = sum(-(-n // g) if 0 < g < n else 1 for _, n, g, _ in got)
+        need = sum(-(-n // g) if 0 < g < n else 1 for _, n, g, _, _ in got)
         if need > self._cap:
             self._alloc_out(need)
-        off, lens, addrs = self._off_arr, self._len_arr, []
+        off, lens, times, addrs = self._off_arr, self._len_arr, self._time_arr, []
         n = 0
-        for slot, length, g, address in got:
+        for slot, length, g, address, t in got:
             base = slot * self._slot_size
             if 0 < g < length:
                 for pos in range(0, length, g):
                     off[n] = base + pos
                     lens[n] = min(g, length - pos)
+                    times[n] = t
                     addrs.append(address)
                     n += 1
             else:
                 off[n] = base
                 lens[n] = length
+                times[n] = t
                 addrs.append(address)
                 n += 1
         self._n = n

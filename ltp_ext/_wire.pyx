@@ -27,15 +27,12 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, 
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLong
 from cpython.number cimport PyIndex_Check, PyNumber_Index
-from cpython.object cimport PyObject
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 import struct as _struct
 
 import numpy as np
 cimport numpy as cnp
-
-from ltp.errors import WireError
 
 cnp.import_array()
 
@@ -455,3 +452,9 @@ def unpack_ack_entries(buf, word3, Py_ssize_t offset=0):
         return out
     finally:
         PyBuffer_Release(&view)
+
+
+# Imported last on purpose: importing ``ltp.errors`` runs ``ltp/__init__``, which
+# imports the transport and, through ``ltp.wire``, this very module. By now every
+# name above exists, so that re-entrant import sees a complete module.
+from ltp.errors import WireError

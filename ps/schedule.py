@@ -17,13 +17,14 @@ back (reliable).
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 from typing import Sequence
 
 import numpy as np
 
 from .aggregate import Aggregator, bubbles_to_elements
-from .transport.base import RecvReport, Transport
+from .transport.base import TIMEOUT, RecvReport, Transport
 from .wire import HEADER_BYTES, GradHeader
 
 
@@ -105,7 +106,30 @@ class DirectSchedule(Schedule):
         return edges
 
     async def server_gather(self, transport, peers, bufs, *, tag, timeout):
-        return await transport.gather(list(peers), list(bufs), tag=tag, timeout=timeout)
+        """Gather with one Early Close deadline; wait again for workers that had not started.
+
+        LTP's gather reports a peer that never registered a transfer as
+        ``regime="timeout"`` once the Early Close deadline passes.  In BSP that
+        peer is usually still *computing*, not slow on the network, so the
+        stragglers are gathered again (their message is buffered by the
+        transport if it starts in between) until ``timeout`` -- the bound after
+        which a worker counts as missed.  Transfers that did start keep the
+        Early Close semantics of the wave they started in.
+        """
+        loop = asyncio.get_running_loop()
+        end = None if timeout is None else loop.time() + timeout
+        peers, bufs = list(peers), list(bufs)
+        reps = await transport.gather(peers, bufs, tag=tag, timeout=timeout)
+        while True:
+            todo = [i for i, r in enumerate(reps) if r.regime == TIMEOUT and r.received_bytes == 0]
+            left = None if end is None else end - loop.time()
+            if not todo or (left is not None and left <= 0.001):
+                return reps
+            again = await transport.gather([peers[i] for i in todo], [bufs[i] for i in todo], tag=tag, timeout=left)
+            for i, r in zip(todo, again):
+                reps[i] = r
+            if all(r.regime == TIMEOUT and r.received_bytes == 0 for r in again) and end is None:
+                return reps
 
     async def server_broadcast(self, transport, peers, message, *, tag, timeout):
         return await transport.broadcast(list(peers), message, tag=tag, timeout=timeout)

@@ -184,6 +184,23 @@ def test_coalesced_run_longer_than_the_preallocated_arrays(mod, socks):
     assert rx.runs() == [(b.getsockname(), 0, 100)]
 
 
+def test_gro_split_survives_other_control_messages(mod, socks):
+    # timestamps and pktinfo share the control buffer with the UDP_GRO message
+    a, b = socks.make(), socks.make()
+    for level, opt in ((socket.SOL_SOCKET, 35),      # SO_TIMESTAMPNS: 32 bytes, before UDP_GRO
+                       (socket.SOL_SOCKET, 40),      # SO_RXQ_OVFL: 24 bytes, before UDP_GRO
+                       (socket.IPPROTO_IP, 8),       # IP_PKTINFO
+                       (socket.IPPROTO_IP, 12),      # IP_RECVTTL
+                       (socket.IPPROTO_IP, 13)):     # IP_RECVTOS
+        a.setsockopt(level, opt, 1)
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b)
+    data = payload(6000, 6)
+    assert tx.send(a.getsockname(), data, 1000) == 6000
+    got = drain(rx, 6)
+    assert [len(p) for p, _ in got] == [1000] * 6 and b"".join(p for p, _ in got) == data
+    assert rx.stats["errors"] == {}
+
+
 def test_multidimensional_buffer_is_sent_as_bytes(mod, socks):
     a, b = socks.make(), socks.make()
     rx, tx = mod.UdpIO(a), mod.UdpIO(b)

@@ -16,7 +16,10 @@ Theory of operation
     Sender and receiver run as two processes (one core each on a 2-core box).
     For LTP the receiver posts one receive into a preallocated buffer; the
     sender's clock runs from ``send()`` until the flow ends (all acknowledged,
-    or the receiver's STOP). For TCP the lab's ``tcpbench`` is used: the
+    or the receiver's STOP); ``--warmup N`` first sends N messages on the same
+    path, as a training job does, so Early Close has measured the link (a cold
+    one-shot loss-tolerant transfer is judged by the paper's initial LT formula,
+    which assumes the sender is already at full rate). For TCP the lab's ``tcpbench`` is used: the
     client's clock stops when the server has read every byte. ``--mode
     reliable`` (default) delivers every byte so goodput compares honestly with
     TCP; ``--mode tolerant`` reports its delivered fraction beside goodput.
@@ -94,8 +97,10 @@ def _ltp_receiver(args) -> int:
         buf.fill(0)  # fault the pages in before the clock starts
         base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print("READY", flush=True)
+        for w in range(args.warmup):  # same path, earlier messages: the link is measured
+            await ep.recv(buf, tag=w, timeout=args.timeout)
         cpu0 = _cpu_s()
-        rep = await ep.recv(buf, timeout=args.timeout)
+        rep = await ep.recv(buf, tag=args.warmup, timeout=args.timeout)
         cpu = _cpu_s() - cpu0
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         ok = None
@@ -120,9 +125,12 @@ def _ltp_sender(args) -> int:
     async def main():
         ep = await ltp.open_endpoint(("0.0.0.0", 0), config=ltp.Config(mtu=args.mtu))
         data = _pattern(args.size)
+        reliable = args.mode == "reliable"
+        for w in range(args.warmup):
+            await ep.send((args.host, args.port), data, reliable=reliable, tag=w, timeout=args.timeout)
         cpu0 = _cpu_s()
         t0 = time.perf_counter()
-        rep = await ep.send((args.host, args.port), data, reliable=args.mode == "reliable", timeout=args.timeout)
+        rep = await ep.send((args.host, args.port), data, reliable=reliable, tag=args.warmup, timeout=args.timeout)
         dt = time.perf_counter() - t0
         cpu = _cpu_s() - cpu0
         out = dict(duration_s=round(dt, 4), delivered_bytes=rep.delivered_bytes,
@@ -159,7 +167,7 @@ def _wait_ready(p: subprocess.Popen, timeout: float) -> None:
 
 def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 0.0, rate_bps: float | None = None,
               delay_s: float = 0.0, mtu: int = 1500, mode: str = "reliable", loss_both: bool = False,
-              timeout: float = 300.0, lab=None, port: int = 7447) -> dict:
+              timeout: float = 300.0, lab=None, port: int = 7447, warmup: int = 0) -> dict:
     """Run one transfer and return the result dict (see module docstring)."""
     from ltp_tools.netlab import Lab, check_support
 
@@ -187,7 +195,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
         py = sys.executable
         kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         common = ["--size", str(size), "--mtu", str(mtu), "--timeout", str(timeout), "--mode", mode,
-                  "--delay", f"{delay_s * 1e3}ms"]
+                  "--delay", f"{delay_s * 1e3}ms", "--warmup", str(warmup)]
         t_wall = time.time()
         if transport == "ltp":
             rp = popen(rcv, [py, "-m", "ltp_tools.bench", "_ltp_recv", "--port", str(port), *common], **kw)
@@ -218,7 +226,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
                           receiver_cpu_s=rx.get("receiver_cpu_s", rx.get("cpu_s")), delivered_fraction=1.0,
                           goodput_gbps=round(size * 8 / res["duration_s"] / 1e9, 4))
         stats = lab.loss_stats(rcv) if lab is not None else {}
-        result.update(size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
+        result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
                       measured_loss=stats.get("measured_loss"), oversize_packets=stats.get("oversize"),
                       backend=lab.backend if lab is not None else "loopback", wall_s=round(time.time() - t_wall, 2))
         order = ["transport", "size_bytes", "loss", "rate", "goodput_gbps", "duration_s", "delivered_fraction",
@@ -258,11 +266,13 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=["reliable", "tolerant"], default="reliable")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="LTP: messages sent on the same path before the measured one (Early Close learns the link)")
     args = ap.parse_args(argv)
     for _ in range(args.repeats):
         res = run_bench(transport=args.transport, size=args.size, loss=args.loss, rate_bps=args.rate,
                         delay_s=args.delay, mtu=args.mtu, mode=args.mode, loss_both=args.loss_both,
-                        timeout=args.timeout)
+                        timeout=args.timeout, warmup=args.warmup)
         print(json.dumps(res), flush=True)
     return 0
 
@@ -278,6 +288,7 @@ def _role_main(argv) -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--mode", default="reliable")
     ap.add_argument("--delay", type=parse_time, default=0.0)
+    ap.add_argument("--warmup", type=int, default=0)
     args = ap.parse_args(argv)
     args.delay_s = args.delay
     return _ltp_receiver(args) if args.role == "_ltp_recv" else _ltp_sender(args)

@@ -1,0 +1,49 @@
+"""Namespace tier: LTP between two lab hosts with real nftables random loss and a tbf rate limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from ltp_tools.netlab import Lab, check_support
+
+_problem = check_support()
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(240),
+              pytest.mark.skipif(_problem is not None, reason=f"network lab unavailable: {_problem}")]
+
+
+@pytest.fixture(scope="module")
+def lab():
+    with Lab(n_hosts=2) as lab:
+        yield lab
+
+
+def test_reliable_transfer_exact_under_real_1_percent_loss(lab):
+    from ltp_tools.bench import run_bench
+
+    res = run_bench(transport="ltp", size=30_000_000, loss=0.01, mode="reliable", lab=lab, timeout=120)
+    assert res["verified"] is True and res["delivered_fraction"] == 1.0
+    assert 0.005 < res["measured_loss"] < 0.02, res  # the loss really happened on the wire...
+    assert res["oversize_packets"] == 0  # ...to wire-sized packets
+    # every lost packet was retransmitted (and little more than that)
+    assert 0.5 * res["measured_loss"] < res["retransmitted_packets"] / res["packets_sent"] < 3 * res["measured_loss"]
+    assert res["goodput_gbps"] > 0.1
+
+
+def test_loss_tolerant_transfer_completes_through_rate_limit(lab):
+    """After two messages on the path (as in training), a tolerant transfer delivers nearly everything."""
+    from ltp_tools.bench import run_bench
+
+    res = run_bench(transport="ltp", size=20_000_000, loss=0.01, rate_bps=500e6, mode="tolerant", lab=lab,
+                    timeout=120, warmup=2)
+    assert res["close_reason"] in ("acked", "complete", "early", "deadline")
+    assert res["delivered_fraction"] >= 0.95
+    # 20 MB at 500 Mbit/s takes at least 0.32 s of line time; a fair result is at least 60% of line rate
+    assert 0.3 <= res["goodput_gbps"] <= 0.5
+
+
+def test_tcp_baseline_runs_on_the_same_link(lab):
+    from ltp_tools.bench import run_bench
+
+    res = run_bench(transport="cubic", size=20_000_000, loss=0.01, lab=lab, timeout=120)
+    assert res["transport"] == "cubic" and res["goodput_gbps"] > 0
+    assert 0.005 < res["measured_loss"] < 0.02
