@@ -305,3 +305,34 @@ def test_garbage_never_raises_and_is_counted(blobs, prefix_kind):
     assert eng.stats.datagrams_in == len(blobs) + 1
     assert sum(eng.stats.dropped.values()) + eng.stats.flows_received >= n_before
     assert eng.receive_memory <= Config().max_receive_memory
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), loss=st.floats(0.0, 0.3), dup=st.floats(0.0, 0.1),
+       jitter=st.floats(0.0, 0.002), n=st.integers(1, 40_000), reliable=st.booleans(),
+       n_crit=st.integers(0, 3))
+def test_property_any_network_reliable_is_exact_and_reports_account_for_every_byte(
+        seed, loss, dup, jitter, n, reliable, n_crit):
+    from conftest import SimHarness
+
+    h = SimHarness(seed=seed, config=Config(deadline_slack_s=0.002))
+    h.links(rate=GBIT, delay_s=0.0003, jitter_s=jitter, loss=loss, duplicate=dup, loss_min_size=0)
+    data = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    out = np.full_like(data, np.float32(3.0))
+    crit = [(0, min(4, n) * 4)] * (n_crit > 0)
+    sent, recv = _transfer(h, data, out, reliable=reliable, critical=crit, timeout=120)
+    rep = recv.reports[0]
+    assert sent.error is None and recv.error is None
+    bubble_bytes = sum(b - a for a, b in rep.bubbles)
+    assert rep.received_bytes + bubble_bytes == rep.total_bytes == data.nbytes
+    raw_in, raw_out = data.view(np.uint8), out.view(np.uint8)
+    mask = np.ones(raw_out.shape[0], bool)
+    for a, b in rep.bubbles:
+        assert not raw_out[a:b].any()
+        mask[a:b] = False
+    assert np.array_equal(raw_out[mask], raw_in[mask])
+    if reliable:
+        assert rep.regime == "complete" and out.tobytes() == data.tobytes()
+    if crit and rep.regime in ("complete", "early"):
+        assert rep.critical_complete
+    assert sent.report.delivered_fraction <= 1.0
