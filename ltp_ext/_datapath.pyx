@@ -544,7 +544,7 @@ cdef class RecvWindow:
             if crit.ndim != 1 or crit.shape[0] != n:
                 raise LocalProtocolError("critical mask must have one entry per segment")
         self.critical = crit
-        self.critical_total = int(crit.sum())
+        self.critical_total = int(np.count_nonzero(crit))
         self.acks = np.empty(ack_capacity, np.uint32)
         PyObject_GetBuffer(mv, &self._dest_view, PyBUF_SIMPLE | PyBUF_WRITABLE)
         self._have_view = True

@@ -182,7 +182,7 @@ class SendWindow:
             e = int(entries[k])
             seq = e >> 8
             a = e & 0xFF
-            if seq >= n:
+            if e < 0 or seq >= n:
                 self.bad_acks += 1
                 continue
             st = self.state[seq]
@@ -286,7 +286,7 @@ class RecvWindow:
             self.critical = np.ascontiguousarray(critical, dtype=np.uint8)
             if self.critical.shape[0] != n:
                 raise LocalProtocolError("critical mask must have one entry per segment")
-        self.critical_total = int(self.critical.sum())
+        self.critical_total = int(np.count_nonzero(self.critical))
         self.critical_received = 0
         self.received = 0
         self.received_bytes = 0

@@ -24,8 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from .aggregate import Aggregator, bubbles_to_elements
-from .transport.base import TIMEOUT, RecvReport, Transport
-from .wire import HEADER_BYTES, GradHeader
+from .transport.base import RecvReport, Transport, gather_by_recv, missing_report
+from .wire import HEADER_BYTES, KIND_GRAD, KIND_READY, READY_BYTES, GradHeader, tag_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,38 +105,61 @@ class DirectSchedule(Schedule):
         edges += [Edge("pull", f"server:{s}", f"worker:{w}", True) for s in servers for w in workers]
         return edges
 
-    async def server_gather(self, transport, peers, bufs, *, tag, timeout):
-        """Gather with one Early Close deadline; wait again for workers that had not started.
+    def __init__(self, *, ready_handshake: bool = True):
+        self.ready_handshake = ready_handshake
+        self.last_ready_wait_s: float | None = None
 
-        LTP's gather reports a peer that never registered a transfer as
-        ``regime="timeout"`` once the Early Close deadline passes.  In BSP that
-        peer is usually still *computing*, not slow on the network, so the
-        stragglers are gathered again (their message is buffered by the
-        transport if it starts in between) until ``timeout`` -- the bound after
-        which a worker counts as missed.  Transfers that did start keep the
-        Early Close semantics of the wave they started in.
+    async def server_gather(self, transport, peers, bufs, *, tag, timeout):
+        """READY notes first (bounded by ``timeout``), then one Early Close gather over the ready workers.
+
+        Why the handshake: LTP's gather starts its Early Close clock at the
+        first registration and expires peers that have not registered by the
+        deadline (their late flow is then refused).  A BSP worker that is
+        still *computing* is not a network long tail, so the PS waits for each
+        worker's READY note (up to ``timeout``, the bound after which the worker
+        counts as missed) and only then posts the gather, so Early Close
+        judges transfers, not compute.  Workers send READY and the gradient
+        back to back; a gradient that registers before the gather is posted
+        is buffered by the transport.  The same protocol runs over TCP, so
+        batch-synchronisation times compare like with like.
         """
         loop = asyncio.get_running_loop()
-        end = None if timeout is None else loop.time() + timeout
         peers, bufs = list(peers), list(bufs)
-        reps = await transport.gather(peers, bufs, tag=tag, timeout=timeout)
-        while True:
-            todo = [i for i, r in enumerate(reps) if r.regime == TIMEOUT and r.received_bytes == 0]
-            left = None if end is None else end - loop.time()
-            if not todo or (left is not None and left <= 0.001):
-                return reps
-            again = await transport.gather([peers[i] for i in todo], [bufs[i] for i in todo], tag=tag, timeout=left)
-            for i, r in zip(todo, again):
+        if not self.ready_handshake:
+            return await transport.gather(peers, bufs, tag=tag, timeout=timeout)
+        t0 = loop.time()
+        ready_tag = tag - KIND_GRAD + KIND_READY
+        notes = [np.zeros(READY_BYTES, np.uint8) for _ in peers]
+        ready = await gather_by_recv(transport, peers, notes, tag=ready_tag, timeout=timeout)
+        self.last_ready_wait_s = loop.time() - t0  # compute time of the slowest worker, as seen by the PS
+        idx = [i for i, r in enumerate(ready) if r.received_bytes > 0]
+        reps = [missing_report(p, tag, b.nbytes, r.regime, loop.time() - t0) for p, b, r in zip(peers, bufs, ready)]
+        if idx:
+            left = None if timeout is None else max(0.001, timeout - (loop.time() - t0))
+            got = await transport.gather([peers[i] for i in idx], [bufs[i] for i in idx], tag=tag, timeout=left)
+            for i, r in zip(idx, got):
                 reps[i] = r
-            if all(r.regime == TIMEOUT and r.received_bytes == 0 for r in again) and end is None:
-                return reps
+        return reps
+
+    async def server_recv_one(self, transport, peer, buf, *, iteration: int, timeout):
+        """Asynchronous mode: this worker's READY (if any) and gradient for ``iteration``."""
+        if self.ready_handshake:
+            await transport.recv(np.zeros(READY_BYTES, np.uint8), peer=peer, tag=tag_of(iteration, KIND_READY),
+                                 timeout=timeout)
+        return await transport.recv(buf, peer=peer, tag=tag_of(iteration, KIND_GRAD), timeout=timeout)
 
     async def server_broadcast(self, transport, peers, message, *, tag, timeout):
         return await transport.broadcast(list(peers), message, tag=tag, timeout=timeout)
 
     async def worker_push(self, transport, server, message, *, critical, tag, timeout):
-        return await transport.send(server, message, reliable=False, critical=critical, element_size=4,
-                                    tag=tag, timeout=timeout)
+        grad = transport.send(server, message, reliable=False, critical=critical, element_size=4, tag=tag,
+                              timeout=timeout)
+        if not self.ready_handshake:
+            return await grad
+        note = transport.send(server, np.zeros(READY_BYTES, np.uint8), reliable=True, element_size=4,
+                              tag=tag - KIND_GRAD + KIND_READY, timeout=timeout)
+        _, rep = await asyncio.gather(note, grad)
+        return rep
 
     async def worker_pull(self, transport, server, into, *, timeout):
         return await transport.recv(into, peer=server, tag=None, timeout=timeout)

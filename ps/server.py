@@ -270,11 +270,13 @@ class ParameterServer:
             self.version += 1
         self._lost_prev = lost
         self.iteration += 1
-        # The gather wait includes the workers' compute; subtract the slowest one.
-        t_g = max(0.0, t_wait - (max(compute) if compute else 0.0))
+        # The wait includes the workers' compute: subtract the READY wait (or the slowest reported compute).
+        ready_wait = getattr(self.schedule, "last_ready_wait_s", None)
+        t_g = max(0.0, t_wait - (ready_wait if ready_wait is not None else max(compute, default=0.0)))
         row = {"event": "iteration", "t": time.time(), "shard": self.shard, "iteration": it,
                "epoch": it // self.ipe, "workers": len(alive), "contributors": self.aggregator.contributors,
                "gather_s": t_g, "gather_wait_s": t_wait, "broadcast_s": t_b,
+               "compute_max_s": max(compute, default=0.0),
                "delivered": {str(k): v for k, v in delivered.items()}, "regime": {str(k): v for k, v in regimes.items()},
                "bubbles": {str(k): v for k, v in bubbles.items()},
                "lost_elements": {str(k): int(sum(e - s for s, e in v)) for k, v in lost.items()},
@@ -352,15 +354,16 @@ class ParameterServer:
                     pass
                 self._done.set()
                 return
-            ParamsHeader(KIND_PARAMS, self.shard, self.version, self.version, self.n, 0,
-                         self.version // (self.ipe * self.cfg.world_size)).pack_into(own)
+            v = self.version  # snapshot: other workers' updates land while we await
+            ParamsHeader(KIND_PARAMS, self.shard, v, v, self.n, 0, v // (self.ipe * self.cfg.world_size)).pack_into(own)
             own[HEADER_BYTES:HEADER_BYTES + ELEM * self.n] = self._msg[HEADER_BYTES:HEADER_BYTES + ELEM * self.n]
             try:
                 t0 = time.monotonic()
                 await self.transport.send(m.addr, own[:HEADER_BYTES + ELEM * self.n], reliable=True,
-                                          tag=tag_of(self.version, KIND_PARAMS), timeout=self.cfg.broadcast_timeout_s)
+                                          tag=tag_of(v, KIND_PARAMS), timeout=self.cfg.broadcast_timeout_s)
                 t_b = time.monotonic() - t0
-                r = await self.schedule.worker_pull(self.transport, m.addr, buf, timeout=self.cfg.gather_timeout_s)
+                r = await self.schedule.server_recv_one(self.transport, m.addr, buf, iteration=v,
+                                                        timeout=self.cfg.gather_timeout_s)
             except Exception as exc:  # dead or slow worker
                 if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
                     if self.membership.missed(m.rank, "no gradient within the gather timeout"):

@@ -37,6 +37,8 @@ BUBBLE_BYTES = _BUBBLE.itemsize  # 24
 KIND_GRAD = 1
 KIND_PARAMS = 2
 KIND_STOP = 3
+KIND_READY = 4  # tiny reliable 'my gradient is computed' note that precedes each push
+READY_BYTES = 8
 
 
 def tag_of(iteration: int, kind: int) -> int:
