@@ -235,19 +235,17 @@ class BBR:
                 if round_start:
                     self._probe_rtt_round_done = True
                 if self._probe_rtt_round_done and now >= self._probe_rtt_done:
-                    self._rtprop_stamp = now
-                    if self.filled_pipe:
-                        self._enter_probe_bw(now)
-                    else:
-                        self.state = STARTUP
-                        self.pacing_gain = self.cwnd_gain = HIGH_GAIN
+                    self._exit_probe_rtt(now)
+
+    def _exit_probe_rtt(self, now: float) -> None:
+        self._rtprop_stamp = now
+        if self.filled_pipe:
+            self._enter_probe_bw(now)
+        else:
+            self.state = STARTUP
+            self.pacing_gain = self.cwnd_gain = HIGH_GAIN
 
     def on_idle(self, now: float) -> None:
         """The path went idle (nothing to send): refresh nothing, but keep PROBE_RTT from stalling."""
         if self.state == PROBE_RTT and self._probe_rtt_done is not None and now >= self._probe_rtt_done:
-            self._rtprop_stamp = now
-            if self.filled_pipe:
-                self._enter_probe_bw(now)
-            else:
-                self.state = STARTUP
-                self.pacing_gain = self.cwnd_gain = HIGH_GAIN
+            self._exit_probe_rtt(now)

@@ -55,19 +55,27 @@ def _as_bytes_view(buf, writable: bool) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
-class SendWindow:
-    """Sender-side per-segment state, packet building, ACK processing and loss detection."""
+class _Geometry:
+    """Message geometry shared by both windows: sizes, segment count, the flow's identity."""
 
-    def __init__(self, data, total: int, seg_size: int, flow_id: int, token: int, flags: int, critical) -> None:
-        self.data = _as_bytes_view(data, False)
-        if total > len(self.data) or total <= 0 or seg_size <= 0:
-            raise LocalProtocolError("total must be in 1..len(data) and seg_size positive")
+    def _init_geometry(self, buf_len: int, what: str, total: int, seg_size: int, flow_id: int, token: int) -> int:
+        if total > buf_len or total <= 0 or seg_size <= 0:
+            raise LocalProtocolError(f"total must be in 1..len({what}) and seg_size positive")
         self.total = total
         self.seg_size = seg_size
         self.seg_count = n = (total + seg_size - 1) // seg_size
         self.last_len = total - (n - 1) * seg_size
         self.flow_id = flow_id
         self.token = token
+        return n
+
+
+class SendWindow(_Geometry):
+    """Sender-side per-segment state, packet building, ACK processing and loss detection."""
+
+    def __init__(self, data, total: int, seg_size: int, flow_id: int, token: int, flags: int, critical) -> None:
+        self.data = _as_bytes_view(data, False)
+        n = self._init_geometry(len(self.data), "data", total, seg_size, flow_id, token)
         self.flags = flags
         self.critical = np.ascontiguousarray(critical, dtype=np.uint8)
         if self.critical.shape[0] != n:
@@ -265,20 +273,13 @@ class SendWindow:
         return -1.0
 
 
-class RecvWindow:
+class RecvWindow(_Geometry):
     """Receiver-side per-flow state: validation, in-place reassembly, bitmap and ACK entries."""
 
     def __init__(self, dest, total: int, seg_size: int, flow_id: int, token: int, critical,
                  ack_capacity: int = 4096) -> None:
         self.dest = _as_bytes_view(dest, True)
-        if total > len(self.dest) or total <= 0 or seg_size <= 0:
-            raise LocalProtocolError("total must be in 1..len(dest) and seg_size positive")
-        self.total = total
-        self.seg_size = seg_size
-        self.seg_count = n = (total + seg_size - 1) // seg_size
-        self.last_len = total - (n - 1) * seg_size
-        self.flow_id = flow_id
-        self.token = token
+        n = self._init_geometry(len(self.dest), "dest", total, seg_size, flow_id, token)
         self.bitmap = np.zeros(n, np.uint8)
         if critical is None:
             self.critical = np.zeros(n, np.uint8)

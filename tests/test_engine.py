@@ -336,3 +336,16 @@ def test_property_any_network_reliable_is_exact_and_reports_account_for_every_by
     if crit and rep.regime in ("complete", "early"):
         assert rep.critical_complete
     assert sent.report.delivered_fraction <= 1.0
+
+
+def test_flows_per_peer_cap_refuses_the_extra_registration(harness, floats):
+    h = harness(seed=27, configs=[Config(), Config(max_flows_per_peer=2)])
+    h.links(rate=GBIT, delay_s=0.0002)
+    a = h.engines[0]
+    # three messages registered at once: the third would be the peer's third open flow
+    handles = [a.send(h.addrs[1], floats(200_000, i), now=h.now, tag=i) for i in range(3)]
+    evs = h.wait([(0, x) for x in handles])
+    errors = [e.error for e in evs]
+    assert sum(isinstance(e, TransferRefused) and e.reason == "too_many_flows" for e in errors) == 1
+    assert sum(e is None for e in errors) == 2
+    assert h.engines[1].stats.refused == {"too_many_flows": 1}
