@@ -4,12 +4,12 @@ Theory of operation. The model has two numbers: **BtlBw**, the windowed maximum
 of delivery-rate samples over the last 10 round trips, and **RTprop**, the
 windowed minimum RTT over the last ``probe_rtt_interval_s`` seconds. Their
 product is the BDP. The sender paces at ``pacing_gain × BtlBw`` and keeps at
-most ``cwnd_gain × BDP + extra_acked + 2 × burst`` bytes in flight. The burst
+most ``cwnd_gain × BDP + extra_acked + burst`` bytes in flight. The burst
 allowance covers user-space pacing; ``extra_acked`` is BBR's ACK-aggregation
 estimate (the windowed maximum, over 10 rounds, of data acknowledged beyond
 what BtlBw predicts since an aggregation epoch began), which covers ACKs that
 arrive in batches and timers that fire a millisecond late — both are normal
-for a user-space transport. **Loss is not a
+for a user-space transport — capped at two timer periods of BtlBw. **Loss is not a
 congestion signal**: nothing here looks at losses, so random (non-congestion)
 loss does not shrink the window — the property LTP needs (§III-D).
 
@@ -77,13 +77,14 @@ class BBR:
 
     def __init__(self, *, mss: int, initial_cwnd_packets: int = 64, initial_rtt_s: float = 0.001,
                  probe_rtt_interval_s: float = 10.0, probe_rtt_duration_s: float = 0.2,
-                 rng: random.Random | None = None) -> None:
+                 aggregation_cap_s: float = 0.002, rng: random.Random | None = None) -> None:
         self.mss = mss
         self.initial_cwnd = initial_cwnd_packets * mss
         self.initial_rtt_s = initial_rtt_s
         self.probe_rtt_interval_s = probe_rtt_interval_s
         self.probe_rtt_duration_s = probe_rtt_duration_s
         self.rng = rng or random.Random(0)
+        self.aggregation_cap_s = aggregation_cap_s
         self.state = STARTUP
         self.pacing_gain = HIGH_GAIN
         self.cwnd_gain = HIGH_GAIN
@@ -129,13 +130,19 @@ class BBR:
         """Bytes allowed in flight, given the pacer's burst size."""
         if self.state == PROBE_RTT:
             return 4 * self.mss
-        target = self.cwnd_gain * self.bdp() + self.extra_acked + 2 * burst_bytes
+        target = self.cwnd_gain * self.bdp() + self.extra_acked + burst_bytes
         return int(max(target, 4 * self.mss, self.initial_cwnd if not self.filled_pipe else 0))
 
     @property
     def extra_acked(self) -> float:
-        """ACK-aggregation allowance (bytes), capped at 100 ms of BtlBw."""
-        return min(self._extra_acked.value, self.btlbw * 0.1)
+        """ACK-aggregation allowance (bytes), capped at ``aggregation_cap_s`` of BtlBw.
+
+        Linux caps it at 100 ms; we cap it at the host-side timing slop it exists
+        to absorb (two pacing-timer periods by default). A larger allowance lets N
+        senders that share a shallow FIFO (the parameter server's incast) keep N
+        times the queue in flight: measured in the simulator, that tripled losses.
+        """
+        return min(self._extra_acked.value, self.btlbw * self.aggregation_cap_s)
 
     def _update_ack_aggregation(self, now: float, acked: int) -> None:
         bw = self.btlbw

@@ -40,14 +40,14 @@ class Config:
     #: job key: REG packets carry HMAC-SHA256(key) and unauthenticated ones are dropped
     job_key: bytes | None = None
     #: congestion control start-up guesses until the first samples arrive
-    initial_cwnd_packets: int = 64
+    initial_cwnd_packets: int = 10
     initial_rtt_s: float = 0.001
     #: ACKs: one datagram per this many entries, or when the oldest entry waited ack_delay_s
     ack_every: int = 32
     ack_delay_s: float = 0.0005
     #: pacing timer granularity and smallest burst (see ltp/pacing.py)
     pacing_granularity_s: float = 0.001
-    min_burst_packets: int = 16
+    min_burst_packets: int = 8
     #: loss recovery: smallest probe timeout; REG retransmission starts at this times two
     min_pto_s: float = 0.004
     #: a transfer fails when the peer has been silent this long

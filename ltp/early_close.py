@@ -5,7 +5,11 @@ moment the flow registered at the receiver:
 
 * the **LT threshold** of the flow's link. Before it the receiver waits for
   everything. It starts at ``1.5·RTprop + size/BtlBw`` from the estimates the
-  sender carries in every packet header, and once the link (peer address) has
+  sender carries in packet headers (the sender sends none until its model
+  has left STARTUP, when its BtlBw is still a growing lower bound). The
+  formula is anchored once, when valid estimates first arrive: elapsed time +
+  ``1.5·RTprop + remaining/BtlBw`` — at registration exactly the paper's
+  formula. Once the link (peer address) has
   delivered a message of this size completely it becomes the shortest
   full-delivery time among the last ``window`` complete deliveries
   (:class:`LinkThresholds`) plus half an RTprop — the same margin the
@@ -48,20 +52,27 @@ class LinkThresholds:
         self.max_links = max_links
         self._full: OrderedDict = OrderedDict()
 
+    @staticmethod
+    def initial(rtprop_s: float, size: int, btlbw_bps: float) -> float:
+        """The paper's initial LT threshold: ``1.5·RTprop + size/BtlBw``."""
+        return 1.5 * rtprop_s + size / btlbw_bps
+
     def threshold(self, link, size: int, rtprop_s: float = 0.0, btlbw_bps: float = 0.0) -> float | None:
-        """LT threshold in seconds, or None when nothing is known yet."""
-        hist = self._full.get((link, size))
-        if hist:
-            self._full.move_to_end((link, size))
-            return min(hist) + 0.5 * rtprop_s
+        """LT threshold in seconds for a flow starting now, or None when nothing is known yet."""
+        hist = self.history(link, size)
+        if hist is not None:
+            return hist + 0.5 * rtprop_s
         if rtprop_s > 0 and btlbw_bps > 0:
-            return 1.5 * rtprop_s + size / btlbw_bps
+            return self.initial(rtprop_s, size, btlbw_bps)
         return None
 
     def history(self, link, size: int) -> float | None:
         """Only the measured part: the shortest recent full delivery, or None."""
         hist = self._full.get((link, size))
-        return min(hist) if hist else None
+        if not hist:
+            return None
+        self._full.move_to_end((link, size))
+        return min(hist)
 
     def record_full(self, link, size: int, duration_s: float) -> None:
         """Record one complete delivery of ``size`` bytes over ``link`` taking ``duration_s``."""

@@ -433,12 +433,21 @@ class Engine:
         self._check_flow(flow, now)
 
     # ------------------------------------------------------------------ early close
-    def _lt_for(self, flow: FlowReceiver) -> float | None:
-        if flow.lt is None or flow.btlbw:
-            flow.update_estimates()
-        return self._thresholds.threshold(flow.peer, flow.total, flow.rtprop_us / 1e6, flow.btlbw)
+    def _lt_for(self, flow: FlowReceiver, now: float) -> float | None:
+        """LT threshold of ``flow`` (seconds after its registration), or None while unknown."""
+        flow.update_estimates()
+        rtprop = flow.rtprop_us / 1e6
+        measured = self._thresholds.history(flow.peer, flow.total)
+        if measured is not None:
+            return measured + 0.5 * rtprop
+        if flow.lt_anchor is None and rtprop > 0 and flow.btlbw > 0:
+            # the paper's 1.5·RTprop + size/BtlBw, anchored when valid estimates first arrive:
+            # at registration it is exactly that formula; later it counts only what is left
+            remaining = flow.total - flow.window.received_bytes
+            flow.lt_anchor = (now - flow.start) + LinkThresholds.initial(rtprop, remaining, flow.btlbw)
+        return flow.lt_anchor
 
-    def _deadline_for(self, flow: FlowReceiver, lt: float | None) -> float | None:
+    def _deadline_for(self, flow: FlowReceiver, lt: float | None, now: float) -> float | None:
         slack = self.config.deadline_slack_s
         slot = flow.slot
         if slot is None or len(slot.group.slots) == 1:
@@ -450,7 +459,7 @@ class Engine:
             if f is not None:
                 if f.reliable:
                     continue
-                v = lt if f is flow else (f.lt if f.lt is not None else self._lt_for(f))
+                v = lt if f is flow else (f.lt if f.lt is not None else self._lt_for(f, now))
             elif s.report is not None:
                 continue
             else:
@@ -466,9 +475,9 @@ class Engine:
         if flow.complete:
             self._close_rx(flow, now, "complete")
             return
-        lt = self._lt_for(flow)
+        lt = self._lt_for(flow, now)
         flow.lt = lt
-        deadline = self._deadline_for(flow, lt)
+        deadline = self._deadline_for(flow, lt, now)
         flow.deadline = deadline
         if deadline is not None and flow.slot is not None:
             # unregistered slots of the group expire at the same deadline
@@ -549,7 +558,7 @@ class Engine:
             if unregistered:
                 probe = next((s.flow for s in group.slots if s.flow is not None and not s.flow.reliable), None)
                 if probe is not None:
-                    deadline = self._deadline_for(probe, probe.lt)
+                    deadline = self._deadline_for(probe, probe.lt, now)
                     if deadline is not None:
                         if now >= deadline:
                             for s in unregistered:

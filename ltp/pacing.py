@@ -6,7 +6,7 @@ sends a *burst*. The bucket holds at most ``burst_bytes = max(min_burst,
 rate × granularity)`` tokens, refills continuously at ``rate``, and a packet may
 leave when a whole packet's worth of tokens is there. With the default 0.5 ms
 granularity a 1 Gbit/s flow sends bursts of about 62.5 kB (≈ 43 packets) and a
-10 Gbit/s flow about 625 kB; the burst never drops below ``min_burst`` (16
+10 Gbit/s flow about 625 kB; the burst never drops below ``min_burst`` (8
 packets) so slow links still amortise the wake-up. The bucket is two bursts
 deep: event-loop timers fire late (uvloop's have millisecond resolution), and
 a late wake-up may then catch up instead of losing rate. :meth:`next_time` tells the driver
@@ -26,7 +26,9 @@ class Pacer:
         self.granularity_s = granularity_s
         self.min_burst_bytes = min_burst_bytes
         self.rate = float(rate)
-        self._tokens = float(self.burst_bytes)
+        # a new path starts with one minimum burst, not a full bucket: N flows that start
+        # together (the parameter server's incast) must not dump N full buckets at once
+        self._tokens = float(min_burst_bytes)
         self._last = None  # type: float | None
 
     @property

@@ -52,7 +52,8 @@ class Path:
         self.bbr = BBR(mss=mss, initial_cwnd_packets=config.initial_cwnd_packets,
                        initial_rtt_s=config.initial_rtt_s,
                        probe_rtt_interval_s=config.probe_rtt_interval_s,
-                       probe_rtt_duration_s=config.probe_rtt_duration_s, rng=rng)
+                       probe_rtt_duration_s=config.probe_rtt_duration_s,
+                       aggregation_cap_s=2 * config.pacing_granularity_s, rng=rng)
         self.pacer = Pacer(granularity_s=config.pacing_granularity_s,
                            min_burst_bytes=config.min_burst_packets * mss, rate=self.bbr.pacing_rate)
         self.flows: deque = deque()
@@ -78,9 +79,16 @@ class Path:
         return max(self.config.min_pto_s, self.srtt + 4 * self.rttvar)
 
     def est_word(self) -> int:
-        """Header word 3 carrying this path's RTprop (µs) and BtlBw (bytes/s)."""
+        """Header word 3 carrying this path's RTprop (µs) and BtlBw (bytes/s).
+
+        Zero ("unknown") until the model has left STARTUP: before the pipe is
+        full, BtlBw is a growing lower bound and the flow runs below it, so a
+        receiver's expected-completion time built from it would be wrong.
+        """
         rt = self.bbr.rtprop
-        return wire.estimates_word(int(rt * 1e6) if rt else 0, int(self.bbr.btlbw))
+        if not self.bbr.filled_pipe or not rt:
+            return 0
+        return wire.estimates_word(int(rt * 1e6), int(self.bbr.btlbw))
 
     def allocate_flow_id(self) -> int:
         """Next flow id for this peer (16 bits, wrapping)."""

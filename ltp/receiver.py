@@ -97,6 +97,7 @@ class FlowReceiver:
         self.closed_at: float | None = None
         self.report: RecvReport | None = None
         self.lt: float | None = None
+        self.lt_anchor: float | None = None  # initial LT, fixed when valid estimates first arrive
         self.deadline: float | None = None
         self.memory = count + (total if internal else 0)
 

@@ -134,34 +134,37 @@ class FlowSender:
         return len(self.cq) + (self.normal.shape[0] - self.nq_pos) + len(self.rq)
 
     def take(self, n: int) -> np.ndarray:
-        """Up to ``n`` segments to transmit next: CQ, then NQ, then RQ; the short last segment goes last."""
+        """Up to ``n`` segments to transmit next: CQ, then NQ, then RQ, in that strict order.
+
+        A short final segment ends the batch (one GSO batch may only end with a
+        short datagram), so queue order is never bent to fit the batch.
+        """
         out = []
         state = self.window.state
+        last = self.seg_count - 1 if self.window.last_len != self.seg_size else -1
         while self.cq and len(out) < n:
             s = self.cq.popleft()
             if state[s] != SEG_ACKED:
                 out.append(s)
+                if s == last:
+                    return np.array(out, np.int64)
         room = n - len(out)
-        tail = None
         if room > 0 and self.nq_pos < self.normal.shape[0]:
             tail = self.normal[self.nq_pos:self.nq_pos + room]
             self.nq_pos += tail.shape[0]
-            room -= tail.shape[0]
+            seqs = np.concatenate((np.array(out, np.int64), tail)) if out else tail
+            if tail[-1] == last or seqs.shape[0] >= n:
+                return seqs
+            out = seqs.tolist()
+            room = n - len(out)
         while room > 0 and self.rq:
             s = self.rq.popleft()
             if state[s] == SEG_LOST:
                 out.append(s)
                 room -= 1
-        if tail is not None and tail.shape[0]:
-            seqs = np.concatenate((np.array(out, np.int64), tail)) if out else tail
-        else:
-            seqs = np.array(out, np.int64)
-        last = self.seg_count - 1
-        if seqs.shape[0] > 1 and self.window.last_len != self.seg_size:
-            where = np.flatnonzero(seqs[:-1] == last)
-            if where.size:
-                seqs = np.concatenate((np.delete(seqs, where), [last]))
-        return seqs
+                if s == last:
+                    break
+        return np.array(out, np.int64)
 
     def requeue_lost(self, lost) -> None:
         """Route newly lost segments: critical back into CQ, normal into RQ."""

@@ -44,14 +44,38 @@ def bubbles_to_elements(bubbles: Iterable[tuple], *, offset: int, n_elems: int, 
     return merge_ranges(out)
 
 
+def limit_ranges(ranges: Sequence[tuple], max_ranges: int | None) -> list[tuple]:
+    """Merge sorted, disjoint ``ranges`` across their smallest gaps until at most ``max_ranges`` remain.
+
+    A transport caps how many critical ranges fit a registration (LTP: 160);
+    closing the smallest gaps marks the fewest extra bytes critical (typically
+    small tensors such as biases and norm parameters become wholly critical).
+    """
+    ranges = merge_ranges(ranges)
+    if max_ranges is None or len(ranges) <= max_ranges:
+        return ranges
+    if max_ranges < 1:
+        raise ValueError("max_ranges must be >= 1")
+    gaps = sorted(range(len(ranges) - 1), key=lambda i: (ranges[i + 1][0] - ranges[i][1], i))
+    close = set(gaps[:len(ranges) - max_ranges])
+    out = [ranges[0]]
+    for i in range(1, len(ranges)):
+        if i - 1 in close:
+            out[-1] = (out[-1][0], ranges[i][1])
+        else:
+            out.append(ranges[i])
+    return out
+
+
 def critical_ranges(layout: Sequence[tuple], *, header_bytes: int, shard: tuple | None = None,
-                    elem_size: int = 4, edge_elems: int = 1) -> list[tuple]:
+                    elem_size: int = 4, edge_elems: int = 1, max_ranges: int | None = None) -> list[tuple]:
     """The paper's critical bytes: the header plus the first and last elements of every tensor.
 
     ``layout`` is ``[(offset, numel), ...]`` in elements of the flat model;
     ``shard=(lo, hi)`` restricts to a shard (message element 0 is model
     element ``lo``).  The transport marks every *segment* overlapping a range
-    critical, so one element per tensor end suffices.
+    critical, so one element per tensor end suffices.  ``max_ranges`` caps the
+    count (see :func:`limit_ranges`).
     """
     lo, hi = shard if shard is not None else (0, sum(n for _, n in layout))
     out = [(0, header_bytes)] if header_bytes else []
@@ -62,7 +86,7 @@ def critical_ranges(layout: Sequence[tuple], *, header_bytes: int, shard: tuple 
         k = min(edge_elems, b - a)
         for s, e in ((a, a + k), (b - k, b)):
             out.append((header_bytes + (s - lo) * elem_size, header_bytes + (e - lo) * elem_size))
-    return merge_ranges(out)
+    return limit_ranges(out, max_ranges)
 
 
 class Aggregator:

@@ -29,7 +29,8 @@ from .errors import ConfigError, PSError
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="digits", help="digits | resnet50 | vgg16 | synthetic:<n> (default digits)")
     p.add_argument("--workers", type=int, default=4, help="number of workers in the job (default 4)")
-    p.add_argument("--transport", choices=("ltp", "tcp"), default="tcp", help="gradient/parameter transport")
+    p.add_argument("--transport", choices=("auto", "ltp", "tcp"), default="auto",
+                   help="gradient/parameter transport (auto: ltp when ltp.open_endpoint exists, else tcp)")
     p.add_argument("--cc", default="cubic", help="TCP congestion control for --transport tcp: cubic|bbr|reno")
     p.add_argument("--store", default=None, help="HOST:PORT of the TCPStore (default: $MASTER_ADDR:$MASTER_PORT)")
     p.add_argument("--job", default="default", help="job name (store key prefix), lets jobs share a store")
@@ -320,6 +321,14 @@ def _run(coro):
         return asyncio.run(coro)
 
 
+def resolve_transport(args) -> None:
+    """Turn ``--transport auto`` into ``ltp`` or ``tcp`` (the same answer on every process of one install)."""
+    if args.transport == "auto":
+        from .transport import resolve_kind
+
+        args.transport = resolve_kind("auto")
+
+
 def _limit_threads() -> None:
     """One intra-op thread per process unless $LTP_PS_THREADS says otherwise: N workers + PS on few
     cores otherwise oversubscribe the CPU and every step waits on the slowest thread pool."""
@@ -330,6 +339,7 @@ def _limit_threads() -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    resolve_transport(args)
     if args.cmd in ("server", "worker"):
         _limit_threads()
     try:

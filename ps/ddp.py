@@ -41,9 +41,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .aggregate import Aggregator, bubbles_to_elements, merge_ranges
+from .aggregate import Aggregator, bubbles_to_elements, limit_ranges
 from .errors import ConfigError, RemoteError
-from .transport import open_transport
+from .schedule import DirectSchedule
+from .transport import open_transport, resolve_kind
 from .wire import ELEM, HEADER_BYTES, KIND_GRAD, KIND_PARAMS, GradHeader, ParamsHeader, tag_of
 
 
@@ -62,17 +63,6 @@ class _LoopThread:
         return self.submit(coro).result(timeout)
 
 
-def _resolve_transport(kind: str) -> str:
-    if kind != "auto":
-        return kind
-    try:
-        import ltp
-
-        return "ltp" if hasattr(ltp, "open_endpoint") else "tcp"
-    except ImportError:
-        return "tcp"
-
-
 class BucketServer:
     """Aggregation-only PS for DDP buckets: gather round r from all ranks, mean, broadcast back."""
 
@@ -86,6 +76,7 @@ class BucketServer:
         self.bufs = [np.zeros(HEADER_BYTES + ELEM * max_elems, dtype=np.uint8) for _ in peers]
         self.out = np.zeros(HEADER_BYTES + ELEM * max_elems, dtype=np.uint8)
         self.round = 0
+        self.schedule = DirectSchedule()
         self.delivered: list[list[float]] = []
         self._aggs: dict[int, Aggregator] = {}
 
@@ -95,8 +86,9 @@ class BucketServer:
 
     async def serve_round(self) -> None:
         r = self.round
-        reps = await self.transport.gather(self.peers, self.bufs, tag=tag_of(r, KIND_GRAD),
-                                           timeout=self.gather_timeout_s)
+        # READY notes first, then one Early Close gather (see DirectSchedule.server_gather)
+        reps = await self.schedule.server_gather(self.transport, self.peers, self.bufs, tag=tag_of(r, KIND_GRAD),
+                                                 timeout=self.gather_timeout_s)
         n, index = None, 0
         contribs = []
         for buf, rep in zip(self.bufs, reps):
@@ -143,8 +135,8 @@ class LtpHookState:
         msg = np.empty(HEADER_BYTES + ELEM * n, dtype=np.uint8)
         GradHeader(self.rank, index, r, r, n, 0.0).pack_into(msg)
         msg[HEADER_BYTES:].view(np.float32)[:] = grads
-        rep = await self.transport.send(self.ps_addr, msg, reliable=False, critical=critical, element_size=4,
-                                        tag=tag_of(r, KIND_GRAD), timeout=self.timeout_s)
+        rep = await DirectSchedule().worker_push(self.transport, self.ps_addr, msg, critical=critical,
+                                                 tag=tag_of(r, KIND_GRAD), timeout=self.timeout_s)
         self.delivered.append(rep.delivered_fraction)
         back = np.empty(HEADER_BYTES + ELEM * n, dtype=np.uint8)
         await self.transport.recv(back, peer=self.ps_addr, tag=tag_of(r, KIND_PARAMS), timeout=self.timeout_s)
@@ -175,8 +167,8 @@ def ltp_hook(state: LtpHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     for p in bucket.parameters():
         ends += [(off, off + 1), (off + p.numel() - 1, off + p.numel())]
         off += p.numel()
-    critical = merge_ranges([(0, HEADER_BYTES)] + [(HEADER_BYTES + ELEM * a, HEADER_BYTES + ELEM * b)
-                                                  for a, b in ends if b <= grads.size])
+    critical = limit_ranges([(0, HEADER_BYTES)] + [(HEADER_BYTES + ELEM * a, HEADER_BYTES + ELEM * b)
+                                                  for a, b in ends if b <= grads.size], 128)
     r = state.round
     state.round += 1
     cf = state.runner.submit(state.exchange(r, bucket.index(), grads, critical))
@@ -203,7 +195,7 @@ def register(ddp_model, *, transport: str | None = None, cc: str = "cubic", aggr
         raise ConfigError("ltp_ps.ddp.register: call torch.distributed.init_process_group first")
     pg = process_group or dist.group.WORLD
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    kind = _resolve_transport(transport or os.environ.get("LTP_PS_TRANSPORT", "auto"))
+    kind = resolve_kind(transport or os.environ.get("LTP_PS_TRANSPORT", "auto"))
     host = host or os.environ.get("LTP_PS_HOST", "127.0.0.1")
     secret = os.environ.get("LTP_PS_SECRET", "").encode() or None
     store = dist.PrefixStore("ltp_ps_ddp/", dist.distributed_c10d._get_default_store())

@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    cli.resolve_transport(args)
     try:
         rank = int(os.environ["RANK"])
         world = int(os.environ["WORLD_SIZE"])

@@ -42,7 +42,7 @@ from .metrics import MetricsLog, format_summary, summarize
 from .optim import FlatOptimizer
 from .schedule import DirectSchedule, Schedule
 from .sharding import ShardPlan
-from .transport.base import Transport
+from .transport.base import CANCELLED, TIMEOUT, Transport
 from .wire import (ELEM, HEADER_BYTES, KIND_GRAD, KIND_PARAMS, KIND_STOP, MAX_BUBBLES, ParamsHeader,
                    encode_bubbles, params_message_capacity, tag_of)
 from .workloads import Workload
@@ -260,6 +260,8 @@ class ParameterServer:
                 compute.append(c.header.compute_s)
                 if c.lost:
                     bubbles[m.rank] = len(c.lost)
+            elif r.regime not in (TIMEOUT, CANCELLED):
+                self.membership.delivered(m.rank)  # alive (it registered), but Early Close left nothing usable
             elif self.membership.missed(m.rank):
                 self.log(f"[ps{self.shard}] dropped worker {m.rank} after {self.cfg.max_missed} missed rounds")
             if c.lost:

@@ -52,6 +52,7 @@ class WorkerConfig:
     pull_timeout_s: float = 60.0  # seconds without parameters before giving up
     push_timeout_s: float | None = 30.0
     edge_elems: int = 1  # critical elements at each end of every tensor
+    max_critical_ranges: int = 128  # LTP fits at most 160 ranges in a registration
     seed: int = 0
     max_iterations: int | None = None  # stop after this many pushes (tests: simulate a crash)
 
@@ -71,7 +72,8 @@ class Worker:
         self._out = [np.zeros(HEADER_BYTES + ELEM * (s.hi - s.lo), dtype=np.uint8) for s in self.shards]
         layout = workload.layout()
         self._critical = [critical_ranges(layout, header_bytes=HEADER_BYTES, shard=(s.lo, s.hi),
-                                          edge_elems=config.edge_elems) for s in self.shards]
+                                          edge_elems=config.edge_elems, max_ranges=config.max_critical_ranges)
+                          for s in self.shards]
         self.feedback = ErrorFeedback(self.n) if config.error_feedback else None
         self._batches = None
         self.iterations = 0

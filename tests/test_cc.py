@@ -75,8 +75,13 @@ def test_probe_rtt_after_rtprop_goes_stale():
 def test_pacer_bursts_and_next_time():
     p = Pacer(granularity_s=0.001, min_burst_bytes=10 * MSS, rate=125e6)  # 1 Gbit/s
     assert p.burst_bytes == 125_000
-    assert p.available(0.0) == 125_000
-    p.consume(0.0, 125_000)
+    assert p.available(0.0) == 10 * MSS  # a new path starts with one minimum burst
+    assert p.available(0.001) == 10 * MSS + 125_000
+    p.consume(0.001, 10 * MSS + 125_000)
+    assert p.available(0.001) == 0
+    p = Pacer(granularity_s=0.001, min_burst_bytes=10 * MSS, rate=125e6)
+    p.available(0.0)
+    p.consume(0.0, 10 * MSS)
     assert p.available(0.0) == 0
     t = p.next_time(0.0, MSS)
     assert t == pytest.approx(MSS / 125e6, rel=0.01)

@@ -21,9 +21,11 @@ def _engine_datagrams(job_key=None):
     """REG and DATA from a sender engine, ACK and STOP from a receiver engine."""
     snd = Engine(Config(job_key=job_key), rng=random.Random(1))
     rcv = Engine(Config(job_key=job_key), rng=random.Random(2))
-    data = np.arange(3000, dtype=np.float32)
-    snd.send(PEER, data, now=0.0, critical=[(0, 100), (8000, 9000)], tag=77, reliable=False)
-    out = [bytes(d) for tx in snd.datagrams_to_send(0.0) for d in tx.datagrams()]
+    data = np.arange(1800, dtype=np.float32)  # 5 packets: within the first burst of a new path
+    snd.send(PEER, data, now=0.0, critical=[(0, 100), (6000, 7000)], tag=77, reliable=False)
+    out = []
+    for k in range(5):  # a short critical last segment ends the first GSO batch; drain the rest
+        out += [bytes(d) for tx in snd.datagrams_to_send(k * 1e-4) for d in tx.datagrams()]
     rcv.post_receive([(None, None, np.zeros_like(data))], now=0.0)
     for d in out:
         rcv.receive_datagram(d, ("10.0.0.1", 7447), 0.001)

@@ -107,7 +107,7 @@ def test_early_close_regimes_complete_then_early_then_deadline(harness, floats):
     h.links(rate=GBIT, delay_s=0.0005)
     data = floats(250_000)
     out = np.zeros_like(data)
-    _, recv = _transfer(h, data, out, tag=0)
+    _, recv = _transfer(h, data, out, tag=0, reliable=True)  # a complete delivery measures the link
     first = recv.reports[0]
     assert first.regime == "complete"
     # LT threshold now comes from the measured full delivery (+ half an RTprop)
@@ -131,14 +131,16 @@ def test_early_close_regimes_complete_then_early_then_deadline(harness, floats):
 def test_lt_threshold_initialised_from_sender_estimates(harness, floats):
     h = harness(seed=12, config=Config(deadline_slack_s=0.0))
     h.links(rate=GBIT, delay_s=0.0005)
-    data = floats(50_000)
+    data = floats(500_000)
     out = np.zeros_like(data)
-    _transfer(h, data, out, tag=0)  # the sender learns RTprop/BtlBw
+    for tag in range(3):  # the sender learns RTprop/BtlBw and leaves STARTUP
+        _transfer(h, data, out, tag=tag)
+    assert h.engines[0]._paths[h.addrs[1]].bbr.filled_pipe
     b = h.engines[1]
     b._thresholds._full.clear()  # forget the measured history: only the estimates remain
     big = floats(500_000)
     out = np.zeros_like(big)
-    _, recv = _transfer(h, big, out, tag=1)
+    _, recv = _transfer(h, big, out, tag=3)
     rep = recv.reports[0]
     assert rep.rtprop_s > 0 and rep.btlbw_bps > 0
     assert rep.lt_threshold_s == pytest.approx(1.5 * rep.rtprop_s + big.nbytes / rep.btlbw_bps, rel=0.01)

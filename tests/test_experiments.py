@@ -137,6 +137,9 @@ def test_incast_quick(tmp_path):
     p = res["params"]
     assert (p["workers"], p["size"], p["iterations"]) == (4, 2_000_000, 3)
     assert res["lower_bound_s"] == pytest.approx(2 * 4 * 2_000_000 * 8 / 1e9)
+    assert res["measured_loss"]["0/ingress"] == 0 and res["measured_loss"]["0/egress"] == 0
+    assert 0.002 < res["measured_loss"]["0.01/ingress"] < 0.05   # the PS link really dropped ~1%
+    assert 0.002 < res["measured_loss"]["0.01/egress"] < 0.05
     json.loads((out / "results.json").read_text())
     rows = _csv(out / "iterations.csv")
     assert list(rows[0]) == incast.ITER_COLUMNS

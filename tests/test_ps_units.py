@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ltp_ps.aggregate import Aggregator, bubbles_to_elements, critical_ranges, merge_ranges
+from ltp_ps.aggregate import Aggregator, bubbles_to_elements, critical_ranges, limit_ranges, merge_ranges
 from ltp_ps.checkpoint import checkpoint_path, load_latest, save_checkpoint
 from ltp_ps.errors import ConfigError
 from ltp_ps.feedback import ErrorFeedback
@@ -93,6 +93,25 @@ def test_critical_ranges_cover_header_and_tensor_ends():
         covered.update(range(s, e))
     for model_elem in (12, 14, 15, 49):
         assert 64 + 4 * (model_elem - 12) in covered
+
+
+def test_limit_ranges_closes_smallest_gaps_first():
+    r = [(0, 10), (12, 14), (100, 104), (105, 106), (500, 504)]
+    assert limit_ranges(r, None) == r
+    assert limit_ranges(r, 4) == [(0, 10), (12, 14), (100, 106), (500, 504)]  # gap 1 closed
+    assert limit_ranges(r, 3) == [(0, 14), (100, 106), (500, 504)]  # then gap 2
+    assert limit_ranges(r, 1) == [(0, 504)]
+    # a ResNet-50-sized layout (161 tensors) fits LTP's 160-range registration and keeps every end critical
+    sizes = [64 * 3 * 49] + [256, 256] * 80
+    layout, off = [], 0
+    for n in sizes:
+        layout.append((off, n))
+        off += n
+    cr = critical_ranges(layout, header_bytes=64, max_ranges=128)
+    assert len(cr) <= 128
+    for o, n in layout:
+        for b in (64 + 4 * o, 64 + 4 * (o + n) - 1):
+            assert any(s <= b < e for s, e in cr)
 
 
 # -- wire ----------------------------------------------------------------------

@@ -42,12 +42,20 @@ def test_order_cq_nq_then_rq_and_lost_critical_goes_back_to_cq():
     assert f.take(10).tolist() == [3, 2]  # critical 3 from CQ first, normal 2 from RQ
 
 
-def test_short_last_segment_is_always_last_in_a_batch():
+def test_short_last_segment_ends_its_batch_without_reordering():
     seg = 100
+    # the short last segment is critical: it leaves first (CQ) and ends that batch
     f = FlowSender(handle=1, peer=("h", 1), flow_id=1, token=2, data=bytes(seg * 5 + 40), element_size=4,
                    segment_size=seg, reliable=False, critical=[(520, 540)], tag=0, now=0.0)
-    batch = f.take(10).tolist()
-    assert batch[-1] == 5 and sorted(batch) == list(range(6))
+    assert f.take(10).tolist() == [5]
+    assert f.take(10).tolist() == [0, 1, 2, 3, 4]
+    # the short last segment is normal: the batch ends with it even when RQ has work
+    g = FlowSender(handle=1, peer=("h", 1), flow_id=1, token=2, data=bytes(seg * 5 + 40), element_size=4,
+                   segment_size=seg, reliable=False, critical=(), tag=0, now=0.0)
+    _send(g, g.take(2).tolist())
+    g.requeue_lost(g.window.expire(1.0))
+    assert g.take(10).tolist() == [2, 3, 4, 5]
+    assert g.take(10).tolist() == [0, 1]
 
 
 def test_acked_segments_are_not_retransmitted_from_rq():

@@ -9,7 +9,7 @@ from .tcp import TcpTransport, available_congestion_controls
 
 __all__ = ["Address", "RecvReport", "SendReport", "Transport", "TcpTransport", "LtpTransport",
            "MemoryNetwork", "MemoryTransport", "open_transport", "missing_report",
-           "available_congestion_controls", "COMPLETE", "EARLY", "DEADLINE", "CANCELLED", "TIMEOUT"]
+           "available_congestion_controls", "resolve_kind", "COMPLETE", "EARLY", "DEADLINE", "CANCELLED", "TIMEOUT"]
 
 
 def __getattr__(name):
@@ -18,6 +18,17 @@ def __getattr__(name):
 
         return LtpTransport
     raise AttributeError(name)
+
+
+def resolve_kind(kind: str) -> str:
+    """``"auto"`` -> ``"ltp"`` when ``ltp.open_endpoint`` exists, else ``"tcp"``; other names unchanged."""
+    if kind != "auto":
+        return kind
+    try:
+        import ltp
+    except ImportError:
+        return "tcp"
+    return "ltp" if hasattr(ltp, "open_endpoint") else "tcp"
 
 
 async def open_transport(kind: str, host: str = "127.0.0.1", port: int = 0, *, cc: str | None = "cubic",

@@ -126,7 +126,8 @@ def incast_ltp_worker(a) -> None:
                 timed("recv", ep.recv(params, tag=2 * it + 1, timeout=a.timeout)))
             _emit(dict(iteration=it, t_send_start=t0, t_send_done=done["send"], t_bcast_done=done["recv"],
                        send_close=srep.close_reason, send_fraction=srep.delivered_fraction,
-                       bcast_regime=rrep.regime, retransmitted=srep.retransmitted_packets))
+                       bcast_regime=rrep.regime, retransmitted=srep.retransmitted_packets,
+                       packets_sent=srep.packets_sent, btlbw_bps=srep.btlbw_bps, rtprop_s=srep.rtprop_s))
         await ep.close()
 
     ltp.run(main())

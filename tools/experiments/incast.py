@@ -31,7 +31,8 @@ Theory of operation
 
     For LTP each row also carries the gather's Early Close regimes (how many links ended
     ``complete`` / ``early`` / ``deadline`` / ``timeout``) and the mean and minimum
-    delivered fraction over the N links.
+    delivered fraction over the N links, and the senders' own path model at the end of
+    their flows (median BtlBw and RTprop over the workers; total retransmitted packets).
 
     Files in ``--out``: ``results.json``, ``iterations.csv`` (one row per transport x loss
     x repeat x iteration), ``summary.csv`` (one row per transport x loss), ``bst.png``
@@ -55,7 +56,7 @@ LTP_PORT = 7447
 TCP_PORT = 5301
 ITER_COLUMNS = ["transport", "loss", "repeat", "iteration", "warmup", "bst_s", "gather_s", "bcast_s",
                 "lower_bound_s", "bst_over_bound", "delivered_mean", "delivered_min", "regimes", "worker_fct_max_s",
-                "worker_fct_median_s"]
+                "worker_fct_median_s", "ltp_btlbw_mbps_median", "ltp_rtprop_ms_median", "ltp_retransmitted"]
 SUMMARY_COLUMNS = ["transport", "loss", "loss_pct", "workers", "size_bytes", "n_iterations", "bst_median_s",
                    "bst_mean_s", "bst_p95_s", "bst_max_s", "gather_median_s", "bcast_median_s", "lower_bound_s",
                    "bst_median_over_bound", "delivered_mean", "delivered_min", "regimes", "failures"]
@@ -103,6 +104,7 @@ def run(*, workers: int | None = None, size: int | None = None, iterations: int 
     rows: list[dict] = []
     fcts: dict = {}
     failures: list[dict] = []
+    measured: dict = {}  # measured drop rate at the PS link per 'loss/direction'
     t_start = time.time()
     total = repeats * len(losses) * len(transports)
     with Lab(n_hosts=workers + 1) as lab, C.progress(total, NAME, disable=not progress) as bar:
@@ -125,14 +127,17 @@ def run(*, workers: int | None = None, size: int | None = None, iterations: int 
                     fcts.setdefault((t, loss), []).extend(
                         x for r, f in zip(its, fct) if not r["warmup"] for x in f)
                     bar.update(1)
-            loss_stats = lab.loss_stats(lab.hosts[0], "ingress")
-            if loss_stats["oversize"]:
-                failures.append(dict(loss=loss, error=f"{loss_stats['oversize']} oversize packets at the loss "
-                                                      "point: offloads are on, the loss rate is not per packet"))
+            for d in ("ingress", "egress"):
+                st = lab.loss_stats(lab.hosts[0], d)
+                measured[f"{loss:g}/{d}"] = round(st["measured_loss"], 5)
+                if st["oversize"]:
+                    failures.append(dict(loss=loss, error=f"{st['oversize']} oversize packets at the {d} loss "
+                                                          "point: offloads are on, the loss is not per packet"))
         backend, lab_prefix = lab.backend, lab.prefix
     summary = _summarise(rows, transports, losses, workers, size, bound_s, failures)
     res = dict(experiment=NAME, params=params, environment=env, backend=backend, lab_prefix=lab_prefix,
-               wall_s=round(time.time() - t_start, 1), lower_bound_s=bound_s, iterations=rows,
+               wall_s=round(time.time() - t_start, 1), lower_bound_s=bound_s, measured_loss=measured,
+               iterations=rows,
                summary=summary, failures=failures, out=outdir)
     C.write_json(f"{outdir}/results.json", res)
     C.write_csv(f"{outdir}/iterations.csv", ITER_COLUMNS, rows)
@@ -202,7 +207,11 @@ def _one_run(lab, transport, workers, size, n_iter, slack_s, seed, timeout_s):
         if transport == "ltp":
             dl = ps_out[it]["delivered"]
             row.update(delivered_mean=round(statistics.fmean(dl), 5), delivered_min=round(min(dl), 5),
-                       regimes=_regimes(ps_out[it]["regimes"]))
+                       regimes=_regimes(ps_out[it]["regimes"]),
+                       # the senders' own model of their path at the end of the flow (bytes/s -> Mbit/s)
+                       ltp_btlbw_mbps_median=round(statistics.median(w[it]["btlbw_bps"] for w in w_out) * 8e-6, 1),
+                       ltp_rtprop_ms_median=round(statistics.median(w[it]["rtprop_s"] for w in w_out) * 1e3, 3),
+                       ltp_retransmitted=sum(w[it]["retransmitted"] for w in w_out))
             # a flow's time at the PS runs from its registration; add how late the worker started
             fct = [ps_out[it]["flow_s"][k] + (w_out[k][it]["t_send_start"] - start) for k in range(len(w_out))]
         else:

@@ -167,10 +167,15 @@ def table(summary) -> str:
     keys = list(dict.fromkeys((s["profile"], s["loss"]) for s in summary))
     by = {(s["profile"], s["loss"], s["transport"]): s for s in summary}
     cols = ["profile", "loss %"] + [f"{t} Mbit/s" for t in transports] + [f"{t} norm" for t in transports]
+    # LTP in tolerant mode delivers less than every byte: show how much beside its goodput
+    tolerant = any(s["transport"] == "ltp" and (s["delivered_fraction_median"] or 1) < 1 for s in summary)
+    if tolerant:
+        cols.append("ltp delivered")
     rows = []
     for p, loss in keys:
         rows.append([p, round(loss * 100, 4)] + [by[(p, loss, t)]["goodput_mbps_median"] for t in transports]
-                    + [by[(p, loss, t)]["normalised_median"] for t in transports])
+                    + [by[(p, loss, t)]["normalised_median"] for t in transports]
+                    + ([by[(p, loss, "ltp")]["delivered_fraction_median"]] if tolerant else []))
     return C.format_table(cols, rows)
 
 
