@@ -45,6 +45,8 @@ class Config:
     #: ACKs: one datagram per this many entries, or when the oldest entry waited ack_delay_s
     ack_every: int = 32
     ack_delay_s: float = 0.0005
+    #: BBR's ACK-aggregation allowance is capped at this much time at BtlBw
+    aggregation_cap_s: float = 0.002
     #: pacing timer granularity and smallest burst (see ltp/pacing.py)
     pacing_granularity_s: float = 0.001
     min_burst_packets: int = 8

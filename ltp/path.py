@@ -53,7 +53,7 @@ class Path:
                        initial_rtt_s=config.initial_rtt_s,
                        probe_rtt_interval_s=config.probe_rtt_interval_s,
                        probe_rtt_duration_s=config.probe_rtt_duration_s,
-                       aggregation_cap_s=2 * config.pacing_granularity_s, rng=rng)
+                       aggregation_cap_s=config.aggregation_cap_s, rng=rng)
         self.pacer = Pacer(granularity_s=config.pacing_granularity_s,
                            min_burst_bytes=config.min_burst_packets * mss, rate=self.bbr.pacing_rate)
         self.flows: deque = deque()
