@@ -9,18 +9,20 @@ moment the flow registered at the receiver:
   has left STARTUP, when its BtlBw is still a growing lower bound). The
   formula is anchored once, when valid estimates first arrive: elapsed time +
   ``1.5·RTprop + remaining/BtlBw`` — at registration exactly the paper's
-  formula. Once the link (peer address) has
-  delivered a message of this size completely it becomes the shortest
-  full-delivery time among the last ``window`` complete deliveries
-  (:class:`LinkThresholds`) plus half an RTprop — the same margin the
-  initial formula keeps over the expected completion time, so a transfer that
-  runs exactly as fast as the best one before it is not cut a packet short.
-  *Choice*: the paper takes "the shortest 100%
-  transmission time during every epoch"; the transport knows no epochs, so a
-  sliding window of complete deliveries stands in for one. Before any estimate
+  formula. Once the link (peer address) has delivered a message of this size,
+  the threshold becomes the shortest full-delivery time among the last
+  ``window`` deliveries (:class:`LinkThresholds`) plus half an RTprop — the
+  margin the initial formula keeps over the expected completion time, so a
+  transfer exactly as fast as the best one before it is not cut a packet
+  short. *Choices*: the paper takes "the shortest 100% transmission time
+  during every epoch"; the transport knows no epochs, so a sliding window
+  stands in for one. A flow that Early Close cut contributes its *projected*
+  full-delivery time (time of its last arrival ÷ fraction delivered): when
+  flows nearly complete this equals what they took, and when senders run
+  slower than their own BtlBw (a CPU-bound host) it keeps the threshold from
+  cutting away most of every message round after round. Before any estimate
   or history exists the threshold is unknown and the receiver waits for all
-  (bounded by the caller's timeout); the first message on a link thereby
-  measures it.
+  (bounded by the caller's timeout); the first message on a link measures it.
 * the **deadline**, shared by all links of one receive group (a gather, or a
   single receive): ``t0 + max(LT) + C`` where ``t0`` is the first registration
   in the group and ``C`` the configured slack (30 ms DCN, 100 ms WAN).

@@ -510,6 +510,10 @@ class Engine:
         self._remember_closed(flow.key, flow.token, code, flow.window.received, now)
         if regime == "complete":
             self._thresholds.record_full(flow.peer, flow.total, flow.last_arrival - flow.start)
+        elif regime in ("early", "deadline") and flow.window.received_bytes > 0:
+            # a cut flow still says how long all of it would have taken at the rate it arrived
+            frac = flow.window.received_bytes / flow.total
+            self._thresholds.record_full(flow.peer, flow.total, (flow.last_arrival - flow.start) / frac)
         if flow.slot is not None:
             if flow.internal:
                 self._deliver_internal(flow, now)

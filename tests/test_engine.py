@@ -126,6 +126,14 @@ def test_early_close_regimes_complete_then_early_then_deadline(harness, floats):
     assert rep.regime == "deadline" and rep.delivered_fraction < 0.8
     assert rep.duration_s == pytest.approx(rep.deadline_s, abs=0.002)
     assert rep.deadline_s == pytest.approx(rep.lt_threshold_s + 0.010, abs=1e-6)
+    # cut flows still feed the LT window with their projected full-delivery time
+    window = list(h.engines[1]._thresholds._full[(h.addrs[0], data.nbytes)])
+    assert len(window) == 4
+    assert window[-1] == max(window) and window[-1] >= rep.duration_s * 0.9 / rep.delivered_fraction
+    # cut flows still feed the LT window with their projected full-delivery time
+    window = list(h.engines[1]._thresholds._full[(h.addrs[0], data.nbytes)])
+    assert len(window) == 4
+    assert max(window) == pytest.approx(window[-1]) and window[-1] > rep.duration_s / rep.delivered_fraction * 0.9
 
 
 def test_lt_threshold_initialised_from_sender_estimates(harness, floats):
