@@ -253,6 +253,11 @@ class BBR:
             self.pacing_gain = self.cwnd_gain = HIGH_GAIN
 
     def on_idle(self, now: float) -> None:
-        """The path went idle (nothing to send): refresh nothing, but keep PROBE_RTT from stalling."""
-        if self.state == PROBE_RTT and self._probe_rtt_done is not None and now >= self._probe_rtt_done:
+        """The path has nothing in flight and nothing to send.
+
+        An idle path has drained its queue, which is all PROBE_RTT exists to
+        do: leave it, so the next message (the next training iteration) does
+        not start at four packets in flight.
+        """
+        if self.state == PROBE_RTT:
             self._exit_probe_rtt(now)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import LocalProtocolError
 
@@ -64,7 +64,6 @@ class Config:
     socket_buffer_bytes: int = 64 * _MiB
     #: datagrams per recvmmsg/GRO batch in the adapter
     io_batch: int = 64
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not 576 <= self.mtu <= 65535:

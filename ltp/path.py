@@ -107,6 +107,8 @@ class Path:
         """Build the next batch of DATA datagrams allowed now; ``None`` when blocked or idle."""
         flow = self._active()
         if flow is None:
+            if self.inflight_bytes() == 0:
+                self.bbr.on_idle(now)
             return None
         stride = wire.HEADER_SIZE + flow.seg_size
         inflight = self.inflight_bytes()

@@ -16,8 +16,11 @@ Early Close deadline and completes when every slot has a report.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ltp_ext import load as _load
 
+from . import wire
 from .bubbles import bubble_byte_ranges
 from .reports import RecvReport
 
@@ -66,8 +69,6 @@ class FlowReceiver:
     def __init__(self, *, key, peer, flow_id: int, token: int, total: int, seg_size: int, element_size: int,
                  tag: int, reliable: bool, critical_runs, dest, internal: bool, now: float,
                  est: tuple, padding: int) -> None:
-        import numpy as np
-
         self.key = key
         self.peer = peer
         self.flow_id = flow_id
@@ -117,8 +118,6 @@ class FlowReceiver:
         """Take the sender's newest RTprop/BtlBw from the last DATA header seen."""
         w3 = self.window.last_word3
         if w3:
-            from . import wire
-
             rt, bw = wire.split_estimates(w3)
             if rt and bw:
                 self.rtprop_us, self.btlbw = rt, bw

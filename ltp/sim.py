@@ -44,7 +44,6 @@ class SimNetwork:
         self.now = 0.0
         self.hosts: dict = {}
         self.links: dict = {}
-        self.default_link = SimLink
         self._heap: list = []
         self._seq = 0
         self._timer_version: dict = {}

@@ -115,3 +115,12 @@ def test_lt_threshold_initial_formula_then_shortest_full_delivery():
         t.record_full(link, 10_000_000, d)
     assert t.history(link, 10_000_000) == 0.06
     assert t.threshold(("10.0.0.2", 1), 10_000_000) is None  # per link
+
+
+def test_idle_path_leaves_probe_rtt():
+    bbr = BBR(mss=MSS, probe_rtt_interval_s=1.0, rng=random.Random(0))
+    now, d = _drive(bbr, rate=1e6, rtt=0.01, rounds=10)
+    now, d = _drive(bbr, rate=1e6, rtt=0.05, rounds=30, start=now, delivered0=d)
+    assert bbr.state == PROBE_RTT
+    bbr.on_idle(now + 0.001)  # nothing in flight: the queue is drained already
+    assert bbr.state in (PROBE_BW, STARTUP) and bbr.cwnd(10_000) > 4 * MSS
