@@ -1,7 +1,12 @@
 """Early Close (§III-B): when a receiver stops waiting for the rest of a flow.
 
-Theory of operation. Two thresholds on time, per flow, measured from the
-moment the flow registered at the receiver:
+Theory of operation. Two thresholds on time, measured from the start of the
+receive group — the first registration of a gather (the start of the batch
+synchronisation, Fig. 7's "the transmission has proceeded for 200 ms"), or
+the flow's own registration when it is received alone. *Choice*: anchoring at
+the group rather than at each flow keeps a worker that starts late (still
+computing) from looking fast on its link, which would make the shared
+deadline too early for the whole incast:
 
 * the **LT threshold** of the flow's link. Before it the receiver waits for
   everything. It starts at ``1.5·RTprop + size/BtlBw`` from the estimates the

@@ -444,14 +444,14 @@ class Engine:
             # the paper's 1.5·RTprop + size/BtlBw, anchored when valid estimates first arrive:
             # at registration it is exactly that formula; later it counts only what is left
             remaining = flow.total - flow.window.received_bytes
-            flow.lt_anchor = (now - flow.start) + LinkThresholds.initial(rtprop, remaining, flow.btlbw)
+            flow.lt_anchor = (now - flow.anchor) + LinkThresholds.initial(rtprop, remaining, flow.btlbw)
         return flow.lt_anchor
 
     def _deadline_for(self, flow: FlowReceiver, lt: float | None, now: float) -> float | None:
         slack = self.config.deadline_slack_s
         slot = flow.slot
         if slot is None or len(slot.group.slots) == 1:
-            return None if lt is None else flow.start + lt + slack
+            return None if lt is None else flow.anchor + lt + slack
         group = slot.group
         worst = 0.0
         for s in group.slots:
@@ -482,7 +482,7 @@ class Engine:
         if deadline is not None and flow.slot is not None:
             # unregistered slots of the group expire at the same deadline
             flow.slot.group.wake = deadline
-        regime, wake = decide(now, start=flow.start, lt=lt, deadline=deadline, fraction=flow.fraction,
+        regime, wake = decide(now, start=flow.anchor, lt=lt, deadline=deadline, fraction=flow.fraction,
                               complete=False, critical_ok=flow.critical_ok,
                               lt_fraction=self.config.lt_fraction, reliable=flow.reliable)
         if regime is not None:
@@ -509,11 +509,12 @@ class Engine:
         self._memory -= flow.seg_count
         self._remember_closed(flow.key, flow.token, code, flow.window.received, now)
         if regime == "complete":
-            self._thresholds.record_full(flow.peer, flow.total, flow.last_arrival - flow.start)
+            self._thresholds.record_full(flow.peer, flow.total, flow.last_arrival - flow.anchor)
         elif regime in ("early", "deadline") and flow.window.received_bytes > 0:
             # a cut flow still says how long all of it would have taken at the rate it arrived
             frac = flow.window.received_bytes / flow.total
-            self._thresholds.record_full(flow.peer, flow.total, (flow.last_arrival - flow.start) / frac)
+            self._thresholds.record_full(flow.peer, flow.total,
+                                         (flow.start - flow.anchor) + (flow.last_arrival - flow.start) / frac)
         if flow.slot is not None:
             if flow.internal:
                 self._deliver_internal(flow, now)

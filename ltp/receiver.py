@@ -103,6 +103,14 @@ class FlowReceiver:
         self.memory = count + (total if internal else 0)
 
     @property
+    def anchor(self) -> float:
+        """Where this flow's Early Close clock starts: its receive group's first registration
+        (the start of the batch synchronisation), or its own registration when received alone."""
+        if self.slot is not None and self.slot.group.t0 is not None:
+            return self.slot.group.t0
+        return self.start
+
+    @property
     def fraction(self) -> float:
         return self.window.received / self.seg_count
 
@@ -137,6 +145,6 @@ class FlowReceiver:
             critical_complete=self.critical_ok, regime=regime,
             duration_s=(self.last_arrival if regime == "complete" else now) - self.start,
             duplicates=w.duplicates, rtprop_s=self.rtprop_us / 1e6, btlbw_bps=float(self.btlbw),
-            lt_threshold_s=self.lt, deadline_s=None if self.deadline is None else self.deadline - self.start,
+            lt_threshold_s=self.lt, deadline_s=None if self.deadline is None else self.deadline - self.anchor,
             reliable=self.reliable, padding_bytes_per_packet=self.padding)
         return self.report

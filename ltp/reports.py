@@ -47,6 +47,8 @@ class RecvReport:
     #: the sender's estimates as carried in its packet headers
     rtprop_s: float
     btlbw_bps: float
+    #: Early Close thresholds, in seconds from the start of the receive group (its first
+    #: registration: for a gather the start of the batch synchronisation, else this flow's)
     lt_threshold_s: float | None
     deadline_s: float | None
     reliable: bool = False
