@@ -143,6 +143,38 @@ def _as_bytes_view(buf, writable):
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
+cdef void *_export(object mv, Py_buffer *view, int flags) except NULL:
+    """Fill ``view`` with a long-lived export and return ``mv``'s first byte.
+
+    The export is taken from the object *underneath* the memoryview (the
+    bytearray or numpy array), not from the memoryview: CPython 3.11's
+    memoryview ``tp_clear`` drops its managed buffer even while exported, so a
+    memoryview that the garbage collector clears under a live export crashes
+    the process when the export is released (seen at interpreter shutdown).
+    Falls back to exporting from the memoryview when the base cannot export
+    a simple contiguous buffer covering it.
+    """
+    cdef Py_buffer tmp
+    cdef char *p
+    cdef char *lo
+    base = mv.obj
+    PyObject_GetBuffer(mv, &tmp, flags)
+    p = <char *>tmp.buf
+    PyBuffer_Release(&tmp)
+    if base is not None and not isinstance(base, memoryview):
+        try:
+            PyObject_GetBuffer(base, view, flags)
+        except (BufferError, TypeError, ValueError):
+            pass
+        else:
+            lo = <char *>view.buf
+            if lo <= p and p + len(mv) <= lo + view.len:
+                return p
+            PyBuffer_Release(view)
+    PyObject_GetBuffer(mv, view, flags)
+    return view.buf
+
+
 cdef object _i64_vec(object a):
     """``a`` itself when it is a fast int64 vector, else ``a`` converted (like ``int(a[k])``)."""
     if _is_vec(a, cnp.NPY_INT64):
@@ -223,10 +255,9 @@ cdef class SendWindow:
         self.log_seq = np.empty(cap, np.int64)
         self.log_acked = np.zeros(cap, np.uint8)
         self._lost_buf = np.empty(n, np.int64)
-        PyObject_GetBuffer(mv, &self._data_view, PyBUF_SIMPLE)
+        self._data = <const uint8_t *>_export(mv, &self._data_view, PyBUF_SIMPLE)
         self._have_view = True
         self._data_ref = mv
-        self._data = <const uint8_t *>self._data_view.buf
         self._crit = <uint8_t *>_ptr(crit)
         self._state = <uint8_t *>_ptr(self.state)
         self._attempt = <uint8_t *>_ptr(self.attempt)
@@ -546,9 +577,8 @@ cdef class RecvWindow:
         self.critical = crit
         self.critical_total = int(np.count_nonzero(crit))
         self.acks = np.empty(ack_capacity, np.uint32)
-        PyObject_GetBuffer(mv, &self._dest_view, PyBUF_SIMPLE | PyBUF_WRITABLE)
+        self._dest = <uint8_t *>_export(mv, &self._dest_view, PyBUF_SIMPLE | PyBUF_WRITABLE)
         self._have_view = True
-        self._dest = <uint8_t *>self._dest_view.buf
         self._bitmap = <uint8_t *>_ptr(self.bitmap)
         self._crit = <uint8_t *>_ptr(crit)
         self._acks = <uint32_t *>_ptr(self.acks)

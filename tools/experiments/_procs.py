@@ -184,22 +184,29 @@ def incast_tcp_ps(a) -> None:
         _emit(dict(iteration=it, t_gather_end=gather_end[it], t_recv_done=recv_done[it]))
 
 
-def incast_tcp_worker(a) -> None:
-    host, port = _addr(a.ps)
+def _tcp_connect(host: str, port: int, cc: str, timeout_s: float = 20.0) -> socket.socket:
+    """A TCP connection using congestion control ``cc``, retried while the peer is still starting."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, a.cc.encode())
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
     except OSError as e:
-        raise SystemExit(f"congestion control {a.cc!r} unavailable: {e}; `modprobe tcp_{a.cc}`") from e
-    deadline = time.monotonic() + 20
+        s.close()
+        raise SystemExit(f"congestion control {cc!r} unavailable: {e}; `modprobe tcp_{cc}`") from e
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             s.connect((host, port))
-            break
+            return s
         except OSError:
             if time.monotonic() > deadline:
+                s.close()
                 raise
             time.sleep(0.05)
+
+
+def incast_tcp_worker(a) -> None:
+    host, port = _addr(a.ps)
+    s = _tcp_connect(host, port, a.cc)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     grad = memoryview(bytearray(_data(a.size, a.seed).tobytes()))
     buf = memoryview(bytearray(a.size))
@@ -294,20 +301,7 @@ def fair_tcp_recv(a) -> None:
 
 def fair_tcp_send(a) -> None:
     host, port = _addr(a.to)
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, a.cc.encode())
-    except OSError as e:
-        raise SystemExit(f"congestion control {a.cc!r} unavailable: {e}; `modprobe tcp_{a.cc}`") from e
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            s.connect((host, port))
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    s = _tcp_connect(host, port, a.cc)
     block = memoryview(bytearray(b"\x5a" * TCP_CHUNK))
     _ready_and_wait_go()
     t0 = time.monotonic()
