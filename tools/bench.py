@@ -39,6 +39,8 @@ import subprocess
 import sys
 import time
 
+from ltp_tools.machine_cpu import cpu_s_per_gb, machine_cpu_s
+
 __all__ = ["main", "parse_size", "parse_rate", "parse_time", "run_bench"]
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1024, "mi": 1024 ** 2, "gi": 1024 ** 3}
@@ -74,6 +76,11 @@ def parse_time(text: str) -> float:
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def _machine_delta(m0: float | None) -> float | None:
+    m1 = machine_cpu_s()
+    return None if m0 is None or m1 is None else round(m1 - m0, 3)
 
 
 def _pattern(size: int, start: int = 0):
@@ -129,13 +136,16 @@ def _ltp_sender(args) -> int:
         for w in range(args.warmup):
             await ep.send((args.host, args.port), data, reliable=reliable, tag=w, timeout=args.timeout)
         cpu0 = _cpu_s()
+        m0 = machine_cpu_s()
         t0 = time.perf_counter()
         rep = await ep.send((args.host, args.port), data, reliable=reliable, tag=args.warmup, timeout=args.timeout)
         dt = time.perf_counter() - t0
         cpu = _cpu_s() - cpu0
+        machine = _machine_delta(m0)
         out = dict(duration_s=round(dt, 4), delivered_bytes=rep.delivered_bytes,
                    delivered_fraction=rep.delivered_fraction, retransmitted_packets=rep.retransmitted_packets,
                    packets_sent=rep.packets_sent, close_reason=rep.close_reason, sender_cpu_s=round(cpu, 3),
+                   machine_cpu_s=machine,
                    rtprop_ms=round(rep.rtprop_s * 1e3, 3), btlbw_gbps=round(rep.btlbw_bps * 8 / 1e9, 3))
         await ep.close()
         print(json.dumps(out), flush=True)
@@ -207,7 +217,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             delivered = s["delivered_bytes"]
             result = dict(transport="ltp", mode=mode, **{k: s[k] for k in (
                 "duration_s", "retransmitted_packets", "packets_sent", "sender_cpu_s", "close_reason",
-                "rtprop_ms", "btlbw_gbps")},
+                "rtprop_ms", "btlbw_gbps", "machine_cpu_s")},
                 delivered_fraction=r["delivered_fraction"], receiver_cpu_s=r["receiver_cpu_s"],
                 verified=r["verified"], receiver_peak_rss=r["receiver_peak_rss"],
                 receiver_overhead_bytes=r["receiver_peak_rss"] - size, dropped_by_receiver=r["dropped"],
@@ -224,13 +234,17 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             result = dict(transport=transport, mode="reliable", duration_s=res["duration_s"],
                           retransmitted_packets=res.get("total_retrans"), sender_cpu_s=res.get("sender_cpu_s"),
                           receiver_cpu_s=rx.get("receiver_cpu_s", rx.get("cpu_s")), delivered_fraction=1.0,
+                          machine_cpu_s=res.get("machine_cpu_s"),
                           goodput_gbps=round(size * 8 / res["duration_s"] / 1e9, 4))
+        delivered_bytes = int(result["goodput_gbps"] * 1e9 / 8 * result["duration_s"])
+        per_gb = cpu_s_per_gb(result.get("machine_cpu_s"), delivered_bytes)
+        result["machine_cpu_s_per_gb"] = None if per_gb is None else round(per_gb, 3)
         stats = lab.loss_stats(rcv) if lab is not None else {}
         result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
                       measured_loss=stats.get("measured_loss"), oversize_packets=stats.get("oversize"),
                       backend=lab.backend if lab is not None else "loopback", wall_s=round(time.time() - t_wall, 2))
         order = ["transport", "size_bytes", "loss", "rate", "goodput_gbps", "duration_s", "delivered_fraction",
-                 "retransmitted_packets", "sender_cpu_s", "receiver_cpu_s"]
+                 "retransmitted_packets", "sender_cpu_s", "receiver_cpu_s", "machine_cpu_s", "machine_cpu_s_per_gb"]
         return {k: result[k] for k in order} | {k: v for k, v in result.items() if k not in order}
     finally:
         if own_lab is not None:

@@ -24,6 +24,8 @@ import struct
 import sys
 import time
 
+from ltp_tools.machine_cpu import machine_cpu_s
+
 CHUNK = 256 * 1024  # bytes per send() call
 CONNECT_RETRY_S = 10.0  # seconds the client retries a refused connect (server still starting)
 
@@ -110,6 +112,7 @@ def send(host: str, port: int, size: int, cc: str = "cubic", connect_timeout_s: 
     got_cc = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
     block = memoryview(bytearray(b"\x5a" * CHUNK))
     cpu0 = _cpu_s()
+    m0 = machine_cpu_s()
     t0 = time.monotonic()
     left = size
     while left > 0:
@@ -125,12 +128,14 @@ def send(host: str, port: int, size: int, cc: str = "cubic", connect_timeout_s: 
         ack += chunk
     dur = time.monotonic() - t0
     cpu = _cpu_s() - cpu0
+    m1 = machine_cpu_s()
     s.close()
     (received,) = struct.unpack("!Q", ack)
     if received != size:
         raise ConnectionError(f"server received {received} bytes, sent {size}")
     return dict(transport="tcp", cc=got_cc, size_bytes=size, goodput_gbps=size * 8 / dur / 1e9,
                 duration_s=dur, sender_cpu_s=cpu, rtt_us=info.get("rtt_us"),
+                machine_cpu_s=None if m0 is None or m1 is None else round(m1 - m0, 3),
                 total_retrans=info.get("total_retrans"))
 
 
