@@ -6,6 +6,7 @@
 * :mod:`.loss_sweep` -- ``ltp-lab loss-sweep``: point-to-point goodput vs random loss (Fig. 4/12)
 * :mod:`.incast` -- ``ltp-lab incast``: batch synchronisation time, N workers -> one PS (Fig. 3/14)
 * :mod:`.fairness` -- ``ltp-lab fairness``: one LTP flow vs one TCP flow on a shared link (Fig. 15)
+* :mod:`.scoreboard` -- ``ltp-lab scoreboard``: issue 8's performance targets side by side, pass/fail
 
 Each module's top docstring is its theory of operation; ``docs/experiments.md`` has measured
 tables and the command lines that produced them. :func:`register` adds all three subcommands
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 from . import incast, loss_sweep
 from . import fairness
+from . import scoreboard
 
-__all__ = ["loss_sweep", "incast", "fairness", "register"]
+__all__ = ["loss_sweep", "incast", "fairness", "scoreboard", "register"]
 
 
 def register(subparsers) -> None:
@@ -24,3 +26,4 @@ def register(subparsers) -> None:
     loss_sweep.register(subparsers)
     incast.register(subparsers)
     fairness.register(subparsers)
+    scoreboard.register(subparsers)

@@ -1,0 +1,203 @@
+"""``ltp-lab scoreboard``: issue 8's performance targets, measured side by side, pass/fail per row.
+
+Theory of operation
+    Every target is a *ratio* against a baseline measured in the same run (absolute figures
+    on this 2-core machine drift up to 2x over hours), or an absolute rate where the target
+    is a line rate.  One invocation runs every requested row in turn, each transfer in a
+    fresh two-host lab (:func:`ltp_tools.bench.run_bench`), so no impairment leaks between
+    rows.  Rows and what they compare:
+
+    ``cpu``        unlimited path, 0 % loss: LTP's machine-wide CPU-seconds per delivered GB
+                   <= 1.25x cubic's, and LTP goodput >= 0.9x cubic's.
+    ``loss``       unlimited path, 1 % loss: LTP goodput >= 1.0x cubic, >= 1.0x bbr, and
+                   >= 0.95x LTP's own 0 % goodput (from the ``cpu`` row; measured here if
+                   that row is not requested).
+    ``tbf``        tbf 1 Gbit/s, 1 % loss: LTP goodput >= 0.93 Gbit/s.
+    ``wan``        tbf 1 Gbit/s + 10 ms one way, 1 % loss: LTP >= 0.93 Gbit/s and >= 50x cubic.
+    ``incast``     N workers x S bytes into one 1 Gbit/s PS link at 0.1 % and 1 % loss
+                   (:mod:`.incast`): LTP's slowest round <= 1.1x the line-rate bound, its
+                   p95/median <= 1.2, and <= 0.7x bbr's slowest round.
+
+    Machine-wide CPU comes from ``/proc/stat`` (:mod:`ltp_tools.machine_cpu`): run the
+    scoreboard on an otherwise idle machine, or the CPU rows measure the other load too.
+    ``--quick`` shrinks every size so the whole board runs in about a minute (CI uses it
+    to check the plumbing; its verdicts are not the issue's verdicts).
+
+    Files in ``--out``: ``results.json`` (every raw measurement and the table) and
+    ``scoreboard.csv`` (one line per check).  Exit status 0 whether targets pass or not
+    (a missed target is a measurement, not an error); non-zero only if a measurement
+    failed.
+"""
+from __future__ import annotations
+
+import time
+
+from . import _common as C
+
+NAME = "scoreboard"
+ROWS = ("cpu", "loss", "tbf", "wan", "incast")
+CHECK_COLUMNS = ["row", "check", "value", "target", "passed", "detail"]
+
+# The issue's thresholds, named once.
+CPU_PER_GB_MAX_VS_CUBIC = 1.25
+GOODPUT_MIN_VS_CUBIC_CLEAN = 0.9
+GOODPUT_MIN_VS_TCP_LOSSY = 1.0
+GOODPUT_MIN_VS_OWN_CLEAN = 0.95
+LINE_RATE_MIN_GBPS = 0.93
+WAN_MIN_VS_CUBIC = 50.0
+INCAST_SLOWEST_MAX_VS_BOUND = 1.1
+INCAST_TAIL_MAX = 1.2
+INCAST_SLOWEST_MAX_VS_BBR = 0.7
+
+
+def _sizes(quick: bool) -> dict:
+    if quick:
+        return dict(clean=50_000_000, lossy=30_000_000, tbf=20_000_000, wan_ltp=20_000_000, wan_tcp=2_000_000,
+                    incast_workers=4, incast_size=2_000_000, incast_iterations=2)
+    return dict(clean=1_000_000_000, lossy=500_000_000, tbf=200_000_000, wan_ltp=200_000_000, wan_tcp=20_000_000,
+                incast_workers=8, incast_size=20_000_000, incast_iterations=5)
+
+
+def _check(row: str, name: str, value, target: str, passed: bool | None, detail: str = "") -> dict:
+    return dict(row=row, check=name, value=None if value is None else round(float(value), 4), target=target,
+                passed=passed, detail=detail)
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: bool = True, seed: int = 1,
+        verbose: bool = True, bench=None, incast_run=None) -> dict:
+    """Run the requested rows; return ``dict(checks=[...], raw={...}, table=str, failures=[...])``.
+
+    ``bench`` and ``incast_run`` default to :func:`ltp_tools.bench.run_bench` and
+    :func:`.incast.run`; tests pass fakes to check the verdict logic without a lab.
+    """
+    from ltp_tools import bench as B
+    from . import incast as I
+
+    bench = bench or B.run_bench
+    incast_run = incast_run or I.run
+    for r in rows:
+        if r not in ROWS:
+            raise ValueError(f"unknown scoreboard row {r!r}; choose from {', '.join(ROWS)}")
+    if bench is B.run_bench or incast_run is I.run:
+        C.require_lab()
+    sz = _sizes(quick)
+    outdir = C.out_dir(NAME, out)
+    raw: dict = {}
+    checks: list[dict] = []
+    failures: list[dict] = []
+    t0 = time.time()
+
+    def measure(key, **kw):
+        try:
+            raw[key] = bench(**kw)
+        except Exception as e:  # noqa: BLE001 - a failed measurement is reported, the board goes on
+            failures.append(dict(measurement=key, error=f"{type(e).__name__}: {e}"[:2000]))
+            raw[key] = None
+        bar.update(1)
+        return raw[key]
+
+    def g(key, field="goodput_gbps"):
+        r = raw.get(key)
+        return None if r is None else r.get(field)
+
+    plan = {"cpu": 2, "loss": 3 + ("cpu" not in rows), "tbf": 1, "wan": 2, "incast": 1}
+    with C.progress(sum(plan[r] for r in rows), NAME, disable=not progress) as bar:
+        if "cpu" in rows or "loss" in rows:
+            for t in (("ltp", "cubic") if "cpu" in rows else ("ltp",)):
+                measure(f"clean/{t}", transport=t, size=sz["clean"])
+        if "cpu" in rows:
+            ratio = _ratio(g("clean/ltp", "machine_cpu_s_per_gb"), g("clean/cubic", "machine_cpu_s_per_gb"))
+            checks.append(_check("cpu", "LTP/cubic machine CPU per GB", ratio, f"<= {CPU_PER_GB_MAX_VS_CUBIC}",
+                                 None if ratio is None else ratio <= CPU_PER_GB_MAX_VS_CUBIC,
+                                 f"ltp {g('clean/ltp', 'machine_cpu_s_per_gb')} s/GB, "
+                                 f"cubic {g('clean/cubic', 'machine_cpu_s_per_gb')} s/GB"))
+            ratio = _ratio(g("clean/ltp"), g("clean/cubic"))
+            checks.append(_check("cpu", "LTP/cubic goodput, 0% loss", ratio, f">= {GOODPUT_MIN_VS_CUBIC_CLEAN}",
+                                 None if ratio is None else ratio >= GOODPUT_MIN_VS_CUBIC_CLEAN,
+                                 f"ltp {g('clean/ltp')} Gbit/s, cubic {g('clean/cubic')} Gbit/s"))
+        if "loss" in rows:
+            for t in ("ltp", "cubic", "bbr"):
+                measure(f"lossy/{t}", transport=t, size=sz["lossy"], loss=0.01)
+            for base in ("cubic", "bbr"):
+                ratio = _ratio(g("lossy/ltp"), g(f"lossy/{base}"))
+                checks.append(_check("loss", f"LTP/{base} goodput, 1% loss", ratio, f">= {GOODPUT_MIN_VS_TCP_LOSSY}",
+                                     None if ratio is None else ratio >= GOODPUT_MIN_VS_TCP_LOSSY,
+                                     f"ltp {g('lossy/ltp')}, {base} {g(f'lossy/{base}')} Gbit/s"))
+            ratio = _ratio(g("lossy/ltp"), g("clean/ltp"))
+            checks.append(_check("loss", "LTP 1% / LTP 0% goodput", ratio, f">= {GOODPUT_MIN_VS_OWN_CLEAN}",
+                                 None if ratio is None else ratio >= GOODPUT_MIN_VS_OWN_CLEAN))
+        if "tbf" in rows:
+            measure("tbf/ltp", transport="ltp", size=sz["tbf"], loss=0.01, rate_bps=1e9)
+            v = g("tbf/ltp")
+            checks.append(_check("tbf", "LTP goodput, 1 Gbit/s tbf, 1% loss (Gbit/s)", v,
+                                 f">= {LINE_RATE_MIN_GBPS}", None if v is None else v >= LINE_RATE_MIN_GBPS))
+        if "wan" in rows:
+            measure("wan/ltp", transport="ltp", size=sz["wan_ltp"], loss=0.01, rate_bps=1e9, delay_s=0.01)
+            measure("wan/cubic", transport="cubic", size=sz["wan_tcp"], loss=0.01, rate_bps=1e9, delay_s=0.01)
+            v = g("wan/ltp")
+            checks.append(_check("wan", "LTP goodput, 1 Gbit/s + 10 ms, 1% loss (Gbit/s)", v,
+                                 f">= {LINE_RATE_MIN_GBPS}", None if v is None else v >= LINE_RATE_MIN_GBPS))
+            ratio = _ratio(v, g("wan/cubic"))
+            checks.append(_check("wan", "LTP/cubic goodput, WAN 1% loss", ratio, f">= {WAN_MIN_VS_CUBIC}",
+                                 None if ratio is None else ratio >= WAN_MIN_VS_CUBIC,
+                                 f"cubic {g('wan/cubic')} Gbit/s"))
+        if "incast" in rows:
+            try:
+                res = incast_run(workers=sz["incast_workers"], size=sz["incast_size"],
+                                 iterations=sz["incast_iterations"], transports=("ltp", "bbr"),
+                                 losses=(0.001, 0.01), rate_bps=1e9, repeats=1, seed=seed,
+                                 out=f"{outdir}/incast", progress=False, verbose=False)
+                raw["incast"] = res["summary"]
+                failures += [dict(measurement="incast", error=str(f)[:2000]) for f in res.get("failures", [])]
+            except Exception as e:  # noqa: BLE001
+                failures.append(dict(measurement="incast", error=f"{type(e).__name__}: {e}"[:2000]))
+                raw["incast"] = []
+            bar.update(1)
+            by = {(s["transport"], s["loss"]): s for s in raw["incast"]}
+            for loss in (0.001, 0.01):
+                lt, bb = by.get(("ltp", loss)), by.get(("bbr", loss))
+                if lt is None:
+                    continue
+                ratio = _ratio(lt.get("bst_max_s"), lt.get("lower_bound_s"))
+                checks.append(_check("incast", f"LTP slowest / line-rate bound, {loss:.1%}", ratio,
+                                     f"<= {INCAST_SLOWEST_MAX_VS_BOUND}",
+                                     None if ratio is None else ratio <= INCAST_SLOWEST_MAX_VS_BOUND))
+                ratio = _ratio(lt.get("bst_p95_s"), lt.get("bst_median_s"))
+                checks.append(_check("incast", f"LTP p95/median, {loss:.1%}", ratio, f"<= {INCAST_TAIL_MAX}",
+                                     None if ratio is None else ratio <= INCAST_TAIL_MAX))
+                ratio = _ratio(lt.get("bst_max_s"), None if bb is None else bb.get("bst_max_s"))
+                checks.append(_check("incast", f"LTP/bbr slowest, {loss:.1%}", ratio,
+                                     f"<= {INCAST_SLOWEST_MAX_VS_BBR}",
+                                     None if ratio is None else ratio <= INCAST_SLOWEST_MAX_VS_BBR))
+    table = C.format_table(CHECK_COLUMNS[:5], [[c[k] for k in CHECK_COLUMNS[:5]] for c in checks])
+    res = dict(experiment=NAME, params=dict(rows=list(rows), quick=quick, seed=seed, sizes=sz),
+               environment=C.environment(), wall_s=round(time.time() - t0, 1), checks=checks, raw=raw,
+               failures=failures, table=table, out=outdir)
+    C.write_json(f"{outdir}/results.json", res)
+    C.write_csv(f"{outdir}/scoreboard.csv", CHECK_COLUMNS, checks)
+    if verbose:
+        print(table)
+        passed = sum(c["passed"] is True for c in checks)
+        print(f"{passed}/{len(checks)} targets met; files in {outdir}")
+        for f in failures:
+            print(f"FAILED {f}")
+    return res
+
+
+def register(subparsers) -> None:
+    """Add ``ltp-lab scoreboard``."""
+    p = subparsers.add_parser(NAME, help="issue 8's performance targets side by side, pass/fail per row",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {','.join(ROWS)}")
+    C.add_common_args(p)
+    p.set_defaults(func=_cli)
+
+
+def _cli(args) -> int:
+    res = run(rows=C.parse_list(args.rows, str), quick=args.quick, out=args.out, progress=not args.no_progress,
+              seed=args.seed)
+    return 1 if res["failures"] else 0
