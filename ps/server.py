@@ -7,12 +7,18 @@ One round ``i`` of shard ``s``::
     poll joins        admit workers whose join request verified (rendezvous)
     broadcast(i)      reliable: header(i, version) | params | bubbles of round i-1
                       a failed send drops that worker (its process is gone)
-    gather(i)         loss-tolerant, one Early Close deadline (``gather_timeout_s``)
-                      for all active workers; a worker that delivers nothing is
-                      "missed" and dropped after ``max_missed`` misses in a row
+    gather(i)         loss-tolerant, one Early Close deadline for all active workers,
+                      bounded by ``gather_timeout_s`` or, by default, by the bound
+                      ``ltp_ps.deadlines`` derives from size and measured rates; a
+                      worker that delivers nothing is "missed" and dropped after
+                      ``max_missed`` misses in a row
     combine           schedule.combine -> unbiased or zero-filled mean
     optimizer step    in place on the broadcast buffer; version += 1
     metrics, checkpoint every ``checkpoint_every`` rounds (atomic)
+    health            a non-finite loss or parameter, ``max_missed`` rounds in a row
+                      without one usable gradient, or no live worker left (none
+                      rejoins within ``join_timeout_s``) raise TrainingFailed:
+                      the job never reports success when nothing trained
 
 Workers run the mirror loop (``ltp_ps.worker``): pull(i) -> compute -> push(i).
 A worker that joins late, or restarts and rejoins, receives the current
@@ -36,7 +42,8 @@ import numpy as np
 
 from .aggregate import Aggregator
 from .checkpoint import load_latest, save_checkpoint
-from .errors import ConfigError, RendezvousError
+from .deadlines import GatherDeadline
+from .errors import ConfigError, RendezvousError, TrainingFailed
 from .membership import Membership, Staleness
 from .metrics import MetricsLog, format_summary, summarize
 from .optim import FlatOptimizer
@@ -59,7 +66,7 @@ class ServerConfig:
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
-    gather_timeout_s: float = 10.0  # seconds; Early Close deadline bound for the gather
+    gather_timeout_s: float | None = None  # seconds; None: derived per round (ltp_ps.deadlines)
     broadcast_timeout_s: float = 30.0  # seconds
     max_missed: int = 3
     min_workers: int | None = None  # BSP starts when this many joined (default: world_size)
@@ -113,6 +120,9 @@ class ParameterServer:
         self.metrics = MetricsLog(config.metrics_path)
         self.epoch_lines: list[str] = []
         self._stopping = False
+        self.deadline = GatherDeadline(config.gather_timeout_s)
+        self._empty_rounds = 0  # consecutive rounds without one usable gradient
+        self._failed: TrainingFailed | None = None
         self._resume()
 
     # -- membership ------------------------------------------------------
@@ -188,8 +198,15 @@ class ParameterServer:
                 await self._run_async()
             else:
                 await self._run_bsp()
+        except TrainingFailed as exc:
+            self._failed = exc
+            self.metrics.write({"event": "failed", "t": time.time(), "iteration": self.iteration,
+                                "reason": str(exc)})
+            await self._stop_all(best_effort=True)
+            raise
         finally:
-            self.checkpoint()
+            if self._failed is None or np.isfinite(self.params).all():
+                self.checkpoint()  # never overwrite a good checkpoint with diverged parameters
             self.metrics.close()
         s = summarize(self.metrics.rows)
         s["staleness_mean"] = self.staleness.mean
@@ -203,8 +220,7 @@ class ParameterServer:
         while self.iteration < self.total:
             self._poll()
             if not self.membership.active():
-                self.log(f"[ps{self.shard}] no active workers; waiting for workers to rejoin")
-                await self._wait_workers(1)
+                await self._wait_rejoin()
             row = await self.round()
             epoch_rows.append(row)
             if bar is not None:
@@ -232,13 +248,18 @@ class ParameterServer:
         alive = []
         for m, r in zip(members, reps):
             if isinstance(r, BaseException):
-                self.membership.failed(m.rank, f"broadcast failed: {r}")
+                why = f"broadcast of round {it} failed after {t_b:.2f} s: {type(r).__name__}: {r}"
+                self.membership.failed(m.rank, why)
+                self.log(f"[ps{self.shard}] dropped worker {m.rank}: {why}")
             else:
                 alive.append(m)
+        if alive and len(alive) == len(reps):
+            self.deadline.observe_transfer(len(msg) * len(alive), t_b)
         bufs = [self._bufs[m.rank] for m in alive]
+        gather_timeout = self.deadline.timeout(HEADER_BYTES + ELEM * self.n, len(alive))
         t1 = time.monotonic()
         greps = await self.schedule.server_gather(self.transport, [m.addr for m in alive], bufs,
-                                                  tag=tag_of(it, KIND_GRAD), timeout=self.cfg.gather_timeout_s)
+                                                  tag=tag_of(it, KIND_GRAD), timeout=gather_timeout)
         t_wait = time.monotonic() - t1
         contribs = []
         lost: dict = {}
@@ -262,8 +283,9 @@ class ParameterServer:
                     bubbles[m.rank] = len(c.lost)
             elif r.regime not in (TIMEOUT, CANCELLED):
                 self.membership.delivered(m.rank)  # alive (it registered), but Early Close left nothing usable
-            elif self.membership.missed(m.rank):
-                self.log(f"[ps{self.shard}] dropped worker {m.rank} after {self.cfg.max_missed} missed rounds")
+            elif self.membership.missed(m.rank, _miss_reason(r, gather_timeout)):
+                self.log(f"[ps{self.shard}] dropped worker {m.rank}: {_miss_reason(r, gather_timeout)} "
+                         f"{self.cfg.max_missed} rounds in a row")
             if c.lost:
                 lost[m.rank] = c.lost
         grad = self.schedule.combine(self.aggregator, contribs)
@@ -287,7 +309,56 @@ class ParameterServer:
             self.metrics.write({"event": ev.kind, "t": time.time(), "rank": ev.rank, "reason": ev.reason,
                                 "iteration": it})
         self.metrics.write(row)
+        self._observe_round(greps, compute, t_g)
+        self._check_health(it, losses, row["contributors"], len(alive), gather_timeout)
         return row
+
+    # -- health and deadlines ------------------------------------------------
+    def _observe_round(self, greps, compute: list, t_g: float) -> None:
+        """Feed the gather-deadline rule: compute times, RTprop/BtlBw estimates, complete-gather goodput."""
+        if compute:
+            self.deadline.observe_compute(max(compute))
+        btlbw = 0.0
+        for r in greps:
+            raw = getattr(r, "raw", None)
+            self.deadline.observe_rtprop(float(getattr(raw, "rtprop_s", 0.0) or 0.0))
+            btlbw += float(getattr(raw, "btlbw_bps", 0.0) or 0.0)
+        if btlbw > 0:
+            self.deadline.observe_rate(btlbw / 8)
+        if greps and all(r.regime not in (TIMEOUT, CANCELLED) for r in greps):
+            self.deadline.observe_transfer(sum(r.received_bytes for r in greps), t_g)
+
+    def _check_health(self, it: int, losses: list, contributors: int, n_alive: int, timeout_s: float) -> None:
+        """Raise TrainingFailed on a non-finite loss/parameter or ``max_missed`` empty rounds in a row."""
+        bad = [x for x in losses if not np.isfinite(x)]
+        if bad:
+            raise TrainingFailed(
+                f"PS shard {self.shard}: round {it}: {len(bad)} of {len(losses)} workers reported a non-finite "
+                f"loss ({bad[0]}); training diverged: lower --lr, or resume from an earlier --checkpoint-dir")
+        if not np.isfinite(self.params).all():
+            raise TrainingFailed(
+                f"PS shard {self.shard}: round {it}: the parameters became non-finite after the optimizer step; "
+                f"training diverged: lower --lr")
+        self._empty_rounds = 0 if contributors else self._empty_rounds + 1
+        if self._empty_rounds >= max(1, self.cfg.max_missed):
+            raise TrainingFailed(
+                f"PS shard {self.shard}: no usable gradient from any of {n_alive} live workers in "
+                f"{self._empty_rounds} rounds in a row (last gather bound {timeout_s:.2f} s); nothing is training. "
+                f"Check the workers' logs; for large models on slow links raise --gather-timeout")
+
+    async def _wait_rejoin(self) -> None:
+        """Every worker is gone: wait ``join_timeout_s`` for one to (re)join, else fail the job."""
+        dropped = [f"worker {e.rank}: {e.reason}" for e in self.membership.events_log if e.kind == "dropped"]
+        self.log(f"[ps{self.shard}] no live worker at round {self.iteration}; waiting up to "
+                 f"{self.cfg.join_timeout_s:.0f} s for workers to rejoin")
+        t0 = time.monotonic()
+        try:
+            await self._wait_workers(1)
+        except RendezvousError:
+            raise TrainingFailed(
+                f"PS shard {self.shard}: no live worker at round {self.iteration} of {self.total} and none "
+                f"rejoined within {time.monotonic() - t0:.1f} s ({'; '.join(dropped[-8:]) or 'all dropped'}); "
+                f"the job stops without finishing") from None
 
     def _end_epoch(self, rows: list[dict], epoch: int | None = None) -> None:
         epoch = (self.iteration - 1) // self.ipe if epoch is None else epoch
@@ -306,11 +377,16 @@ class ParameterServer:
         self.epoch_lines.append(line)
         self.log(line)
 
-    async def _stop_all(self) -> None:
+    async def _stop_all(self, best_effort: bool = False) -> None:
         members = self.membership.active()
         msg = self._params_message(KIND_STOP, {})
-        await self.transport.broadcast([m.addr for m in members], msg, tag=tag_of(self.iteration, KIND_STOP),
-                                       timeout=self.cfg.broadcast_timeout_s)
+        timeout = min(STOP_BEST_EFFORT_S, self.cfg.broadcast_timeout_s) if best_effort else self.cfg.broadcast_timeout_s
+        try:
+            await self.transport.broadcast([m.addr for m in members], msg, tag=tag_of(self.iteration, KIND_STOP),
+                                           timeout=timeout)
+        except Exception:
+            if not best_effort:
+                raise
 
     # -- asynchronous ------------------------------------------------------
     async def _run_async(self) -> None:
@@ -341,6 +417,8 @@ class ParameterServer:
         await asyncio.gather(*tasks.values(), return_exceptions=True)
         if bar is not None:
             bar.close()
+        if self._failed is not None:
+            raise self._failed
 
     async def _async_worker(self, m) -> None:
         own = np.zeros(params_message_capacity(self.n), dtype=np.uint8)
@@ -365,7 +443,7 @@ class ParameterServer:
                                           tag=tag_of(v, KIND_PARAMS), timeout=self.cfg.broadcast_timeout_s)
                 t_b = time.monotonic() - t0
                 r = await self.schedule.server_recv_one(self.transport, m.addr, buf, iteration=v,
-                                                        timeout=self.cfg.gather_timeout_s)
+                                                        timeout=self.deadline.timeout(HEADER_BYTES + ELEM * self.n, 1))
             except Exception as exc:  # dead or slow worker
                 if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
                     if self.membership.missed(m.rank, "no gradient within the gather timeout"):
@@ -378,6 +456,13 @@ class ParameterServer:
                 self.membership.missed(m.rank, "unusable gradient")
                 continue
             self.membership.delivered(m.rank)
+            self.deadline.observe_compute(c.header.compute_s)
+            if not np.isfinite(c.header.loss):
+                self._failed = TrainingFailed(
+                    f"PS shard {self.shard}: worker {m.rank} reported a non-finite loss ({c.header.loss}) at "
+                    f"version {self.version}; training diverged: lower --lr")
+                self._done.set()
+                return
             st = self.staleness.record(c.header.model_version, self.version)
             grad = self.schedule.combine(self.aggregator, [c])
             self.optimizer.step(grad)  # no await between snapshot and update: atomic in asyncio
@@ -397,6 +482,16 @@ class ParameterServer:
                 self._async_rows = []
             if self.cfg.checkpoint_every and self.version % self.cfg.checkpoint_every == 0:
                 self.checkpoint()
+
+
+STOP_BEST_EFFORT_S = 2.0  # seconds spent telling workers to stop when the job fails
+
+
+def _miss_reason(r, timeout_s: float) -> str:
+    """Why a worker's gather slot came back empty, with the real elapsed time."""
+    if r.regime == CANCELLED:
+        return f"its gradient transfer failed after {r.duration_s:.2f} s (peer closed or unreachable)"
+    return (f"no gradient within {r.duration_s:.2f} s ({r.regime}; bound {timeout_s:.2f} s)")
 
 
 def _bar(total, initial, enabled, desc):
