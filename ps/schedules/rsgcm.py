@@ -1,0 +1,872 @@
+"""RSGCM: ring all-reduce schedules planned by Monte Carlo Tree Search (Shi et al., TOMM 2022).
+
+Theory of operation
+-------------------
+A *schedule* is a sequence of *actions* (communication steps).  An action is
+``S`` ring-sets (``S`` is the system parameter: how many concurrent send and
+receive processes a device runs); ring-set ``s`` all-reduces block ``b_s`` of
+the ``S`` equal blocks of the model, the rings inside one ring-set share no
+device, and no two rings of one action share a connection (eq 1-2).  The
+planner has three parts, as in the paper's Fig 3:
+
+1. **Search space** (section 3.1, Alg 1).  For every ring size ``f`` in the
+   factor list (factors of ``N .. N+E`` with ``3 <= f < U``), every initial
+   device ``I`` and every connection priority ``P in [0, m)`` (``m`` = the
+   largest degree), Alg 1 walks the adjacency lists building rings of ``f``
+   devices: from the current device ``K`` take ``Adj[K][P mod len]``; a pick
+   that cannot extend the path (a device already on it, or an ``f``-th device
+   that does not close the ring) is dropped and ``P`` advances
+   (``P = (P+1) mod m``).  A closed ring leaves the device-availability matrix
+   (DAM, reset per ring-set) and its connections leave the connection
+   availability matrix (CAM, kept across the ring-sets of one action).  Each
+   construction is combined with every assignment of the ``S`` blocks to the
+   ``S`` ring-sets; duplicates are dropped.  (Our exact reading of the vague
+   points is in ``docs/schedules.md``; it reproduces the paper's Fig 4.)
+2. **MCTS** (section 3.2).  A tree node is a data distribution (the state
+   tensor ``data[i][j][k]``: device ``i`` holds device ``j``'s contribution to
+   block ``k``; eq 5 initially, eq 6 when done), stored as one bitmask per
+   ``(i, k)``.  Its children are the actions that are valid from it: an action
+   is pruned when one of its rings would add a contribution twice (two members
+   already share a contributor: a double count) or when it adds nothing.  An
+   episode walks from the root choosing the child that maximises eq 3
+   (``R + lambda * p * sqrt(n) / (1 + n_child)``, uniform prior ``p``, ties by the
+   seeded RNG) until the state is done (eq 6), the step budget ``St`` is spent,
+   or no child is left.  ``lambda`` decays linearly (eq 14) over the first
+   ``Ep_ex`` episodes.  Rewards are backed up along the path with eq 4.
+   Pruned for good (section 3.2's three rules): a node whose partial time is
+   already no better than the best complete schedule, a node at depth ``St``
+   that is not done, a done node once evaluated, and a node whose children are
+   all pruned.  When the root is pruned the space is exhausted: the incumbent is
+   the optimum of the space.
+3. **Environment** (section 3.3).  The virtual environment prices an action
+   with the alpha-beta model (``ltp_ps.schedules.costmodel``: a ring of ``f``
+   on a block of ``D_b`` costs ``2(f-1)(alpha + beta*D_b/f)``, rings sharing a
+   NIC split its rate); a schedule costs the sum of its steps.  The reward is
+   the rank of the schedule's time in the sorted (descending) list of distinct
+   times seen so far, with a leading 0 for unfinished episodes.  The real
+   environment re-ranks the best ``TOP_CANDIDATES`` schedules by measured
+   all-reduce time with eq 13 (``D (N-1) N / T``): :meth:`RsgcmPlanner.next_to_measure`
+   hands the executor the next candidate to run, and
+   :meth:`RsgcmPlanner.record_measurement` takes the measured seconds back.
+
+Replanning.  :meth:`RsgcmPlanner.fail_link` / :meth:`RsgcmPlanner.fail_device`
+drop every action that uses the failed connection or device, add the
+actions Alg 1 builds on the degraded graph, rebuild the tree and keep
+searching; :meth:`RsgcmPlanner.current_plan` meanwhile returns the best valid
+schedule found so far, else a single ring through the survivors.
+
+Everything here is pure: plain data in, plain data out, randomness only from
+the ``random.Random`` passed in, no clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import math
+import random
+from typing import Callable, Iterable, Mapping, Sequence
+
+from .costmodel import Link, Network, block_sizes, ring_seconds, step_seconds
+
+__all__ = [
+    "RingSet", "Action", "RingPlan", "SearchParams", "RsgcmPlanner", "PlanningError",
+    "factor_list", "construct_action", "build_search_space", "initial_state", "apply_action", "is_done",
+    "exhaustive_search", "allreduce_reward", "rerank", "as_network", "fallback_ring",
+]
+
+MIN_RING = 3  # Alg 1's smallest ring (f >= 3)
+DEFAULT_EXTENSION = 1  # E: factor list from the factors of N .. N+E
+LAMBDA_START = 10.0  # lambda_1 of eq 14
+LAMBDA_END = 0.0  # lambda_2 of eq 14
+EPISODES_PER_ACTION = 8  # Ep = 8 * M (section 4.1)
+EXPLORE_FRACTION = 0.5  # Ep_ex = Ep / 2 (section 4.3: half the episodes explore)
+TOP_CANDIDATES = 5  # schedules the real environment re-ranks (eq 13)
+HAMILTON_BUDGET = 200_000  # DFS node visits when looking for a fallback ring of the survivors
+
+Ring = tuple  # tuple[int, ...] device ids in ring order
+
+
+class PlanningError(RuntimeError):
+    """No schedule can be produced (e.g. the survivors' graph holds no ring)."""
+
+
+# ---------------------------------------------------------------- actions and plans
+
+def _pair(u: int, v: int) -> tuple[int, int]:
+    return (u, v) if u < v else (v, u)
+
+
+def ring_connections(ring: Sequence[int]) -> list[tuple[int, int]]:
+    """The undirected connections a ring uses (``f`` of them; a 2-ring uses its one connection)."""
+    f = len(ring)
+    if f == 2:
+        return [_pair(ring[0], ring[1])]
+    return [_pair(ring[k], ring[(k + 1) % f]) for k in range(f)]
+
+
+def _canonical_ring(ring: Sequence[int]) -> tuple:
+    """Rotation starting at the smallest device, direction with the smaller second device."""
+    r = list(ring)
+    k = r.index(min(r))
+    r = r[k:] + r[:k]
+    if len(r) > 2 and r[-1] < r[1]:
+        r = [r[0]] + r[1:][::-1]
+    return tuple(r)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSet:
+    """Rings (device lists in ring order) that all-reduce block ``block`` at the same time; they share no device."""
+
+    block: int
+    rings: tuple = ()  # tuple[Ring, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "rings", tuple(tuple(int(d) for d in r) for r in self.rings))
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One communication step: ring-set ``s`` reduces block ``ring_sets[s].block``."""
+
+    ring_sets: tuple  # tuple[RingSet, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "ring_sets", tuple(self.ring_sets))
+
+    def rings(self) -> list:
+        return [r for rs in self.ring_sets for r in rs.rings]
+
+    def connections(self) -> set:
+        return {c for r in self.rings() for c in ring_connections(r)}
+
+    def devices(self) -> set:
+        return {d for r in self.rings() for d in r}
+
+    def key(self) -> tuple:
+        """Identity up to ring rotation/direction and ring order inside a ring-set."""
+        return tuple(sorted((rs.block, tuple(sorted(_canonical_ring(r) for r in rs.rings)))
+                            for rs in self.ring_sets if rs.rings))
+
+    def violations(self) -> list[str]:
+        """Why this is not a valid action (empty if it is): eq 1's device/connection disjointness."""
+        out = []
+        blocks = [rs.block for rs in self.ring_sets]
+        if len(set(blocks)) != len(blocks):
+            out.append(f"two ring-sets reduce the same block: {blocks}")
+        for s, rs in enumerate(self.ring_sets):
+            seen: set = set()
+            for r in rs.rings:
+                if len(set(r)) != len(r):
+                    out.append(f"ring {list(r)} visits a device twice")
+                if seen & set(r):
+                    out.append(f"ring-set {s} uses devices {sorted(seen & set(r))} in two rings")
+                seen |= set(r)
+        used: set = set()
+        for r in self.rings():
+            cs = set(ring_connections(r))
+            if used & cs:
+                out.append(f"ring {list(r)} reuses connections {sorted(used & cs)}")
+            used |= cs
+        return out
+
+    def to_json(self) -> list:
+        return [{"block": rs.block, "rings": [list(r) for r in rs.rings]} for rs in self.ring_sets]
+
+
+@dataclasses.dataclass(frozen=True)
+class RingPlan:
+    """A complete RSGCM schedule: its steps (actions), run one after another.
+
+    ``devices`` are the devices it all-reduces over; ``blocks`` the number of
+    equal blocks the ``total_bytes`` are cut into; ``predicted_s`` the virtual
+    environment's time; ``source`` is ``"mcts"``, ``"exhaustive"`` or
+    ``"fallback"``; ``measured_s`` the real environment's time when known.
+    """
+
+    devices: tuple
+    blocks: int
+    total_bytes: int
+    steps: tuple  # tuple[Action, ...]
+    predicted_s: float
+    source: str = "mcts"
+    measured_s: float | None = None
+
+    def key(self) -> tuple:
+        return tuple(a.key() for a in self.steps)
+
+    def ring_sets(self) -> list[list[dict]]:
+        """Per step, per ring-set: its block and rings (plain data)."""
+        return [a.to_json() for a in self.steps]
+
+    def uses_link(self, u: int, v: int) -> bool:
+        return any(_pair(u, v) in a.connections() for a in self.steps)
+
+    def uses_device(self, d: int) -> bool:
+        return any(d in a.devices() for a in self.steps)
+
+    def to_json(self) -> dict:
+        return {"schedule": "rsgcm", "devices": list(self.devices), "blocks": self.blocks,
+                "total_bytes": self.total_bytes, "predicted_s": self.predicted_s, "measured_s": self.measured_s,
+                "source": self.source, "steps": self.ring_sets()}
+
+
+# ---------------------------------------------------------------- network adapter
+
+def as_network(net, *, names: Sequence[str] | None = None, alpha: float = 0.0, beta: float = 0.0) -> Network:
+    """A :class:`~ltp_ps.schedules.costmodel.Network` from what the caller has.
+
+    Accepts a ``Network`` (returned as is); a ``Topology`` (``names`` orders its
+    hosts as devices 0..N-1, default the topology's order: every alive pair is
+    connected with its path latency as alpha, hops share the host NICs and rack
+    uplinks they cross, a measured bottleneck becomes the link's beta); or an
+    N x N matrix whose entries are falsy (no connection), truthy (connected at
+    ``alpha``/``beta``), or an ``(alpha, beta)`` pair.
+    """
+    if isinstance(net, Network):
+        return net
+    if hasattr(net, "path_links") and hasattr(net, "hosts"):
+        return _network_from_topology(net, list(names) if names is not None else list(net.names))
+    try:
+        rows = [list(r) for r in net]
+    except TypeError:
+        raise TypeError(f"cannot plan on {type(net).__name__}; pass a Network, a Topology or an N x N matrix") from None
+    n = len(rows)
+    if any(len(r) != n for r in rows):
+        raise ValueError("a connection matrix must be square (N rows of N entries)")
+    links = {}
+    for u in range(n):
+        for v in range(u + 1, n):
+            e, e2 = rows[u][v], rows[v][u]
+            if bool(_truthy(e)) != bool(_truthy(e2)):
+                raise ValueError(f"connection matrix is not symmetric at ({u}, {v})")
+            if not _truthy(e):
+                continue
+            links[(u, v)] = Link(*e) if isinstance(e, (tuple, list)) else Link(alpha, beta)
+    return Network(n, links)
+
+
+def _truthy(e) -> bool:
+    if isinstance(e, (tuple, list)):
+        return len(e) == 2
+    return bool(e)
+
+
+def _network_from_topology(topo, names: list[str]) -> Network:
+    idx = {name: i for i, name in enumerate(names)}
+    resources: dict[str, float] = {}
+    hops: dict = {}
+    links = {}
+    for a in names:
+        for b in names:
+            if a == b or not topo.alive(a, b):
+                continue
+            res = []
+            for link in topo.path_links(a, b):
+                rname = f"{link[0]}:{link[1]}"
+                resources[rname] = topo.link_rate(link) / 8.0
+                res.append(rname)
+            measured = topo.measured.get((a, b))
+            beta = 8.0 / measured[1] if measured is not None and measured[1] > 0 else 0.0
+            hops[(idx[a], idx[b])] = tuple(res)
+            u, v = _pair(idx[a], idx[b])
+            lat = max(topo.path_latency(a, b), topo.path_latency(b, a))
+            old = links.get((u, v))
+            links[(u, v)] = Link(lat, beta) if old is None else Link(max(old.alpha, lat), max(old.beta, beta))
+    # a pair is connected only if both directions are alive
+    links = {p: l for p, l in links.items() if (p[0], p[1]) in hops and (p[1], p[0]) in hops}
+    return Network(len(names), links, resources, hops)
+
+
+# ---------------------------------------------------------------- search space (Alg 1)
+
+def factor_list(n: int, extension: int = DEFAULT_EXTENSION, upper: int | None = None) -> list[int]:
+    """FL: the factors ``f`` of ``N .. N+E`` with ``3 <= f < U`` (and ``f <= N``: a ring needs f devices)."""
+    upper = n + 1 if upper is None else upper
+    out = set()
+    for x in range(n, n + extension + 1):
+        for f in range(MIN_RING, min(upper - 1, n, x) + 1):
+            if x % f == 0:
+                out.add(f)
+    return sorted(out)
+
+
+def _hop_weight(net: Network, u: int, v: int, nbytes: float) -> float:
+    """Cost of moving ``nbytes`` over ``u -> v`` alone (Adj ordering: cheaper first)."""
+    link = net.link(u, v)
+    beta = link.beta
+    for name in net.hop_resources.get((u, v), ()):
+        beta = max(beta, 1.0 / net.resources[name])
+    return link.alpha + beta * nbytes
+
+
+def construct_action(net: Network, f: int, initial: int, priority: int, *, sets: int, devices: Sequence[int],
+                     ref_bytes: float = 0.0, m: int | None = None) -> list[list[Ring]]:
+    """Alg 1: the ring-sets (without blocks) built from initial device ``I`` with connection priority ``P``.
+
+    ``devices`` are the live devices; ``ref_bytes`` (a block's size) orders each
+    adjacency list by link cost, then device index.  Returns ``sets`` lists of
+    rings; a list may be empty when no ring of ``f`` can be closed.
+    """
+    live = sorted(devices)
+    if m is None:
+        m = max((sum(1 for v in live if v != u and net.connected(u, v)) for u in live), default=0)
+    if m < 1 or f < MIN_RING:
+        return [[] for _ in range(sets)]
+    cam = {p for p in net.links if p[0] in set(live) and p[1] in set(live)}
+    weight_cache: dict = {}
+
+    def adj(k: int, dam: set) -> list[int]:
+        cands = [x for x in dam if _pair(k, x) in cam]
+        def w(x):
+            key = (k, x)
+            if key not in weight_cache:
+                weight_cache[key] = _hop_weight(net, k, x, ref_bytes)
+            return weight_cache[key]
+        return sorted(cands, key=lambda x: (w(x), x))
+
+    P = priority % m
+    out: list[list[Ring]] = []
+    for _s in range(sets):
+        dam = set(live)
+        rings: list[Ring] = []
+        dead_starts: set = set()
+        first = True
+        while len(dam) >= f:
+            starts = sorted(dam - dead_starts)
+            if not starts:
+                break
+            start = initial if first and initial in starts else starts[0]
+            first = False
+            ring, P = _walk(start, f, P, m, dam, cam, adj)
+            if ring is None:
+                dead_starts.add(start)
+                continue
+            rings.append(ring)
+            dam -= set(ring)
+            cam -= set(ring_connections(ring))
+        out.append(rings)
+    return out
+
+
+def _walk(start: int, f: int, P: int, m: int, dam: set, cam: set, adj) -> tuple:
+    """One ring of Alg 1 from ``start`` (lines 5-19).  Returns ``(ring or None, P)``.
+
+    A pick that is already on the path, or an ``f``-th device that does not
+    close the ring, is removed and ``P`` advances; ``m`` failures in a row at one
+    position mean no ring can be closed from this start.
+    """
+    path = [start]
+    on_path = {start}
+    k = start
+    fails = 0
+    while True:
+        a = adj(k, dam)
+        if not a:
+            return None, P
+        cand = a[P % len(a)]
+        if cand not in on_path:
+            if len(path) + 1 < f:
+                path.append(cand)
+                on_path.add(cand)
+                k = cand
+                fails = 0
+                continue
+            if _pair(cand, start) in cam:
+                return tuple(path + [cand]), P
+        P = (P + 1) % m
+        fails += 1
+        if fails >= m:
+            return None, P
+
+
+def build_search_space(net: Network, *, sets: int, devices: Sequence[int] | None = None,
+                       extension: int = DEFAULT_EXTENSION, upper: int | None = None,
+                       ref_bytes: float = 0.0) -> list[Action]:
+    """Every distinct action Alg 1 builds over ``f in FL``, ``I in devices``, ``P in [0, m)``, times block orders."""
+    live = sorted(range(net.n) if devices is None else devices)
+    n = len(live)
+    m = max((sum(1 for v in live if v != u and net.connected(u, v)) for u in live), default=0)
+    seen: set = set()
+    out: list[Action] = []
+    for f in factor_list(n, extension, upper):
+        for initial in live:
+            for priority in range(max(m, 1)):
+                ring_sets = construct_action(net, f, initial, priority, sets=sets, devices=live,
+                                             ref_bytes=ref_bytes, m=m)
+                if not any(ring_sets):
+                    continue
+                for order in itertools.permutations(range(sets)):
+                    act = Action(tuple(RingSet(order[s], tuple(ring_sets[s])) for s in range(sets)))
+                    k = act.key()
+                    if k not in seen:
+                        seen.add(k)
+                        out.append(act)
+    return out
+
+
+# ---------------------------------------------------------------- state tensor (eq 5-6)
+
+def initial_state(devices: Sequence[int], blocks: int) -> dict:
+    """eq 5: ``data[i][j][k] = 1`` iff ``i == j``; as ``{device: (mask_block0, mask_block1, ...)}``."""
+    pos = {d: p for p, d in enumerate(sorted(devices))}
+    return {d: tuple(1 << pos[d] for _ in range(blocks)) for d in pos}
+
+
+def is_done(state: Mapping) -> bool:
+    """eq 6: every device holds every device's contribution to every block."""
+    full = (1 << len(state)) - 1
+    return all(m == full for masks in state.values() for m in masks)
+
+
+def apply_action(state: Mapping, action: Action) -> dict | None:
+    """The state after ``action``, or None if it is pruned (a ring double-counts, or nothing new arrives)."""
+    new = {d: list(m) for d, m in state.items()}
+    changed = False
+    for rs in action.ring_sets:
+        k = rs.block
+        for ring in rs.rings:
+            union = 0
+            for d in ring:
+                masks = state.get(d)
+                if masks is None:
+                    return None  # a device outside the all-reduce (failed)
+                if union & masks[k]:
+                    return None  # double count: two members already share a contributor
+                union |= masks[k]
+            for d in ring:
+                if new[d][k] != union:
+                    new[d][k] = union
+                    changed = True
+    if not changed:
+        return None
+    return {d: tuple(m) for d, m in new.items()}
+
+
+def _state_key(state: Mapping) -> tuple:
+    return tuple(sorted(state.items()))
+
+
+# ---------------------------------------------------------------- environment helpers
+
+def allreduce_reward(total_bytes: float, n: int, seconds: float) -> float:
+    """eq 13: valid data moved per second, ``D (N-1) N / T``."""
+    if seconds <= 0:
+        raise ValueError(f"a measured all-reduce time must be > 0 seconds, got {seconds!r}")
+    return total_bytes * (n - 1) * n / seconds
+
+
+def rerank(candidates: Sequence[RingPlan], measure: Callable[[RingPlan], float]) -> RingPlan:
+    """The real environment: run each candidate through ``measure`` (seconds) and keep the best by eq 13."""
+    if not candidates:
+        raise ValueError("rerank needs at least one candidate plan")
+    best, best_r = None, -math.inf
+    for plan in candidates:
+        t = float(measure(plan))
+        r = allreduce_reward(plan.total_bytes, len(plan.devices), t)
+        if r > best_r:
+            best, best_r = dataclasses.replace(plan, measured_s=t), r
+    return best
+
+
+def _price(net: Network, action: Action, sizes: Sequence[int]) -> float:
+    return step_seconds(net, [(ring, sizes[rs.block]) for rs in action.ring_sets for ring in rs.rings])
+
+
+def fallback_ring(net: Network, devices: Sequence[int], *, budget: int = HAMILTON_BUDGET) -> Ring | None:
+    """A single ring through every device in ``devices`` (rank order if it is one), or None if none is found."""
+    live = sorted(devices)
+    n = len(live)
+    if n <= 1:
+        return tuple(live)
+    if n == 2:
+        return tuple(live) if net.connected(*live) else None
+    if all(net.connected(live[k], live[(k + 1) % n]) for k in range(n)):
+        return tuple(live)
+    nbrs = {u: [v for v in live if v != u and net.connected(u, v)] for u in live}
+    path, on = [live[0]], {live[0]}
+    visits = 0
+
+    def dfs() -> bool:
+        nonlocal visits
+        visits += 1
+        if visits > budget:
+            return False
+        if len(path) == n:
+            return net.connected(path[-1], path[0])
+        for v in nbrs[path[-1]]:
+            if v not in on:
+                path.append(v)
+                on.add(v)
+                if dfs():
+                    return True
+                on.discard(v)
+                path.pop()
+        return False
+
+    return tuple(path) if dfs() else None
+
+
+# ---------------------------------------------------------------- MCTS
+
+@dataclasses.dataclass
+class SearchParams:
+    """RSGCM's hyper-parameters (section 4.1).  ``None`` means the paper's default for the instance."""
+
+    sets: int = 1  # S, the system parameter (= number of blocks)
+    extension: int = DEFAULT_EXTENSION  # E
+    upper: int | None = None  # U (default N + 1: rings of up to N devices)
+    episodes: int | None = None  # Ep (default EPISODES_PER_ACTION * M)
+    explore_episodes: int | None = None  # Ep_ex (default EXPLORE_FRACTION * Ep)
+    max_steps: int | None = None  # St (default N)
+    lambda_start: float = LAMBDA_START  # lambda_1
+    lambda_end: float = LAMBDA_END  # lambda_2
+    top_k: int = TOP_CANDIDATES
+
+    def __post_init__(self):
+        if self.sets < 1:
+            raise ValueError(f"S (sets) must be >= 1, got {self.sets}")
+        if self.extension < 0:
+            raise ValueError(f"E (extension) must be >= 0, got {self.extension}")
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+
+
+class _Node:
+    __slots__ = ("state", "time", "depth", "action", "parent", "children", "n", "W", "R", "dead", "done")
+
+    def __init__(self, state, time, depth, action, parent, done):
+        self.state = state
+        self.time = time  # seconds so far (virtual environment)
+        self.depth = depth
+        self.action = action  # index into the search space of the step that led here
+        self.parent = parent
+        self.children = None  # list[_Node] once expanded
+        self.n = 0
+        self.W = 0.0
+        self.R = 0.0
+        self.dead = False
+        self.done = done
+
+
+class RsgcmPlanner:
+    """The RSGCM search for one all-reduce (``total_bytes`` per device) over ``net``.
+
+    Sans-IO: :meth:`search` runs a number of MCTS episodes and returns; call it
+    between rounds to "keep searching".  :meth:`current_plan` is always
+    answerable.  ``rng`` is the only source of randomness.
+    """
+
+    def __init__(self, net, total_bytes: int, *, params: SearchParams | None = None, rng: random.Random | None = None,
+                 devices: Sequence[int] | None = None):
+        self.net = as_network(net)
+        self.total_bytes = int(total_bytes)
+        if self.total_bytes < 0:
+            raise ValueError("total_bytes must be >= 0")
+        self.params = params or SearchParams()
+        if rng is None:
+            raise ValueError("RsgcmPlanner needs rng=random.Random(seed): the planner takes no hidden randomness")
+        self.rng = rng
+        self.devices = tuple(sorted(range(self.net.n) if devices is None else devices))
+        self.failed_links: set = set()
+        self.failed_devices: set = set()
+        self.sizes = block_sizes(self.total_bytes, self.params.sets)
+        self.space: list[Action] = build_search_space(
+            self.net, sets=self.params.sets, devices=self.devices, extension=self.params.extension,
+            upper=self.params.upper, ref_bytes=self.sizes[0])
+        self.completed: dict = {}  # plan key -> (time, tuple of actions)
+        self.measured: dict = {}  # plan key -> measured seconds
+        self.episodes_run = 0
+        self._reset_tree()
+
+    # -- bookkeeping
+    @property
+    def alive(self) -> tuple:
+        return tuple(d for d in self.devices if d not in self.failed_devices)
+
+    def _live_net(self) -> Network:
+        return self.net.without(links=self.failed_links, devices=self.failed_devices)
+
+    def _action_ok(self, a: Action) -> bool:
+        if a.devices() & self.failed_devices:
+            return False
+        return not (a.connections() & self.failed_links)
+
+    def _reset_tree(self) -> None:
+        self._live = [i for i, a in enumerate(self.space) if self._action_ok(a)]
+        net = self._live_net()
+        self._cost = {i: _price(net, self.space[i], self.sizes) for i in self._live}
+        n_live = len(self.alive)
+        self._St = self.params.max_steps or max(n_live, 1)
+        M = max(len(self._live), 1)
+        self._Ep = self.params.episodes if self.params.episodes is not None else EPISODES_PER_ACTION * M
+        self._Ep_ex = (self.params.explore_episodes if self.params.explore_episodes is not None
+                       else max(1, int(EXPLORE_FRACTION * self._Ep)))
+        self._episode = 0
+        state = initial_state(self.alive, self.params.sets)
+        self.root = _Node(state, 0.0, 0, None, None, is_done(state))
+        self._times: list[float] = sorted(t for t, _ in self.completed.values())  # ascending, distinct
+        self._best = min(self._times) if self._times else math.inf
+
+    @property
+    def exhausted(self) -> bool:
+        """True when every schedule of the space has been evaluated or pruned (the incumbent is optimal)."""
+        return self.root.dead
+
+    @property
+    def budget_left(self) -> int:
+        """Episodes left of Ep in the current tree."""
+        return max(0, self._Ep - self._episode)
+
+    def _lambda(self) -> float:
+        """eq 14, held at lambda_2 after Ep_ex episodes."""
+        p = self.params
+        if self._episode >= self._Ep_ex:
+            return p.lambda_end
+        return p.lambda_start - (p.lambda_start - p.lambda_end) / self._Ep_ex * self._episode
+
+    def _rank(self, t: float) -> int:
+        """Rank of ``t`` in ``[0, t_worst, ..., t_best]`` (inserted if new): the reward."""
+        greater = len(self._times) - bisect.bisect_right(self._times, t)
+        i = bisect.bisect_left(self._times, t)
+        if i == len(self._times) or self._times[i] != t:
+            self._times.insert(i, t)
+        return 1 + greater
+
+    def _expand(self, node: _Node) -> list:
+        kids = []
+        for i in self._live:
+            st = apply_action(node.state, self.space[i])
+            if st is None:
+                continue
+            kids.append(_Node(st, node.time + self._cost[i], node.depth + 1, i, node, is_done(st)))
+        node.children = kids
+        return kids
+
+    def _select(self, node: _Node, lam: float) -> _Node | None:
+        live = [c for c in node.children if not c.dead]
+        if not live:
+            return None
+        p = 1.0 / len(node.children)
+        sq = math.sqrt(node.n)
+        best, best_s = [], -math.inf
+        for c in live:
+            s = c.R + lam * p * sq / (1 + c.n)  # eq 3
+            if s > best_s:
+                best, best_s = [c], s
+            elif s == best_s:
+                best.append(c)
+        return best[0] if len(best) == 1 else self.rng.choice(best)
+
+    @staticmethod
+    def _kill(node: _Node) -> None:
+        node.dead = True
+        p = node.parent
+        while p is not None and p.children is not None and all(c.dead for c in p.children):
+            p.dead = True
+            p = p.parent
+
+    def _episode_once(self) -> None:
+        lam = self._lambda()
+        node = self.root
+        path = [node]
+        reward = 0.0
+        while True:
+            if node.done:
+                reward = self._record(node)
+                self._kill(node)  # evaluated: nothing below a finished schedule can improve it
+                break
+            if node.time >= self._best:
+                self._kill(node)  # rule 1: already no better than the best complete schedule
+                break
+            if node.depth >= self._St:
+                self._kill(node)  # rule 3: step budget spent without finishing
+                break
+            if node.children is None:
+                self._expand(node)
+            nxt = self._select(node, lam)
+            if nxt is None:
+                self._kill(node)  # rule 2 left nothing valid below
+                break
+            node = nxt
+            path.append(node)
+        for nd in path:  # eq 4
+            nd.n += 1
+            nd.W += reward
+            nd.R = nd.W / nd.n
+        self._episode += 1
+        self.episodes_run += 1
+
+    def _record(self, node: _Node) -> float:
+        steps = []
+        nd = node
+        while nd.parent is not None:
+            steps.append(nd.action)
+            nd = nd.parent
+        acts = tuple(self.space[i] for i in reversed(steps))
+        key = tuple(a.key() for a in acts)
+        if key not in self.completed or node.time < self.completed[key][0]:
+            self.completed[key] = (node.time, acts)
+        self._best = min(self._best, node.time)
+        return float(self._rank(node.time))
+
+    # -- public API
+    def search(self, episodes: int | None = None) -> int:
+        """Run up to ``episodes`` MCTS episodes (default: what is left of Ep); returns how many ran."""
+        todo = self.budget_left if episodes is None else int(episodes)
+        ran = 0
+        while ran < todo and not self.root.dead and not self.root.done:
+            self._episode_once()
+            ran += 1
+        return ran
+
+    def best_plan(self) -> RingPlan | None:
+        """The best valid schedule found by the virtual environment, or None."""
+        valid = self._valid_completed()
+        if not valid:
+            return None
+        t, acts = min(valid, key=lambda x: (x[0], len(x[1])))
+        return self._plan(acts, t, "exhaustive" if self.exhausted else "mcts")
+
+    def candidates(self, k: int | None = None) -> list[RingPlan]:
+        """The ``k`` (default ``top_k``) best valid schedules by predicted time, best first."""
+        k = self.params.top_k if k is None else k
+        valid = sorted(self._valid_completed(), key=lambda x: (x[0], len(x[1])))[:k]
+        return [self._plan(acts, t, "mcts") for t, acts in valid]
+
+    def next_to_measure(self) -> RingPlan | None:
+        """The first of :meth:`candidates` the real environment has not measured yet (None: all measured)."""
+        for plan in self.candidates():
+            if plan.key() not in self.measured:
+                return plan
+        return None
+
+    def record_measurement(self, plan: RingPlan, seconds: float) -> None:
+        """The executor's measured all-reduce time of ``plan`` (its eq 13 reward ranks the candidates)."""
+        allreduce_reward(plan.total_bytes, len(plan.devices), seconds)  # validates seconds
+        self.measured[plan.key()] = float(seconds)
+
+    def current_plan(self) -> RingPlan:
+        """What to run now: the best measured candidate once every candidate is measured, else the best
+        predicted valid schedule, else a ring through the survivors (raises :class:`PlanningError` if none)."""
+        cands = self.candidates()
+        if cands and all(c.key() in self.measured for c in cands):
+            n = len(self.alive)
+            best = max(cands, key=lambda c: allreduce_reward(c.total_bytes, n, self.measured[c.key()]))
+            return dataclasses.replace(best, measured_s=self.measured[best.key()], source="measured")
+        if cands:
+            return cands[0]
+        return self.fallback_plan()
+
+    def fallback_plan(self) -> RingPlan:
+        """One ring all-reduce over every survivor (block count 1)."""
+        live = self.alive
+        ring = fallback_ring(self._live_net(), live)
+        if ring is None:
+            raise PlanningError(f"no ring connects the surviving devices {list(live)}; search longer "
+                                f"(planner.search) or restore a connection")
+        steps = (Action((RingSet(0, (ring,)),)),) if len(ring) >= 2 else ()
+        t = ring_seconds(self._live_net(), ring, self.total_bytes) if len(ring) >= 2 else 0.0
+        return RingPlan(live, 1, self.total_bytes, steps, t, "fallback")
+
+    def fail_link(self, u: int, v: int) -> None:
+        """Connection ``u``-``v`` is gone: drop every action using it, extend the space, keep searching."""
+        self.failed_links.add(_pair(u, v))
+        self._replan()
+
+    def fail_device(self, d: int) -> None:
+        """Device ``d`` is gone: the all-reduce continues over the survivors."""
+        if d not in self.devices:
+            raise ValueError(f"device {d} is not one of {list(self.devices)}")
+        self.failed_devices.add(d)
+        self._replan()
+
+    def _replan(self) -> None:
+        seen = {a.key() for a in self.space}
+        extra = build_search_space(self._live_net(), sets=self.params.sets, devices=self.alive,
+                                   extension=self.params.extension, upper=self.params.upper,
+                                   ref_bytes=self.sizes[0])
+        self.space.extend(a for a in extra if a.key() not in seen)
+        self.completed = {k: v for k, v in self.completed.items() if self._plan_ok(v[1])}
+        self.measured = {k: v for k, v in self.measured.items() if k in self.completed}
+        self._reset_tree()
+
+    # -- helpers
+    def _plan_ok(self, acts: Sequence[Action]) -> bool:
+        if not all(self._action_ok(a) for a in acts):
+            return False
+        state = initial_state(self.alive, self.params.sets)
+        for a in acts:
+            state = apply_action(state, a)
+            if state is None:
+                return False
+        return is_done(state)
+
+    def _valid_completed(self) -> list:
+        return [v for v in self.completed.values() if self._plan_ok(v[1])]
+
+    def _plan(self, acts, t, source) -> RingPlan:
+        return RingPlan(self.alive, self.params.sets, self.total_bytes, tuple(acts), t, source,
+                        self.measured.get(tuple(a.key() for a in acts)))
+
+
+def plan(net, total_bytes: int, *, params: SearchParams | None = None, rng: random.Random,
+         measure: Callable[[RingPlan], float] | None = None) -> RingPlan:
+    """Run the full search (Ep episodes) and return the schedule to use.
+
+    With ``measure`` (the real environment: seconds to all-reduce with a plan),
+    the best ``top_k`` schedules are re-ranked by eq 13.
+    """
+    planner = RsgcmPlanner(net, total_bytes, params=params, rng=rng)
+    planner.search()
+    cands = planner.candidates()
+    if not cands:
+        return planner.fallback_plan()
+    if measure is None:
+        return cands[0]
+    return rerank(cands, measure)
+
+
+# ---------------------------------------------------------------- brute force (tests, small N)
+
+def exhaustive_search(net, total_bytes: int, *, sets: int = 1, space: Sequence[Action] | None = None,
+                      devices: Sequence[int] | None = None, max_steps: int | None = None,
+                      extension: int = DEFAULT_EXTENSION, upper: int | None = None) -> RingPlan | None:
+    """The optimum of the same space by depth-first branch and bound (for checking MCTS on small N)."""
+    net = as_network(net)
+    live = tuple(sorted(range(net.n) if devices is None else devices))
+    sizes = block_sizes(int(total_bytes), sets)
+    if space is None:
+        space = build_search_space(net, sets=sets, devices=live, extension=extension, upper=upper,
+                                   ref_bytes=sizes[0])
+    cost = [_price(net, a, sizes) for a in space]
+    st_max = max_steps or len(live)
+    best_t, best_acts = math.inf, None
+    seen: dict = {}
+
+    def dfs(state, t, acts):
+        nonlocal best_t, best_acts
+        if is_done(state):
+            if t < best_t:
+                best_t, best_acts = t, tuple(acts)
+            return
+        if len(acts) >= st_max or t >= best_t:
+            return
+        key = _state_key(state)
+        prev = seen.setdefault(key, [])
+        if any(pt <= t and pd <= len(acts) for pt, pd in prev):
+            return  # reached before no later and no deeper
+        prev.append((t, len(acts)))
+        for i, a in enumerate(space):
+            nxt = apply_action(state, a)
+            if nxt is not None:
+                acts.append(a)
+                dfs(nxt, t + cost[i], acts)
+                acts.pop()
+
+    dfs(initial_state(live, sets), 0.0, [])
+    if best_acts is None:
+        return None
+    return RingPlan(live, sets, int(total_bytes), best_acts, best_t, "exhaustive")
