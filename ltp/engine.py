@@ -44,7 +44,7 @@ import numpy as np
 
 from . import wire
 from .config import Config
-from .early_close import LinkThresholds, decide
+from .early_close import HARD_STRETCH, FlowProgress, LinkThresholds, decide, stall_window
 from .errors import (LocalProtocolError, LTPError, TransferAborted, TransferRefused, TransferTimeout,
                      WireError)
 from .path import Path, Transmit
@@ -114,6 +114,7 @@ class Engine:
         self._next_handle = 1
         self._closed_engine = False
         self._wakes: dict = {}
+        self._progress: dict = {}  # (peer, fid) -> FlowProgress, made once a flow passes its LT threshold
 
     # ------------------------------------------------------------------ commands
     def send(self, peer, data, *, now: float, reliable: bool = False, critical=(), element_size: int = 4,
@@ -482,15 +483,40 @@ class Engine:
         if deadline is not None and flow.slot is not None:
             # unregistered slots of the group expire at the same deadline
             flow.slot.group.wake = deadline
+        gaps, first_pass, stall_at, hard = self._progress_for(flow, lt, deadline, now)
         regime, wake = decide(now, start=flow.anchor, lt=lt, deadline=deadline, fraction=flow.fraction,
                               complete=False, critical_ok=flow.critical_ok,
-                              lt_fraction=self.config.lt_fraction, reliable=flow.reliable)
+                              lt_fraction=self.config.lt_fraction, reliable=flow.reliable,
+                              gaps=gaps, first_pass_done=first_pass, stall_at=stall_at, hard_deadline=hard)
         if regime is not None:
             self._close_rx(flow, now, regime)
         elif wake is not None:
             self._wakes[flow.key] = wake
         else:
             self._wakes.pop(flow.key, None)
+
+    def _progress_for(self, flow: FlowReceiver, lt: float | None, deadline: float | None, now: float) -> tuple:
+        """Progress evidence for :func:`decide`: ``(gaps, first_pass_done, stall_at, hard_deadline)``.
+
+        Before the LT threshold (and the deadline) only time can close the
+        flow, so the bitmap is not inspected and the paper's defaults go in.
+        """
+        if flow.reliable or (lt is None and deadline is None) or (
+                (lt is None or now < flow.anchor + lt) and (deadline is None or now < deadline)):
+            return True, True, None, None
+        prog = self._progress.get(flow.key)
+        if prog is None:
+            prog = self._progress[flow.key] = FlowProgress(flow.seg_count, flow.window.critical)
+        gaps, first_pass = prog.observe(flow.window.bitmap, flow.window.received)
+        got = flow.window.received
+        mean_gap = (flow.last_arrival - flow.start) / got if got else None
+        stall_at = flow.last_arrival + stall_window(flow.rtprop_us / 1e6, mean_gap)
+        hard = None
+        if deadline is not None:
+            hard = flow.anchor + HARD_STRETCH * max(0.0, deadline - flow.anchor)
+            if flow.slot is not None and flow.slot.group.timeout_at is not None:
+                hard = min(hard, flow.slot.group.timeout_at)
+        return gaps, first_pass, stall_at, hard
 
     def _close_rx(self, flow: FlowReceiver, now: float, regime: str, send_stop: bool = True) -> None:
         self._flush_acks(flow, now)
@@ -501,6 +527,7 @@ class Engine:
         self._rx.pop(flow.key, None)
         self._wakes.pop(flow.key, None)
         self._ack_dirty.pop(flow.key, None)
+        self._progress.pop(flow.key, None)
         left = self._rx_per_peer.get(flow.peer, 1) - 1
         if left:
             self._rx_per_peer[flow.peer] = left
