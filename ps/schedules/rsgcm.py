@@ -69,11 +69,15 @@ import random
 from typing import Callable, Iterable, Mapping, Sequence
 
 from .costmodel import Link, Network, block_sizes, ring_seconds, step_seconds
+from .program import APPLY_AT_WORKERS, RELIABLE, TOLERANT, Adopt, Apply, Combine, Program, Recv, RoundPlan, Send
+from .program import worker as worker_node
+from .tags import MAX_STEP, PHASE_ALL_GATHER, PHASE_REDUCE_SCATTER, pack as pack_tag
 
 __all__ = [
-    "RingSet", "Action", "RingPlan", "SearchParams", "RsgcmPlanner", "PlanningError",
+    "RingSet", "Action", "RingPlan", "SearchParams", "RsgcmPlanner", "PlanningError", "RewardList",
+    "exploration_weight",
     "factor_list", "construct_action", "build_search_space", "initial_state", "apply_action", "is_done",
-    "exhaustive_search", "allreduce_reward", "rerank", "as_network", "fallback_ring",
+    "exhaustive_search", "allreduce_reward", "rerank", "as_network", "fallback_ring", "plan", "programs",
 ]
 
 MIN_RING = 3  # Alg 1's smallest ring (f >= 3)
@@ -534,6 +538,38 @@ class SearchParams:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
 
 
+def exploration_weight(episode: int, explore_episodes: int, start: float = LAMBDA_START,
+                       end: float = LAMBDA_END) -> float:
+    """eq 14: ``lambda = lambda_1 - (lambda_1 - lambda_2) / Ep_ex * Ep_c``, held at ``lambda_2`` after ``Ep_ex``."""
+    if explore_episodes <= 0 or episode >= explore_episodes:
+        return end
+    return start - (start - end) / explore_episodes * episode
+
+
+class RewardList:
+    """Section 3.3's reward: the rank of a schedule's time in ``[0, t_worst, ..., t_best]``.
+
+    The list starts as ``[0]`` (unfinished episodes get 0); a finished
+    schedule's time is inserted in descending order (once: equal times share a
+    rank) and its index is the reward.  The paper's example: with
+    ``[0, 8.3, 6.5, 4.7]`` a time of 6.5 earns 2 and a time of 5.4 earns 3.
+    """
+
+    def __init__(self, times: Iterable[float] = ()):
+        self._asc: list[float] = sorted(set(times))
+
+    def reward(self, t: float) -> int:
+        greater = len(self._asc) - bisect.bisect_right(self._asc, t)
+        i = bisect.bisect_left(self._asc, t)
+        if i == len(self._asc) or self._asc[i] != t:
+            self._asc.insert(i, t)
+        return 1 + greater
+
+    def as_list(self) -> list:
+        """``[0, t_worst, ..., t_best]`` as in the paper."""
+        return [0] + self._asc[::-1]
+
+
 class _Node:
     __slots__ = ("state", "time", "depth", "action", "parent", "children", "n", "W", "R", "dead", "done")
 
@@ -607,8 +643,8 @@ class RsgcmPlanner:
         self._episode = 0
         state = initial_state(self.alive, self.params.sets)
         self.root = _Node(state, 0.0, 0, None, None, is_done(state))
-        self._times: list[float] = sorted(t for t, _ in self.completed.values())  # ascending, distinct
-        self._best = min(self._times) if self._times else math.inf
+        self._rewards = RewardList(t for t, _ in self.completed.values())
+        self._best = min((t for t, _ in self.completed.values()), default=math.inf)
 
     @property
     def exhausted(self) -> bool:
@@ -621,19 +657,8 @@ class RsgcmPlanner:
         return max(0, self._Ep - self._episode)
 
     def _lambda(self) -> float:
-        """eq 14, held at lambda_2 after Ep_ex episodes."""
         p = self.params
-        if self._episode >= self._Ep_ex:
-            return p.lambda_end
-        return p.lambda_start - (p.lambda_start - p.lambda_end) / self._Ep_ex * self._episode
-
-    def _rank(self, t: float) -> int:
-        """Rank of ``t`` in ``[0, t_worst, ..., t_best]`` (inserted if new): the reward."""
-        greater = len(self._times) - bisect.bisect_right(self._times, t)
-        i = bisect.bisect_left(self._times, t)
-        if i == len(self._times) or self._times[i] != t:
-            self._times.insert(i, t)
-        return 1 + greater
+        return exploration_weight(self._episode, self._Ep_ex, p.lambda_start, p.lambda_end)
 
     def _expand(self, node: _Node) -> list:
         kids = []
@@ -710,7 +735,7 @@ class RsgcmPlanner:
         if key not in self.completed or node.time < self.completed[key][0]:
             self.completed[key] = (node.time, acts)
         self._best = min(self._best, node.time)
-        return float(self._rank(node.time))
+        return float(self._rewards.reward(node.time))
 
     # -- public API
     def search(self, episodes: int | None = None) -> int:
@@ -870,3 +895,124 @@ def exhaustive_search(net, total_bytes: int, *, sets: int = 1, space: Sequence[A
     if best_acts is None:
         return None
     return RingPlan(live, sets, int(total_bytes), best_acts, best_t, "exhaustive")
+
+
+# ---------------------------------------------------------------- compiling a plan into round programs
+
+KIND_PARTIAL = 5  # ltp_ps.wire.KIND_PARTIAL (a partial aggregate between workers)
+SCHEDULE_NAME = "rsgcm"
+
+
+def _element_ranges(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
+    out, at = [], lo
+    for size in block_sizes(hi - lo, parts):
+        out.append((at, at + size))
+        at += size
+    return out
+
+
+def _ring_stages(ring: Sequence[int], pos: int, s: int, blk: tuple, src: str, out: str, node_of, iteration: int,
+                 stride: int, timeout_s) -> list[list]:
+    """The stages of one member (``ring[pos]``) of a ring all-reduce of elements ``blk`` at RSGCM step ``s``.
+
+    Stage 0 copies the input into the step's output slot; reduce-scatter round ``t``
+    sends chunk ``(pos - t) mod f`` on (loss-tolerant) and merges chunk
+    ``(pos - t - 1) mod f`` from the predecessor (two stages: the next round sends
+    what this one merged); all-gather round ``t`` sends chunk ``(pos + 1 - t) mod f``
+    and receives chunk ``(pos - t) mod f`` into the output slot (reliable: every
+    member must end with the same values).
+    """
+    f = len(ring)
+    me = ring[pos]
+    nxt, prv = node_of(ring[(pos + 1) % f]), node_of(ring[(pos - 1) % f])
+    chunks = _element_ranges(blk[0], blk[1], f)
+    stages: list[list] = [[Combine(out, src, blk[0], blk[1])]]
+    for t in range(f - 1):
+        step_no = s * stride + t
+        tag_of = lambda phase, c: pack_tag(iteration, phase, step_no, c, KIND_PARTIAL)  # noqa: E731
+        cs, cr = (pos - t) % f, (pos - t - 1) % f
+        io, merge = [], []
+        if chunks[cs][1] > chunks[cs][0]:
+            io.append(Send(nxt, out, *chunks[cs], tag_of(PHASE_REDUCE_SCATTER, cs), TOLERANT, "partial",
+                           timeout_s=timeout_s))
+        if chunks[cr][1] > chunks[cr][0]:
+            slot = f"in:{SCHEDULE_NAME}:s{s}:t{t}:from{ring[(pos - 1) % f]}"
+            io.append(Recv(prv, slot, *chunks[cr], tag_of(PHASE_REDUCE_SCATTER, cr), TOLERANT, "partial",
+                           timeout_s=timeout_s))
+            merge.append(Combine(out, slot, *chunks[cr]))
+        stages.append(io)
+        stages.append(merge)
+    for t in range(f - 1):
+        step_no = s * stride + t
+        cs, cr = (pos + 1 - t) % f, (pos - t) % f
+        io = []
+        if chunks[cs][1] > chunks[cs][0]:
+            io.append(Send(nxt, out, *chunks[cs], pack_tag(iteration, PHASE_ALL_GATHER, step_no, cs, KIND_PARTIAL),
+                           RELIABLE, "partial", timeout_s=timeout_s))
+        if chunks[cr][1] > chunks[cr][0]:
+            io.append(Recv(prv, out, *chunks[cr], pack_tag(iteration, PHASE_ALL_GATHER, step_no, cr, KIND_PARTIAL),
+                           RELIABLE, "partial", timeout_s=timeout_s))
+        stages.append(io)
+    del me
+    return stages
+
+
+def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mapping[int, str] | None = None,
+             timeout_s: float | None = None) -> RoundPlan:
+    """Compile ``ring_plan`` into every worker's :class:`~ltp_ps.schedules.program.Program` for one round.
+
+    Device ``d`` runs as node ``nodes[d]`` (default ``"worker:d"``).  The model's
+    ``n_elems`` elements are cut into ``ring_plan.blocks`` equal blocks; each
+    step's rings run a reduce-scatter (loss-tolerant partials, whose counts keep
+    the unbiased mean exact) and an all-gather (reliable) on their block, reading
+    the block's slot from the previous step that touched it (first: ``grad``) and
+    writing ``rsgcm:s<step>:b<block>``.  The rings of one step run concurrently
+    (their stages are merged index by index).  Finally every device adopts and
+    applies (its optimizer, ``apply_at="workers"``) each block from its last slot.
+
+    Slot semantics assumed from the layer: ``Combine`` merges ``src`` into
+    ``dst`` (into an empty slot it is a copy), ``Recv`` overwrites ``[lo, hi)``
+    of its slot with the received partial.
+    """
+    if n_elems < 0:
+        raise ValueError("n_elems must be >= 0")
+    devices = list(ring_plan.devices)
+    node_of = (lambda d: nodes[d]) if nodes is not None else worker_node
+    stride = max(len(devices), 2)
+    last_step = max(len(ring_plan.steps) - 1, 0)
+    if last_step * stride + stride - 1 > MAX_STEP:
+        raise ValueError(f"{len(ring_plan.steps)} steps of rings up to {stride} devices do not fit the tag's step "
+                         f"field (max {MAX_STEP}); plan with fewer steps (SearchParams.max_steps) or fewer devices")
+    blocks = _element_ranges(0, int(n_elems), ring_plan.blocks)
+    slot = {d: ["grad"] * ring_plan.blocks for d in devices}
+    stages: dict = {d: [] for d in devices}
+    for s, action in enumerate(ring_plan.steps):
+        per_dev: dict = {}
+        for rs in action.ring_sets:
+            blk = blocks[rs.block]
+            if blk[1] <= blk[0]:
+                continue
+            for ring in rs.rings:
+                for pos, d in enumerate(ring):
+                    out = f"{SCHEDULE_NAME}:s{s}:b{rs.block}"
+                    st = _ring_stages(ring, pos, s, blk, slot[d][rs.block], out, node_of, iteration, stride,
+                                      timeout_s)
+                    per_dev.setdefault(d, []).append(st)
+                    slot[d][rs.block] = out
+        for d, lists in per_dev.items():
+            depth = max(len(x) for x in lists)
+            for j in range(depth):
+                merged = [step for x in lists if j < len(x) for step in x[j]]
+                if merged:
+                    stages[d].append(tuple(merged))
+    for d in devices:
+        final = []
+        for k, (lo, hi) in enumerate(blocks):
+            if hi > lo:
+                final.append(Adopt(slot[d][k], lo, hi))
+                final.append(Apply(slot[d][k], lo, hi))
+        if final:
+            stages[d].append(tuple(final))
+    progs = {node_of(d): Program(node_of(d), tuple(stages[d])) for d in devices}
+    notes = {"rsgcm": ring_plan.to_json(), "predicted_s": ring_plan.predicted_s}
+    return RoundPlan(SCHEDULE_NAME, int(iteration), progs, APPLY_AT_WORKERS, notes)
