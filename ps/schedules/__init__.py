@@ -11,12 +11,14 @@ Layer (see ``docs/schedules.md``):
 
 from __future__ import annotations
 
+from .base import LinkReport, Schedule, World
 from .partial import Partial
 from .program import (APPLY_AT_SERVER, APPLY_AT_WORKERS, Adopt, Apply, Combine, Controller, Forward, Grant, Program,
                       Recv, RoundPlan, Send, server, worker)
 from .tags import Tag
+from .registry import available, availability, create, schedule_class
 from .topology import HostLink, Topology, Uplink
 
 __all__ = ["Partial", "Tag", "Topology", "HostLink", "Uplink", "Program", "RoundPlan", "Send", "Recv", "Combine",
            "Apply", "Forward", "Adopt", "Grant", "Controller", "APPLY_AT_SERVER", "APPLY_AT_WORKERS", "server",
-           "worker"]
+           "worker", "World", "Schedule", "LinkReport", "available", "availability", "create", "schedule_class"]

@@ -37,6 +37,8 @@ Steps:
 * :class:`Forward` -- send a received slot on unchanged (chains, trees).
 * :class:`Adopt` -- copy the mean held in ``slot`` into the parameters or
   gradient the node hands back (all-gather results).
+* :class:`Compute` -- the worker computes its gradient here (between pulling
+  parameters and pushing); the role's handler may end the program (STOP).
 
 Dynamic schedules (Hoplite's receiver-driven chains, MLfabric's grants) give a
 :class:`Controller` instead of (or besides) fixed programs: events in
@@ -105,6 +107,7 @@ class Send:
     payload: str = "partial"
     critical: tuple = ()  # absolute element ranges that must arrive (besides header/tables)
     timeout_s: float | None = None  # seconds; None: the executor's default for the payload
+    group: str | None = None  # names the peers this stage reached, for a later Recv's ``only_if``
     op: str = dataclasses.field(default="send", init=False)
 
     def __post_init__(self):
@@ -121,7 +124,7 @@ class Recv:
     slot: str
     lo: int
     hi: int
-    tag: int
+    tag: int | None  # None: any tag from ``peer`` (a worker's pull learns the round from the message)
     mode: str = TOLERANT
     payload: str = "partial"
     group: str | None = None  # Recvs of one stage with one group share a gather (one Early Close deadline)
@@ -181,8 +184,17 @@ class Adopt:
     op: str = dataclasses.field(default="adopt", init=False)
 
 
-Step = Union[Send, Recv, Combine, Apply, Forward, Adopt]
-STEP_TYPES = {"send": Send, "recv": Recv, "combine": Combine, "apply": Apply, "forward": Forward, "adopt": Adopt}
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    """The worker computes its gradient (into ``slot``) at the parameters it holds now."""
+
+    slot: str = SLOT_GRAD
+    op: str = dataclasses.field(default="compute", init=False)
+
+
+Step = Union[Send, Recv, Combine, Apply, Forward, Adopt, Compute]
+STEP_TYPES = {"send": Send, "recv": Recv, "combine": Combine, "apply": Apply, "forward": Forward, "adopt": Adopt,
+              "compute": Compute}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +212,14 @@ class Program:
 
     def recvs(self) -> list:
         return [s for s in self.steps() if s.op == "recv"]
+
+    def head(self, k: int) -> "Program":
+        """The first ``k`` stages (roles that act between stages run a program in parts)."""
+        return Program(self.node, self.stages[:k])
+
+    def tail(self, k: int) -> "Program":
+        """The stages from ``k`` on."""
+        return Program(self.node, self.stages[k:])
 
     def to_json(self) -> dict:
         return {"node": self.node, "stages": [[step_to_json(s) for s in st] for st in self.stages]}
@@ -257,6 +277,10 @@ class RoundPlan:
         recvs = {}
         for node, p in self.programs.items():
             for r in p.recvs():
+                if r.tag is None:  # wildcard: matches every send of that peer to this node
+                    for k in [k for k in sends if k[0] == r.peer and k[1] == node]:
+                        recvs[k] = dataclasses.replace(r, tag=k[2])
+                    continue
                 key = (r.peer, node, r.tag)
                 if key in recvs:
                     raise ValueError(f"{node} receives twice from {r.peer} with tag {r.tag}")
