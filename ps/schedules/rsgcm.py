@@ -297,12 +297,29 @@ def factor_list(n: int, extension: int = DEFAULT_EXTENSION, upper: int | None = 
     return sorted(out)
 
 
-def _hop_weight(net: Network, u: int, v: int, nbytes: float) -> float:
-    """Cost of moving ``nbytes`` over ``u -> v`` alone (Adj ordering: cheaper first)."""
+def _expected_loads(net: Network, devices: Sequence[int]) -> dict:
+    """Per shared resource, how many hops of a ring through ``devices`` are expected to cross it.
+
+    A ring gives every device one outgoing hop to one of its ``n - 1`` peers, so a
+    resource crossed by ``h`` of the possible directed hops carries ``h / (n - 1)``
+    of them on average (a host NIC: 1; a rack uplink: more when many pairs cross it).
+    """
+    live = set(devices)
+    n = len(live)
+    counts: dict = {}
+    for (u, v), names in net.hop_resources.items():
+        if u in live and v in live and net.connected(u, v):
+            for name in names:
+                counts[name] = counts.get(name, 0) + 1
+    return {name: c / max(n - 1, 1) for name, c in counts.items()}
+
+
+def _hop_weight(net: Network, u: int, v: int, nbytes: float, loads: Mapping[str, float]) -> float:
+    """Expected cost of moving ``nbytes`` over ``u -> v`` in a ring (Adj ordering: cheaper first)."""
     link = net.link(u, v)
     beta = link.beta
     for name in net.hop_resources.get((u, v), ()):
-        beta = max(beta, 1.0 / net.resources[name])
+        beta = max(beta, max(1.0, loads.get(name, 1.0)) / net.resources[name])
     return link.alpha + beta * nbytes
 
 
@@ -310,8 +327,9 @@ def construct_action(net: Network, f: int, initial: int, priority: int, *, sets:
                      ref_bytes: float = 0.0, m: int | None = None) -> list[list[Ring]]:
     """Alg 1: the ring-sets (without blocks) built from initial device ``I`` with connection priority ``P``.
 
-    ``devices`` are the live devices; ``ref_bytes`` (a block's size) orders each
-    adjacency list by link cost, then device index.  Returns ``sets`` lists of
+    ``devices`` are the live devices; each adjacency list is ordered by the
+    expected cost of sending ``ref_bytes`` (a block) over the hop, then by device
+    index (a hop through a shared uplink counts its expected sharing).  Returns ``sets`` lists of
     rings; a list may be empty when no ring of ``f`` can be closed.
     """
     live = sorted(devices)
@@ -320,6 +338,7 @@ def construct_action(net: Network, f: int, initial: int, priority: int, *, sets:
     if m < 1 or f < MIN_RING:
         return [[] for _ in range(sets)]
     cam = {p for p in net.links if p[0] in set(live) and p[1] in set(live)}
+    loads = _expected_loads(net, live)
     weight_cache: dict = {}
 
     def adj(k: int, dam: set) -> list[int]:
@@ -327,7 +346,7 @@ def construct_action(net: Network, f: int, initial: int, priority: int, *, sets:
         def w(x):
             key = (k, x)
             if key not in weight_cache:
-                weight_cache[key] = _hop_weight(net, k, x, ref_bytes)
+                weight_cache[key] = _hop_weight(net, k, x, ref_bytes, loads)
             return weight_cache[key]
         return sorted(cands, key=lambda x: (w(x), x))
 
