@@ -931,11 +931,11 @@ def _element_ranges(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _ring_stages(ring: Sequence[int], pos: int, s: int, blk: tuple, src: str, out: str, node_of, iteration: int,
-                 stride: int, timeout_s) -> list[list]:
+                 stride: int, timeout_s, rs_mode: str) -> list[list]:
     """The stages of one member (``ring[pos]``) of a ring all-reduce of elements ``blk`` at RSGCM step ``s``.
 
     Stage 0 copies the input into the step's output slot; reduce-scatter round ``t``
-    sends chunk ``(pos - t) mod f`` on (loss-tolerant) and merges chunk
+    sends chunk ``(pos - t) mod f`` on (``rs_mode``) and merges chunk
     ``(pos - t - 1) mod f`` from the predecessor (two stages: the next round sends
     what this one merged); all-gather round ``t`` sends chunk ``(pos + 1 - t) mod f``
     and receives chunk ``(pos - t) mod f`` into the output slot (reliable: every
@@ -952,11 +952,11 @@ def _ring_stages(ring: Sequence[int], pos: int, s: int, blk: tuple, src: str, ou
         cs, cr = (pos - t) % f, (pos - t - 1) % f
         io, merge = [], []
         if chunks[cs][1] > chunks[cs][0]:
-            io.append(Send(nxt, out, *chunks[cs], tag_of(PHASE_REDUCE_SCATTER, cs), TOLERANT, "partial",
+            io.append(Send(nxt, out, *chunks[cs], tag_of(PHASE_REDUCE_SCATTER, cs), rs_mode, "partial",
                            timeout_s=timeout_s))
         if chunks[cr][1] > chunks[cr][0]:
             slot = f"in:{SCHEDULE_NAME}:s{s}:t{t}:from{ring[(pos - 1) % f]}"
-            io.append(Recv(prv, slot, *chunks[cr], tag_of(PHASE_REDUCE_SCATTER, cr), TOLERANT, "partial",
+            io.append(Recv(prv, slot, *chunks[cr], tag_of(PHASE_REDUCE_SCATTER, cr), rs_mode, "partial",
                            timeout_s=timeout_s))
             merge.append(Combine(out, slot, *chunks[cr]))
         stages.append(io)
@@ -982,12 +982,22 @@ def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mappin
 
     Device ``d`` runs as node ``nodes[d]`` (default ``"worker:d"``).  The model's
     ``n_elems`` elements are cut into ``ring_plan.blocks`` equal blocks; each
-    step's rings run a reduce-scatter (loss-tolerant partials, whose counts keep
-    the unbiased mean exact) and an all-gather (reliable) on their block, reading
+    step's rings run a reduce-scatter and an all-gather (reliable) on their block, reading
     the block's slot from the previous step that touched it (first: ``grad``) and
     writing ``rsgcm:s<step>:b<block>``.  The rings of one step run concurrently
     (their stages are merged index by index).  Finally every device adopts and
     applies (its optimizer, ``apply_at="workers"``) each block from its last slot.
+
+    Loss tolerance: the reduce-scatter is loss-tolerant (lost elements leave the
+    partial's counts, so the mean stays unbiased) only in the *first* step that
+    reduces a block, and reliable afterwards.  After that first step the block's
+    partial of each ring is identical on all its members (reliable all-gather),
+    the rings partition the devices, and every later decomposition of "all
+    devices" uses each of those partials exactly once (the state tensor forbids
+    double counts) -- so every worker counts the same contributions.  A loss in
+    a later step would reach only one ring's members and split the replicas.
+    Later steps still sum in ring-dependent orders, so with more than one step
+    replicas agree only up to float rounding (see docs/schedules.md).
 
     Slot semantics assumed from the layer: ``Combine`` merges ``src`` into
     ``dst`` (into an empty slot it is a copy), ``Recv`` overwrites ``[lo, hi)``
@@ -1005,6 +1015,11 @@ def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mappin
     blocks = _element_ranges(0, int(n_elems), ring_plan.blocks)
     slot = {d: ["grad"] * ring_plan.blocks for d in devices}
     stages: dict = {d: [] for d in devices}
+    first_step: dict = {}
+    for s, action in enumerate(ring_plan.steps):
+        for rs in action.ring_sets:
+            if rs.rings:
+                first_step.setdefault(rs.block, s)
     for s, action in enumerate(ring_plan.steps):
         per_dev: dict = {}
         for rs in action.ring_sets:
@@ -1014,8 +1029,9 @@ def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mappin
             for ring in rs.rings:
                 for pos, d in enumerate(ring):
                     out = f"{SCHEDULE_NAME}:s{s}:b{rs.block}"
+                    mode = TOLERANT if first_step[rs.block] == s else RELIABLE
                     st = _ring_stages(ring, pos, s, blk, slot[d][rs.block], out, node_of, iteration, stride,
-                                      timeout_s)
+                                      timeout_s, mode)
                     per_dev.setdefault(d, []).append(st)
                     slot[d][rs.block] = out
         for d, lists in per_dev.items():
