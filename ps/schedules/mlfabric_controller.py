@@ -198,13 +198,13 @@ class MLfabricController(Controller):
         if not self.pending:
             self._batch_due = None
         for key, p in list(self.outstanding.items()):
-            if p.source == node:
+            if p.source == node:  # its transfer to the PS (a direct update or an aggregate) will not come
                 self._write_off(key)
                 del self.outstanding[key]
-            elif node in p.members:
-                self._write_off(key, node)
         for mk in [mk for mk in self._member_hop if mk[0] == node or mk[1] == node]:
-            del self._member_hop[mk]
+            feed = self._member_hop.pop(mk)
+            if mk[0] == node:  # its gradient had not reached the aggregator yet: the aggregate comes without it
+                self._write_off(feed, node)
         return []
 
     # -- planning ---------------------------------------------------------------------------------------------------
