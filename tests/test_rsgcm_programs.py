@@ -14,31 +14,44 @@ from ltp_ps.schedules.rsgcm import Action, RingPlan, RingSet, RsgcmPlanner, Sear
 from ltp_ps.schedules.tags import PHASE_ALL_GATHER, PHASE_REDUCE_SCATTER, unpack
 
 
-class Slot:
-    """Reference partial over the whole model: sum, count and the set of contributors (bitmask) per element."""
+class Part:
+    """Reference partial over ``[lo, hi)``: sum, count and the set of contributors (bitmask) per element."""
 
-    def __init__(self, n):
-        self.sum = np.zeros(n)
-        self.cnt = np.zeros(n, dtype=np.int64)
-        self.who = np.zeros(n, dtype=np.int64)
+    def __init__(self, lo, hi, s=None, c=None, w=None):
+        self.lo, self.hi = lo, hi
+        n = hi - lo
+        self.sum = np.zeros(n) if s is None else s
+        self.cnt = np.zeros(n, dtype=np.int64) if c is None else c
+        self.who = np.zeros(n, dtype=np.int64) if w is None else w
+
+    def slice(self, lo, hi):
+        a, b = lo - self.lo, hi - self.lo
+        return Part(lo, hi, self.sum[a:b].copy(), self.cnt[a:b].copy(), self.who[a:b].copy())
+
+
+def get(slots, name, lo, hi):
+    """The executor's PartialSet.get: the exact range, else a slice of a covering partial, else None."""
+    parts = slots.get(name, {})
+    if (lo, hi) in parts:
+        return parts[(lo, hi)]
+    for (a, b), p in parts.items():
+        if a <= lo and hi <= b:
+            return p.slice(lo, hi)
+    return None
 
 
 def run_programs(rp, grads, *, loss_rng=None, loss_p=0.0):
-    """Drive every node's stages until all finish (a deadlock fails the test).
+    """Drive every node's stages with the executor's slot semantics until all finish (deadlock fails).
 
-    Send snapshots ``[lo, hi)``; a tolerant send may lose a random sub-range
-    (zero sum, zero count, no contributors: what ``Partial.drop_ranges`` does);
-    Recv overwrites ``[lo, hi)``; Combine adds and asserts no contributor is
-    counted twice; Adopt records the mean.
+    ``Compute`` puts the gradient as one partial; Send takes ``get(slot, lo, hi)``
+    (a tolerant send may lose a random sub-range: zero sum, zero count, no
+    contributors, as ``Partial.drop_ranges``); Recv stores the partial under
+    its exact range; Combine merges (asserting no contributor is counted twice)
+    and stores under its exact range; Adopt records the mean; Apply the ranges.
     """
     nodes = sorted(rp.programs)
     n = len(next(iter(grads.values())))
-    slots = {nd: {"grad": Slot(n)} for nd in nodes}
-    for nd, g in grads.items():
-        s = slots[nd]["grad"]
-        s.sum[:] = g
-        s.cnt[:] = 1
-        s.who[:] = 1 << int(nd.split(":")[1])
+    slots = {nd: {} for nd in nodes}
     mailbox = {}
     at = {nd: 0 for nd in nodes}
     sent = {nd: -1 for nd in nodes}
@@ -55,11 +68,9 @@ def run_programs(rp, grads, *, loss_rng=None, loss_p=0.0):
             if sent[nd] < at[nd]:
                 for s in stage:
                     if s.op == "send":
-                        src = slots[nd][s.slot]
-                        part = Slot(0)
-                        part.sum = src.sum[s.lo:s.hi].copy()
-                        part.cnt = src.cnt[s.lo:s.hi].copy()
-                        part.who = src.who[s.lo:s.hi].copy()
+                        src = get(slots[nd], s.slot, s.lo, s.hi)
+                        assert src is not None, f"{nd} sends [{s.lo},{s.hi}) of {s.slot} it does not hold"
+                        part = src.slice(s.lo, s.hi)
                         if s.mode == TOLERANT and loss_rng is not None and loss_rng.random() < loss_p:
                             a = loss_rng.randrange(0, s.hi - s.lo)
                             b = loss_rng.randrange(a, s.hi - s.lo) + 1
@@ -72,24 +83,34 @@ def run_programs(rp, grads, *, loss_rng=None, loss_p=0.0):
             if not all((s.peer, nd, s.tag) in mailbox for s in stage if s.op == "recv"):
                 continue
             for s in stage:
-                if s.op == "recv":
-                    part = mailbox.pop((s.peer, nd, s.tag))
-                    dst = slots[nd].setdefault(s.slot, Slot(n))
-                    dst.sum[s.lo:s.hi], dst.cnt[s.lo:s.hi], dst.who[s.lo:s.hi] = part.sum, part.cnt, part.who
+                if s.op == "compute":
+                    rank = int(nd.split(":")[1])
+                    slots[nd] = {s.slot: {(0, n): Part(0, n, grads[nd].copy(), np.ones(n, dtype=np.int64),
+                                                       np.full(n, 1 << rank, dtype=np.int64))}}
+                elif s.op == "recv":
+                    slots[nd].setdefault(s.slot, {})[(s.lo, s.hi)] = mailbox.pop((s.peer, nd, s.tag))
             for s in stage:
                 if s.op == "combine":
-                    src, dst = slots[nd][s.src], slots[nd].setdefault(s.dst, Slot(n))
-                    assert not np.any(dst.who[s.lo:s.hi] & src.who[s.lo:s.hi]), "a contribution counted twice"
-                    dst.sum[s.lo:s.hi] += src.sum[s.lo:s.hi]
-                    dst.cnt[s.lo:s.hi] += src.cnt[s.lo:s.hi]
-                    dst.who[s.lo:s.hi] |= src.who[s.lo:s.hi]
+                    src = get(slots[nd], s.src, s.lo, s.hi)
+                    assert src is not None, f"{nd} combines [{s.lo},{s.hi}) of {s.src} it does not hold"
+                    acc = get(slots[nd], s.dst, s.lo, s.hi)
+                    if acc is None:
+                        acc = src.slice(s.lo, s.hi)
+                    else:
+                        acc = acc.slice(s.lo, s.hi)
+                        assert not np.any(acc.who & src.who), "a contribution counted twice"
+                        acc.sum += src.sum
+                        acc.cnt += src.cnt
+                        acc.who |= src.who
+                    slots[nd].setdefault(s.dst, {})[(s.lo, s.hi)] = acc
                 elif s.op == "adopt":
-                    src = slots[nd][s.slot]
-                    c = src.cnt[s.lo:s.hi]
-                    mean = np.where(c > 0, src.sum[s.lo:s.hi] / np.maximum(c, 1), 0.0)
-                    adopted[nd][(s.lo, s.hi)] = (mean, src.who[s.lo:s.hi].copy(), c.copy())
+                    src = get(slots[nd], s.slot, s.lo, s.hi)
+                    assert src is not None
+                    c = src.cnt
+                    mean = np.where(c > 0, src.sum / np.maximum(c, 1), 0.0)
+                    adopted[nd][(s.lo, s.hi)] = (mean, src.who.copy(), c.copy())
                 elif s.op == "apply":
-                    applied[nd].append((s.lo, s.hi))
+                    applied[nd].append((s.slot, s.lo, s.hi))
             at[nd] += 1
             progress = True
     stuck = [nd for nd in nodes if at[nd] < len(rp.program(nd).stages)]
@@ -121,7 +142,7 @@ def check_round(rp, devices, n, seed, loss_p=0.0):
     stack = np.stack([grads[f"worker:{d}"] for d in devices])
     single_step = len(rp.notes["rsgcm"]["steps"]) == 1
     for nd, (mean, who, cnt) in results.items():
-        assert sorted(applied[nd]) == sorted(adopted[nd])
+        assert applied[nd] == [("mean", 0, n)]
         np.testing.assert_array_equal(who, ref_who)  # every worker counts the same contributions
         np.testing.assert_array_equal(cnt, ref_cnt)
         if single_step:
@@ -213,3 +234,75 @@ def test_any_searched_plan_reduces_to_the_unbiased_mean(n, S, seed, elems, loss)
         return
     for p in cands:
         check_round(programs(p, elems, iteration=seed % 100), list(range(n)), elems, seed=seed, loss_p=loss)
+
+
+# ---------------------------------------------------------------- through the real executor (in-memory transport)
+
+class WorkerRole:
+    """Worker-side handlers of a ring program (compute the gradient partial, adopt means, apply)."""
+
+    def __init__(self, grad):
+        self.grad = grad
+        self.mean = np.full(grad.size, np.nan, np.float32)
+        self.counts = np.zeros(grad.size, np.int64)
+        self.applied = None
+
+    def compute(self, step, slots):
+        from ltp_ps.schedules.partial import Partial
+
+        slots.clear_partials()
+        slots.put_partial(step.slot, Partial.of_gradient(self.grad))
+
+    def adopt(self, step, slots):
+        p = slots.partial(step.slot, step.lo, step.hi)
+        assert p is not None, f"piece [{step.lo},{step.hi}) never arrived"
+        p.mean("unbiased", out=self.mean[step.lo:step.hi])
+        self.counts[step.lo:step.hi] = p.counts()
+
+    def apply(self, step, slots):
+        self.applied = self.mean.copy()
+
+
+def run_executor(rp, grads, *, loss, seed):
+    import asyncio
+
+    from ltp_ps.schedules.executor import Executor, Slots
+    from ltp_ps.schedules.program import worker
+    from ltp_ps.transport.memory import MemoryNetwork
+
+    async def go():
+        n = len(grads)
+        net = MemoryNetwork(loss=loss, segment_size=64, seed=seed)
+        eps = [net.endpoint() for _ in range(n)]
+        addrs = {worker(r): eps[r].local_addr for r in range(n)}
+        roles = [WorkerRole(g) for g in grads]
+        exes = [Executor(eps[r], worker(r), addrs, timeout_s=5.0) for r in range(n)]
+        await asyncio.gather(*(exes[r].run(rp.program(worker(r)), Slots(), roles[r], iteration=rp.iteration)
+                               for r in range(n)))
+        return roles
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("tl,tb,loss", [(0.1, 0.01, 0.0), (0.1, 0.01, 0.05), (0.01, 0.1, 0.0), (0.01, 0.1, 0.05)])
+def test_executor_runs_rsgcm_on_a_torus(tl, tb, loss):
+    net = Network.torus(3, 3, tl, tb)
+    p = plan(net, 32, params=SearchParams(sets=2), rng=random.Random(0))
+    size = 500
+    rng = np.random.default_rng(11)
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(9)]
+    rp = programs(p, size, iteration=7, critical=lambda lo, hi: ((0, 1),) if lo == 0 else ())
+    rp.check()
+    roles = run_executor(rp, grads, loss=loss, seed=5)
+    for r in roles[1:]:
+        np.testing.assert_array_equal(r.counts, roles[0].counts)  # the same contributions everywhere
+        if len(p.steps) == 1:
+            np.testing.assert_array_equal(r.applied, roles[0].applied)
+        else:
+            np.testing.assert_allclose(r.applied, roles[0].applied, rtol=1e-5, atol=1e-6)
+    counts = roles[0].counts
+    assert counts.max() <= 9 and counts[0] == 9  # element 0 is critical
+    if loss == 0:
+        assert (counts == 9).all()
+        np.testing.assert_allclose(roles[0].applied, np.mean(grads, axis=0), rtol=1e-5, atol=1e-6)
+    assert (roles[0].applied[counts == 0] == 0).all()

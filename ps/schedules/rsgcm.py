@@ -69,7 +69,8 @@ import random
 from typing import Callable, Iterable, Mapping, Sequence
 
 from .costmodel import Link, Network, block_sizes, ring_seconds, step_seconds
-from .program import APPLY_AT_WORKERS, RELIABLE, TOLERANT, Adopt, Apply, Combine, Program, Recv, RoundPlan, Send
+from .program import (APPLY_AT_WORKERS, RELIABLE, SLOT_ACC, TOLERANT, Adopt, Apply, Combine, Compute, Program, Recv,
+                      RoundPlan, Send)
 from .program import worker as worker_node
 from .tags import MAX_STEP, PHASE_ALL_GATHER, PHASE_REDUCE_SCATTER, pack as pack_tag
 
@@ -920,6 +921,7 @@ def exhaustive_search(net, total_bytes: int, *, sets: int = 1, space: Sequence[A
 
 KIND_PARTIAL = 5  # ltp_ps.wire.KIND_PARTIAL (a partial aggregate between workers)
 SCHEDULE_NAME = "rsgcm"
+SLOT_MEAN = "mean"  # the role's mean buffer that Apply reads (as ltp_ps.schedules.ring)
 
 
 def _element_ranges(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
@@ -930,63 +932,81 @@ def _element_ranges(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def _ring_stages(ring: Sequence[int], pos: int, s: int, blk: tuple, src: str, out: str, node_of, iteration: int,
-                 stride: int, timeout_s, rs_mode: str) -> list[list]:
-    """The stages of one member (``ring[pos]``) of a ring all-reduce of elements ``blk`` at RSGCM step ``s``.
+def _piece_grid(blk: tuple, sizes: Iterable[int]) -> list[tuple[int, int]]:
+    """The common refinement of the chunkings of block ``blk`` by every ring size used on it."""
+    cuts = {blk[0], blk[1]}
+    for f in sizes:
+        for lo, hi in _element_ranges(blk[0], blk[1], f):
+            cuts.update((lo, hi))
+    cuts = sorted(cuts)
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
-    Stage 0 copies the input into the step's output slot; reduce-scatter round ``t``
-    sends chunk ``(pos - t) mod f`` on (``rs_mode``) and merges chunk
-    ``(pos - t - 1) mod f`` from the predecessor (two stages: the next round sends
-    what this one merged); all-gather round ``t`` sends chunk ``(pos + 1 - t) mod f``
-    and receives chunk ``(pos - t) mod f`` into the output slot (reliable: every
+
+def _ring_stages(ring: Sequence[int], pos: int, s: int, blk: tuple, grid: Sequence[tuple], grid_base: int,
+                 src: str, out: str, node_of, iteration: int, stride: int, timeout_s, rs_mode: str,
+                 critical) -> list[list]:
+    """The stages of one member (``ring[pos]``) of a ring all-reduce of block ``blk`` at RSGCM step ``s``.
+
+    The ring cuts the block into ``f`` chunks; every chunk travels as the grid
+    pieces it covers (pieces are the same in every step, so a slot always holds
+    exactly the ranges the next step asks for).  Stage 0 copies the input into
+    the step's output slot; reduce-scatter round ``t`` sends chunk
+    ``(pos - t) mod f`` on (``rs_mode``) and merges chunk ``(pos - t - 1) mod f``
+    from the predecessor (two stages: the next round sends what this one
+    merged); all-gather round ``t`` sends chunk ``(pos + 1 - t) mod f`` and
+    receives chunk ``(pos - t) mod f`` into the output slot (reliable: every
     member must end with the same values).
     """
     f = len(ring)
-    me = ring[pos]
     nxt, prv = node_of(ring[(pos + 1) % f]), node_of(ring[(pos - 1) % f])
     chunks = _element_ranges(blk[0], blk[1], f)
-    stages: list[list] = [[Combine(out, src, blk[0], blk[1])]]
+    pieces = [[(grid_base + g, lo, hi) for g, (lo, hi) in enumerate(grid) if c0 <= lo and hi <= c1]
+              for c0, c1 in chunks]
+    stages: list[list] = [[Combine(out, src, lo, hi) for _, lo, hi in (p for c in pieces for p in c)]]
     for t in range(f - 1):
         step_no = s * stride + t
-        tag_of = lambda phase, c: pack_tag(iteration, phase, step_no, c, KIND_PARTIAL)  # noqa: E731
         cs, cr = (pos - t) % f, (pos - t - 1) % f
+        slot = f"in:{SCHEDULE_NAME}:s{s}:t{t}:from{ring[(pos - 1) % f]}"
         io, merge = [], []
-        if chunks[cs][1] > chunks[cs][0]:
-            io.append(Send(nxt, out, *chunks[cs], tag_of(PHASE_REDUCE_SCATTER, cs), rs_mode, "partial",
-                           timeout_s=timeout_s))
-        if chunks[cr][1] > chunks[cr][0]:
-            slot = f"in:{SCHEDULE_NAME}:s{s}:t{t}:from{ring[(pos - 1) % f]}"
-            io.append(Recv(prv, slot, *chunks[cr], tag_of(PHASE_REDUCE_SCATTER, cr), rs_mode, "partial",
-                           timeout_s=timeout_s))
-            merge.append(Combine(out, slot, *chunks[cr]))
+        for g, lo, hi in pieces[cs]:
+            crit = critical(lo, hi) if rs_mode == TOLERANT else ()
+            io.append(Send(nxt, out, lo, hi, pack_tag(iteration, PHASE_REDUCE_SCATTER, step_no, g, KIND_PARTIAL),
+                           rs_mode, "partial", critical=crit, timeout_s=timeout_s))
+        for g, lo, hi in pieces[cr]:
+            io.append(Recv(prv, slot, lo, hi, pack_tag(iteration, PHASE_REDUCE_SCATTER, step_no, g, KIND_PARTIAL),
+                           rs_mode, "partial", timeout_s=timeout_s))
+            merge.append(Combine(out, slot, lo, hi))
         stages.append(io)
         stages.append(merge)
     for t in range(f - 1):
         step_no = s * stride + t
         cs, cr = (pos + 1 - t) % f, (pos - t) % f
         io = []
-        if chunks[cs][1] > chunks[cs][0]:
-            io.append(Send(nxt, out, *chunks[cs], pack_tag(iteration, PHASE_ALL_GATHER, step_no, cs, KIND_PARTIAL),
+        for g, lo, hi in pieces[cs]:
+            io.append(Send(nxt, out, lo, hi, pack_tag(iteration, PHASE_ALL_GATHER, step_no, g, KIND_PARTIAL),
                            RELIABLE, "partial", timeout_s=timeout_s))
-        if chunks[cr][1] > chunks[cr][0]:
-            io.append(Recv(prv, out, *chunks[cr], pack_tag(iteration, PHASE_ALL_GATHER, step_no, cr, KIND_PARTIAL),
+        for g, lo, hi in pieces[cr]:
+            io.append(Recv(prv, out, lo, hi, pack_tag(iteration, PHASE_ALL_GATHER, step_no, g, KIND_PARTIAL),
                            RELIABLE, "partial", timeout_s=timeout_s))
         stages.append(io)
-    del me
     return stages
 
 
 def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mapping[int, str] | None = None,
-             timeout_s: float | None = None) -> RoundPlan:
+             timeout_s: float | None = None, critical: Callable[[int, int], tuple] | None = None) -> RoundPlan:
     """Compile ``ring_plan`` into every worker's :class:`~ltp_ps.schedules.program.Program` for one round.
 
-    Device ``d`` runs as node ``nodes[d]`` (default ``"worker:d"``).  The model's
-    ``n_elems`` elements are cut into ``ring_plan.blocks`` equal blocks; each
-    step's rings run a reduce-scatter and an all-gather (reliable) on their block, reading
-    the block's slot from the previous step that touched it (first: ``grad``) and
-    writing ``rsgcm:s<step>:b<block>``.  The rings of one step run concurrently
-    (their stages are merged index by index).  Finally every device adopts and
-    applies (its optimizer, ``apply_at="workers"``) each block from its last slot.
+    Device ``d`` runs as node ``nodes[d]`` (default ``"worker:d"``).  Each
+    program starts with ``Compute("acc")`` (the worker's gradient as a partial)
+    and ends with an ``Adopt`` of every reduced piece and ``Apply("mean", 0,
+    n_elems)`` (every worker runs its optimizer: ``apply_at="workers"``), the
+    conventions of :mod:`ltp_ps.schedules.ring`.  The model's ``n_elems``
+    elements are cut into ``ring_plan.blocks`` equal blocks; each step's rings
+    run a reduce-scatter and a reliable all-gather on their block, reading the
+    block from the slot the previous step that touched it wrote (first:
+    ``acc``) and writing ``rsgcm:s<step>:b<block>``.  The rings of one step run
+    concurrently (their stages are merged index by index).  ``critical(lo, hi)``
+    gives the element ranges that must arrive in a loss-tolerant send.
 
     Loss tolerance: the reduce-scatter is loss-tolerant (lost elements leave the
     partial's counts, so the mean stays unbiased) only in the *first* step that
@@ -998,23 +1018,25 @@ def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mappin
     a later step would reach only one ring's members and split the replicas.
     Later steps still sum in ring-dependent orders, so with more than one step
     replicas agree only up to float rounding (see docs/schedules.md).
-
-    Slot semantics assumed from the layer: ``Combine`` merges ``src`` into
-    ``dst`` (into an empty slot it is a copy), ``Recv`` overwrites ``[lo, hi)``
-    of its slot with the received partial.
     """
     if n_elems < 0:
         raise ValueError("n_elems must be >= 0")
+    critical = critical or (lambda lo, hi: ())
     devices = list(ring_plan.devices)
     node_of = (lambda d: nodes[d]) if nodes is not None else worker_node
     stride = max(len(devices), 2)
-    last_step = max(len(ring_plan.steps) - 1, 0)
-    if last_step * stride + stride - 1 > MAX_STEP:
+    if len(ring_plan.steps) * stride - 1 > MAX_STEP:
         raise ValueError(f"{len(ring_plan.steps)} steps of rings up to {stride} devices do not fit the tag's step "
                          f"field (max {MAX_STEP}); plan with fewer steps (SearchParams.max_steps) or fewer devices")
     blocks = _element_ranges(0, int(n_elems), ring_plan.blocks)
-    slot = {d: ["grad"] * ring_plan.blocks for d in devices}
-    stages: dict = {d: [] for d in devices}
+    grids, base, at = [], [], 0
+    for k, blk in enumerate(blocks):
+        sizes = {len(r) for a in ring_plan.steps for rs in a.ring_sets if rs.block == k for r in rs.rings}
+        grids.append(_piece_grid(blk, sizes))
+        base.append(at)
+        at += len(grids[-1])
+    slot = {d: [SLOT_ACC] * ring_plan.blocks for d in devices}
+    stages: dict = {d: [(Compute(SLOT_ACC),)] for d in devices}
     first_step: dict = {}
     for s, action in enumerate(ring_plan.steps):
         for rs in action.ring_sets:
@@ -1023,17 +1045,17 @@ def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mappin
     for s, action in enumerate(ring_plan.steps):
         per_dev: dict = {}
         for rs in action.ring_sets:
-            blk = blocks[rs.block]
-            if blk[1] <= blk[0]:
+            k = rs.block
+            if blocks[k][1] <= blocks[k][0]:
                 continue
+            mode = TOLERANT if first_step[k] == s else RELIABLE
+            out = f"{SCHEDULE_NAME}:s{s}:b{k}"
             for ring in rs.rings:
                 for pos, d in enumerate(ring):
-                    out = f"{SCHEDULE_NAME}:s{s}:b{rs.block}"
-                    mode = TOLERANT if first_step[rs.block] == s else RELIABLE
-                    st = _ring_stages(ring, pos, s, blk, slot[d][rs.block], out, node_of, iteration, stride,
-                                      timeout_s, mode)
+                    st = _ring_stages(ring, pos, s, blocks[k], grids[k], base[k], slot[d][k], out, node_of,
+                                      iteration, stride, timeout_s, mode, critical)
                     per_dev.setdefault(d, []).append(st)
-                    slot[d][rs.block] = out
+                    slot[d][k] = out
         for d, lists in per_dev.items():
             depth = max(len(x) for x in lists)
             for j in range(depth):
@@ -1041,13 +1063,8 @@ def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mappin
                 if merged:
                     stages[d].append(tuple(merged))
     for d in devices:
-        final = []
-        for k, (lo, hi) in enumerate(blocks):
-            if hi > lo:
-                final.append(Adopt(slot[d][k], lo, hi))
-                final.append(Apply(slot[d][k], lo, hi))
-        if final:
-            stages[d].append(tuple(final))
+        final = [Adopt(slot[d][k], lo, hi) for k in range(len(blocks)) for lo, hi in grids[k]]
+        stages[d].append(tuple(final) + (Apply(SLOT_MEAN, 0, int(n_elems)),))
     progs = {node_of(d): Program(node_of(d), tuple(stages[d])) for d in devices}
     notes = {"rsgcm": ring_plan.to_json(), "predicted_s": ring_plan.predicted_s}
     return RoundPlan(SCHEDULE_NAME, int(iteration), progs, APPLY_AT_WORKERS, notes)
