@@ -56,7 +56,7 @@ import numpy as np
 
 __all__ = [
     "Flow", "FluidNetwork", "FluidResult", "PausePlan", "NoPauses", "StaticPauses", "RotatingPauses",
-    "allocate", "simulate", "DeadlockError",
+    "allocate", "simulate", "DeadlockError", "ps_flows", "ring_flows",
 ]
 
 BITS_PER_BYTE = 8
@@ -73,7 +73,8 @@ class Flow:
     """One transfer of a round.
 
     ``after``: names of flows whose completion (last byte + latency) this flow
-    waits for.  ``stream_from``: name of a flow of the same size this one is
+    waits for; ``after_sent``: flows whose last byte must have left their
+    sender (a sender's chunks in order, pipelined without a latency gap).  ``stream_from``: name of a flow of the same size this one is
     pipelined behind (it starts one latency after that flow starts and never
     overtakes it).  ``delay_s``: extra time between readiness and start (e.g.
     compute or a partial aggregation step).
@@ -86,6 +87,7 @@ class Flow:
     after: tuple = ()
     stream_from: Hashable | None = None
     delay_s: float = 0.0
+    after_sent: tuple = ()  # flows whose last byte must have *left* (sender-side order, no latency)
 
     def __post_init__(self):
         if self.nbytes < 0 or not math.isfinite(self.nbytes):
@@ -93,6 +95,7 @@ class Flow:
         if self.delay_s < 0:
             raise ValueError(f"flow {self.name!r}: delay_s must be >= 0")
         object.__setattr__(self, "after", tuple(self.after))
+        object.__setattr__(self, "after_sent", tuple(self.after_sent))
 
 
 @dataclasses.dataclass
@@ -174,20 +177,18 @@ class FluidNetwork:
 
 
 def _from_topology(cls, topo) -> FluidNetwork:
-    hosts = list(getattr(topo, "hosts"))
-    up = {h: float(topo.up_bps(h) if callable(getattr(topo, "up_bps", None)) else topo.up_bps[h]) for h in hosts}
-    down = {h: float(topo.down_bps(h) if callable(getattr(topo, "down_bps", None)) else topo.down_bps[h])
-            for h in hosts}
-    rack_of, rup = {}, {}
-    racks = getattr(topo, "racks", None) or []
-    uplinks = getattr(topo, "uplink_bps", None) or {}
-    for r, members in (racks.items() if isinstance(racks, Mapping) else enumerate(racks)):
-        for h in members:
-            rack_of[h] = str(r)
-        rate = uplinks.get(r) if isinstance(uplinks, Mapping) else (uplinks[r] if r < len(uplinks) else None)
-        if rate is not None:
-            rup[str(r)] = float(rate)
-    return cls(up, down, rack_of, rup, dict(rup), float(getattr(topo, "latency_s", 0.0) or 0.0))
+    """``ltp_ps.schedules.topology.Topology`` -> network: host rates, racks, uplinks; latency = the largest
+    host-to-host one-way latency (the fluid model has one latency for every hop)."""
+    up = {h.name: float(h.up_bps) for h in topo.hosts}
+    down = {h.name: float(h.down_bps) for h in topo.hosts}
+    rack_of = {h.name: str(h.rack) for h in topo.hosts}
+    rup = {str(u.rack): float(u.up_bps) for u in topo.uplinks}
+    rdown = {str(u.rack): float(u.down_bps) for u in topo.uplinks}
+    names = topo.names
+    lat = 0.0
+    if len(names) > 1:
+        lat = max(topo.path_latency(a, b) for a in names for b in names if a != b and topo.alive(a, b))
+    return cls(up, down, rack_of, rup, rdown, lat)
 
 
 # --------------------------------------------------------------------------- pauses
@@ -329,7 +330,7 @@ class FluidResult:
 
 def _check_dag(flows: Mapping[Hashable, Flow]):
     for f in flows.values():
-        for d in f.after + ((f.stream_from,) if f.stream_from is not None else ()):
+        for d in _deps(f):
             if d not in flows:
                 raise DeadlockError(f"flow {f.name!r} depends on unknown flow {d!r}")
         if f.stream_from is not None:
@@ -357,7 +358,7 @@ def _check_dag(flows: Mapping[Hashable, Flow]):
 
 
 def _deps(f: Flow):
-    return f.after + ((f.stream_from,) if f.stream_from is not None else ())
+    return f.after + f.after_sent + ((f.stream_from,) if f.stream_from is not None else ())
 
 
 def simulate(network: FluidNetwork, flows: Iterable[Flow], *, pauses: PausePlan | None = None,
@@ -382,11 +383,19 @@ def simulate(network: FluidNetwork, flows: Iterable[Flow], *, pauses: PausePlan 
     links = list(link_index)
     K = max((len(p) for p in path.values()), default=1) or 1
 
-    waiting_on = {n: len(set(f.after)) for n, f in by_name.items()}
+    waiting_on = {n: len(set(f.after)) + len(set(f.after_sent)) for n, f in by_name.items()}
     dependents: dict = {}
+    sent_dependents: dict = {}
     for n, f in by_name.items():
         for d in set(f.after):
             dependents.setdefault(d, []).append(n)
+        for d in set(f.after_sent):
+            sent_dependents.setdefault(d, []).append(n)
+
+    def last_byte_left(n, t):
+        for c in sent_dependents.get(n, ()):
+            waiting_on[c] -= 1
+            maybe_schedule(c, t)
     stream_children: dict = {}
     for n, f in by_name.items():
         if f.stream_from is not None:
@@ -433,6 +442,7 @@ def simulate(network: FluidNetwork, flows: Iterable[Flow], *, pauses: PausePlan 
                 if by_name[n].nbytes <= ABS_BYTES_EPS or not path[n]:
                     sent[n] = by_name[n].nbytes
                     pending_finish.append((t + (lat if path[n] else 0.0), n))
+                    last_byte_left(n, t)
                 else:
                     active.append(n)
                 for c in stream_children.get(n, ()):
@@ -494,7 +504,7 @@ def simulate(network: FluidNetwork, flows: Iterable[Flow], *, pauses: PausePlan 
         dt = max(t_next - t, 0.0)
         # 5. advance
         new = {n: min(by_name[n].nbytes, sent[n] + rates[i] * dt) for i, n in enumerate(active)}
-        still = []
+        still, sent_now = [], []
         for n in active:
             up = by_name[n].stream_from
             if up is not None and up in new:
@@ -503,8 +513,46 @@ def simulate(network: FluidNetwork, flows: Iterable[Flow], *, pauses: PausePlan 
             if by_name[n].nbytes - sent[n] <= ABS_BYTES_EPS + REL_EPS * by_name[n].nbytes:
                 sent[n] = by_name[n].nbytes
                 pending_finish.append((t_next + lat, n))
+                sent_now.append(n)
             else:
                 still.append(n)
         active = still
         t = t_next
+        for n in sent_now:
+            last_byte_left(n, t)
     return FluidResult(max(finish_s.values(), default=0.0), start_s, finish_s, peak, events)
+
+
+# --------------------------------------------------------------------------- baseline flow DAGs
+
+def ps_flows(workers: Sequence[str], nbytes: float, servers: Sequence[str] | None = None, *,
+             prefix: str = "ps") -> list[Flow]:
+    """Direct PS round: every worker pushes ``nbytes/K`` to each of the ``K`` shards; each shard, once all
+    pushes into it arrived, sends its ``nbytes/K`` of parameters back to every worker.  ``servers``
+    defaults to the workers' own hosts (RAT §4.2: a PS shard colocated on every server)."""
+    servers = list(workers) if servers is None else list(servers)
+    K = len(servers)
+    part = nbytes / K
+    flows = []
+    for j, s in enumerate(servers):
+        pushes = [(prefix, "push", w, j) for w in range(len(workers))]
+        flows += [Flow(name, workers[w], s, part) for name, w in zip(pushes, range(len(workers)))]
+        flows += [Flow((prefix, "pull", j, w), s, workers[w], part, after=pushes) for w in range(len(workers))]
+    return flows
+
+
+def ring_flows(hosts: Sequence[str], nbytes: float, *, prefix: str = "ring") -> list[Flow]:
+    """Ring all-reduce in the given order: ``2(n-1)`` steps (reduce-scatter, all-gather), each node sending
+    a chunk of ``nbytes/n`` to its successor per step.  Step ``s`` of node ``i`` waits for its own step
+    ``s-1`` send and for the chunk its predecessor sent it in step ``s-1`` -- the dependency that makes one
+    blocked hop throttle every downstream hop (RAT §2.2, "chain blocking")."""
+    n = len(hosts)
+    if n < 2:
+        return []
+    chunk = nbytes / n
+    flows = []
+    for s in range(2 * (n - 1)):
+        for i in range(n):
+            after = [] if s == 0 else [(prefix, s - 1, i), (prefix, s - 1, (i - 1) % n)]
+            flows.append(Flow((prefix, s, i), hosts[i], hosts[(i + 1) % n], chunk, after=after))
+    return flows
