@@ -68,6 +68,7 @@ import math
 import random
 from typing import Callable, Iterable, Mapping, Sequence
 
+from .base import Schedule
 from .costmodel import Link, Network, block_sizes, ring_seconds, step_seconds
 from .program import (APPLY_AT_WORKERS, RELIABLE, SLOT_ACC, TOLERANT, Adopt, Apply, Combine, Compute, Program, Recv,
                       RoundPlan, Send)
@@ -79,6 +80,7 @@ __all__ = [
     "exploration_weight",
     "factor_list", "construct_action", "build_search_space", "initial_state", "apply_action", "is_done",
     "exhaustive_search", "allreduce_reward", "rerank", "as_network", "fallback_ring", "plan", "programs",
+    "price_plan", "RsgcmSchedule", "SCHEDULE",
 ]
 
 MIN_RING = 3  # Alg 1's smallest ring (f >= 3)
@@ -1068,3 +1070,133 @@ def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mappin
     progs = {node_of(d): Program(node_of(d), tuple(stages[d])) for d in devices}
     notes = {"rsgcm": ring_plan.to_json(), "predicted_s": ring_plan.predicted_s}
     return RoundPlan(SCHEDULE_NAME, int(iteration), progs, APPLY_AT_WORKERS, notes)
+
+
+# ---------------------------------------------------------------- the schedule (round planner over a World)
+
+EPISODES_PER_ROUND = 64  # MCTS episodes run before each round while the budget lasts ("keep searching")
+DEFAULT_SETS = 1  # S: one NIC per host (one send and one receive at a time), the lab's hosts
+
+
+def price_plan(net: Network, ring_plan: RingPlan, total_bytes: int | None = None) -> float:
+    """The virtual environment's time of ``ring_plan`` for ``total_bytes`` (default: the plan's own size)."""
+    sizes = block_sizes(ring_plan.total_bytes if total_bytes is None else int(total_bytes), ring_plan.blocks)
+    return sum(_price(net, a, sizes) for a in ring_plan.steps)
+
+
+class RsgcmSchedule(Schedule):
+    """``rsgcm``: RSGCM-planned ring schedules over the workers (no PS; every worker applies the optimizer).
+
+    Built from the :class:`~ltp_ps.schedules.base.World`: worker ranks in order are
+    devices ``0..N-1``; the network is the world's topology (host NICs and rack
+    uplinks shared, failed pairs unconnected; a uniform one without a topology).
+    The planner searches ``Ep`` episodes at construction, then
+    ``episodes_per_round`` more before each round while the budget lasts (after a
+    failure the budget restarts).  ``observe`` turns failed transfers into
+    failures: a node whose every reported transfer failed (at least two peers)
+    is a failed device, any other failed pair a failed link; meanwhile the best
+    valid schedule (else a ring of the survivors) runs, so no round is lost.
+    ``observe_round(seconds)`` is the real environment: the measured all-reduce
+    time of the plan the last round ran; the top ``TOP_CANDIDATES`` plans are
+    each run once and the best by eq 13 is kept.  Measurements differ between
+    processes, so a job that feeds them must let its coordinator distribute the
+    plans (``RoundPlan.to_json``), as the layer does for every adaptive planner.
+    """
+
+    name = SCHEDULE_NAME
+    apply_at = APPLY_AT_WORKERS
+    needs_servers = False
+
+    def __init__(self, world, *, rng: random.Random | None = None, sets: int = DEFAULT_SETS,
+                 params: SearchParams | None = None, episodes_per_round: int = EPISODES_PER_ROUND,
+                 edge_elems: int = 1, max_critical_ranges: int = 120):
+        super().__init__(world, rng=rng)
+        self.params = params or SearchParams(sets=sets)
+        self.episodes_per_round = int(episodes_per_round)
+        self.edge_elems = edge_elems
+        self.max_critical_ranges = max_critical_ranges
+        self._last: RingPlan | None = None
+        self._build()
+
+    def _build(self) -> None:
+        w = self.world
+        self.ranks = list(w.workers)
+        self.nodes = [worker_node(r) for r in self.ranks]
+        self.index = {nd: i for i, nd in enumerate(self.nodes)}
+        topo = w.effective_topology()
+        self.net = as_network(topo, names=self.nodes)
+        self.planner = RsgcmPlanner(self.net, 4 * int(w.n_elems), params=self.params, rng=self.rng)
+        self.planner.search()
+
+    def _critical(self, lo: int, hi: int) -> tuple:
+        if not self.world.layout:
+            return ()
+        from ..aggregate import critical_ranges
+
+        byte = critical_ranges(self.world.layout, header_bytes=0, shard=(lo, hi), edge_elems=self.edge_elems,
+                               max_ranges=self.max_critical_ranges)
+        return tuple((lo + a // 4, lo + -(-b // 4)) for a, b in byte)
+
+    def current(self) -> RingPlan:
+        """The RSGCM plan the next round will run."""
+        return self.planner.next_to_measure() or self.planner.current_plan()
+
+    def plan(self, iteration: int):
+        """Every worker's program for round ``iteration`` (searching a little more first, while budget lasts)."""
+        if self.planner.budget_left:
+            self.planner.search(self.episodes_per_round)
+        self._last = self.current()
+        rp = programs(self._last, self.world.n_elems, iteration=iteration,
+                      nodes={i: nd for i, nd in enumerate(self.nodes)}, critical=self._critical)
+        return rp
+
+    def observe(self, reports: Sequence) -> None:
+        """Link reports of the last round: failed transfers become failed links or devices."""
+        failed_pairs, ok_nodes, bad_peers = set(), set(), {}
+        for r in reports:
+            if r.src not in self.index or r.dst not in self.index:
+                continue
+            if r.ok:
+                ok_nodes.update((r.src, r.dst))
+                continue
+            failed_pairs.add(frozenset((r.src, r.dst)))
+            bad_peers.setdefault(r.src, set()).add(r.dst)
+            bad_peers.setdefault(r.dst, set()).add(r.src)
+        dead = {nd for nd, peers in bad_peers.items() if len(peers) >= 2 and nd not in ok_nodes}
+        for nd in sorted(dead):
+            if self.index[nd] not in self.planner.failed_devices:
+                self.planner.fail_device(self.index[nd])
+        for pair in sorted(failed_pairs, key=sorted):
+            a, b = sorted(pair)
+            if a in dead or b in dead:
+                continue
+            if _pair(self.index[a], self.index[b]) not in self.planner.failed_links:
+                self.planner.fail_link(self.index[a], self.index[b])
+
+    def observe_round(self, seconds: float) -> None:
+        """The measured all-reduce time of the plan the last round ran (the real environment, eq 13)."""
+        if self._last is not None and self._last.source != "fallback":
+            self.planner.record_measurement(self._last, seconds)
+
+    def controller(self):
+        return None
+
+    def predict_s(self, nbytes: int | None = None) -> float | None:
+        """The cost model's time of the plan the next round runs (for ``nbytes`` per worker if given)."""
+        return price_plan(self.planner._live_net(), self.current(), nbytes)
+
+    def set_world(self, world) -> None:
+        """Membership changed: departed workers are failed devices; anything else replans from scratch."""
+        gone = set(self.ranks) - set(world.workers)
+        if set(world.workers) <= set(self.ranks) and world.n_elems == self.world.n_elems:
+            self.world = world
+            for r in sorted(gone):
+                d = self.ranks.index(r)
+                if d not in self.planner.failed_devices:
+                    self.planner.fail_device(d)
+            return
+        self.world = world
+        self._build()
+
+
+SCHEDULE = RsgcmSchedule
