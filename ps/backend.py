@@ -45,7 +45,6 @@ import asyncio
 import dataclasses
 import datetime
 import os
-import secrets
 import threading
 import time
 
@@ -208,10 +207,8 @@ class LtpProcessGroup(dist.ProcessGroup):
         #: readable counters: collectives started/failed, bytes sent/received by this rank
         self.stats = {"collectives": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0}
         self._io = _Loop(f"ltp-backend-{rank}")
+        # LTP authenticates registrations with a job key when one is set ($LTP_PS_SECRET, as for the DDP hook).
         key = os.environ.get("LTP_PS_SECRET", "").encode() or None
-        if key is None and self.options.transport == "ltp":
-            # The store (shared by exactly this job) is the trust anchor: rank 0's random key wins.
-            key = bytes(store.compare_set("ltp/job_key", "", secrets.token_hex(16)))
         from .transport import open_transport
 
         cf = self._io.submit(open_transport(self.options.transport, self.options.host, 0, cc=None, job_key=key,
