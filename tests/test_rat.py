@@ -190,37 +190,36 @@ def _world(racks_, K=None, n_elems=4000, colocate=True):
                  placement=placement)
 
 
-def run_plan(plan, grads, n_elems, dead=(), lost=None):
-    """A minimal in-memory interpreter of round programs: nodes run their stages in order; a stage runs
-    once every message it receives has been sent (or its sender is dead); a tolerant partial from a dead
-    node never arrives.  ``lost[(src, dst)]`` = element ranges (relative) dropped on that transfer."""
+def run_plan(plan, grads, n_elems, dead=(), lost=None, init=None):
+    """A minimal in-memory interpreter of round programs.  A node enters a stage by posting its sends, and
+    leaves it once every receive of the stage arrived (or its sender is dead: a dead node posts nothing).
+    ``lost[(src, dst)]``: element ranges (relative) dropped on that tolerant transfer.  Servers start with
+    parameters ``init``; Apply stores the mean as the new parameters."""
     lost = lost or {}
     slots = {n: {} for n in plan.programs}
     for n in plan.programs:
         if n.startswith("worker:"):
-            r = int(n.split(":")[1])
-            slots[n]["grad"] = Partial.of_gradient(grads[r])
-            slots[n]["params"] = np.zeros(n_elems, np.float32)
+            slots[n]["grad"] = Partial.of_gradient(grads[int(n.split(":")[1])])
         else:
-            slots[n]["params"] = np.zeros(n_elems, np.float32)
-    mail = {}
-    entered = {}
+            slots[n]["params"] = (np.zeros(n_elems, np.float32) if init is None else init.copy())
+    mail, entered, applied = {}, {}, {}
 
     def post_sends(n, stage):
         for s in stage:
-            if s.op in ("send", "forward"):
-                if s.payload == "params":
-                    msg = slots[n]["params"][s.lo:s.hi].copy()
-                else:
-                    src = slots[n][s.slot]
-                    p = src.slice(s.lo, s.hi) if isinstance(src, Partial) else src[(s.lo, s.hi)].copy()
-                    if (n, s.peer) in lost:
-                        p.drop_ranges(lost[(n, s.peer)])
-                    msg = p
-                mail[(n, s.peer, s.tag)] = msg
+            if s.op not in ("send", "forward"):
+                continue
+            if s.payload == "params":
+                buf = slots[n][s.slot]
+                msg = (buf[s.lo:s.hi] if s.slot == "params" else buf).copy()
+            else:
+                src = slots[n][s.slot]
+                p = src.slice(s.lo, s.hi) if isinstance(src, Partial) else src[(s.lo, s.hi)].copy()
+                if (n, s.peer) in lost:
+                    p.drop_ranges(lost[(n, s.peer)])
+                msg = p
+            mail[(n, s.peer, s.tag)] = msg
 
     pc = {n: 0 for n in plan.programs}
-    applied = {}
     progress = True
     while progress:
         progress = False
@@ -228,7 +227,7 @@ def run_plan(plan, grads, n_elems, dead=(), lost=None):
             if n in dead or pc[n] >= len(prog.stages):
                 continue
             stage = prog.stages[pc[n]]
-            if entered.get(n) != pc[n]:  # entering the stage: its sends go out at once
+            if entered.get(n) != pc[n]:
                 entered[n] = pc[n]
                 progress = True
                 post_sends(n, stage)
@@ -241,27 +240,39 @@ def run_plan(plan, grads, n_elems, dead=(), lost=None):
                         continue  # dead sender: nothing arrives
                     msg = mail[(s.peer, n, s.tag)]
                     if s.payload == "params":
-                        slots[n]["params"][s.lo:s.hi] = msg
+                        slots[n][s.slot] = msg
                     else:
                         slots[n].setdefault(s.slot, {})[(s.lo, s.hi)] = msg
                 elif s.op == "combine":
                     acc = slots[n].setdefault("acc", {})
                     cur = acc.setdefault((s.lo, s.hi), Partial(s.hi - s.lo, lo=s.lo))
                     src = slots[n].get(s.src)
-                    if src is None:
-                        continue
-                    part = src.slice(s.lo, s.hi) if isinstance(src, Partial) else src.get((s.lo, s.hi))
+                    part = (src.slice(s.lo, s.hi) if isinstance(src, Partial)
+                            else (src or {}).get((s.lo, s.hi)))
                     if part is not None:
                         cur.merge(part)
                 elif s.op == "apply":
                     acc = slots[n].get("acc", {}).get((s.lo, s.hi))
-                    mean = acc.mean() if acc is not None else np.zeros(s.hi - s.lo, np.float32)
-                    slots[n]["params"][s.lo:s.hi] = mean
+                    slots[n]["params"][s.lo:s.hi] = acc.mean() if acc is not None else 0
                     applied[(s.lo, s.hi)] = acc.contributors if acc is not None else 0
             pc[n] += 1
             progress = True
     stuck = [n for n in plan.programs if n not in dead and pc[n] < len(plan.programs[n].stages)]
     return slots, applied, stuck
+
+
+def server_params(slots, w):
+    out = np.zeros(w.n_elems, np.float32)
+    for k, (lo, hi) in enumerate(w.shards):
+        out[lo:hi] = slots[server(k)]["params"][lo:hi]
+    return out
+
+
+def worker_params(slots, w, r):
+    out = np.zeros(w.n_elems, np.float32)
+    for k, (lo, hi) in enumerate(w.shards):
+        out[lo:hi] = slots[worker(r)][f"params:server:{k}"]
+    return out
 
 
 @pytest.mark.parametrize("racks_,K", [([4, 4], None), ([3, 3], None), ([3, 3], 2), ([2, 3, 1], None), ([6], None)])
@@ -272,11 +283,13 @@ def test_programs_reduce_to_the_direct_mean(racks_, K):
     plan.check()
     rng = np.random.default_rng(1)
     grads = {r: rng.standard_normal(w.n_elems).astype(np.float32) for r in w.workers}
-    slots, applied, stuck = run_plan(plan, grads, w.n_elems)
+    init = np.arange(w.n_elems, dtype=np.float32)
+    slots, applied, stuck = run_plan(plan, grads, w.n_elems, init=init)
     assert not stuck, f"programs deadlock: {stuck}"
+    for r in w.workers:  # the broadcast down the trees delivered every shard's parameters
+        np.testing.assert_array_equal(worker_params(slots, w, r), init)
     want = np.mean([grads[r] for r in w.workers], axis=0)
-    for r in w.workers:
-        np.testing.assert_allclose(slots[worker(r)]["params"], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(server_params(slots, w), want, rtol=1e-5, atol=1e-6)
     assert set(applied.values()) == {len(w.workers)}
     # the plan's chain is 2(l+1) = 4 with several racks, 2 with one rack and colocated roots
     assert plan.notes["chain_length"] == (4 if len(racks_) > 1 else 2)
@@ -313,8 +326,7 @@ def test_programs_with_losses_give_the_unbiased_mean():
             ref_sum[lo:hi] += np.where(part, grads[r][lo:hi], 0)
             ref_cnt[lo:hi] += part
     want = np.where(ref_cnt > 0, ref_sum / np.maximum(ref_cnt, 1), 0)
-    for r in w.workers:
-        np.testing.assert_allclose(slots[worker(r)]["params"], want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(server_params(slots, w), want, rtol=1e-4, atol=1e-5)
 
 
 def test_dead_leaf_round_closes_with_the_others():
@@ -347,3 +359,18 @@ def test_schedule_predicts_from_topology():
     p = RatSchedule(w).predict_s()
     # 4 MB model, 100 Mbit/s hosts: each host sends ~2 S (n-1)/n -> at least 0.53 s, far below a PS incast
     assert 0.5 < p < 2.0
+
+
+def test_plan_json_round_trip_and_round_shape():
+    from ltp_ps.schedules.program import RoundPlan
+    from ltp_ps.schedules.registry import create
+    w = _world([3, 3])
+    sched = create("rat", w)
+    plan = sched.plan(3)
+    back = RoundPlan.from_json(plan.to_json())
+    assert back.programs == plan.programs
+    # a worker: parameters first, then Compute, then partials; a root shard ends with Apply
+    ops = [[s.op for s in st] for st in plan.program(worker(4)).stages]
+    first_compute = next(i for i, st in enumerate(ops) if "compute" in st)
+    assert all("recv" in st for st in ops[:first_compute])
+    assert plan.program(server(0)).stages[-1][-1].op == "apply"

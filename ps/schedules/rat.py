@@ -58,8 +58,8 @@ from typing import Hashable, Mapping, Sequence
 
 from .base import Schedule, World
 from .fluid import Flow
-from .program import (APPLY_AT_SERVER, RELIABLE, SLOT_ACC, SLOT_GRAD, SLOT_PARAMS, TOLERANT, Adopt, Apply, Combine,
-                      Forward, Program, Recv, RoundPlan, Send, server, worker)
+from .program import (APPLY_AT_SERVER, RELIABLE, SLOT_ACC, SLOT_GRAD, SLOT_PARAMS, TOLERANT, Apply, Combine, Compute,
+                      Forward, Program, Recv, RoundPlan, Send, server)
 from .tags import PHASE_PULL, PHASE_PUSH, pack
 
 __all__ = [
@@ -308,6 +308,11 @@ def rat_flows(trees: Sequence[RatTree], slice_bytes: Sequence[float], host_of: M
 
 # --------------------------------------------------------------------------- the schedule
 
+def params_slot(shard: int) -> str:
+    """Where a worker receives (and an aggregator forwards) shard ``shard``'s parameters (as ``direct``)."""
+    return f"{SLOT_PARAMS}:{server(shard)}"
+
+
 class RatSchedule(Schedule):
     """``--schedule rat``: one RAT tree per PS shard, rooted at the shard, reducing the shard's slice.
 
@@ -370,14 +375,19 @@ class RatSchedule(Schedule):
         return ()
 
     def plan(self, iteration: int) -> RoundPlan:
+        """Round ``iteration``, in the layer's round shape (as ``direct``): parameters down every tree
+        (top level first), ``Compute``, partials up every tree (level 0 first), the root shard's ``Apply``.
+
+        Stage layout with ``L`` levels: ``L - e`` = level-``e`` broadcast transfers, ``L + 1`` = Compute,
+        ``L + 2 + 2e`` = level-``e`` reduce transfers, ``L + 3 + 2e`` = their Combines, ``3L + 4`` = Apply.
+        A transfer and its receive share a stage index, and every step depends only on earlier stages
+        of its own node, so no two nodes wait on each other."""
         stages: dict = {}  # node -> {stage index: [steps]}
         L = max((t.levels for t in self._trees), default=1)
 
         def add(node, st, step):
             stages.setdefault(node, {}).setdefault(st, []).append(step)
 
-        # stage layout per node: for e in 0..L: 2e = transfers of level e, 2e+1 = combines of level e;
-        # 2L+2 = apply; then broadcast: 2L+3+(L-e) = level-e transfers down.
         for t, (lo, hi) in zip(self._trees, self.world.shards):
             if hi <= lo:
                 continue
@@ -385,25 +395,27 @@ class RatSchedule(Schedule):
             kids: dict = {}
             for c, p, e in t.edges():
                 kids.setdefault(p, []).append((c, e))
+            pslot = params_slot(k)
             for c, p, e in t.edges():
+                down_tag = pack(iteration, PHASE_PULL, e, k, KIND_PARAMS)
+                if p == t.root:
+                    add(p, L - e, Send(c, SLOT_PARAMS, lo, hi, down_tag, RELIABLE, "params", group="params"))
+                else:
+                    add(p, L - e, Forward(c, pslot, lo, hi, down_tag, RELIABLE, "params"))
+                add(c, L - e, Recv(p, pslot, lo, hi, down_tag, RELIABLE, "params", group="params"))
                 up_tag = pack(iteration, PHASE_PUSH, e, k, KIND_PARTIAL)
                 src_slot = SLOT_ACC if c in kids else SLOT_GRAD
-                add(c, 2 * e, Send(p, src_slot, lo, hi, up_tag, TOLERANT, "partial"))
+                add(c, L + 2 + 2 * e, Send(p, src_slot, lo, hi, up_tag, TOLERANT, "partial"))
                 slot = f"in:{c}:{k}"
-                add(p, 2 * e, Recv(c, slot, lo, hi, up_tag, TOLERANT, "partial", group=f"rat:{k}:{e}"))
-                add(p, 2 * e + 1, Combine(SLOT_ACC, slot, lo, hi))
-                down_tag = pack(iteration, PHASE_PULL, e, k, KIND_PARAMS)
-                bst = 2 * L + 3 + (L - e)
-                add(p, bst, (Send if p == t.root else Forward)(c, SLOT_PARAMS, lo, hi, down_tag, RELIABLE, "params"))
-                add(c, bst, Recv(p, SLOT_PARAMS, lo, hi, down_tag, RELIABLE, "params"))
-            # an aggregating worker adds its own gradient before its children's partials
-            for p in kids:
+                add(p, L + 2 + 2 * e, Recv(c, slot, lo, hi, up_tag, TOLERANT, "partial", group=f"rat:{k}:{e}"))
+                add(p, L + 3 + 2 * e, Combine(SLOT_ACC, slot, lo, hi))
+            for p in kids:  # an aggregating worker adds its own gradient before its children's partials
                 if p != t.root:
                     first = min(e for _, e in kids[p])
-                    stages[p].setdefault(2 * first + 1, []).insert(0, Combine(SLOT_ACC, SLOT_GRAD, lo, hi))
-            add(t.root, 2 * L + 2, Apply(SLOT_ACC, lo, hi))
-            for n in {c for c, _, _ in t.edges()}:
-                add(n, 2 * L + 3 + L + 1, Adopt(SLOT_PARAMS, lo, hi))
+                    stages[p].setdefault(L + 3 + 2 * first, []).insert(0, Combine(SLOT_ACC, SLOT_GRAD, lo, hi))
+            add(t.root, 3 * L + 4, Apply(SLOT_ACC, lo, hi))
+        for n in self.world.worker_nodes:
+            add(n, L + 1, Compute())
         programs = {n: Program(n, tuple(tuple(v[i]) for i in sorted(v))) for n, v in stages.items()}
         notes = {"trees": [{"index": t.index, "root": t.root,
                             "edges": [[c, p, e] for c, p, e in t.edges()]} for t in self._trees],
@@ -423,3 +435,6 @@ class RatSchedule(Schedule):
         scale = 1.0 if nbytes is None else nbytes / max(1, 4 * self.world.n_elems)
         flows = [dataclasses.replace(f, nbytes=f.nbytes * scale) for f in self.flows()]
         return simulate(FluidNetwork.from_topology(self.world.topology), flows).completion_s
+
+
+SCHEDULE = RatSchedule
