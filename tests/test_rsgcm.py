@@ -226,6 +226,7 @@ def test_rerank_by_measured_time():
     cands = planner.candidates()
     assert 2 <= len(cands) <= 5
     assert [c.predicted_s for c in cands] == sorted(c.predicted_s for c in cands)
+    assert cands[-1].predicted_s <= 1.25 * cands[0].predicted_s  # only plans worth a measured round
     bad = sorted(cands[0].steps[0].connections())[0]
     measure = _measure_penalising(bad)
     chosen = rerank(cands, measure)
@@ -239,6 +240,21 @@ def test_rerank_by_measured_time():
     assert rounds == len(cands)
     cur = planner.current_plan()
     assert cur.source == "measured" and cur.key() == chosen.key()
+
+
+def test_candidate_slack():
+    net = random_network(6, 1)
+    wide = RsgcmPlanner(net, 4 * MB, params=SearchParams(sets=2, candidate_slack=100.0, top_k=50),
+                        rng=random.Random(0))
+    wide.search()
+    tight = RsgcmPlanner(net, 4 * MB, params=SearchParams(sets=2, candidate_slack=1.0, top_k=50),
+                         rng=random.Random(0))
+    tight.search()
+    best = wide.candidates()[0].predicted_s
+    assert len(wide.candidates()) > len(tight.candidates()) >= 1
+    assert all(c.predicted_s == best for c in tight.candidates())
+    with pytest.raises(ValueError, match="candidate_slack"):
+        SearchParams(candidate_slack=0.5)
 
 
 def test_plan_with_measure_callback():

@@ -90,6 +90,7 @@ LAMBDA_END = 0.0  # lambda_2 of eq 14
 EPISODES_PER_ACTION = 8  # Ep = 8 * M (section 4.1)
 EXPLORE_FRACTION = 0.5  # Ep_ex = Ep / 2 (section 4.3: half the episodes explore)
 TOP_CANDIDATES = 5  # schedules the real environment re-ranks (eq 13)
+CANDIDATE_SLACK = 1.25  # only plans predicted within this factor of the best are worth a measured round
 HAMILTON_BUDGET = 200_000  # DFS node visits when looking for a fallback ring of the survivors
 
 Ring = tuple  # tuple[int, ...] device ids in ring order
@@ -550,6 +551,7 @@ class SearchParams:
     lambda_start: float = LAMBDA_START  # lambda_1
     lambda_end: float = LAMBDA_END  # lambda_2
     top_k: int = TOP_CANDIDATES
+    candidate_slack: float = CANDIDATE_SLACK  # re-rank only plans predicted within this factor of the best
 
     def __post_init__(self):
         if self.sets < 1:
@@ -558,6 +560,8 @@ class SearchParams:
             raise ValueError(f"E (extension) must be >= 0, got {self.extension}")
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if not self.candidate_slack >= 1.0:
+            raise ValueError(f"candidate_slack must be >= 1 (a factor of the best time), got {self.candidate_slack}")
 
 
 def exploration_weight(episode: int, explore_episodes: int, start: float = LAMBDA_START,
@@ -778,9 +782,16 @@ class RsgcmPlanner:
         return self._plan(acts, t, "exhaustive" if self.exhausted else "mcts")
 
     def candidates(self, k: int | None = None) -> list[RingPlan]:
-        """The ``k`` (default ``top_k``) best valid schedules by predicted time, best first."""
+        """The ``k`` (default ``top_k``) best valid schedules by predicted time, best first.
+
+        Only schedules predicted within ``candidate_slack`` of the best are listed:
+        each one costs the real environment a round.
+        """
         k = self.params.top_k if k is None else k
         valid = sorted(self._valid_completed(), key=lambda x: (x[0], len(x[1])))[:k]
+        if valid:
+            limit = valid[0][0] * self.params.candidate_slack
+            valid = [v for v in valid if v[0] <= limit]
         return [self._plan(acts, t, "mcts") for t, acts in valid]
 
     def next_to_measure(self) -> RingPlan | None:
