@@ -40,13 +40,13 @@ from typing import Callable
 
 import numpy as np
 
-from .aggregate import Aggregator
+from .aggregate import Aggregator, feedback_ranges
 from .checkpoint import load_latest, save_checkpoint
 from .deadlines import GatherDeadline
 from .errors import ConfigError, RendezvousError, TrainingFailed
 from .membership import Membership, Staleness
 from .metrics import MetricsLog, format_summary, summarize
-from .optim import FlatOptimizer
+from .optim import CLIP_FACTOR, FlatOptimizer, NormGuard
 from .schedule import DirectSchedule, Schedule
 from .sharding import ShardPlan
 from .transport.base import CANCELLED, TIMEOUT, Transport
@@ -66,6 +66,7 @@ class ServerConfig:
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
+    clip_factor: float = CLIP_FACTOR  # divergence guard: clip the aggregate's norm to this x its running mean (0: off)
     gather_timeout_s: float | None = None  # seconds; None: derived per round (ltp_ps.deadlines)
     broadcast_timeout_s: float = 30.0  # seconds
     max_missed: int = 3
@@ -110,6 +111,8 @@ class ParameterServer:
         self.params[:] = workload.initial_params(config.seed)[self.lo:self.hi]
         self.optimizer = FlatOptimizer(self.params, config.optimizer, lr=config.lr, momentum=config.momentum,
                                        weight_decay=config.weight_decay)
+        self.guard = NormGuard(config.clip_factor)
+        self._clip_scale = 1.0
         self.iteration = 0
         self.version = 0
         self.ipe = max(1, workload.iters_per_epoch(config.world_size))
@@ -289,10 +292,10 @@ class ParameterServer:
             if c.lost:
                 lost[m.rank] = c.lost
         grad = self.schedule.combine(self.aggregator, contribs)
-        if self.aggregator.contributors:
-            self.optimizer.step(grad)
-            self.version += 1
-        self._lost_prev = lost
+        uncovered = self._apply(grad, it)
+        # error feedback: what each worker should re-send (unbiased mean: only what nobody delivered)
+        self._lost_prev = {rank: fb for rank, v in lost.items()
+                           if (fb := feedback_ranges(self.cfg.aggregation, v, uncovered))}
         self.iteration += 1
         # The wait includes the workers' compute: subtract the READY wait (or the slowest reported compute).
         ready_wait = getattr(self.schedule, "last_ready_wait_s", None)
@@ -304,6 +307,9 @@ class ParameterServer:
                "delivered": {str(k): v for k, v in delivered.items()}, "regime": {str(k): v for k, v in regimes.items()},
                "bubbles": {str(k): v for k, v in bubbles.items()},
                "lost_elements": {str(k): int(sum(e - s for s, e in v)) for k, v in lost.items()},
+               "uncovered_elements": int(sum(e - s for s, e in uncovered)), "rejected": self.aggregator.rejected,
+               "feedback_elements": {str(k): int(sum(e - s for s, e in v)) for k, v in self._lost_prev.items()},
+               "clip_scale": self._clip_scale,
                "loss": float(np.mean(losses)) if losses else float("nan"), "samples": samples}
         for ev in self.membership.drain_events():
             self.metrics.write({"event": ev.kind, "t": time.time(), "rank": ev.rank, "reason": ev.reason,
@@ -312,6 +318,30 @@ class ParameterServer:
         self._observe_round(greps, compute, t_g)
         self._check_health(it, losses, row["contributors"], len(alive), gather_timeout)
         return row
+
+    def _apply(self, grad: np.ndarray, it: int) -> list:
+        """Optimizer step with the aggregated gradient on the elements someone delivered.
+
+        Returns the element ranges nobody delivered (not applied: parameters and
+        optimizer state untouched there). The divergence guard (``NormGuard``)
+        clips the aggregate's norm first. A non-finite aggregate (possible only
+        through overflow, since non-finite contributions are refused) is not
+        applied at all.
+        """
+        agg = self.aggregator
+        self._clip_scale = 1.0
+        if agg.rejected:
+            self.log(f"[ps{self.shard}] round {it}: refused {agg.rejected} gradient(s) with NaN/inf values")
+        if not agg.contributors:
+            return [(0, self.n)]
+        if not np.isfinite(grad.sum(dtype=np.float32)):
+            self.log(f"[ps{self.shard}] round {it}: the aggregated gradient is not finite; update skipped")
+            return [(0, self.n)]
+        mask = agg.applied_mask()
+        self._clip_scale = self.guard.apply(grad, mask)
+        self.optimizer.step(grad, mask=mask)
+        self.version += 1
+        return agg.uncovered() if mask is not None else []
 
     # -- health and deadlines ------------------------------------------------
     def _observe_round(self, greps, compute: list, t_g: float) -> None:
@@ -465,7 +495,13 @@ class ParameterServer:
                 return
             st = self.staleness.record(c.header.model_version, self.version)
             grad = self.schedule.combine(self.aggregator, [c])
-            self.optimizer.step(grad)  # no await between snapshot and update: atomic in asyncio
+            if not self.aggregator.contributors or not np.isfinite(grad.sum(dtype=np.float32)):
+                self.membership.missed(m.rank, "non-finite gradient")
+                continue
+            # no await between snapshot and update: atomic in asyncio
+            mask = self.aggregator.applied_mask()
+            self.guard.apply(grad, mask)
+            self.optimizer.step(grad, mask=mask)
             self.version += 1
             self.iteration = self.version
             row = {"event": "iteration", "t": time.time(), "shard": self.shard, "iteration": self.version - 1,
