@@ -140,6 +140,7 @@ def order_updates(updates: Sequence[Update], table: ReservationTable, net: Fabri
     _check_tau(tau_max)
     nw = table.copy()
     nw.advance(now)
+    nw.add_links(net.capacities())
     drops: list = []
     dl: dict = {}
     cands: list = []
@@ -310,6 +311,7 @@ def aggregate(ordering: Ordering, base: ReservationTable, net: FabricNetwork, se
         raise ValueError(f"the PS {server!r} cannot be its own aggregator; pick worker hosts")
     prefix = base.copy()
     prefix.advance(now)
+    prefix.add_links(net.capacities())
     paths: dict = {}
     direct: list = []
     t_pref = now
@@ -363,6 +365,7 @@ class Commit:
     apply_at: float  # predicted apply time (arrivals in order, running max)
     version_before: int  # PS version just before this step
     staleness: tuple  # per member: version_before - v(g)
+    reservation: Reservation | None = None  # the PS-bound transfer's reservation (in ``BatchPlan.table``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,6 +436,7 @@ def plan_batch(updates: Sequence[Update], table: ReservationTable, net: FabricNe
         raise ValueError("plan_batch with k > 0 aggregators needs rng=random.Random(seed) for the pre-assignment")
     base = table.copy()
     base.advance(now)
+    base.add_links(net.capacities())
     ordering = order_updates(updates, base, net, server, tau_max=tau_max, v_init=v_init, now=now)
     aggs = pick_aggregators([a for a in aggregators if a != server], k, rng) if k > 0 else ()
     agg = aggregate(ordering, base, net, server, aggs, now=now)
@@ -446,7 +450,7 @@ def plan_batch(updates: Sequence[Update], table: ReservationTable, net: FabricNe
                 grants[m.update] = UpdateGrant(m.update, False, "", server, h.start, h.end, m.position, 0)
                 applied_at = max(applied_at, h.end)
                 commits.append(Commit(0, m.update.node, (m,), m.update.nbytes, h.start, h.end, applied_at, version,
-                                      (version - m.update.version,)))
+                                      (version - m.update.version,), h.reservation))
                 version += 1
         else:
             for m, h in zip(grp.members, grp.inbound):
@@ -455,7 +459,7 @@ def plan_batch(updates: Sequence[Update], table: ReservationTable, net: FabricNe
             out = grp.outbound
             applied_at = max(applied_at, out.end)
             commits.append(Commit(grp.index, grp.aggregator, grp.members, out.nbytes, out.start, out.end, applied_at,
-                                  version, tuple(version - m.update.version for m in grp.members)))
+                                  version, tuple(version - m.update.version for m in grp.members), out.reservation))
             version += len(grp.members)
     for d in ordering.drops:
         grants[d.update] = UpdateGrant(d.update, True, d.reason)

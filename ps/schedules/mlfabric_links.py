@@ -212,6 +212,17 @@ class ReservationTable:
             self._t[l], self._r[l] = t, r
         del self.reservations[n_res:]
 
+    def add_links(self, capacities: Mapping) -> None:
+        """Add links this table does not know yet (a host that joined), at full capacity from ``now``."""
+        for l, c in capacities.items():
+            if l not in self.capacity:
+                c = float(c)
+                if not (c >= 0) or c == INF:
+                    raise ValueError(f"capacity of link {l!r} is {c!r}; use a finite rate >= 0 bytes/s")
+                self.capacity = {**self.capacity, l: c}
+                self._t[l] = [self.now]
+                self._r[l] = [c]
+
     # -- queries --------------------------------------------------------------------------------------------------
     def links(self) -> list:
         return list(self.capacity)
@@ -309,18 +320,41 @@ class ReservationTable:
         return i + 1
 
     def _subtract(self, link, segs: Sequence) -> None:
+        self._shift(link, segs, 1.0)
+
+    def _shift(self, link, segs: Sequence, sign: float) -> None:
+        """Subtract (``sign=1``) or give back (``sign=-1``) ``(t0, t1, rate)`` segments on ``link``.
+
+        Residuals are clamped to ``[0, capacity]``.
+        """
         if not segs:
             return
-        times, rates = self._t[link], self._r[link]
-        self._split(link, segs[-1][1])
-        for t0, t1, rate in segs:
+        rates = self._r[link]
+        cap = self.capacity[link]
+        for t0, t1, r in segs:
+            if t1 <= t0:
+                continue
             i = self._split(link, t0)
-            # segments of the walk never straddle this link's breakpoints, so [t0, t1) is one step here
-            if times[i + 1] != t1:
-                self._split(link, t1)
-            r = rates[i] - rate
-            rates[i] = r if r > 0 else 0.0
+            j = self._split(link, t1)
+            for x in range(i, j):
+                v = rates[x] - sign * r
+                rates[x] = cap if v > cap else (v if v > 0 else 0.0)
         self._coalesce(link)
+
+    def release(self, res: Reservation) -> None:
+        """Give a reservation's rates back (a transfer cancelled or moved); it leaves the log."""
+        for i, r in enumerate(self.reservations):
+            if r is res:
+                del self.reservations[i]
+                break
+        else:
+            raise ValueError("release() of a reservation this table does not hold; release it on the table "
+                             "(or a copy of the table) that made it")
+        segs = [(max(t0, self.now), t1, r) for t0, t1, r in zip(res.times[:-1], res.times[1:], res.rates)
+                if t1 > self.now and r > 0]
+        for l in res.links:
+            if l in self.capacity:
+                self._shift(l, segs, -1.0)
 
     def _coalesce(self, link) -> None:
         times, rates = self._t[link], self._r[link]
