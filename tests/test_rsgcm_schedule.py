@@ -131,47 +131,56 @@ def test_sets_parameter():
     assert s.current().blocks == 2
 
 
-def test_schedule_runs_on_the_executor_with_loss():
+class Role:
+    """Worker handlers: the gradient as a partial, adopted means, the applied update."""
+
+    def __init__(self, g):
+        self.g, self.mean, self.applied = g, np.zeros(g.size, np.float32), None
+
+    def compute(self, step, slots):
+        from ltp_ps.schedules.partial import Partial
+
+        slots.clear_partials()
+        slots.put_partial(step.slot, Partial.of_gradient(self.g))
+
+    def adopt(self, step, slots):
+        p = slots.partial(step.slot, step.lo, step.hi)
+        p.mean("unbiased", out=self.mean[step.lo:step.hi])
+
+    def apply(self, step, slots):
+        self.applied = self.mean.copy()
+
+
+def run_round(rp, grads, loss, iteration):
     import asyncio
 
     from ltp_ps.schedules.executor import Executor, Slots
-    from ltp_ps.schedules.partial import Partial
     from ltp_ps.transport.memory import MemoryNetwork
 
-    class Role:
-        def __init__(self, g):
-            self.g, self.mean, self.counts, self.applied = g, np.zeros(g.size, np.float32), None, None
+    n = len(grads)
 
-        def compute(self, step, slots):
-            slots.clear_partials()
-            slots.put_partial(step.slot, Partial.of_gradient(self.g))
-
-        def adopt(self, step, slots):
-            p = slots.partial(step.slot, step.lo, step.hi)
-            p.mean("unbiased", out=self.mean[step.lo:step.hi])
-
-        def apply(self, step, slots):
-            self.applied = self.mean.copy()
-
-    size = 300
-    world = World(workers=range(6), n_elems=size, layout=((0, size),))
-    s = create("rsgcm", world)
-    rp = s.plan(9)
-    rng = np.random.default_rng(0)
-    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(6)]
-
-    async def go(loss):
+    async def go():
         net = MemoryNetwork(loss=loss, segment_size=64, seed=1)
-        eps = [net.endpoint() for _ in range(6)]
-        addrs = {worker(r): eps[r].local_addr for r in range(6)}
+        eps = [net.endpoint() for _ in range(n)]
+        addrs = {worker(r): eps[r].local_addr for r in range(n)}
         roles = [Role(g) for g in grads]
         await asyncio.gather(*(Executor(eps[r], worker(r), addrs, timeout_s=5.0).run(
-            rp.program(worker(r)), Slots(), roles[r], iteration=9) for r in range(6)))
+            rp.program(worker(r)), Slots(), roles[r], iteration=iteration) for r in range(n)))
         return roles
 
-    roles = asyncio.run(go(0.0))
-    for r in roles:
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("n,size", [(1, 10), (2, 7), (3, 1), (6, 300), (7, 129)])
+def test_schedule_runs_on_the_executor_with_loss(n, size):
+    world = World(workers=range(n), n_elems=size, layout=((0, size),))
+    s = create("rsgcm", world)
+    rp = s.plan(9)
+    rp.check()
+    rng = np.random.default_rng(n)
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+    for r in run_round(rp, grads, 0.0, 9):
         np.testing.assert_allclose(r.applied, np.mean(grads, axis=0), rtol=1e-5, atol=1e-6)
-    roles = asyncio.run(go(0.1))
+    roles = run_round(rp, grads, 0.1, 9)
     for r in roles[1:]:
         np.testing.assert_array_equal(r.applied, roles[0].applied)
