@@ -310,8 +310,9 @@ def _resource_loads(net: Network, rings: Iterable[Sequence[int]]) -> dict[str, i
     return loads
 
 
-def ring_seconds(net: Network, ring: Sequence[int], block_bytes: float, loads: Mapping[str, int] | None = None) -> float:
-    """Modelled time of one ring all-reduce of ``block_bytes`` on ``ring``: ``2(f-1) * max_hop(alpha + beta_eff*D_b/f)``.
+def ring_seconds(net: Network, ring: Sequence[int], block_bytes: float,
+                 loads: Mapping[str, int] | None = None) -> float:
+    """Modelled time of one ring all-reduce of ``block_bytes``: ``2(f-1) * max_hop(alpha + beta_eff*D_b/f)``.
 
     ``loads`` (hops per shared resource in the same step) splits shared rates;
     by default the ring is alone.
