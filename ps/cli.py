@@ -23,6 +23,7 @@ import sys
 import time
 
 from . import rendezvous as rdv
+from . import schedule_cli
 from .errors import ConfigError, PSError, TrainingFailed
 
 EXIT_CONFIG = 2  # setup, rendezvous or transport error (the message names the fix)
@@ -46,6 +47,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store-timeout", type=float, default=120.0, help="seconds to wait for the rendezvous")
+    schedule_cli.add_options(p)
 
 
 def _server_opts(p):
@@ -87,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(w)
     _worker_opts(w)
     w.add_argument("--rank", type=int, default=None, help="worker rank (default: $RANK - num_servers)")
+    _server_opts(w)  # PS-less schedules (ring): every worker runs the optimizer
+    schedule_cli.build_plan_parser(sub)
     st = sub.add_parser("store", help="host the rendezvous TCPStore (outlives PS restarts)")
     st.add_argument("--store", default=None, help="HOST:PORT to serve on (default: $MASTER_ADDR:$MASTER_PORT)")
     st.add_argument("--store-timeout", type=float, default=120.0)
@@ -134,6 +138,7 @@ async def serve(args, store=None) -> dict:
     from .server import ParameterServer, ServerConfig, summary_text
     from .sharding import ShardPlan
 
+    schedule_cli.check_server_schedule(args)
     secret = rdv.load_secret(args.secret_file)
     wl = _workload(args)
     if store is None:
@@ -198,6 +203,9 @@ async def work(args, store=None) -> dict:
     if store is None:
         host, port = _store_addr(args)
         store = rdv.make_store(host, port, is_master=False, timeout_s=args.store_timeout)
+    if schedule_cli.schedule_runs_without_ps(args):  # ring: no PS; peers reduce among themselves
+        args.rank = rank
+        return await schedule_cli.peer_work(args, store, lambda: _open_transport(args, secret), wl)
     store = rdv.prefixed(store, args.job)
     transport = await _open_transport(args, secret)
     stats = {"iterations": 0}
@@ -309,7 +317,8 @@ def _passthrough(args, names) -> list[str]:
     return out
 
 
-COMMON = ["model", "workers", "transport", "cc", "job", "secret-file", "num-servers", "mode", "compute-delay",
+COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "job", "secret-file", "num-servers", "mode",
+          "compute-delay",
           "batch-size", "seed", "store-timeout"]
 SERVER = ["epochs", "iterations", "aggregation", "optimizer", "lr", "momentum", "weight-decay", "gather-timeout",
           "max-missed", "min-workers", "checkpoint-dir", "checkpoint-every", "metrics", "progress", "summary-json"]
@@ -401,6 +410,9 @@ def launch(args) -> int:
     if args.ps_restarts and not args.checkpoint_dir:
         raise ConfigError("--ps-restarts needs --checkpoint-dir (and --checkpoint-every N) so that a restarted PS "
                           "resumes from its checkpoint instead of starting over")
+    peer_job = schedule_cli.schedule_runs_without_ps(args)
+    if peer_job:
+        args.num_servers = 0  # the workers apply the optimizer: zero PS processes
     use_lab, why = _lab_choice(args)
     _check_impairments(args, use_lab, why)
     print(f"[launch] {'lab' if use_lab else 'loopback'} ({why}); {args.num_servers} PS + {args.workers} workers, "
@@ -441,7 +453,8 @@ def launch(args) -> int:
         children += servers
         workers = []
         for r in range(args.workers):
-            argv = py + ["worker", "--rank", str(r), "--store", store] + _passthrough(args, COMMON + WORKER)
+            argv = py + ["worker", "--rank", str(r), "--store", store] + _passthrough(
+                args, COMMON + WORKER + (SERVER if peer_job else []))
             if args.kill_worker_after is not None and r == 0:
                 argv += ["--max-iterations", str(args.kill_worker_after)]
             workers.append(_Child(f"worker {r}", argv, spawner(args.num_servers + r)))
@@ -467,7 +480,7 @@ def launch(args) -> int:
                 print(f"[launch] {what}", flush=True)
                 failures.append((what, rc))
                 fatal = fatal or c in servers or c is store_proc
-            if fatal or all(c.poll() == 0 for c in servers):
+            if fatal or all(c.poll() == 0 for c in (servers or workers)):
                 break
             time.sleep(LAUNCH_POLL_S)
         if not fatal:
@@ -561,6 +574,8 @@ def main(argv=None) -> int:
     try:
         if args.cmd == "store":
             return serve_store(args)
+        if args.cmd == "plan":
+            return schedule_cli.plan_main(args)
         resolve_transport(args)
         if args.cmd in ("server", "worker"):
             _limit_threads()

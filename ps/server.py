@@ -48,9 +48,12 @@ from .membership import Membership, Staleness
 from .metrics import MetricsLog, format_summary, summarize
 from .optim import CLIP_FACTOR, FlatOptimizer, NormGuard
 from .schedule import DirectSchedule, Schedule
+from .schedules import World, create as create_schedule
+from .schedules.executor import Executor, Slots
+from .schedules.program import RELIABLE, Program, Send, server as server_node, worker as worker_node
 from .sharding import ShardPlan
 from .transport.base import CANCELLED, TIMEOUT, Transport
-from .wire import (ELEM, HEADER_BYTES, KIND_GRAD, KIND_PARAMS, KIND_STOP, MAX_BUBBLES, ParamsHeader,
+from .wire import (ELEM, HEADER_BYTES, KIND_GRAD, KIND_PARAMS, KIND_STOP, MAX_BUBBLES, READY_BYTES, ParamsHeader,
                    encode_bubbles, params_message_capacity, tag_of)
 from .workloads import Workload
 
@@ -91,7 +94,7 @@ class ParameterServer:
 
     def __init__(self, workload: Workload, transport: Transport, config: ServerConfig, *,
                  plan: ShardPlan | None = None, shard: int = 0, schedule: Schedule | None = None,
-                 rendezvous=None, log: Callable[[str], None] | None = None):
+                 rendezvous=None, log: Callable[[str], None] | None = None, planner=None):
         self.workload = workload
         self.transport = transport
         self.cfg = config
@@ -99,7 +102,17 @@ class ParameterServer:
         self.shard = shard
         self.lo, self.hi = self.plan.ranges[shard]
         self.n = self.hi - self.lo
-        self.schedule = schedule or DirectSchedule()
+        self.schedule = schedule or DirectSchedule()  # maths on raw gradient messages (contribution/combine)
+        # The round plan (ltp_ps.schedules) and the executor that runs it: nothing here sends around it.
+        self.planner = planner or create_schedule("direct", World(
+            workers=range(config.world_size), n_elems=workload.n_params, shards=tuple(self.plan.ranges),
+            layout=tuple(workload.layout()), aggregation=config.aggregation))
+        self.node = server_node(shard)
+        self.executor = Executor(transport, self.node, {}, timeout_s=config.broadcast_timeout_s,
+                                 payload_timeouts={"params": config.broadcast_timeout_s,
+                                                   "stop": config.broadcast_timeout_s})
+        self._slots = Slots()
+        self._ready_wait: float | None = None
         self.rendezvous = rendezvous
         self.log = log or (lambda s: print(s, flush=True))
         self.membership = Membership(max_missed=config.max_missed)
@@ -123,6 +136,7 @@ class ParameterServer:
         self.metrics = MetricsLog(config.metrics_path)
         self.epoch_lines: list[str] = []
         self._stopping = False
+        self._ready_note = np.zeros(READY_BYTES, dtype=np.uint8)
         self.deadline = GatherDeadline(config.gather_timeout_s)
         self._empty_rounds = 0  # consecutive rounds without one usable gradient
         self._failed: TrainingFailed | None = None
@@ -244,9 +258,9 @@ class ParameterServer:
         members = self.membership.active()
         self.transport.discard_before(tag_of(it, 0))  # late gradients of earlier rounds
         msg = self._params_message(KIND_PARAMS, self._lost_prev)
+        prog = self._bind_round(it, members, msg)
         t0 = time.monotonic()
-        reps = await self.schedule.server_broadcast(self.transport, [m.addr for m in members], msg,
-                                                    tag=tag_of(it, KIND_PARAMS), timeout=self.cfg.broadcast_timeout_s)
+        reps = (await self.executor.run(prog.head(1), self._slots, iteration=it)).reports
         t_b = time.monotonic() - t0
         alive = []
         for m, r in zip(members, reps):
@@ -261,8 +275,12 @@ class ParameterServer:
         bufs = [self._bufs[m.rank] for m in alive]
         gather_timeout = self.deadline.timeout(HEADER_BYTES + ELEM * self.n, len(alive))
         t1 = time.monotonic()
-        greps = await self.schedule.server_gather(self.transport, [m.addr for m in alive], bufs,
-                                                  tag=tag_of(it, KIND_GRAD), timeout=gather_timeout)
+        gres = await self.executor.run(Program(self.node, prog.stages[1:-1]), self._slots, iteration=it,
+                                       exclude={worker_node(m.rank) for m in members if m not in alive},
+                                       group_timeouts={"ready": gather_timeout, "grad": gather_timeout})
+        idx = {worker_node(m.rank): i for i, m in enumerate(members)}
+        greps = [gres.reports[len(gres.reports) - len(members) + idx[worker_node(m.rank)]] for m in alive]
+        self._ready_wait = gres.group_s.get("ready")  # compute time of the slowest worker, as seen by the PS
         t_wait = time.monotonic() - t1
         contribs = []
         lost: dict = {}
@@ -298,7 +316,7 @@ class ParameterServer:
                            if (fb := feedback_ranges(self.cfg.aggregation, v, uncovered))}
         self.iteration += 1
         # The wait includes the workers' compute: subtract the READY wait (or the slowest reported compute).
-        ready_wait = getattr(self.schedule, "last_ready_wait_s", None)
+        ready_wait = self._ready_wait
         t_g = max(0.0, t_wait - (ready_wait if ready_wait is not None else max(compute, default=0.0)))
         row = {"event": "iteration", "t": time.time(), "shard": self.shard, "iteration": it,
                "epoch": it // self.ipe, "workers": len(alive), "contributors": self.aggregator.contributors,
@@ -412,11 +430,39 @@ class ParameterServer:
         msg = self._params_message(KIND_STOP, {})
         timeout = min(STOP_BEST_EFFORT_S, self.cfg.broadcast_timeout_s) if best_effort else self.cfg.broadcast_timeout_s
         try:
-            await self.transport.broadcast([m.addr for m in members], msg, tag=tag_of(self.iteration, KIND_STOP),
-                                           timeout=timeout)
+            self._address(members)
+            self._slots.bind("params", msg)
+            prog = self.planner.stop_program(self.shard, self.iteration, [m.rank for m in members])
+            prog = Program(self.node, tuple(tuple(dataclasses.replace(s, timeout_s=timeout) for s in st)
+                                            for st in prog.stages))
+            await self.executor.run(prog, self._slots, iteration=self.iteration)
         except Exception:
             if not best_effort:
                 raise
+
+    # -- executor bindings -------------------------------------------------
+    def _address(self, members) -> None:
+        for m in members:
+            self.executor.addresses[worker_node(m.rank)] = tuple(m.addr)
+
+    def _bind_round(self, it: int, members, msg) -> Program:
+        """This shard's program for round ``it`` with its slots bound to the server's buffers."""
+        self._address(members)
+        self._slots.bind("params", msg)
+        for m in members:
+            self._slots.bind(f"ready:{worker_node(m.rank)}", self._ready_note)
+            self._slots.bind(f"in:{worker_node(m.rank)}", self._bufs[m.rank])
+        return self.planner.server_program(self.shard, it, [m.rank for m in members])
+
+    async def _send_one(self, m, data, tag: int, payload: str) -> None:
+        """One reliable message to one worker through the executor (async mode); raises what the send raised."""
+        self._address([m])
+        slot = f"out:{worker_node(m.rank)}"
+        self._slots.bind(slot, data)
+        res = await self.executor.run(Program(self.node, ((Send(worker_node(m.rank), slot, 0, 0, tag, RELIABLE,
+                                                                payload),),)), self._slots)
+        if isinstance(res.reports[0], BaseException):
+            raise res.reports[0]
 
     # -- asynchronous ------------------------------------------------------
     async def _run_async(self) -> None:
@@ -458,8 +504,7 @@ class ParameterServer:
                 hdr = ParamsHeader(KIND_STOP, self.shard, self.version, self.version, 0, 0)
                 hdr.pack_into(own)
                 try:
-                    await self.transport.send(m.addr, own[:HEADER_BYTES], reliable=True,
-                                              tag=tag_of(self.version, KIND_STOP), timeout=self.cfg.broadcast_timeout_s)
+                    await self._send_one(m, own[:HEADER_BYTES], tag_of(self.version, KIND_STOP), "stop")
                 except Exception:
                     pass
                 self._done.set()
@@ -469,8 +514,7 @@ class ParameterServer:
             own[HEADER_BYTES:HEADER_BYTES + ELEM * self.n] = self._msg[HEADER_BYTES:HEADER_BYTES + ELEM * self.n]
             try:
                 t0 = time.monotonic()
-                await self.transport.send(m.addr, own[:HEADER_BYTES + ELEM * self.n], reliable=True,
-                                          tag=tag_of(v, KIND_PARAMS), timeout=self.cfg.broadcast_timeout_s)
+                await self._send_one(m, own[:HEADER_BYTES + ELEM * self.n], tag_of(v, KIND_PARAMS), "params")
                 t_b = time.monotonic() - t0
                 r = await self.schedule.server_recv_one(self.transport, m.addr, buf, iteration=v,
                                                         timeout=self.deadline.timeout(HEADER_BYTES + ELEM * self.n, 1))

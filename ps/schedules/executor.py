@@ -58,6 +58,10 @@ class ExecutorError(RuntimeError):
     """A program the executor cannot run (a slot or address it was not given)."""
 
 
+class MissingInput(ExecutorError):
+    """A send whose partial never arrived (an earlier receive came back empty); reported, not raised."""
+
+
 class PartialSet:
     """The partials of one slot, keyed by element range ``(lo, hi)``.
 
@@ -174,8 +178,8 @@ class Executor:
     def _encode_partial(self, step, slots: Slots, iteration: int) -> tuple:
         p = slots.partial(step.slot, step.lo, step.hi)
         if p is None:
-            raise ExecutorError(f"{self.me}: slot {step.slot!r} holds no partial over [{step.lo}, {step.hi}); "
-                                f"the program sends it before anything produced it")
+            raise MissingInput(f"{self.me}: slot {step.slot!r} holds no partial over [{step.lo}, {step.hi}) "
+                               f"(an earlier receive delivered nothing, or the program sends before producing it)")
         from ..wire import KIND_PARTIAL
         from .program import parse_node
 
@@ -306,7 +310,12 @@ class Executor:
             res.reports[i] = ExecutorError(f"{s.peer} is excluded (known dead)")
             return
         if s.payload == "partial":
-            data, critical = self._encode_partial(s, slots, iteration)
+            try:
+                data, critical = self._encode_partial(s, slots, iteration)
+            except MissingInput as exc:
+                res.reports[i] = exc
+                res.missing.append((i, str(exc)))
+                return
         else:
             data = slots.buffer(s.slot)
             critical = slots.critical.get(s.slot)
@@ -326,7 +335,7 @@ class Executor:
         s0 = members[0][1]
         timeout = self._group_timeouts.get(g, self._timeout(s0)) if isinstance(g, str) else self._timeout(s0)
         if s0.only_if is not None:
-            ok = group_ok.get(s0.only_if, set())
+            ok = group_ok.get(s0.only_if)  # None: that group ran in an earlier run() call (the role filtered)
             start = group_t0.get(s0.only_if, t0)  # only receive groups have a start: sends do not eat the bound
             timeout = max(MIN_TIMEOUT_S, timeout - (t0 - start))
         else:
