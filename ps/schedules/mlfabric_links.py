@@ -197,8 +197,9 @@ class ReservationTable:
         new = ReservationTable.__new__(ReservationTable)
         new.now = self.now
         new.capacity = self.capacity
-        new._t = {l: list(v) for l, v in self._t.items()}
-        new._r = {l: list(v) for l, v in self._r.items()}
+        # step lists are shared, never mutated in place: _shift copies a link's lists before changing them
+        new._t = dict(self._t)
+        new._r = dict(self._r)
         new.reservations = list(self.reservations)
         return new
 
@@ -209,7 +210,7 @@ class ReservationTable:
     def restore(self, snap: tuple) -> None:
         state, n_res = snap
         for l, (t, r) in state.items():
-            self._t[l], self._r[l] = t, r
+            self._t[l], self._r[l] = list(t), list(r)
         del self.reservations[n_res:]
 
     def add_links(self, capacities: Mapping) -> None:
@@ -329,7 +330,8 @@ class ReservationTable:
         """
         if not segs:
             return
-        rates = self._r[link]
+        self._t[link] = list(self._t[link])  # copy on write: copies of this table may share the old lists
+        rates = self._r[link] = list(self._r[link])
         cap = self.capacity[link]
         for t0, t1, r in segs:
             if t1 <= t0:
