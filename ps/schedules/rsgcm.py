@@ -863,7 +863,8 @@ class RsgcmPlanner:
         return is_done(state)
 
     def _valid_completed(self) -> list:
-        return [v for v in self.completed.values() if self._plan_ok(v[1])]
+        # valid by construction: found over live actions and survivors; _replan filters the older ones
+        return list(self.completed.values())
 
     def _plan(self, acts, t, source) -> RingPlan:
         return RingPlan(self.alive, self.params.sets, self.total_bytes, tuple(acts), t, source,
