@@ -15,7 +15,10 @@ quantise every RTT and delivery-rate sample. Each received datagram also
 carries its kernel arrival time (``SO_TIMESTAMPNS``): when the loop reads a
 backlog of ACKs late, each is still timed by when it arrived, so BBR's
 delivery-rate samples are not compressed into one instant. If the kernel refuses more data
-(EAGAIN), the rest waits in a queue drained when the socket is writable.
+(EAGAIN), the rest waits in a queue drained when the socket is writable. The socket has
+``IP_RECVERR`` on: ICMP unreachable reports about datagrams we sent are read from its error
+queue (with the peer's address) and fed to :meth:`Engine.peer_unreachable`, so a peer whose
+process died fails its transfers within a round trip.
 
 uvloop is not installed here: pick it at your entry point (:func:`ltp.run`
 does, when it is available).
@@ -259,6 +262,8 @@ class Endpoint:
     def _receive_pending(self) -> None:
         io = self._io
         eng = self.engine
+        if io.recverr_enabled:
+            self._read_errors()
         for _ in range(self.max_batches_per_wakeup):
             try:
                 n = io.recv_batch()
@@ -281,6 +286,24 @@ class Endpoint:
                     log.exception("ltp: error while processing datagrams from %s", addr)
             if n < io.batch:
                 break
+
+    def _read_errors(self) -> None:
+        """Feed ICMP unreachable reports (IP_RECVERR error queue) to the engine: a dead peer is noticed
+        within a round trip of our next datagram to it, not after a timeout."""
+        try:
+            reports = self._io.recv_errors()
+        except OSError:
+            return
+        for addr, err, _origin, _type, _code in reports:
+            cause = _UNREACHABLE_CAUSES.get(err)
+            if cause is None:
+                continue  # e.g. EMSGSIZE from path-MTU discovery: not a dead peer
+            peer = tuple(addr[:2])
+            try:
+                self.engine.peer_unreachable(peer, now=_now(), cause=cause.format(port=peer[1]))
+            except Exception:  # a bug must not kill the loop
+                self.engine.stats.drop("internal_error")
+                log.exception("ltp: error while handling an ICMP report about %s", peer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -359,6 +382,15 @@ class Endpoint:
         self._timer_at = when
         # never let the engine see a timer early: the loop may fire a hair before `when`
         self._timer = self._loop.call_later(max(when - now, 0.0) + 1e-6, self._on_timer)
+
+
+_UNREACHABLE_CAUSES = {
+    errno.ECONNREFUSED: "ICMP port unreachable: nothing listens on UDP port {port} there any more "
+                        "(the peer process exited or closed its endpoint)",
+    errno.EHOSTUNREACH: "ICMP host unreachable: the peer's host is down or cannot be reached",
+    errno.ENETUNREACH: "ICMP network unreachable: no route to the peer's network",
+    errno.EHOSTDOWN: "host down: the peer's host does not answer",
+}
 
 
 def _check_timeout(timeout) -> None:
