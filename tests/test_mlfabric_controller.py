@@ -66,6 +66,7 @@ def simulate(seed: int, *, n: int = 6, k: int = 1, tau: int = 4, duration: float
     alive = set(workers)
     stale = []
     written_off: list = []
+    self_aggregated: list = []
     applied = 0
     for w in workers:
         push(rng.uniform(0.05, 0.5), "ready", (w, 0))
@@ -120,12 +121,19 @@ def simulate(seed: int, *, n: int = 6, k: int = 1, tau: int = 4, duration: float
                 fifo.append(entry)
                 if c.group:  # each member's hop to the aggregator completes (or is lost) at its predicted arrival
                     for m in c.members:
+                        if m.update.node == c.source:
+                            continue  # the aggregator's own update: no transfer
                         send = next(x.steps[0] for x in grants if x.node == m.update.node
                                     and x.steps[0].slot == SLOT_GRAD)
                         push(plan.grant_of(m.update.node).arrive, "hop", (m.update.node, c.source, send.tag, entry))
             for g in plan.grants:
                 mine = [x for x in grants if x.node == g.update.node
                         and (x.drop or (x.steps[0].op == "send" and x.steps[0].slot == SLOT_GRAD))]
+                if g.hop == g.update.node:  # it aggregates its own update: combined in place, no send
+                    assert not mine and any(s.op == "combine" and s.src == SLOT_GRAD
+                                            for x in grants if x.node == g.hop for s in x.steps)
+                    self_aggregated.append(g.update.node)
+                    continue
                 assert len(mine) == 1
                 if g.drop:
                     assert mine[0].drop and mine[0].reason == g.reason
@@ -151,6 +159,7 @@ def simulate(seed: int, *, n: int = 6, k: int = 1, tau: int = 4, duration: float
         elif kind == "fail":
             alive.discard(payload)
             ctrl.on_event(NodeFailed(payload, "test"), now=t)
+    ctrl.sim_self_aggregated = self_aggregated  # members whose aggregator was their own host (test coverage)
     return ctrl, ps_version, stale, applied
 
 
@@ -163,6 +172,8 @@ def test_simulated_async_training_never_applies_beyond_tau_max(seed, n, k, tau):
     assert ctrl.stats["planned"] == applied
     if k:
         assert ctrl.stats["aggregated"] > 0 or n <= 2
+    if k and n >= 6:  # some aggregator was picked on the host of a member: combined in place, no self-send
+        assert ctrl.sim_self_aggregated
     assert not ctrl.ignored
 
 
@@ -216,5 +227,15 @@ def test_schedule_face_builds_a_controller_from_the_world():
     ctrl = sched.controller()
     assert (ctrl.lo, ctrl.hi, ctrl.tau_max, ctrl.k) == (0, 1000, 3, 1)
     assert ctrl.net.up[PS] == 10e6 and ctrl.net.down[worker(2)] == 10e6
+    plan = sched.plan(7)
+    plan.check()  # every granted send has its receive
+    batch = plan.notes["batch"]
+    assert batch["v_init"] == 7 and len(batch["grants"]) == 3 and not any(g["drop"] for g in batch["grants"])
+    assert {e[1] for e in plan.edges()} <= {PS} | {worker(r) for r in range(3)}
+    assert sched.predict_s(4000) == pytest.approx(batch["t_end"])
+    assert sched.predict_s(8000) > sched.predict_s(4000) > 0
+    from ltp_ps.schedules import create
+
+    assert type(create("mlfabric", world)) is MLfabricSchedule  # the registry finds it
     with pytest.raises(ValueError, match="one PS shard"):
         MLfabricSchedule(World(workers=(0,), n_elems=10, shards=((0, 5), (5, 10))))

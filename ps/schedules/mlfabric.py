@@ -466,3 +466,13 @@ def plan_batch(updates: Sequence[Update], table: ReservationTable, net: FabricNe
     out_grants = tuple(grants[u] for u in sorted(updates, key=lambda u: u.key))
     return BatchPlan(now, v_init, tau_max, out_grants, aggs, tuple(commits), ordering.drops, ordering.t_end,
                      agg.t_end if commits else now, agg.cases, agg.table)
+
+
+def __getattr__(name: str):
+    # the registry looks up ``SCHEDULE`` here; the Schedule class lives with the controller (which imports this
+    # module), so it is resolved on first use
+    if name == "SCHEDULE":
+        from .mlfabric_controller import MLfabricSchedule
+
+        return MLfabricSchedule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

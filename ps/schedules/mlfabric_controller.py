@@ -16,8 +16,9 @@ node are one stage each and run in the order they were issued.
   Alg 2 ordering, Alg 3 aggregation) on the reservation table that still
   holds earlier batches' transfers.  Grants out: a drop, or a send to the
   next hop (the PS or an aggregator) at a start time, to each worker; receive,
-  combine and forward to each aggregator; receive then apply, in commit
-  order, to the PS.  The batch's ``v_init`` is the PS version once every
+  combine and forward to each aggregator (an aggregator that is itself a
+  member combines its own gradient without a transfer); receive then apply,
+  in commit order, to the PS.  The batch's ``v_init`` is the PS version once every
   earlier planned commit is applied (eq 9).
 * ``TransferDone`` -- a granted transfer ended.  A failed transfer to the PS
   (or to an aggregator) takes its gradients out of the expected version
@@ -46,8 +47,8 @@ from . import tags as _tags
 from .base import Schedule, World
 from .mlfabric import BatchPlan, Update, plan_batch
 from .mlfabric_links import FabricNetwork, ReservationTable
-from .program import (SLOT_GRAD, TOLERANT, Apply, Combine, Controller, Grant, NodeFailed,
-                      NodeReady, Recv, RoundPlan, Send, TransferDone, parse_node, server)
+from .program import (SLOT_GRAD, TOLERANT, Apply, Combine, Controller, Grant, NodeFailed, NodeReady, Program,
+                      Recv, RoundPlan, Send, TransferDone, parse_node, server)
 
 BATCH_WINDOW_S = 0.1  # seconds: updates announced within this window are planned together (paper §7: 100 ms)
 GRANT_TIMEOUT_MIN_S = 1.0  # seconds: shortest receive timeout granted
@@ -255,6 +256,9 @@ class MLfabricController(Controller):
                 tag_out = self._tag(batch, first, c.group, KIND_PARTIAL)
                 recvs, combines = [], []
                 for m in c.members:
+                    if m.update.node == agg:  # its own update: no transfer, the aggregator combines its gradient
+                        combines.append(Combine(acc, SLOT_GRAD, lo, hi))
+                        continue
                     g = plan.grant_of(m.update.node)
                     tag_in = self._tag(batch, m.position, c.group, KIND_PARTIAL)
                     slot = f"mlf:{batch}:in:{m.update.node}"
@@ -264,7 +268,8 @@ class MLfabricController(Controller):
                                       group=f"mlf:{batch}:{c.group}", timeout_s=grant_timeout(now, g.arrive)))
                     combines.append(Combine(acc, slot, lo, hi))
                     self._member_hop[(m.update.node, agg, tag_in)] = (agg, tag_out)
-                agg_grants.append(Grant(agg, tuple(recvs), reason=f"aggregate group {c.group}"))
+                if recvs:
+                    agg_grants.append(Grant(agg, tuple(recvs), reason=f"aggregate group {c.group}"))
                 agg_grants.append(Grant(agg, tuple(combines)))
                 agg_grants.append(Grant(agg, (Send(self.server, acc, lo, hi, tag_out, TOLERANT, "partial"),),
                                         start_at=c.start))
@@ -305,14 +310,43 @@ class MLfabricSchedule(Schedule):
         """The world's topology as MLfabric's link model (node ids as hosts)."""
         return FabricNetwork.from_topology(self.world.effective_topology())
 
-    def plan(self, iteration: int) -> RoundPlan:
-        return RoundPlan(self.name, iteration, {}, notes={"dynamic": "controller", "tau_max": self.tau_max,
-                                                          "k": self.k})
+    def _one_batch(self, iteration: int, nbytes: int | None = None):
+        """The batch where every worker announces an update computed on version ``iteration`` at once."""
+        ctrl = self.controller(rng=random.Random(iteration))
+        ctrl.v_next = iteration
+        ctrl.start(iteration, self.world.worker_nodes, now=0.0)
+        size = ctrl.hi - ctrl.lo if nbytes is None else int(nbytes) // 4
+        for w in self.world.worker_nodes:
+            ctrl.on_event(NodeReady(w, iteration, 4 * size, iteration), now=0.0)
+        grants = ctrl.flush(now=0.0)
+        return ctrl.plans[-1], grants
 
-    def controller(self) -> MLfabricController:
+    def plan(self, iteration: int) -> RoundPlan:
+        """What the controller grants when every worker's update (version ``iteration``) is ready at once.
+
+        MLfabric is dynamic (the controller decides as updates come); this is
+        the plan of that one batch, for ``ltp-ps plan`` and for inspection:
+        each grant is one stage of its node's program; ``notes`` holds the
+        batch plan (order, drops, groups, predicted times).
+        """
+        batch, grants = self._one_batch(iteration)
+        progs: dict = {}
+        for g in grants:
+            if not g.drop:
+                prev = progs.get(g.node)
+                progs[g.node] = Program(g.node, (prev.stages if prev else ()) + (g.steps,))
+        notes = {"dynamic": "controller", "tau_max": self.tau_max, "k": self.k, "batch": batch.to_json()}
+        return RoundPlan(self.name, iteration, progs, notes=notes)
+
+    def predict_s(self, nbytes: int | None = None) -> float | None:
+        """Seconds until the last update of an all-at-once batch is at the PS (the planner's model)."""
+        batch, _ = self._one_batch(0, nbytes)
+        return batch.t_end - batch.now
+
+    def controller(self, rng: random.Random | None = None) -> MLfabricController:
         lo, hi = self.world.shards[0]
         c = MLfabricController(self.network(), server(0), n_elems=hi - lo, lo=lo, tau_max=self.tau_max, k=self.k,
-                               rng=self.rng, batch_window_s=self.batch_window_s)
+                               rng=rng or self.rng, batch_window_s=self.batch_window_s)
         return c
 
 
