@@ -149,10 +149,15 @@ class FlowProgress:
     retransmitted after the first pass (CQ -> NQ -> RQ), so among the normal
     segments received so far, a missing one below the highest is a loss, and
     the arrival of the last normal segment ends the first pass. Critical
-    segments are sent first and are left out. :meth:`observe` is O(segments)
-    and caches its answer per received count; the engine calls it only once
-    the LT threshold has passed.
+    segments are sent first and are left out. The engine calls :meth:`observe`
+    only once the LT threshold has passed. Cost: the first-pass test is O(1);
+    the gap scan is O(segments) and is redone only after another
+    1/:data:`GAP_SCANS` of the message arrived (or once the first pass ends),
+    so a flow pays for at most ~``GAP_SCANS`` scans however it arrives.
     """
+
+    #: gap scans per message at most (between scans the previous answer stands)
+    GAP_SCANS = 64
 
     def __init__(self, seg_count: int, critical=None) -> None:
         if critical is not None and np.count_nonzero(critical):
@@ -160,24 +165,27 @@ class FlowProgress:
         else:
             self._normal = None
         self.seg_count = seg_count
-        self.first_pass_done = self._normal is not None and self._normal.size == 0
+        n_normal = seg_count if self._normal is None else self._normal.size
+        self._last = (seg_count - 1 if self._normal is None else int(self._normal[-1])) if n_normal else -1
+        self.first_pass_done = n_normal == 0
         self.gaps = False
         self._seen = -1
+        self._stride = max(1, seg_count // self.GAP_SCANS)
 
     def observe(self, bitmap, received: int) -> tuple:
         """``(gaps, first_pass_done)`` for the flow's current bitmap (``received`` segments in)."""
-        if received == self._seen:
+        if self._last < 0:
+            return False, True
+        newly_done = False
+        if not self.first_pass_done and bitmap[self._last]:
+            self.first_pass_done = newly_done = True
+        if self._seen >= 0 and not newly_done and received - self._seen < self._stride:
             return self.gaps, self.first_pass_done
         self._seen = received
         bm = np.asarray(bitmap)
         normal = bm if self._normal is None else bm[self._normal]
-        if normal.size == 0:
-            self.gaps, self.first_pass_done = False, True
-            return self.gaps, self.first_pass_done
         got = np.flatnonzero(normal)
         self.gaps = bool(got.size and got.size < int(got[-1]) + 1)
-        if not self.first_pass_done and normal[-1]:
-            self.first_pass_done = True
         return self.gaps, self.first_pass_done
 
 

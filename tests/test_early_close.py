@@ -96,6 +96,7 @@ def test_flow_progress_gaps_first_pass_and_critical_segments_left_out():
     crit = np.zeros(10, np.uint8)
     crit[[0, 9]] = 1  # header and the last segment are critical: sent first
     p = FlowProgress(10, crit)
+    p._stride = 1  # rescan on every new segment (the default rescans every 1/64 of the message)
     bm = np.zeros(10, np.uint8)
     bm[[0, 9]] = 1
     assert p.observe(bm, 2) == (False, False)  # critical tail received first is not a gap
@@ -108,8 +109,20 @@ def test_flow_progress_gaps_first_pass_and_critical_segments_left_out():
     bm[5] = 1  # the retransmission repaired the gap
     assert p.observe(bm, 10) == (False, True)
     q = FlowProgress(4, None)
-    assert q.observe(np.array([1, 1, 0, 0], np.uint8), 2) == (False, False)
+    assert q._stride == 1 and q.observe(np.array([1, 1, 0, 0], np.uint8), 2) == (False, False)
     assert FlowProgress(4, None).observe(np.array([1, 0, 0, 1], np.uint8), 2) == (True, True)
+    # large flows: the first pass is seen at once, the gap scan is rate-limited to ~GAP_SCANS per message
+    big = FlowProgress(6400, None)
+    bm = np.zeros(6400, np.uint8)
+    bm[:50] = 1
+    bm[51:60] = 1
+    assert big.observe(bm, 59) == (True, False)
+    bm[50] = 1
+    assert big.observe(bm, 60) == (True, False)  # within one stride (100 segments): the old answer stands
+    bm[60:200] = 1
+    assert big.observe(bm, 200) == (False, False)
+    bm[6399] = 1
+    assert big.observe(bm, 201) == (True, True)  # the last segment ends the first pass at once (and rescans)
 
 
 # ---------------------------------------------------------------- the engine
