@@ -597,7 +597,8 @@ class RewardList:
 
 
 class _Node:
-    __slots__ = ("state", "time", "depth", "action", "parent", "children", "n", "W", "R", "dead", "done")
+    __slots__ = ("state", "time", "depth", "action", "parent", "children", "live_kids", "n", "W", "R", "dead",
+                 "done")
 
     def __init__(self, state, time, depth, action, parent, done):
         self.state = state
@@ -606,6 +607,7 @@ class _Node:
         self.action = action  # index into the search space of the step that led here
         self.parent = parent
         self.children = None  # list[_Node] once expanded
+        self.live_kids = 0  # children not pruned yet
         self.n = 0
         self.W = 0.0
         self.R = 0.0
@@ -692,8 +694,10 @@ class RsgcmPlanner:
             st = apply_action(node.state, self.space[i])
             if st is None:
                 continue
-            kids.append(_Node(st, node.time + self._cost[i], node.depth + 1, i, node, is_done(st)))
+            # the state is recomputed when the child is first selected: most children never are
+            kids.append(_Node(None, node.time + self._cost[i], node.depth + 1, i, node, is_done(st)))
         node.children = kids
+        node.live_kids = len(kids)
         return kids
 
     def _select(self, node: _Node, lam: float) -> _Node | None:
@@ -713,11 +717,16 @@ class RsgcmPlanner:
 
     @staticmethod
     def _kill(node: _Node) -> None:
-        node.dead = True
-        p = node.parent
-        while p is not None and p.children is not None and all(c.dead for c in p.children):
-            p.dead = True
-            p = p.parent
+        """Prune ``node``; a parent whose children are all pruned is pruned too."""
+        while node is not None and not node.dead:
+            node.dead = True
+            p = node.parent
+            if p is None:
+                return
+            p.live_kids -= 1
+            if p.live_kids > 0:
+                return
+            node = p
 
     def _episode_once(self) -> None:
         lam = self._lambda()
@@ -741,6 +750,8 @@ class RsgcmPlanner:
             if nxt is None:
                 self._kill(node)  # rule 2 left nothing valid below
                 break
+            if nxt.state is None:
+                nxt.state = apply_action(node.state, self.space[nxt.action])
             node = nxt
             path.append(node)
         for nd in path:  # eq 4
