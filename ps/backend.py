@@ -64,6 +64,9 @@ STEP_BITS = 12
 P2P_BIT = 1 << 63
 #: bits of a p2p tag numbering the messages of one (peer, user tag) pair
 P2P_COUNT_BITS = 30
+#: a reliable send the transport gives up on is tried this many times in all, within the collective's timeout
+#: (a duplicate that was in fact delivered waits unmatched in the receiver's bounded buffer)
+SEND_ATTEMPTS = 3
 #: seconds to wait for the transport endpoint to open and for peers to publish their addresses
 OPEN_TIMEOUT_S = 60.0
 ENV_TRANSPORT = "LTP_BACKEND_TRANSPORT"
@@ -205,7 +208,7 @@ class LtpProcessGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._closed = False
         #: readable counters: collectives started/failed, bytes sent/received by this rank
-        self.stats = {"collectives": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0}
+        self.stats = {"collectives": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0, "send_retries": 0}
         self._io = _Loop(f"ltp-backend-{rank}")
         # LTP authenticates registrations with a job key when one is set ($LTP_PS_SECRET, as for the DDP hook).
         key = os.environ.get("LTP_PS_SECRET", "").encode() or None
@@ -284,12 +287,18 @@ class LtpProcessGroup(dist.ProcessGroup):
 
     async def _send(self, buf: torch.Tensor, peer: int, tag: int, deadline: float, what: str) -> None:
         view = _bytes(buf)
-        try:
-            rep = await self._transport.send(self.peers[peer], view, reliable=True, tag=tag, element_size=1,
-                                             timeout=self._left(deadline))
-        except Exception as exc:  # noqa: BLE001 - name the real cause, keep it chained
-            raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: sending {view.nbytes} bytes to rank "
-                                  f"{peer} at {self.peers[peer]} failed: {type(exc).__name__}: {exc}") from exc
+        for attempt in range(SEND_ATTEMPTS):
+            try:
+                rep = await self._transport.send(self.peers[peer], view, reliable=True, tag=tag, element_size=1,
+                                                 timeout=self._left(deadline))
+                break
+            except Exception as exc:  # noqa: BLE001 - name the real cause, keep it chained
+                if attempt < SEND_ATTEMPTS - 1 and time.monotonic() < deadline and not self._closed:
+                    self.stats["send_retries"] += 1
+                    continue  # the transport gave up early (e.g. the peer was starved of CPU): send again
+                raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: sending {view.nbytes} bytes to "
+                                      f"rank {peer} at {self.peers[peer]} failed ({attempt + 1} attempts): "
+                                      f"{type(exc).__name__}: {exc}") from exc
         if rep.delivered_bytes != view.nbytes:
             raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: rank {peer} acknowledged "
                                   f"{rep.delivered_bytes} of {view.nbytes} bytes ({rep.close_reason})")
