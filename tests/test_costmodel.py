@@ -203,7 +203,7 @@ def test_network_helpers():
 rings = st.lists(st.integers(0, 7), min_size=2, max_size=8, unique=True)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(ring=rings, nbytes=st.floats(0, 1e9), extra=st.floats(0, 1e9), alpha=st.floats(0, 1), beta=st.floats(0, 1e-6))
 def test_ring_time_grows_with_bytes_and_is_alpha_beta(ring, nbytes, extra, alpha, beta):
     net = Network.full_mesh(8, alpha, beta)
@@ -213,7 +213,7 @@ def test_ring_time_grows_with_bytes_and_is_alpha_beta(ring, nbytes, extra, alpha
     assert t == pytest.approx(2 * (f - 1) * (alpha + beta * nbytes / f), rel=1e-9, abs=1e-300)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(a=rings, b=rings, nbytes=st.floats(1, 1e9), rates=st.lists(st.floats(1e6, 1e10), min_size=8, max_size=8))
 def test_sharing_never_speeds_a_ring_up(a, b, nbytes, rates):
     net = Network.switched(rates)
