@@ -421,3 +421,27 @@ def test_every_returned_plan_is_valid(net, S, seed, episodes, fail):
         assert fallback_ring(net.without(links=[link]), range(net.n)) is None
         return
     assert_valid_plan(cur, net, failed_links=[link])
+
+
+def test_update_network_reprices_and_avoids_slow_and_missing_links():
+    from ltp_ps.schedules.rsgcm import price_plan
+
+    net = Network.full_mesh(6, 1e-3, 1e-8)
+    p = RsgcmPlanner(net, 4 * MB, rng=random.Random(0))
+    p.search()
+    used = sorted(p.current_plan().steps[0].connections())
+    slow, gone = used[0], used[1]
+    links = {pair: Link(1e-3, 1e-6 if pair == slow else 1e-8) for pair in net.links if pair != gone}
+    net2 = Network(6, links)
+    p.update_network(net2)
+    now = p.current_plan()  # right away: repriced incumbents or the fallback ring, never the lost link
+    assert_valid_plan(now, net2)
+    assert now.predicted_s == pytest.approx(price_plan(net2, now))
+    p.search()
+    after = p.current_plan()
+    assert_valid_plan(after, net2)
+    assert not after.uses_link(*slow) and not after.uses_link(*gone)
+    assert after.predicted_s == pytest.approx(price_plan(net2, after))
+    assert after.predicted_s == pytest.approx(exhaustive_search(net2, 4 * MB).predicted_s)
+    with pytest.raises(ValueError, match="keeps the devices"):
+        p.update_network(Network.full_mesh(5, 1e-3, 1e-8))

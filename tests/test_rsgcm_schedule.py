@@ -184,3 +184,21 @@ def test_schedule_runs_on_the_executor_with_loss(n, size):
     roles = run_round(rp, grads, 0.1, 9)
     for r in roles[1:]:
         np.testing.assert_array_equal(r.applied, roles[0].applied)
+
+
+def test_new_topology_with_a_slow_pair_is_avoided():
+    import dataclasses
+
+    w = interleaved_world()
+    s = create("rsgcm", w)
+    s.plan(0)
+    before = s.predict_s()
+    ring = s.current().steps[0].rings()[0]
+    a, b = ring[0], ring[1]
+    ha, hb = w.placement[worker(a)], w.placement[worker(b)]
+    topo = w.topology.with_measured({(ha, hb): (2e-3, 1e6), (hb, ha): (2e-3, 1e6)})  # 1 Mbit/s measured
+    s.set_world(dataclasses.replace(w, topology=topo))
+    for it in range(1, 4):
+        assert_runs_everyone(s, s.plan(it), range(6))
+    assert not s.current().uses_link(a, b)
+    assert s.predict_s() <= 1.2 * before

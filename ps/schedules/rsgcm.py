@@ -656,7 +656,8 @@ class RsgcmPlanner:
     def _action_ok(self, a: Action) -> bool:
         if a.devices() & self.failed_devices:
             return False
-        return not (a.connections() & self.failed_links)
+        conns = a.connections()
+        return not (conns & self.failed_links) and all(self.net.connected(*c) for c in conns)
 
     def _reset_tree(self) -> None:
         self._live = [i for i, a in enumerate(self.space) if self._action_ok(a)]
@@ -852,13 +853,30 @@ class RsgcmPlanner:
         self.failed_devices.add(d)
         self._replan()
 
+    def update_network(self, net) -> None:
+        """New link estimates for the same devices (measured rates, a changed topology): reprice the space and
+        the schedules found, add what Alg 1 builds on the new graph, rebuild the tree and keep searching.
+
+        Connections the new network lacks make the actions using them invalid; real
+        measurements belong to the old network and are dropped.
+        """
+        net = as_network(net)
+        if net.n != self.net.n:
+            raise ValueError(f"update_network keeps the devices ({self.net.n}); got a network of {net.n}: "
+                             f"build a new RsgcmPlanner for a different device set")
+        self.net = net
+        self.measured = {}
+        self._replan()
+
     def _replan(self) -> None:
         seen = {a.key() for a in self.space}
         extra = build_search_space(self._live_net(), sets=self.params.sets, devices=self.alive,
                                    extension=self.params.extension, upper=self.params.upper,
                                    ref_bytes=self.sizes[0])
         self.space.extend(a for a in extra if a.key() not in seen)
-        self.completed = {k: v for k, v in self.completed.items() if self._plan_ok(v[1])}
+        live_net = self._live_net()
+        self.completed = {k: (sum(_price(live_net, a, self.sizes) for a in acts), acts)
+                          for k, (_, acts) in self.completed.items() if self._plan_ok(acts)}
         self.measured = {k: v for k, v in self.measured.items() if k in self.completed}
         self._reset_tree()
 
@@ -1209,10 +1227,16 @@ class RsgcmSchedule(Schedule):
         return price_plan(self.planner._live_net(), self.current(), nbytes)
 
     def set_world(self, world) -> None:
-        """Membership changed: departed workers are failed devices; anything else replans from scratch."""
+        """The world changed.  Departed workers are failed devices; a new topology (measured rates, failed
+        pairs) reprices the search and keeps searching; new workers or a new model size plan from scratch."""
         gone = set(self.ranks) - set(world.workers)
         if set(world.workers) <= set(self.ranks) and world.n_elems == self.world.n_elems:
+            old = self.world
             self.world = world
+            if (world.topology, dict(world.placement)) != (old.topology, dict(old.placement)):
+                full = dataclasses.replace(world, workers=tuple(self.ranks))  # device numbering stays
+                self.net = as_network(full.effective_topology(), names=self.nodes)
+                self.planner.update_network(self.net)
             for r in sorted(gone):
                 d = self.ranks.index(r)
                 if d not in self.planner.failed_devices:
