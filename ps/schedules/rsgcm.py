@@ -54,6 +54,10 @@ drop every action that uses the failed connection or device, add the
 actions Alg 1 builds on the degraded graph, rebuild the tree and keep
 searching; :meth:`RsgcmPlanner.current_plan` meanwhile returns the best valid
 schedule found so far, else a single ring through the survivors.
+:meth:`RsgcmPlanner.update_network` does the same for new link estimates
+(repricing the schedules found).  :func:`programs` compiles a plan into the
+layer's per-worker round programs; :class:`RsgcmSchedule` is the ``rsgcm``
+round planner over a ``World``.
 
 Everything here is pure: plain data in, plain data out, randomness only from
 the ``random.Random`` passed in, no clock.
