@@ -298,11 +298,14 @@ def rat_flows(trees: Sequence[RatTree], slice_bytes: Sequence[float], host_of: M
                 flows.append(Flow((prefix, t.index, "up", c, j), host(c), host(p), size,
                                   after=[(prefix, t.index, "up", g, j) for g in kids.get(c, ())],
                                   after_sent=[(prefix, t.index, "up", c, j - 1)] if j else []))
-            for c, p, _ in t.edges():
+            for c, p, e in t.edges():
                 after = ([(prefix, t.index, "down", p, j)] if p in t.parent
                          else [(prefix, t.index, "up", g, j) for g in kids.get(p, ())])
+                # the broadcast runs the levels in reverse, top first (§3.2): a node sends a chunk to its
+                # children of a lower level only once it has sent it to those of the higher levels
+                higher = [(prefix, t.index, "down", g, j) for g in kids.get(p, ()) if t.edge_level[g] > e]
                 flows.append(Flow((prefix, t.index, "down", c, j), host(p), host(c), size, after=after,
-                                  after_sent=[(prefix, t.index, "down", c, j - 1)] if j else []))
+                                  after_sent=higher + ([(prefix, t.index, "down", c, j - 1)] if j else [])))
     return flows
 
 
