@@ -241,8 +241,8 @@ class Topology:
                                   (ing.delay_s or 0.0) + (eg.delay_s or 0.0) + DEFAULT_LATENCY_S))
         uplinks = []
         for spec in getattr(lab, "uplink_specs", lambda: [])():
-            uplinks.append(Uplink(spec["rack"], spec.get("rate_bps") or default_rate_bps,
-                                  spec.get("rate_bps") or default_rate_bps, spec.get("delay_s") or 0.0))
+            uplinks.append(Uplink(spec["rack"], spec.get("up_bps") or default_rate_bps,
+                                  spec.get("down_bps") or default_rate_bps, spec.get("delay_s") or 0.0))
         failed = frozenset(_pair(a, b) for a, b in getattr(lab, "blocked_pairs", lambda: [])())
         return cls(tuple(hosts), tuple(uplinks), failed)
 

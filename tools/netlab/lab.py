@@ -130,6 +130,10 @@ class Lab:
                  index=i, rack=rack_of[i], port=f"ltpp{i}")
             for i in range(n_hosts)]
         self._impair: dict[tuple[int, str], Impairment] = {}
+        self._uplinks: dict[tuple[int, str], Impairment] = {}  # (rack, "up"|"down") -> rate/delay of the uplink
+        self._uplink_delayers: dict[tuple[int, str], subprocess.Popen] = {}
+        self._blocked: set = set()  # frozenset({addr_a, addr_b}) pairs whose traffic the switch drops
+        self._redrawers: list = []
         self._delayers: dict[tuple[int, str], subprocess.Popen] = {}
         self._procs: list[subprocess.Popen] = []
         self._created: list[str] = []
@@ -176,9 +180,13 @@ class Lab:
         if not self._open:
             return
         self._open = False
-        for p in list(self._delayers.values()) + self._procs:
+        for r in self._redrawers:
+            r.stop()
+        self._redrawers.clear()
+        for p in list(self._delayers.values()) + list(self._uplink_delayers.values()) + self._procs:
             _terminate(p)
         self._delayers.clear()
+        self._uplink_delayers.clear()
         self._procs.clear()
         for name in reversed(self._created):
             support.kill_netns_pids(name)
@@ -414,6 +422,141 @@ class Lab:
                               "-j", "NFQUEUE", "--queue-num", str(queue)])
         _terminate(p)
 
+    # ------------------------------------------------------------------ racks, blocks, redraws
+    def uplink(self, rack: int, rate_bps: float | None = None, delay_s: float = 0.0, direction: str = "both",
+               queue_bytes: int | None = None) -> None:
+        """Rate (tbf, bit/s) and one-way delay (seconds) of rack ``rack``'s uplink to the spine.
+
+        ``direction``: ``"up"`` (rack -> spine, shaped on the rack side of the uplink veth),
+        ``"down"`` (spine -> rack) or ``"both"``. Calling with the defaults removes them.
+        Needs ``racks=[...]``. Delay uses netem where available, else the user-space delayer
+        on the receiving bridge port (bridged PREROUTING, like a host's egress delay).
+        """
+        if direction == "both":
+            for d in ("up", "down"):
+                self.uplink(rack, rate_bps, delay_s, d, queue_bytes)
+            return
+        if not self.racks:
+            raise ValueError("uplinks exist only in a two-tier lab: build it with Lab(racks=[a, b, ...])")
+        if not 0 <= rack < len(self.racks):
+            raise ValueError(f"no rack {rack}; this lab has racks 0..{len(self.racks) - 1}")
+        if direction not in ("up", "down"):
+            raise ValueError(f"direction must be 'up', 'down' or 'both', got {direction!r}")
+        if rate_bps is not None and rate_bps <= 0:
+            raise ValueError(f"rate_bps must be positive or None, got {rate_bps}")
+        if delay_s < 0:
+            raise ValueError(f"delay_s must be >= 0, got {delay_s}")
+        if not self._open:
+            raise RuntimeError("the lab is not running (use it inside `with Lab(...) as lab:`)")
+        from pyroute2.netlink.exceptions import NetlinkError
+
+        new = Impairment(rate_bps=rate_bps, queue_bytes=queue_bytes, delay_s=delay_s)
+        old = self._uplinks.get((rack, direction), Impairment())
+        backend = support.delay_backend() if delay_s > 0 else "netem"
+        if delay_s > 0 and backend == "none":
+            raise LabUnsupported(support.delay_unavailable_reason())
+        # up: rack bridge -> spine leaves through ltpu<r>; down: spine -> rack leaves through ltps<r>
+        shape_if, recv_port = (f"ltpu{rack}", f"ltps{rack}") if direction == "up" else (f"ltps{rack}", f"ltpu{rack}")
+        with support.iproute(self.switch_ns) as ipr:
+            idx = ipr.link_lookup(ifname=shape_if)[0]
+            try:
+                ipr.tc("del", index=idx, handle="1:", root=True)
+            except NetlinkError:
+                pass
+            parent = None
+            if rate_bps:
+                wire = self.mtu + 14
+                qbytes = queue_bytes if queue_bytes is not None else max(10 * wire, int(rate_bps / 8 * 0.005))
+                burst = max(2 * wire, int(rate_bps / 8 * 0.0002))
+                ipr.tc("add", "tbf", index=idx, handle="1:", rate=int(rate_bps / 8), burst=burst,
+                       limit=max(qbytes, wire))
+                parent = "1:1"
+            if delay_s > 0 and backend == "netem":
+                kw = dict(delay=int(delay_s * 1e6), limit=1_000_000)
+                ipr.tc("add", "netem", index=idx, **(dict(parent=parent, handle="10:") if parent else
+                                                       dict(handle="1:")), **kw)
+        if (new.delay_s != old.delay_s) or (rack, direction) in self._uplink_delayers:
+            self._stop_uplink_delayer(rack, direction)
+            if delay_s > 0 and backend == "nfqueue":
+                queue = UPLINK_QUEUE_BASE + 2 * rack + (direction == "down")
+                self._sh(self.switch_ns, ["sysctl -qw net.bridge.bridge-nf-call-iptables=1"])
+                self._uplink_delayers[(rack, direction)] = start_delayer(self.switch_ns, queue, delay_s, 0.0,
+                                                                         seed=queue)
+                r = support._ns_exec(self.switch_ns, ["iptables-legacy", "-t", "raw", "-A", "PREROUTING", "-m",
+                                                      "physdev", "--physdev-in", recv_port, "-j", "NFQUEUE",
+                                                      "--queue-num", str(queue)])
+                if r.returncode != 0:
+                    self._stop_uplink_delayer(rack, direction)
+                    raise RuntimeError(f"iptables-legacy NFQUEUE rule for uplink {rack} failed: {r.stderr.strip()}")
+        self._uplinks[(rack, direction)] = new
+
+    def _stop_uplink_delayer(self, rack: int, direction: str) -> None:
+        p = self._uplink_delayers.pop((rack, direction), None)
+        if p is None:
+            return
+        queue = UPLINK_QUEUE_BASE + 2 * rack + (direction == "down")
+        recv_port = f"ltps{rack}" if direction == "up" else f"ltpu{rack}"
+        support._ns_exec(self.switch_ns, ["iptables-legacy", "-t", "raw", "-D", "PREROUTING", "-m", "physdev",
+                                          "--physdev-in", recv_port, "-j", "NFQUEUE", "--queue-num", str(queue)])
+        _terminate(p)
+
+    def uplink_specs(self) -> list[dict]:
+        """``[{rack, up_bps, down_bps, delay_s}]`` for racks with a shaped or delayed uplink."""
+        out = []
+        for r in range(len(self.racks or [])):
+            up, down = self._uplinks.get((r, "up")), self._uplinks.get((r, "down"))
+            if up is None and down is None:
+                continue
+            out.append({"rack": r, "up_bps": up.rate_bps if up else None, "down_bps": down.rate_bps if down else None,
+                        "delay_s": max(x.delay_s for x in (up, down) if x is not None)})
+        return out
+
+    def block(self, a: Host | int | str, b: Host | int | str) -> None:
+        """Drop every packet between hosts ``a`` and ``b`` (both directions) at the switch, mid-run."""
+        ha, hb = self._host(a), self._host(b)
+        if ha.index == hb.index:
+            raise ValueError(f"block needs two different hosts, got {ha.name} twice")
+        self._blocked.add(frozenset((ha.addr, hb.addr)))
+        self._apply_blocks()
+
+    def unblock(self, a: Host | int | str, b: Host | int | str) -> None:
+        """Let ``a`` and ``b`` talk again."""
+        self._blocked.discard(frozenset((self._host(a).addr, self._host(b).addr)))
+        self._apply_blocks()
+
+    def blocked_pairs(self) -> list[tuple[str, str]]:
+        """Blocked pairs as host names (sorted), for ``Topology.from_lab``."""
+        names = {h.addr: h.name for h in self.hosts}
+        return sorted(tuple(sorted(names[x] for x in p)) for p in self._blocked)
+
+    def _apply_blocks(self) -> None:
+        if not self._open:
+            raise RuntimeError("the lab is not running (use it inside `with Lab(...) as lab:`)")
+        lines = ["table bridge ltpblock {",
+                 "  chain forward { type filter hook forward priority 0; policy accept; }", "}",
+                 "flush chain bridge ltpblock forward"]
+        for p in sorted(self._blocked, key=sorted):
+            x, y = sorted(p)
+            lines.append(f"add rule bridge ltpblock forward ip saddr {x} ip daddr {y} counter drop")
+            lines.append(f"add rule bridge ltpblock forward ip saddr {y} ip daddr {x} counter drop")
+        self._nft(self.switch_ns, "\n".join(lines) + "\n")
+
+    def redraw_rates(self, hosts: Sequence, period_s: float, draw, *, seed: int = 0,
+                     direction: str = "egress") -> "RateRedrawer":
+        """Every ``period_s`` seconds set each host's rate in ``direction`` to ``draw(rng)`` bit/s.
+
+        ``draw`` is any function of a seeded ``random.Random`` (e.g. a skewed profile such as
+        MLfabric's); loss and delay already set on that direction are kept. The first draw
+        happens now. Returns the running :class:`RateRedrawer` (``stop()``, ``history``);
+        :meth:`close` stops it.
+        """
+        if period_s <= 0:
+            raise ValueError(f"period_s must be > 0, got {period_s}")
+        r = RateRedrawer(self, [self._host(h) for h in hosts], period_s, draw, seed, direction)
+        self._redrawers.append(r)
+        r.start()
+        return r
+
     # ------------------------------------------------------------------ measurement
     def loss_stats(self, h: Host | int | str, direction: str = "ingress") -> dict:
         """Counters at the loss point of (h, direction) since the last :meth:`impair` there (or :meth:`reset_stats`).
@@ -484,6 +627,54 @@ class Lab:
         return dict(prefix=self.prefix, switch_ns=self.switch_ns, mtu=self.mtu, racks=self.racks,
                     backend=self.backend,
                     hosts=[dataclasses.asdict(h) for h in self.hosts])
+
+
+UPLINK_QUEUE_BASE = 1000  # NFQUEUE numbers of uplink delayers (host delayers use 0 .. n_hosts)
+
+
+class RateRedrawer:
+    """Background thread that redraws host rates every ``period_s`` (see :meth:`Lab.redraw_rates`)."""
+
+    def __init__(self, lab: Lab, hosts: list, period_s: float, draw, seed: int, direction: str):
+        import random
+
+        self.lab, self.hosts, self.period_s, self.draw, self.direction = lab, hosts, period_s, draw, direction
+        self.rng = random.Random(seed)
+        self.history: list[tuple[float, dict]] = []  # (monotonic time, {host name: bit/s})
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lab-rate-redraw", daemon=True)
+
+    def start(self) -> None:
+        self._apply()
+        self._thread.start()
+
+    def _apply(self) -> None:
+        import time
+
+        rates = {}
+        for h in self.hosts:
+            bps = float(self.draw(self.rng))
+            if bps <= 0:
+                raise ValueError(f"rate draw returned {bps} bit/s; draws must be positive")
+            old = self.lab.impairment(h, self.direction)
+            self.lab.impair(h, self.direction, loss=old.loss, rate_bps=bps, queue_bytes=old.queue_bytes,
+                            delay_s=old.delay_s, jitter_s=old.jitter_s, all_sizes=old.all_sizes)
+            rates[h.name] = bps
+        self.history.append((time.monotonic(), rates))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self._apply()
+            except Exception as exc:  # the lab closed under us, or a tc call failed: record and stop
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
 
 
 def _counter_table(table: str, device: str) -> str:

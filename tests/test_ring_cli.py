@@ -1,0 +1,74 @@
+"""``--schedule ring`` end to end over real processes (zero PS), from ``ltp-ps launch`` and torchrun, over TCP
+and LTP; ``ltp-ps plan``; clear errors for unknown or PS-less misuse."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ps_helpers import child_env, free_port, ps_cmd
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["tcp", "ltp"])
+def test_launch_ring_trains_digits_with_zero_ps(tmp_path, transport):
+    summary = tmp_path / "s.json"
+    p = subprocess.run(ps_cmd("launch", "--schedule", "ring", "--workers", 3, "--epochs", 8, "--lab", "off",
+                              "--transport", transport, "--summary-json", summary),
+                       env=child_env(), capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "0 PS + 3 workers" in p.stdout and "[ps" not in p.stdout
+    assert len(re.findall(r"\[ring w0\] epoch +\d+/8 +acc", p.stdout)) == 8
+    s = json.loads(summary.read_text())
+    assert s["final_accuracy"] >= 0.9 and s["iterations"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_ring_all_ranks_are_workers():
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                        "--master-port", str(free_port()), "-m", "ltp_ps.run", "--schedule", "ring", "--model",
+                        "digits", "--epochs", "8", "--transport", "tcp"],
+                       env=child_env(), capture_output=True, text=True, timeout=280, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "3 workers, no PS" in p.stdout
+    acc = [float(a) for a in re.findall(r"acc (\d\.\d+)", p.stdout)]
+    assert len(acc) == 8 and acc[-1] >= 0.9
+
+
+def test_plan_prints_json_with_a_prediction(tmp_path):
+    topo = tmp_path / "t.json"
+    topo.write_text(json.dumps({"rate_bps": 100e6, "latency_s": 1e-4, "hosts": [f"h{i}" for i in range(6)]}))
+    out = {}
+    for name in ("direct", "ring"):
+        p = subprocess.run(ps_cmd("plan", "--schedule", name, "--topology", topo, "--workers", 5, "--bytes", 4e6),
+                           env=child_env(), capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        out[name] = json.loads(p.stdout)
+    r, d = out["ring"], out["direct"]
+    assert r["apply_at"] == "workers" and d["apply_at"] == "server"
+    assert len(r["edges"]) == 2 * 4 * 5 and len(d["edges"]) == 3 * 5
+    # 100 Mbit/s, 4 MB: the PS's downlink carries 5 x 4 MB (>= 1.6 s); a ring moves 2 (N-1)/N x 4 MB per host
+    assert d["predicted_s"] >= 1.6 and 0.5 < r["predicted_s"] < 0.7
+    assert r["plan"]["programs"]["worker:0"]["stages"]
+
+
+def test_unknown_schedule_lists_what_exists():
+    p = subprocess.run(ps_cmd("plan", "--schedule", "nonesuch"), env=child_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2
+    assert "unknown schedule 'nonesuch'" in p.stderr and "direct" in p.stderr and "ring" in p.stderr
+
+
+def test_server_refuses_a_ps_less_schedule():
+    p = subprocess.run(ps_cmd("server", "--schedule", "ring", "--store", f"127.0.0.1:{free_port()}"),
+                       env=child_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "zero PS processes" in p.stderr
