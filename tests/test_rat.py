@@ -374,3 +374,26 @@ def test_plan_json_round_trip_and_round_shape():
     first_compute = next(i for i, st in enumerate(ops) if "compute" in st)
     assert all("recv" in st for st in ops[:first_compute])
     assert plan.program(server(0)).stages[-1][-1].op == "apply"
+
+
+def test_topology_input_and_separate_ps_hosts():
+    from ltp_ps.schedules.rat import regions_of
+    topo = Topology.uniform([f"h{i}" for i in range(8)], racks=[2, 3, 3], rate_bps=100e6, uplink_bps=50e6)
+    assert regions_of(topo) == [["h0", "h1"], ["h2", "h3", "h4"], ["h5", "h6", "h7"]]
+    assert rat_trees(regions_of(topo))[0].chain_length() == 4
+    net = FluidNetwork.from_topology(topo)
+    assert net.rack_up_bps == {"0": 50e6, "1": 50e6, "2": 50e6} and net.host_up_bps["h3"] == 100e6
+    # two PS shards on their own rack (launch order: shards first), six workers in two racks
+    w = World(workers=tuple(range(6)), n_elems=600, shards=((0, 300), (300, 600)), topology=topo)
+    sched = RatSchedule(w)
+    for t in sched.trees():
+        assert t.chain_length() == 4  # one aggregator per worker rack, each sends to the shard
+        assert len([c for c, p, _ in t.edges() if p == t.root]) == 2
+    plan = sched.plan(1)
+    plan.check()
+    rng = np.random.default_rng(3)
+    grads = {r: rng.standard_normal(600).astype(np.float32) for r in range(6)}
+    slots, applied, stuck = run_plan(plan, grads, 600)
+    assert not stuck
+    np.testing.assert_allclose(server_params(slots, w), np.mean(list(grads.values()), axis=0), rtol=1e-5, atol=1e-6)
+    assert sched.predict_s() > 0
