@@ -95,6 +95,7 @@ class Slots:
     def __init__(self):
         self.buffers: dict[str, Any] = {}
         self.critical: dict[str, Any] = {}  # slot -> byte ranges (raw payloads whose role computed them)
+        self.reports: dict[str, Any] = {}  # slot -> the RecvReport of the last receive into it (roles decode raw slots)
         self._partials: dict[str, PartialSet] = {}
 
     def bind(self, name: str, buf) -> None:
@@ -365,6 +366,7 @@ class Executor:
                            if isinstance(res.reports[i], RecvReport) and res.reports[i].received_bytes > 0}
         for k, (i, s) in enumerate(members):
             r = res.reports[i]
+            slots.reports[s.slot] = r
             if not isinstance(r, RecvReport) or r.received_bytes == 0:
                 self.counters["missing"] += 1
                 res.missing.append((i, getattr(r, "regime", repr(r))))
