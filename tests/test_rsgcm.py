@@ -151,6 +151,8 @@ BRUTE_CASES = [
     ("random 6 (seed 2), S=2", random_network(6, 2), 2),
     ("random 5 (seed 3), S=2", random_network(5, 3), 2),
     ("random 6 (seed 2), S=1", random_network(6, 2), 1),
+    # beyond the N <= 6; the search is not exhausted within Ep
+    ("random 7 (seed 102, p=0.6), S=2", random_network(7, 102, 0.6), 2),
 ]
 
 
