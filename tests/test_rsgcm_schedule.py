@@ -202,3 +202,51 @@ def test_new_topology_with_a_slow_pair_is_avoided():
         assert_runs_everyone(s, s.plan(it), range(6))
     assert not s.current().uses_link(a, b)
     assert s.predict_s() <= 1.2 * before
+
+
+def _random_failures(n, seed, k):
+    r = random.Random(seed)
+    events = []
+    for _ in range(k):
+        if r.random() < 0.3:
+            events.append(("device", r.randrange(n)))
+        else:
+            a, b = r.sample(range(n), 2)
+            events.append(("link", a, b))
+    return events
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 6, 7])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_failure_sequences_always_plan_valid_rounds(n, seed):
+    """Failures in any order: every round runs a matched plan over exactly the survivors, or the planner
+    says (PlanningError) that no ring connects them."""
+    from ltp_ps.schedules.rsgcm import PlanningError, fallback_ring
+
+    s = create("rsgcm", World(workers=range(n), n_elems=64), rng=random.Random(seed))
+    dead, cut = set(), set()
+    for it, ev in enumerate(_random_failures(n, seed, 4)):
+        if ev[0] == "device":
+            d = ev[1]
+            others = [x for x in range(n) if x != d][:2]
+            reports = [LinkReport(worker(d), worker(o), 1, 1.0, 0.0, ok=False) for o in others]
+            dead.add(d)
+        else:
+            _, a, b = ev
+            if a in dead or b in dead:
+                continue
+            reports = [LinkReport(worker(a), worker(b), 1, 1.0, 0.0, ok=False),
+                       LinkReport(worker(a), worker((a + 1) % n), 1, 0.01),
+                       LinkReport(worker(b), worker((b + 1) % n), 1, 0.01)]
+            cut.add(tuple(sorted((a, b))))
+        s.observe(reports)
+        alive = [x for x in range(n) if x not in dead]
+        try:
+            rp = s.plan(it)
+        except PlanningError:
+            assert fallback_ring(s.net.without(links=cut, devices=dead), alive) is None
+            assert not s.planner.candidates()
+            return
+        assert_runs_everyone(s, rp, alive)
+        for a_ in s._last.steps:
+            assert not ({tuple(sorted(c)) for c in a_.connections()} & cut)
