@@ -72,6 +72,7 @@ import math
 import random
 from typing import Callable, Iterable, Mapping, Sequence
 
+from ..errors import TrainingFailed
 from .base import Schedule
 from .costmodel import Link, Network, block_sizes, ring_seconds, step_seconds
 from .program import (APPLY_AT_WORKERS, RELIABLE, SLOT_ACC, TOLERANT, Adopt, Apply, Combine, Compute, Program, Recv,
@@ -100,8 +101,8 @@ HAMILTON_BUDGET = 200_000  # DFS node visits when looking for a fallback ring of
 Ring = tuple  # tuple[int, ...] device ids in ring order
 
 
-class PlanningError(RuntimeError):
-    """No schedule can be produced (e.g. the survivors' graph holds no ring)."""
+class PlanningError(TrainingFailed, RuntimeError):
+    """No schedule can be produced (e.g. the survivors' graph holds no ring): the job cannot make progress."""
 
 
 # ---------------------------------------------------------------- actions and plans
