@@ -17,6 +17,7 @@ import pytest
 from ltp_ps.schedules.base import World
 from ltp_ps.schedules.mlfabric_controller import BATCH_WINDOW_S, MLfabricController, MLfabricSchedule, grant_timeout
 from ltp_ps.schedules.mlfabric_links import FabricNetwork
+from ltp_ps.schedules.mlfabric_replica import DEFAULT_MAX_BACKLOG, divergence_bound, history_bound
 from ltp_ps.schedules.program import (SLOT_GRAD, Grant, NodeFailed, NodeReady, Program, RoundPlan, TransferDone, server,
                                       worker)
 from ltp_ps.schedules.topology import Topology
@@ -24,6 +25,8 @@ from ltp_ps.schedules.topology import Topology
 pytestmark = pytest.mark.timeout(120)
 
 PS = server(0)
+REPLICA = "replica"
+GAMMA = 0.9
 MBIT = 1e6 / 8
 RATES_MBIT = (10, 25, 50, 100)
 WEIGHTS = (0.2, 0.2, 0.2, 0.4)
@@ -45,12 +48,14 @@ def _programs_of(grants) -> RoundPlan:
 
 
 def simulate(seed: int, *, n: int = 6, k: int = 1, tau: int = 4, duration: float = 30.0, t_lag: float = 2.0,
-             nbytes: int = 1_000_000, fail: tuple | None = None):
+             nbytes: int = 1_000_000, fail: tuple | None = None, div_max: float | None = None):
     rng = random.Random(seed)
+    norm_rng = random.Random(seed + 1000)  # update norms (a stream of their own: the schedule draws stay put)
     workers = [worker(i) for i in range(n)]
-    hosts = [PS] + workers
+    hosts = [PS] + workers + ([REPLICA] if div_max is not None else [])
     net = FabricNetwork(_rates(rng, hosts), _rates(rng, hosts))
-    ctrl = MLfabricController(net, PS, n_elems=nbytes // 4, tau_max=tau, k=k, rng=random.Random(seed))
+    rep_kw = {} if div_max is None else {"replica": REPLICA, "div_max": div_max, "gamma": GAMMA, "replica_k": 1}
+    ctrl = MLfabricController(net, PS, n_elems=nbytes // 4, tau_max=tau, k=k, rng=random.Random(seed), **rep_kw)
     assert ctrl.start(0, workers, now=0.0) == []
     heap: list = []  # (time, seq, kind, payload)
     seq = 0
@@ -61,7 +66,12 @@ def simulate(seed: int, *, n: int = 6, k: int = 1, tau: int = 4, duration: float
         seq += 1
 
     ps_version = 0
-    fifo: deque = deque()  # [commit, tag, lost] in the PS's grant order
+    fifo: deque = deque()  # (commit, tag, lost, arrive, last of its batch) in the PS's grant order
+    rfifo: deque = deque()  # (replica commit, src, tag, apply_at) in the replica's grant order
+    server_seq: list = []  # updates in the order the PS applied them
+    replica_seq: list = []
+    divergences: list = []  # the eq 11 bound each time a batch's last commit is applied
+    last_rapply = 0.0
     last_apply = 0.0
     alive = set(workers)
     stale = []
@@ -81,14 +91,24 @@ def simulate(seed: int, *, n: int = 6, k: int = 1, tau: int = 4, duration: float
         if ctrl.next_deadline() is not None:
             cands.append(ctrl.next_deadline())
         if fifo:
-            cands.append(max(fifo[0][0].arrive, last_apply))
+            cands.append(max(fifo[0][3], last_apply))
+        if rfifo:
+            cands.append(max(rfifo[0][3], last_rapply))
         if not cands:
             break
         now = min(cands)
-        if now > duration and not fifo and ctrl.next_deadline() is None:
+        if now > duration and not fifo and not rfifo and ctrl.next_deadline() is None:
             break
-        if fifo and max(fifo[0][0].arrive, last_apply) == now:
-            c, tag, lost = fifo.popleft()
+        if rfifo and max(rfifo[0][3], last_rapply) == now:  # the replica applies first on ties
+            rc, src, tag, _ = rfifo.popleft()
+            replica_seq.extend(rc.members)
+            last_rapply = now
+            for key in [key for key in ctrl.replica_outstanding
+                        if key == (src, REPLICA, tag) or (key[1] == src and key[0] in {u.node for u in rc.members})]:
+                ctrl.on_event(TransferDone(key[0], key[1], key[2]), now=now)
+            continue
+        if fifo and max(fifo[0][3], last_apply) == now:
+            c, tag, lost, _, batch_last = fifo.popleft()
             if c.source not in alive and c.source != PS:
                 ctrl.on_event(TransferDone(c.source, PS, tag, ok=False), now=now)
                 for m in c.members:
@@ -102,7 +122,13 @@ def simulate(seed: int, *, n: int = 6, k: int = 1, tau: int = 4, duration: float
                 stale.append(s)
             ps_version += len(members)
             applied += len(members)
+            server_seq.extend(m.update for m in members)
             last_apply = now
+            if batch_last and div_max is not None:
+                r = min(len(replica_seq), len(server_seq))  # the replica may run ahead into the next batch
+                assert replica_seq[:r] == server_seq[:r]  # same order at the replica
+                norms = [u.norm for u in server_seq]
+                divergences.append(divergence_bound(history_bound(0.0, norms[:r], GAMMA), norms[r:], GAMMA))
             ctrl.on_event(TransferDone(c.source, PS, tag, ok=True), now=now)
             for m in c.members:
                 if m.update.node in alive:
@@ -115,9 +141,13 @@ def simulate(seed: int, *, n: int = 6, k: int = 1, tau: int = 4, duration: float
             ps_recvs = [g.steps[0] for g in grants if g.node == PS and g.steps[0].op == "recv"]
             ps_applies = [g.steps[0] for g in grants if g.node == PS and g.steps[0].op == "apply"]
             assert len(ps_recvs) == len(ps_applies) == len(plan.commits)
-            for c, r in zip(plan.commits, ps_recvs):
-                assert r.peer == c.source and r.timeout_s == pytest.approx(grant_timeout(now, c.arrive))
-                entry = (c, r.tag, set())
+            rp = ctrl.replica_plans[-1] if div_max is not None else None
+            for ci, (c, r) in enumerate(zip(plan.commits, ps_recvs)):
+                arrive = c.arrive
+                if rp is not None and rp.delayed and ci == len(plan.commits) - 1:
+                    arrive = rp.server_last.end
+                assert r.peer == c.source and r.timeout_s == pytest.approx(grant_timeout(now, arrive))
+                entry = (c, r.tag, set(), arrive, ci == len(plan.commits) - 1)
                 fifo.append(entry)
                 if c.group:  # each member's hop to the aggregator completes (or is lost) at its predicted arrival
                     for m in c.members:
@@ -126,6 +156,11 @@ def simulate(seed: int, *, n: int = 6, k: int = 1, tau: int = 4, duration: float
                         send = next(x.steps[0] for x in grants if x.node == m.update.node
                                     and x.steps[0].slot == SLOT_GRAD)
                         push(plan.grant_of(m.update.node).arrive, "hop", (m.update.node, c.source, send.tag, entry))
+            if rp is not None:
+                rrecvs = [g.steps[0] for g in grants if g.node == REPLICA and g.steps[0].op == "recv"]
+                assert len(rrecvs) == len(rp.frozen)
+                for rc, r in zip(rp.frozen, rrecvs):
+                    rfifo.append((rc, r.peer, r.tag, rc.apply_at))
             for g in plan.grants:
                 mine = [x for x in grants if x.node == g.update.node
                         and (x.drop or (x.steps[0].op == "send" and x.steps[0].slot == SLOT_GRAD))]
@@ -139,13 +174,18 @@ def simulate(seed: int, *, n: int = 6, k: int = 1, tau: int = 4, duration: float
                     assert mine[0].drop and mine[0].reason == g.reason
                     push(now + rng.uniform(0.05, 0.5), "ready", (g.update.node, ps_version))
                 else:
-                    assert mine[0].steps[0].peer == g.hop and mine[0].start_at == g.start >= now
+                    start = g.start
+                    last = plan.commits[-1]
+                    if rp is not None and rp.delayed and last.group == 0 and last.members[0].update is g.update:
+                        start = rp.server_last.start  # §5.3: the batch's last primary transfer was delayed
+                        assert start >= g.start
+                    assert mine[0].steps[0].peer == g.hop and mine[0].start_at == start >= now
             continue
         t, _, kind, payload = heapq.heappop(heap)
         if kind == "ready":
             w, v = payload
             if w in alive and t <= duration:
-                ctrl.on_event(NodeReady(w, 0, nbytes, v), now=t)
+                ctrl.on_event(NodeReady(w, 0, nbytes, v, norm_rng.uniform(0.2, 2.0)), now=t)
         elif kind == "hop":
             w, agg, tag, entry = payload
             if w in alive:
@@ -160,6 +200,9 @@ def simulate(seed: int, *, n: int = 6, k: int = 1, tau: int = 4, duration: float
             alive.discard(payload)
             ctrl.on_event(NodeFailed(payload, "test"), now=t)
     ctrl.sim_self_aggregated = self_aggregated  # members whose aggregator was their own host (test coverage)
+    ctrl.sim_divergences = divergences
+    ctrl.sim_replica_seq = replica_seq
+    ctrl.sim_server_seq = server_seq
     return ctrl, ps_version, stale, applied
 
 
@@ -239,3 +282,16 @@ def test_schedule_face_builds_a_controller_from_the_world():
     assert type(create("mlfabric", world)) is MLfabricSchedule  # the registry finds it
     with pytest.raises(ValueError, match="one PS shard"):
         MLfabricSchedule(World(workers=(0,), n_elems=10, shards=((0, 5), (5, 10))))
+
+
+@pytest.mark.parametrize("seed,div_max", [(0, 0.0), (1, 3.0), (2, 30.0), (3, 1e9)])
+def test_replica_option_keeps_order_and_the_divergence_bound(seed, div_max):
+    ctrl, version, stale, applied = simulate(seed, n=6, k=1, tau=8, div_max=div_max)
+    assert applied > 20 and max(stale) <= 8 and ctrl.v_next == version
+    assert ctrl.sim_divergences and max(ctrl.sim_divergences) <= div_max + 1e-9
+    assert ctrl.stats["replicated"] == len(ctrl.sim_replica_seq) > 0
+    assert ctrl.sim_replica_seq == ctrl.sim_server_seq[:len(ctrl.sim_replica_seq)]
+    assert ctrl.stats["replicated"] + len(ctrl.backlog) == applied  # every applied update replicated or punted
+    if div_max == 0.0:
+        assert not ctrl.backlog and ctrl.stats["delayed"] > 0  # strict: the replica never lags a batch's end
+    assert all(len(rp.punted) <= DEFAULT_MAX_BACKLOG for rp in ctrl.replica_plans)  # the lag stays bounded

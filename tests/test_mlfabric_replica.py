@@ -192,3 +192,14 @@ def test_seeded_distribution_batches_serve_everyone_once_never_slower_than_direc
             if d.via is not None:
                 assert d.hop.start >= copies[d.via] - 1e-12
         plan.table.check()
+
+
+def test_backlog_cap_forces_the_replica_to_catch_up():
+    net, sp = replica_setup()
+    free = plan_replica(sp, [], net, PS, REP, div_max=1e9, gamma=0.5, history_norm=1.0, max_backlog=None)
+    assert len(free.punted) == 2 and not free.delayed
+    capped = plan_replica(sp, [], net, PS, REP, div_max=1e9, gamma=0.5, history_norm=1.0, max_backlog=1)
+    assert [u.node for u in capped.punted] == ["worker:3"] and capped.delayed
+    capped.table.check()
+    with pytest.raises(ValueError, match="max_backlog"):
+        plan_replica(sp, [], net, PS, REP, div_max=1.0, gamma=0.5, history_norm=1.0, max_backlog=-1)

@@ -29,6 +29,16 @@ node are one stage each and run in the order they were issued.
 * :meth:`MLfabricController.update_rates` -- the network monitor's report
   every ``t_lag``: capacities are replaced, running reservations carried over.
 
+Replica option (§5.3): with ``replica=`` a node id and ``div_max``, every
+batch's primary plan is followed by :func:`~ltp_ps.schedules.mlfabric_replica.plan_replica`:
+each granted worker also keeps its gradient in ``mlf:keep:<seq>`` (a Combine
+after its send), replica copies are granted from that slot to the replica
+(or its aggregators) in the primary's order, updates that cannot reach the
+replica by the batch's last commit are punted to the next batch (the
+``backlog``), and when the bound would break the primary's last transfer is
+granted a later start.  The replica's ``||h||`` is tracked with
+``history_bound`` from zero.
+
 Version bookkeeping: the PS's version counts gradients applied (an aggregate
 of ``c`` gradients counts ``c``), so a batch's ``v_init`` is the previous
 batch's ``v_init + applied``, minus any written-off gradients.
@@ -46,6 +56,7 @@ from ..wire import KIND_PARTIAL
 from . import tags as _tags
 from .base import Schedule, World
 from .mlfabric import BatchPlan, Update, plan_batch
+from .mlfabric_replica import DEFAULT_MAX_BACKLOG, ReplicaPlan, plan_replica
 from .mlfabric_links import FabricNetwork, ReservationTable
 from .program import (SLOT_GRAD, TOLERANT, Apply, Combine, Controller, Grant, NodeFailed, NodeReady, Program,
                       Recv, RoundPlan, Send, TransferDone, parse_node, server)
@@ -54,6 +65,8 @@ BATCH_WINDOW_S = 0.1  # seconds: updates announced within this window are planne
 GRANT_TIMEOUT_MIN_S = 1.0  # seconds: shortest receive timeout granted
 GRANT_TIMEOUT_FACTOR = 3.0  # a receive times out after this many times its predicted duration (+ the minimum)
 DEFAULT_TAU_MAX = 8  # versions, when the world does not say
+DEFAULT_GAMMA = 0.9  # momentum the divergence bound assumes when none is given
+REPLICA_CHUNK_BASE = 1 << 15  # tag chunk field of replica transfers: 2**15 + group (primary ones use the group)
 
 
 
@@ -78,13 +91,28 @@ class MLfabricController(Controller):
 
     def __init__(self, net: FabricNetwork, server_node: str, *, n_elems: int, lo: int = 0, tau_max: int | None = DEFAULT_TAU_MAX,
                  k: int = 0, aggregators: Sequence[str] | None = None, rng: random.Random | None = None,
-                 batch_window_s: float = BATCH_WINDOW_S, v_init: int = 0):
+                 batch_window_s: float = BATCH_WINDOW_S, v_init: int = 0, replica: str | None = None,
+                 div_max: float | None = None, gamma: float = DEFAULT_GAMMA, replica_k: int = 0,
+                 replica_max_backlog: int | None = DEFAULT_MAX_BACKLOG):
         if batch_window_s < 0:
             raise ValueError("batch_window_s must be >= 0 seconds")
         if k < 0:
             raise ValueError("k (aggregators per batch) must be >= 0")
+        if replica is not None and (div_max is None or div_max < 0):
+            raise ValueError("replica= needs div_max= (a divergence bound >= 0; 0 is strict consistency)")
+        if replica is not None and replica == server_node:
+            raise ValueError("the replica must be another node than the primary PS")
         self.net = net
         self.server = server_node
+        self.replica = replica
+        self.div_max = div_max
+        self.gamma = float(gamma)
+        self.replica_k = int(replica_k)
+        self.replica_max_backlog = replica_max_backlog
+        self.backlog: list = []  # updates applied at the primary, not yet at the replica (punted), oldest first
+        self.replica_h = 0.0  # bound on the replica's momentum norm
+        self.replica_plans: list = []
+        self.replica_outstanding: set = set()  # (src, dst, tag) of granted replica transfers
         self.lo, self.hi = int(lo), int(lo) + int(n_elems)  # the model elements every update carries
         self.tau_max = tau_max
         self.k = int(k)
@@ -102,7 +130,8 @@ class MLfabricController(Controller):
         self._member_hop: dict = {}  # (worker, aggregator, tag) -> (source, tag) of the aggregate it feeds
         self.plans: list = []  # BatchPlan of every batch (bounded: the last ``PLAN_HISTORY``)
         self.ignored: dict = {}  # reason -> count (events that named unknown nodes, duplicates, ...)
-        self.stats = {"planned": 0, "dropped": 0, "aggregated": 0, "batches": 0, "written_off": 0}
+        self.stats = {"planned": 0, "dropped": 0, "aggregated": 0, "batches": 0, "written_off": 0,
+                      "replicated": 0, "punted": 0, "delayed": 0, "replica_lost": 0}
 
     PLAN_HISTORY = 64
 
@@ -137,7 +166,7 @@ class MLfabricController(Controller):
         return self.flush(now=now)
 
     def done(self) -> bool:
-        return not self.pending and not self.outstanding
+        return not self.pending and not self.outstanding and not self.replica_outstanding
 
     # -- monitor ----------------------------------------------------------------------------------------------------
     def update_rates(self, up: Mapping | None = None, down: Mapping | None = None, *, now: float) -> None:
@@ -175,6 +204,9 @@ class MLfabricController(Controller):
         self.stats["written_off"] += len(lost)
 
     def _on_done(self, ev: TransferDone, now: float) -> list[Grant]:
+        if (ev.src, ev.dst, ev.tag) in self.replica_outstanding:
+            self.replica_outstanding.discard((ev.src, ev.dst, ev.tag))
+            return []
         key = (ev.src, ev.tag)
         if ev.dst == self.server and key in self.outstanding:
             if not ev.ok:
@@ -202,6 +234,11 @@ class MLfabricController(Controller):
             if p.source == node:  # its transfer to the PS (a direct update or an aggregate) will not come
                 self._write_off(key)
                 del self.outstanding[key]
+        lost = [u for u in self.backlog if u.node == node]  # its kept gradients can no longer reach the replica
+        if lost:
+            self.backlog = [u for u in self.backlog if u.node != node]
+            self.stats["replica_lost"] += len(lost)
+        self.replica_outstanding = {k for k in self.replica_outstanding if node not in (k[0], k[1])}
         for mk in [mk for mk in self._member_hop if mk[0] == node or mk[1] == node]:
             feed = self._member_hop.pop(mk)
             if mk[0] == node:  # its gradient had not reached the aggregator yet: the aggregate comes without it
@@ -221,6 +258,20 @@ class MLfabricController(Controller):
                           v_init=self.v_next, aggregators=[c for c in cands if c in self.workers], k=self.k,
                           rng=self.rng)
         self.table = plan.table
+        rp = None
+        if self.replica is not None:
+            rp = plan_replica(plan, self.backlog, self.net, self.server, self.replica, div_max=self.div_max,
+                              gamma=self.gamma, history_norm=self.replica_h,
+                              aggregators=[c for c in cands if c in self.workers], k=self.replica_k, rng=self.rng,
+                              max_backlog=self.replica_max_backlog)
+            self.table = rp.table
+            self.backlog = list(rp.punted)
+            self.replica_h = rp.history_norm
+            self.replica_plans.append(rp)
+            del self.replica_plans[:-self.PLAN_HISTORY]
+            self.stats["replicated"] += sum(len(c.members) for c in rp.frozen)
+            self.stats["punted"] = len(self.backlog)
+            self.stats["delayed"] += int(rp.delayed)
         self.v_next = plan.v_init + plan.applied
         self.plans.append(plan)
         del self.plans[:-self.PLAN_HISTORY]
@@ -228,7 +279,7 @@ class MLfabricController(Controller):
         self.stats["planned"] += plan.applied
         self.stats["dropped"] += len(plan.drops)
         self.stats["aggregated"] += sum(len(c.members) for c in plan.commits if c.group > 0)
-        grants = self.grants_for(plan, self.batch, now=now)
+        grants = self.grants_for(plan, self.batch, now=now, replica_plan=rp)
         self.batch += 1
         return grants
 
@@ -236,19 +287,33 @@ class MLfabricController(Controller):
         return _tags.pack(batch % (_tags.MAX_ITERATION + 1), _tags.PHASE_PUSH, min(step, _tags.MAX_STEP),
                           chunk % (_tags.MAX_CHUNK + 1), kind)
 
-    def grants_for(self, plan: BatchPlan, batch: int, *, now: float) -> list[Grant]:
-        """The grants that carry out ``plan``: workers first, then aggregators, then the PS in commit order."""
+    @staticmethod
+    def keep_slot(update: Update) -> str:
+        """Where a worker keeps a granted gradient until its replica copy is sent (replica option)."""
+        return f"mlf:keep:{update.seq}"
+
+    def grants_for(self, plan: BatchPlan, batch: int, *, now: float,
+                   replica_plan: ReplicaPlan | None = None) -> list[Grant]:
+        """The grants that carry out ``plan``: workers first, then aggregators, then the PS in commit order,
+        then (replica option) the replica copies."""
         lo, hi = self.lo, self.hi
+        keep = replica_plan is not None
         out: list = []
         agg_grants: list = []
         ps_grants: list = []
-        for c in plan.commits:
+        last_i = len(plan.commits) - 1
+        for ci, c in enumerate(plan.commits):
             first = c.members[0].position
+            start, arrive = c.start, c.arrive
+            if keep and replica_plan.delayed and ci == last_i:  # §5.3: the last primary transfer waits
+                start, arrive = replica_plan.server_last.start, replica_plan.server_last.end
             if c.group == 0:
                 m = c.members[0]
                 tag = self._tag(batch, first, 0, KIND_PARTIAL)
-                out.append(Grant(m.update.node, (Send(self.server, SLOT_GRAD, lo, hi, tag, TOLERANT, "partial"),),
-                                 start_at=c.start))
+                steps = (Send(self.server, SLOT_GRAD, lo, hi, tag, TOLERANT, "partial"),)
+                if keep:
+                    steps += (Combine(self.keep_slot(m.update), SLOT_GRAD, lo, hi),)
+                out.append(Grant(m.update.node, steps, start_at=start))
                 self.outstanding[(m.update.node, tag)] = _Pending(batch, m.update.node, tag, [m.update.node])
             else:
                 agg = c.source
@@ -258,12 +323,16 @@ class MLfabricController(Controller):
                 for m in c.members:
                     if m.update.node == agg:  # its own update: no transfer, the aggregator combines its gradient
                         combines.append(Combine(acc, SLOT_GRAD, lo, hi))
+                        if keep:
+                            out.append(Grant(agg, (Combine(self.keep_slot(m.update), SLOT_GRAD, lo, hi),)))
                         continue
                     g = plan.grant_of(m.update.node)
                     tag_in = self._tag(batch, m.position, c.group, KIND_PARTIAL)
                     slot = f"mlf:{batch}:in:{m.update.node}"
-                    out.append(Grant(m.update.node, (Send(agg, SLOT_GRAD, lo, hi, tag_in, TOLERANT, "partial"),),
-                                     start_at=g.start))
+                    steps = (Send(agg, SLOT_GRAD, lo, hi, tag_in, TOLERANT, "partial"),)
+                    if keep:
+                        steps += (Combine(self.keep_slot(m.update), SLOT_GRAD, lo, hi),)
+                    out.append(Grant(m.update.node, steps, start_at=g.start))
                     recvs.append(Recv(m.update.node, slot, lo, hi, tag_in, TOLERANT, "partial",
                                       group=f"mlf:{batch}:{c.group}", timeout_s=grant_timeout(now, g.arrive)))
                     combines.append(Combine(acc, slot, lo, hi))
@@ -272,19 +341,69 @@ class MLfabricController(Controller):
                     agg_grants.append(Grant(agg, tuple(recvs), reason=f"aggregate group {c.group}"))
                 agg_grants.append(Grant(agg, tuple(combines)))
                 agg_grants.append(Grant(agg, (Send(self.server, acc, lo, hi, tag_out, TOLERANT, "partial"),),
-                                        start_at=c.start))
+                                        start_at=start))
                 self.outstanding[(agg, tag_out)] = _Pending(batch, agg, tag_out, [m.update.node for m in c.members])
             src = c.source
             tag = self._tag(batch, first, c.group, KIND_PARTIAL)
             slot = f"mlf:{batch}:{c.group}:{first}"
             ps_grants.append(Grant(self.server, (Recv(src, slot, lo, hi, tag, TOLERANT, "partial",
-                                                      timeout_s=grant_timeout(now, c.arrive)),),
+                                                      timeout_s=grant_timeout(now, arrive)),),
                                    reason=f"position {first} ({len(c.members)} gradients)"))
             ps_grants.append(Grant(self.server, (Apply(slot, lo, hi),)))
         for g in plan.grants:
             if g.drop:
                 out.append(Grant(g.update.node, (), drop=True, reason=g.reason))
-        return out + agg_grants + ps_grants
+        rep = self._replica_grants(replica_plan, batch, now) if keep else []
+        return out + agg_grants + ps_grants + rep
+
+    def _replica_grants(self, rp: ReplicaPlan, batch: int, now: float) -> list[Grant]:
+        """Grants of the frozen replica commits, in the replica's order (tags: chunk ``REPLICA_CHUNK_BASE + group``)."""
+        lo, hi, rep = self.lo, self.hi, self.replica
+        out: list = []
+        agg_grants: list = []
+        rep_grants: list = []
+        i = 0
+        for c in rp.frozen:
+            first = i + 1
+            chunk = REPLICA_CHUNK_BASE + c.group
+            if c.group == 0:
+                u, hop = c.members[0], c.hops[0]
+                tag = self._tag(batch, first, chunk, KIND_PARTIAL)
+                out.append(Grant(u.node, (Send(rep, self.keep_slot(u), lo, hi, tag, TOLERANT, "partial"),),
+                                 start_at=hop.start, reason="replica copy"))
+                self.replica_outstanding.add((u.node, rep, tag))
+                src, arrive = u.node, hop.end
+            else:
+                agg = c.source
+                acc = f"mlf:{batch}:r{c.group}:acc"
+                tag_out = self._tag(batch, first, chunk, KIND_PARTIAL)
+                recvs, combines = [], []
+                for j, (u, hop) in enumerate(zip(c.members, c.hops)):
+                    if u.node == agg:
+                        combines.append(Combine(acc, self.keep_slot(u), lo, hi))
+                        continue
+                    tag_in = self._tag(batch, first + j, chunk, KIND_PARTIAL)
+                    slot = f"mlf:{batch}:rin:{u.seq}"
+                    out.append(Grant(u.node, (Send(agg, self.keep_slot(u), lo, hi, tag_in, TOLERANT, "partial"),),
+                                     start_at=hop.start, reason="replica copy"))
+                    recvs.append(Recv(u.node, slot, lo, hi, tag_in, TOLERANT, "partial",
+                                      group=f"mlf:{batch}:r{c.group}", timeout_s=grant_timeout(now, hop.end)))
+                    combines.append(Combine(acc, slot, lo, hi))
+                    self.replica_outstanding.add((u.node, agg, tag_in))
+                if recvs:
+                    agg_grants.append(Grant(agg, tuple(recvs), reason=f"replica aggregate group {c.group}"))
+                agg_grants.append(Grant(agg, tuple(combines)))
+                agg_grants.append(Grant(agg, (Send(rep, acc, lo, hi, tag_out, TOLERANT, "partial"),),
+                                        start_at=c.hops[-1].start))
+                self.replica_outstanding.add((agg, rep, tag_out))
+                src, arrive, tag = agg, c.arrive, tag_out
+            slot = f"mlf:{batch}:r:{first}"
+            rep_grants.append(Grant(rep, (Recv(src, slot, lo, hi, tag, TOLERANT, "partial",
+                                               timeout_s=grant_timeout(now, arrive)),),
+                                    reason=f"replica position {first} ({len(c.members)} gradients)"))
+            rep_grants.append(Grant(rep, (Apply(slot, lo, hi),)))
+            i += len(c.members)
+        return out + agg_grants + rep_grants
 
 
 class MLfabricSchedule(Schedule):

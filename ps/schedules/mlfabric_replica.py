@@ -32,7 +32,9 @@ commit by ``T_last`` are frozen and the rest are *punted* to the next batch
 primary's *last* transfer is delayed to start once the replica has committed
 the shortest prefix ``e`` whose lead satisfies the bound (always exists: a
 replica fully caught up has divergence 0), prefix ``e`` is frozen and the
-rest punted.  Prefixes are counted at replica commit boundaries (an
+rest punted.  Our addition: the backlog is capped (``max_backlog``) the same
+way -- without a cap a loose ``Div_max`` lets it grow without end, and every
+batch would re-plan all of it.  Prefixes are counted at replica commit boundaries (an
 aggregate commits all its members at once).
 """
 
@@ -44,6 +46,8 @@ from typing import Sequence
 
 from .mlfabric import BatchPlan, Hop, Ordered, Ordering, Update, aggregate, pick_aggregators
 from .mlfabric_links import FabricNetwork, ReservationTable
+
+DEFAULT_MAX_BACKLOG = 32  # updates: most a replica may lag at a batch's end (kept at the workers until sent)
 
 
 def lead_coefficients(lead: int, gamma: float) -> tuple:
@@ -94,13 +98,20 @@ class ReplicaPlan:
 
 def plan_replica(server_plan: BatchPlan, backlog: Sequence[Update], net: FabricNetwork, server: str, replica: str,
                  *, div_max: float, gamma: float, history_norm: float, aggregators: Sequence[str] = (),
-                 k: int = 0, rng: random.Random | None = None) -> ReplicaPlan:
+                 k: int = 0, rng: random.Random | None = None,
+                 max_backlog: int | None = DEFAULT_MAX_BACKLOG) -> ReplicaPlan:
     """Replica transfers for one batch whose primary schedule is ``server_plan`` (§5.3).
 
     ``backlog``: updates punted by earlier batches (applied at the primary,
     not yet at the replica), oldest first.  ``history_norm``: ``||h||`` of the
-    replica's momentum at its current state.  ``server_plan`` is not modified.
+    replica's momentum at its current state.  ``max_backlog`` (our addition;
+    None: unbounded as in the paper) caps the updates punted to the next
+    batch, enforced like the divergence bound, so workers' kept gradients and
+    the replica plan's size stay bounded when ``div_max`` is loose.
+    ``server_plan`` is not modified.
     """
+    if max_backlog is not None and max_backlog < 0:
+        raise ValueError(f"max_backlog={max_backlog!r}: use None (unbounded) or a count >= 0")
     if div_max < 0:
         raise ValueError(f"div_max={div_max!r}: use a divergence bound >= 0")
     if not 0.0 <= gamma < 1.0:
@@ -137,10 +148,13 @@ def plan_replica(server_plan: BatchPlan, backlog: Sequence[Update], net: FabricN
     def div_at(count: int) -> float:
         return divergence_bound(history_bound(history_norm, norms[:count], gamma), norms[count:], gamma)
 
+    def ok(i: int) -> bool:
+        return div_at(cum[i]) <= div_max and (max_backlog is None or len(order_r) - cum[i] <= max_backlog)
+
     n_frozen = sum(1 for c in commits if c.apply_at <= t_last)  # commits done by T_last (apply times are sorted)
-    delay = div_at(cum[n_frozen]) > div_max and bool(server_plan.commits)
+    delay = not ok(n_frozen) and bool(server_plan.commits)
     if delay:  # the shortest replica prefix that meets the bound (a caught-up replica has divergence 0)
-        n_frozen = next(i for i in range(n_frozen, len(commits) + 1) if div_at(cum[i]) <= div_max)
+        n_frozen = next(i for i in range(n_frozen, len(commits) + 1) if ok(i))
     for c in commits[n_frozen:]:  # punted: their transfers do not happen in this batch
         for h in c.hops:
             if h.reservation is not None:
