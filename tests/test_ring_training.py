@@ -71,3 +71,12 @@ async def test_dead_neighbour_fails_the_round_with_a_clear_error():
     errs = [r for r in res if isinstance(r, BaseException)]
     assert errs and all(isinstance(e, TrainingFailed) for e in errs)
     assert "never arrived" in str(errs[0])
+
+
+async def test_rsgcm_rings_train_through_the_same_peer_loop():
+    """Any workers-apply schedule runs on PeerWorker: RSGCM's planned rings train digits too."""
+    _, peers = make_ring(4, name="rsgcm", epochs=6, lr=0.1)
+    out = await asyncio.gather(*(p.run() for p in peers))
+    for p in peers[1:]:
+        np.testing.assert_array_equal(p.params, peers[0].params)
+    assert out[0]["final_accuracy"] >= 0.9
