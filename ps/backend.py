@@ -78,6 +78,40 @@ class LtpBackendError(dist.DistBackendError):
     """A collective of the ``ltp`` backend failed (timeout, peer gone, protocol violation)."""
 
 
+class _Failed:
+    """The value a base future is completed with when the operation failed (see :func:`completion`)."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _raise_failed(f: torch.futures.Future):
+    v = f.value()
+    if isinstance(v, _Failed):
+        raise v.exc
+    return v
+
+
+def completion() -> tuple:
+    """``(complete, fut)``: ``complete(value)`` or ``complete(exc, failed=True)`` finishes ``fut``.
+
+    ``torch.futures.Future.set_exception`` stores the exception as the future's
+    *value* (Python unwraps it), so C++ consumers such as DDP's reducer see a
+    completed future and fail with "Unable to cast ... to Tensor".  Raising
+    inside a ``then`` callback marks the child future as failed in C++ too, so
+    DDP raises our message.
+    """
+    base: torch.futures.Future = torch.futures.Future()
+    fut = base.then(_raise_failed)
+
+    def complete(value, failed: bool = False) -> None:
+        base.set_result(_Failed(value) if failed else value)
+
+    return complete, fut
+
+
 class LtpWork(dist.Work):
     """The ``Work`` of one collective: ``wait()`` raises its error; ``get_future()`` is what DDP chains on.
 
@@ -89,9 +123,15 @@ class LtpWork(dist.Work):
     def __init__(self, fut: torch.futures.Future):
         super().__init__()
         self._fut = fut
+        self._exc: BaseException | None = None  # the collective's own error (wait() raises it, typed)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        self._fut.wait()  # raises the collective's error
+        try:
+            self._fut.wait()
+        except Exception:
+            if self._exc is not None:
+                raise self._exc from None
+            raise
         return True
 
     def is_completed(self) -> bool:
@@ -110,7 +150,7 @@ class LtpWork(dist.Work):
         try:
             self._fut.value()
         except Exception as exc:  # noqa: BLE001
-            return exc
+            return self._exc or exc
         return None
 
     def get_future(self) -> torch.futures.Future:
@@ -260,7 +300,8 @@ class LtpProcessGroup(dist.ProcessGroup):
             seq = self._seq
             self._seq += 1
         self.stats["collectives"] += 1
-        fut: torch.futures.Future = torch.futures.Future()
+        complete, fut = completion()
+        work = LtpWork(fut)
         deadline = time.monotonic() + self._timeout_s
 
         async def run():
@@ -271,16 +312,17 @@ class LtpProcessGroup(dist.ProcessGroup):
         def done(f):
             exc = f.exception()
             if exc is None:
-                fut.set_result(result)
+                complete(result)
                 return
             self.stats["failed"] += 1
             if not isinstance(exc, LtpBackendError):
                 exc = LtpBackendError(f"ltp backend rank {self._rank}: {name} #{seq} failed: "
                                       f"{type(exc).__name__}: {exc}")
-            fut.set_exception(exc)
+            work._exc = exc
+            complete(exc, failed=True)
 
         cf.add_done_callback(done)
-        return LtpWork(fut)
+        return work
 
     def _left(self, deadline: float) -> float:
         return max(0.001, deadline - time.monotonic())
@@ -673,20 +715,20 @@ async def _all_or_first_error(coros) -> None:
 
 
 def _chain(works, result) -> dist.Work:
-    fut: torch.futures.Future = torch.futures.Future()
-    futs = [w.get_future() for w in works]
+    complete, fut = completion()
+    out = LtpWork(fut)
 
     def done(_):
-        try:
-            for f in futs:
-                f.wait()
-        except Exception as exc:  # noqa: BLE001
-            fut.set_exception(exc)
-            return
-        fut.set_result(result)
+        for w in works:
+            exc = w.exception()
+            if exc is not None:
+                out._exc = exc
+                complete(exc, failed=True)
+                return
+        complete(result)
 
-    torch.futures.collect_all(futs).add_done_callback(done)
-    return LtpWork(fut)
+    torch.futures.collect_all([w.get_future() for w in works]).add_done_callback(done)
+    return out
 
 
 def _check_cpu(tensors, name: str) -> None:

@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from .aggregate import limit_ranges
-from .backend import LtpBackendError
+from .backend import LtpBackendError, completion
 from .errors import ConfigError, RemoteError
 from .transport import open_transport, resolve_kind
 from .transport.base import TIMEOUT, gather_by_recv, missing_report
@@ -612,10 +612,10 @@ class LtpHookState:
 def ltp_hook(state: LtpHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average ``bucket`` over all ranks through the PS."""
     buf = bucket.buffer()
-    fut: torch.futures.Future = torch.futures.Future()
+    complete, fut = completion()
     if buf.dtype != torch.float32:
-        fut.set_exception(ConfigError(f"ltp_hook handles float32 buckets, got {buf.dtype}; "
-                                      "train in float32 or cast gradients"))
+        complete(ConfigError(f"ltp_hook handles float32 buckets, got {buf.dtype}; train in float32 or cast "
+                             "gradients"), failed=True)
         return fut
     grads = buf.detach().reshape(-1).numpy()
     ends, off = [], 0
@@ -630,9 +630,9 @@ def ltp_hook(state: LtpHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     def done(f):
         exc = f.exception()
         if exc is not None:
-            fut.set_exception(exc)
+            complete(exc, failed=True)  # DDP raises it from backward(), message intact
         else:
-            fut.set_result(torch.from_numpy(f.result().copy()).view_as(buf))
+            complete(torch.from_numpy(f.result().copy()).view_as(buf))
 
     cf.add_done_callback(done)
     return fut

@@ -1,14 +1,18 @@
-"""Tutorial: an ordinary DDP training script on scikit-learn digits, switched to LTP with one line.
+"""Tutorial: an ordinary DDP training script on scikit-learn digits, switched to LTP.
 
 Run on CPU with two processes::
 
     LTP_PS_TRANSPORT=tcp torchrun --nproc-per-node 2 ps/examples/ddp_digits.py --epochs 8
+    torchrun --nproc-per-node 2 ps/examples/ddp_digits.py --backend ltp --epochs 8
 
-Everything below is plain PyTorch DDP (gloo backend) except the line marked
-``<- LTP``: it registers ``ltp_ps.ddp``'s communication hook, which sends each
-gradient bucket to a parameter server (started lazily on rank 0) over LTP and
-returns the averaged bucket.  Delete that line and the script trains with
-gloo's allreduce instead.
+Everything below is plain PyTorch DDP except two lines marked ``<- LTP``: the
+import (which also registers the ``ltp`` process-group backend) and the
+registration of ``ltp_ps.ddp``'s communication hook, which sends each gradient
+bucket to a parameter server (started on rank 0) over LTP and returns the
+averaged bucket.  Delete both lines and the script trains with gloo's
+allreduce instead; ``--backend ltp`` moves the process group's own
+collectives (parameter broadcast, barriers) onto LTP's reliable mode too.
+See ``docs/ddp.md``.
 """
 
 import argparse
@@ -22,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-import ltp_ps.ddp
+import ltp_ps.ddp  # <- LTP (also registers the "ltp" backend)
 
 
 class Net(nn.Module):
@@ -43,9 +47,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--backend", default="gloo", help="process-group backend: gloo or ltp")
     args = ap.parse_args()
 
-    dist.init_process_group("gloo")
+    dist.init_process_group(args.backend)
     rank = dist.get_rank()
     torch.manual_seed(0)
     torch.set_num_threads(1)
