@@ -443,3 +443,31 @@ def test_planning_30_updates_is_fast():
     assert ts[len(ts) // 2] < 0.25, ts
     assert main(["--repeat", "3", "--budget-ms", "1e9", "--json"]) == 0
     assert main(["--repeat", "2", "--budget-ms", "0"]) == 1  # a missed budget is a failure, not a success
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 8), st.one_of(st.none(), st.integers(1, 6)), st.randoms(use_true_random=False))
+def test_property_ordering_is_shortest_first_within_deadlines(n, tau, rnd):
+    workers = [f"worker:{i}" for i in range(n)]
+    net = FabricNetwork(_draw_rates(rnd, [PS] + workers), _draw_rates(rnd, [PS] + workers))
+    ups = [Update(w, rnd.randint(1, 2_000_000), version=20 - rnd.randint(0, (tau or 3) + 1), seq=i)
+           for i, w in enumerate(workers)]
+    tab = ReservationTable.for_network(net, now=0.0)
+    o = order_updates(ups, tab, net, PS, tau_max=tau, v_init=20, now=0.0)
+    assert len(o.order) + len(o.drops) == n
+    replay = tab.copy()
+    for x in o.order:
+        assert x.position == o.order.index(x) + 1
+        if tau is not None:
+            assert 1 <= x.position <= x.deadline  # eq 9: never past its deadline
+        t_x = replay.finish_time(net.path(x.update.node, PS), x.update.nbytes, 0.0)
+        assert t_x == pytest.approx(x.end)
+        due = tau is not None and x.deadline == x.position
+        if not due:  # a free pick: nothing still to be placed finishes earlier on the same table
+            for y in o.order[x.position:]:
+                if tau is not None and y.deadline == x.position:
+                    continue
+                assert replay.finish_time(net.path(y.update.node, PS), y.update.nbytes, 0.0) >= t_x - 1e-9
+        replay.reserve(net.path(x.update.node, PS), x.update.nbytes, 0.0)
+    if tau is None:
+        assert not o.drops
