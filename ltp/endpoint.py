@@ -238,6 +238,8 @@ class Endpoint:
             if timeout is None:
                 return await fut
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TransferTimeout:
+            raise  # the engine's own verdict (peer silent...), with its cause: never relabel it
         except (asyncio.TimeoutError, TimeoutError):
             # nobody awaits the future any more: drop it before the engine fails the transfer, so
             # its error is not logged as "Future exception was never retrieved"

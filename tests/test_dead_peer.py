@@ -163,3 +163,23 @@ async def test_receiver_process_killed_mid_transfer_is_noticed_within_a_second()
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_engine_timeout_keeps_its_cause_under_a_caller_timeout():
+    """The engine's dead-peer TransferTimeout must reach the caller as is, not be relabelled as the
+    caller's own timeout (the issue's 'did not finish within None s')."""
+    import socket
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound, never answers: no ICMP either
+    silent.bind(("127.0.0.1", 0))
+    a = await ltp.open_endpoint(("127.0.0.1", 0), config=Config(peer_silence_min_s=0.3))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout) as ei:
+            await a.send(silent.getsockname(), np.ones(1000, np.float32), timeout=30)
+        took = time.monotonic() - t0
+        msg = str(ei.value)
+        assert 0.3 <= took < 1.5 and "sent nothing for" in msg and "caller's timeout" not in msg
+        assert str(silent.getsockname()) in msg
+    finally:
+        await a.close()
+        silent.close()
