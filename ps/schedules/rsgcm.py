@@ -1040,6 +1040,25 @@ def _ring_stages(ring: Sequence[int], pos: int, s: int, blk: tuple, grid: Sequen
     return stages
 
 
+def _canonical_orientation(ring: Sequence[int], masks: Sequence[int]) -> tuple:
+    """``ring`` rotated/reversed so that its members' contributor masks read lexicographically smallest.
+
+    Rings of one step that add the same partials (e.g. the rows of a 2D-mesh's
+    second step, each holding one partial per column) then add them in the same
+    order from the same start for every chunk, so their floating-point sums are
+    bit-identical.  Rotation and direction do not change the connections used.
+    """
+    f = len(ring)
+    best, best_key = tuple(ring), None
+    for order in (list(range(f)), list(range(f))[::-1]):
+        for r in range(f):
+            idx = order[r:] + order[:r]
+            key = tuple(masks[i] for i in idx)
+            if best_key is None or key < best_key:
+                best, best_key = tuple(ring[i] for i in idx), key
+    return best
+
+
 def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mapping[int, str] | None = None,
              timeout_s: float | None = None, critical: Callable[[int, int], tuple] | None = None) -> RoundPlan:
     """Compile ``ring_plan`` into every worker's :class:`~ltp_ps.schedules.program.Program` for one round.
@@ -1064,8 +1083,11 @@ def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mappin
     devices" uses each of those partials exactly once (the state tensor forbids
     double counts) -- so every worker counts the same contributions.  A loss in
     a later step would reach only one ring's members and split the replicas.
-    Later steps still sum in ring-dependent orders, so with more than one step
-    replicas agree only up to float rounding (see docs/schedules.md).
+    Every ring is oriented so its members' partials read in a canonical order
+    (:func:`_canonical_orientation`): rings that add the same partials (a 2D-mesh
+    or 2D-torus) produce bit-identical sums; rings that add the same partials in
+    cyclic orders no rotation or reflection aligns agree up to float rounding
+    (see docs/schedules.md).
     """
     if n_elems < 0:
         raise ValueError("n_elems must be >= 0")
@@ -1090,6 +1112,7 @@ def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mappin
         for rs in action.ring_sets:
             if rs.rings:
                 first_step.setdefault(rs.block, s)
+    state = initial_state(devices, ring_plan.blocks)
     for s, action in enumerate(ring_plan.steps):
         per_dev: dict = {}
         for rs in action.ring_sets:
@@ -1099,11 +1122,16 @@ def programs(ring_plan: RingPlan, n_elems: int, *, iteration: int, nodes: Mappin
             mode = TOLERANT if first_step[k] == s else RELIABLE
             out = f"{SCHEDULE_NAME}:s{s}:b{k}"
             for ring in rs.rings:
+                ring = _canonical_orientation(ring, [state[d][k] for d in ring])
                 for pos, d in enumerate(ring):
                     st = _ring_stages(ring, pos, s, blocks[k], grids[k], base[k], slot[d][k], out, node_of,
                                       iteration, stride, timeout_s, mode, critical)
                     per_dev.setdefault(d, []).append(st)
                     slot[d][k] = out
+        nxt_state = apply_action(state, action)
+        if nxt_state is None:
+            raise ValueError(f"step {s} of the plan double-counts or adds nothing; it is not an RSGCM schedule")
+        state = nxt_state
         for d, lists in per_dev.items():
             depth = max(len(x) for x in lists)
             for j in range(depth):
