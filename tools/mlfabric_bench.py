@@ -6,7 +6,8 @@ Each repetition draws a seeded batch (worker rates from a skewed profile like th
 MB, versions spread over ``tau_max``), builds a fresh reservation table holding some in-flight traffic,
 and times :func:`ltp_ps.schedules.mlfabric.plan_batch` (Alg 2 ordering + Alg 3 aggregation) with
 ``time.perf_counter`` (wall) and ``time.process_time`` (CPU).  Prints wall min / median / p90 and the CPU
-median in ms (JSON with ``--json``); exits 1 when the wall median misses ``--budget-ms``.  The machine is shared: compare numbers from one run only.
+median in ms (JSON with ``--json``); exits 1 when the wall median misses ``--budget-ms``.  The machine is
+shared: compare numbers from one run only.
 """
 
 from __future__ import annotations

@@ -87,9 +87,20 @@ class _Pending:
 
 
 class MLfabricController(Controller):
-    """The PS-side MLfabric scheduler: batches announced updates, plans them, issues grants."""
+    """The PS-side MLfabric scheduler: batches announced updates, plans them, issues grants.
 
-    def __init__(self, net: FabricNetwork, server_node: str, *, n_elems: int, lo: int = 0, tau_max: int | None = DEFAULT_TAU_MAX,
+    ``net``: link rates (bytes/s) the plans start from; ``server_node``: the PS;
+    every update carries model elements ``[lo, lo + n_elems)``; ``tau_max``:
+    the delay bound (None: Alg 1, no drops); ``k`` aggregators per batch drawn
+    with ``rng`` from ``aggregators`` (None: the live workers);
+    ``batch_window_s``: how long the first update of a batch waits for others;
+    ``v_init``: the PS version at start.  Replica option: ``replica`` (node id),
+    ``div_max``, ``gamma`` (the optimizer's momentum), ``replica_k``,
+    ``replica_max_backlog``.
+    """
+
+    def __init__(self, net: FabricNetwork, server_node: str, *, n_elems: int, lo: int = 0,
+                 tau_max: int | None = DEFAULT_TAU_MAX,
                  k: int = 0, aggregators: Sequence[str] | None = None, rng: random.Random | None = None,
                  batch_window_s: float = BATCH_WINDOW_S, v_init: int = 0, replica: str | None = None,
                  div_max: float | None = None, gamma: float = DEFAULT_GAMMA, replica_k: int = 0,
