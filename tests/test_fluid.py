@@ -227,3 +227,13 @@ def test_simulation_respects_dependencies_and_capacity(problem):
         if f.src != f.dst and f.nbytes > 1:  # below 1e-6 B a flow counts as empty
             assert r.finish_s[f.name] - r.start_s[f.name] >= f.nbytes * 8 / 8e6 * (1 - 1e-6)
     assert r.completion_s == max(r.finish_s.values())
+
+
+def test_after_sent_orders_a_senders_chunks_back_to_back():
+    L = 1e-3
+    net = FluidNetwork.uniform([2], 8 * GBIT, latency_s=L)
+    flows = [Flow(("c", j), "h0", "h1", 0.25e9, after_sent=[("c", j - 1)] if j else []) for j in range(4)]
+    r = simulate(net, flows)
+    for j in range(4):
+        assert close(r.start_s[("c", j)], 0.25 * j)
+        assert close(r.finish_s[("c", j)], 0.25 * (j + 1) + L)
