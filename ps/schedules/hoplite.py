@@ -782,8 +782,9 @@ class HopliteController(Controller):
 # --------------------------------------------------------------------------- fluid flows (§6 experiments)
 
 def broadcast_flows(source: str, receivers: Sequence[str], size_bytes: float, *, prefix="bcast") -> list[Flow]:
-    """The flows of a broadcast in which every receiver asks at time 0 (the directory's decisions replayed
-    with no transfer finishing before the last query): partial copies stream from each other."""
+    """The flows of a broadcast in which every receiver asks at time 0, in order (the directory's decisions
+    replayed with no transfer finishing before the last query): each receiver streams from the previous
+    receiver's partial copy, a pipelined chain (``S/B + (n-1) L``)."""
     b = Broadcast("obj", int(size_bytes), source, chunk_bytes=max(1, int(size_bytes)))
     flows, feeding = [], {}
     for r in receivers:
@@ -791,12 +792,8 @@ def broadcast_flows(source: str, receivers: Sequence[str], size_bytes: float, *,
             up = feeding.get(f.src)
             flows.append(Flow((prefix, f.dst), f.src, f.dst, size_bytes, stream_from=up))
             feeding[f.dst] = (prefix, f.dst)
-    waiting = [r for r in receivers if r not in feeding]
-    # receivers that found no location wait for the first transfer to end, then fetch from its sender
-    for r in waiting:
-        first = next(iter(feeding))
-        src = b.active.get(first).src if first in b.active else source
-        flows.append(Flow((prefix, r), src, r, size_bytes, after=[(prefix, first)]))
+    # each receiver published itself as a partial copy before the next query, so nobody waits
+    assert len(feeding) == len(set(receivers) - {source}), "a receiver found no location"
     return flows
 
 
