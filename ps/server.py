@@ -254,6 +254,10 @@ class ParameterServer:
 
     async def round(self) -> dict:
         """One BSP round (broadcast i, gather i, update).  Returns its metrics row."""
+        if not hasattr(self.planner, "server_program"):  # trees etc.: the shard runs its whole round program
+            from .program_roles import server_round
+
+            return await server_round(self)
         it = self.iteration
         members = self.membership.active()
         self.transport.discard_before(tag_of(it, 0))  # late gradients of earlier rounds
@@ -430,6 +434,10 @@ class ParameterServer:
         msg = self._params_message(KIND_STOP, {})
         timeout = min(STOP_BEST_EFFORT_S, self.cfg.broadcast_timeout_s) if best_effort else self.cfg.broadcast_timeout_s
         try:
+            if not hasattr(self.planner, "stop_program"):
+                from .program_roles import server_stop
+
+                return await server_stop(self, timeout)
             self._address(members)
             self._slots.bind("params", msg)
             prog = self.planner.stop_program(self.shard, self.iteration, [m.rank for m in members])

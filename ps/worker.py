@@ -148,6 +148,10 @@ class Worker:
 
     async def run(self) -> dict:
         """Train until the PS says STOP.  Returns a small stats dict."""
+        if not hasattr(self.planner, "worker_program"):  # trees etc.: run the schedule's whole round program
+            from .program_roles import worker_run
+
+            return await worker_run(self)
         if self._batches is None:
             self._batches = self.workload.batches(self.cfg.rank, self.cfg.world_size, self.cfg.seed)
         while True:

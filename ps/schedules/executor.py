@@ -319,6 +319,9 @@ class Executor:
                 return
         else:
             data = slots.buffer(s.slot)
+            last = slots.reports.get(s.slot)
+            if s.op == "forward" and isinstance(last, RecvReport) and last.total_bytes:
+                data = as_bytes_view(data)[:last.total_bytes]  # relay what arrived, not the whole buffer
             critical = slots.critical.get(s.slot)
             if critical is None:
                 critical = _raw_critical(getattr(s, "critical", ()), s.lo, self.max_critical_ranges)
