@@ -116,7 +116,7 @@ def reservation_ops(draw):
     return caps, ops
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reservation_ops())
 def test_property_reservations_stay_within_capacity_and_match_t_en(case):
     caps, ops = case

@@ -286,7 +286,7 @@ def test_schedule_face_builds_a_controller_from_the_world():
 
 @pytest.mark.parametrize("seed,div_max", [(0, 0.0), (1, 3.0), (2, 30.0), (3, 1e9)])
 def test_replica_option_keeps_order_and_the_divergence_bound(seed, div_max):
-    ctrl, version, stale, applied = simulate(seed, n=6, k=1, tau=8, div_max=div_max)
+    ctrl, version, stale, applied = simulate(seed, n=6, k=1, tau=8, div_max=div_max, duration=15.0)
     assert applied > 20 and max(stale) <= 8 and ctrl.v_next == version
     assert ctrl.sim_divergences and max(ctrl.sim_divergences) <= div_max + 1e-9
     assert ctrl.stats["replicated"] == len(ctrl.sim_replica_seq) > 0
