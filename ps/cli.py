@@ -161,7 +161,8 @@ async def serve(args, store=None) -> dict:
                            min_workers=args.min_workers, join_timeout_s=args.store_timeout,
                            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                            metrics_path=args.metrics, progress=args.progress, seed=args.seed)
-        ps = ParameterServer(wl, transport, cfg, plan=plan, shard=args.shard, rendezvous=rv)
+        ps = ParameterServer(wl, transport, cfg, plan=plan, shard=args.shard, rendezvous=rv,
+                             planner=schedule_cli.server_planner(args, wl, plan, args.shard))
         print(f"[ps{args.shard}] listening on {transport.local_addr} ({args.transport}"
               f"{'/' + args.cc if args.transport == 'tcp' else ''}), model {args.model} "
               f"({wl.n_params} params, shard {lo}:{hi}), waiting for {args.workers} workers", flush=True)
@@ -233,6 +234,7 @@ async def work(args, store=None) -> dict:
                                                             error_feedback=args.error_feedback,
                                                             pull_timeout_s=args.pull_timeout, seed=args.seed,
                                                             max_iterations=args.max_iterations))
+            await schedule_cli.prepare_worker(w, args, store, secret, rank, transport, wl, infos)
             try:
                 st = await _run_watching(w, store, infos)
             except (TransportError, ConnectionError) as exc:

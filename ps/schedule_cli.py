@@ -65,9 +65,51 @@ def check_server_schedule(args) -> None:
     if schedule_runs_without_ps(args):
         raise ConfigError(f"--schedule {args.schedule} runs with zero PS processes (the workers apply the optimizer); "
                           f"start only workers (ltp-ps launch does this)")
-    if cls.name != "direct":
-        raise ConfigError(f"--schedule {args.schedule}: its PS-side round is not wired into ltp-ps server yet; "
-                          f"use --schedule direct or ring")
+    if cls.name == "direct":
+        return
+    if getattr(cls, "controller", None) is not None and cls.controller is not _base_controller():
+        raise ConfigError(f"--schedule {args.schedule} decides its steps at run time (a controller); its PS loop is "
+                          f"not wired into ltp-ps server yet; available PS schedules: direct, rat")
+    if getattr(args, "mode", "bsp") != "bsp":
+        raise ConfigError(f"--schedule {args.schedule} runs BSP rounds; use --mode bsp (async runs with direct)")
+
+
+def _base_controller():
+    from .schedules.base import Schedule
+
+    return Schedule.controller
+
+
+def _world(args, wl, shards, me=None):
+    from .schedules import World
+
+    return World(workers=range(args.workers), n_elems=wl.n_params, shards=tuple(shards), me=me,
+                 topology=load_topology(args), layout=tuple(wl.layout()), aggregation=args.aggregation)
+
+
+def server_planner(args, wl, plan, shard: int):
+    """The round planner a PS shard runs (``direct`` unless ``--schedule`` names a PS-side tree schedule)."""
+    from .schedules import create
+    from .schedules.program import server
+
+    return create(args.schedule, _world(args, wl, plan.ranges, server(shard)))
+
+
+async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl, infos) -> None:
+    """Give worker ``w`` its schedule's planner; tree schedules also need every peer's address (store)."""
+    from .schedules import create
+    from .schedules.program import server, worker
+
+    if (args.schedule or "direct") == "direct":
+        return
+    w.planner = create(args.schedule, _world(args, wl, [(i.lo, i.hi) for i in infos], worker(rank)))
+    w.executor.addresses.update({server(i.shard): tuple(i.addr) for i in infos})
+    store.set(f"tree/{rank}", _sign(secret, {"rank": rank, "addr": list(transport.local_addr)}))
+    keys = [f"tree/{r}" for r in range(args.workers)]
+    await asyncio.to_thread(_wait_keys, store, keys, args.store_timeout)
+    for k in keys:
+        d = _verify(secret, store.get(k), k)
+        w.executor.addresses[worker(d["rank"])] = tuple(d["addr"])
 
 
 # -- PS-less jobs ---------------------------------------------------------------------------------------------------

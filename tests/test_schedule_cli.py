@@ -1,0 +1,49 @@
+"""``--schedule rat`` (a PS-side tree schedule) end to end over real processes: launch (TCP, LTP) and torchrun;
+the CLI refuses schedules whose PS loop is not wired, naming what works."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ps_helpers import child_env, free_port, ps_cmd
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["tcp", "ltp"])
+def test_launch_rat_trains_digits(tmp_path, transport):
+    summary = tmp_path / "s.json"
+    p = subprocess.run(ps_cmd("launch", "--schedule", "rat", "--workers", 4, "--epochs", 10, "--lab", "off",
+                              "--transport", transport, "--summary-json", summary),
+                       env=child_env(), capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert len(re.findall(r"\[ps0\] epoch +\d+/10 +acc", p.stdout)) == 10
+    s = json.loads(summary.read_text())
+    assert s["final_accuracy"] >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_rat():
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                        "--master-port", str(free_port()), "-m", "ltp_ps.run", "--schedule", "rat", "--model",
+                        "digits", "--epochs", "10", "--transport", "tcp"],
+                       env=child_env(), capture_output=True, text=True, timeout=280, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    acc = [float(a) for a in re.findall(r"acc (\d\.\d+)", p.stdout)]
+    assert len(acc) == 10 and acc[-1] >= 0.9
+
+
+def test_server_refuses_async_trees():
+    p = subprocess.run(ps_cmd("server", "--schedule", "rat", "--mode", "async", "--store",
+                              f"127.0.0.1:{free_port()}"), env=child_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "--mode bsp" in p.stderr
