@@ -248,7 +248,7 @@ class LtpProcessGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._closed = False
         #: readable counters: collectives started/failed, bytes sent/received by this rank
-        self.stats = {"collectives": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0, "send_retries": 0}
+        self.stats = {"collectives": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0, "send_retries": 0, "recv_retries": 0}
         self._io = _Loop(f"ltp-backend-{rank}")
         # LTP authenticates registrations with a job key when one is set ($LTP_PS_SECRET, as for the DDP hook).
         key = os.environ.get("LTP_PS_SECRET", "").encode() or None
@@ -259,7 +259,7 @@ class LtpProcessGroup(dist.ProcessGroup):
         self._transport = cf.result(OPEN_TIMEOUT_S)
         a = self._transport.local_addr
         store.set(f"ltp/addr/{rank}", f"{a[0]}:{a[1]}")
-        wait = min(self._timeout_s, OPEN_TIMEOUT_S) if self._timeout_s else OPEN_TIMEOUT_S
+        wait = max(self._timeout_s, OPEN_TIMEOUT_S)  # start-up, not a collective: ranks may start far apart
         keys = [f"ltp/addr/{r}" for r in range(world_size)]
         try:
             store.wait(keys, datetime.timedelta(seconds=wait))
@@ -330,38 +330,59 @@ class LtpProcessGroup(dist.ProcessGroup):
     async def _send(self, buf: torch.Tensor, peer: int, tag: int, deadline: float, what: str) -> None:
         view = _bytes(buf)
         for attempt in range(SEND_ATTEMPTS):
+            last = attempt == SEND_ATTEMPTS - 1 or time.monotonic() >= deadline or self._closed
             try:
                 rep = await self._transport.send(self.peers[peer], view, reliable=True, tag=tag, element_size=1,
                                                  timeout=self._left(deadline))
-                break
             except Exception as exc:  # noqa: BLE001 - name the real cause, keep it chained
-                if attempt < SEND_ATTEMPTS - 1 and time.monotonic() < deadline and not self._closed:
+                if not last:
                     self.stats["send_retries"] += 1
                     continue  # the transport gave up early (e.g. the peer was starved of CPU): send again
                 raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: sending {view.nbytes} bytes to "
                                       f"rank {peer} at {self.peers[peer]} failed ({attempt + 1} attempts): "
                                       f"{type(exc).__name__}: {exc}") from exc
-        if rep.delivered_bytes != view.nbytes:
-            raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: rank {peer} acknowledged "
-                                  f"{rep.delivered_bytes} of {view.nbytes} bytes ({rep.close_reason})")
+            if rep.delivered_bytes == view.nbytes:
+                break
+            if last:
+                raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: rank {peer} acknowledged "
+                                      f"{rep.delivered_bytes} of {view.nbytes} bytes ({rep.close_reason}) in "
+                                      f"{attempt + 1} attempts")
+            self.stats["send_retries"] += 1  # the receiver closed the transfer early: it waits for a resend
         self.stats["bytes_sent"] += view.nbytes
 
     async def _recv(self, buf: torch.Tensor, peer: int, tag: int, deadline: float, what: str) -> None:
         view = _bytes(buf)
-        try:
-            rep = await self._transport.recv(view, peer=self.peers[peer], tag=tag, timeout=self._left(deadline))
-        except Exception as exc:  # noqa: BLE001
-            cause = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-                cause = (f"no message within the group timeout of {self._timeout_s:g} s (rank {peer} is dead, "
-                         f"stuck, or issued a different collective) [{cause}]")
-            raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: receiving {view.nbytes} bytes from "
-                                  f"rank {peer} at {self.peers[peer]} failed: {cause}") from exc
-        if rep.received_bytes != view.nbytes or rep.total_bytes != view.nbytes or rep.bubbles:
-            raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: rank {peer} sent {rep.total_bytes} "
-                                  f"bytes ({rep.received_bytes} arrived, regime {rep.regime}), expected "
-                                  f"{view.nbytes}; ranks disagree on tensor shapes or dtypes")
+        stalled = None
+        while True:
+            try:
+                rep = await self._transport.recv(view, peer=self.peers[peer], tag=tag, timeout=self._left(deadline))
+            except Exception as exc:  # noqa: BLE001
+                cause = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+                    cause = (f"no message within the group timeout of {self._timeout_s:g} s (rank {peer} is dead, "
+                             f"stuck, or issued a different collective) [{cause}]")
+                if stalled is not None:
+                    cause += f"; an earlier attempt stalled: {stalled}"
+                raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: receiving {view.nbytes} bytes from "
+                                      f"rank {peer} at {self.peers[peer]} failed: {cause}") from exc
+            if rep.total_bytes != view.nbytes:
+                raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: rank {peer} sent {rep.total_bytes} "
+                                      f"bytes, expected {view.nbytes}; ranks disagree on tensor shapes or dtypes")
+            if rep.received_bytes == view.nbytes and not rep.bubbles:
+                break
+            # A reliable transfer the transport closed before it was complete (e.g. a peer starved of CPU):
+            # the sender sees the failure and sends again (see _send); wait for that copy within the deadline.
+            stalled = f"{rep.received_bytes} of {view.nbytes} bytes arrived (regime {rep.regime})"
+            self.stats["recv_retries"] += 1
+            if time.monotonic() >= deadline:
+                raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: the transfer from rank {peer} "
+                                      f"stalled: {stalled}, and no resend arrived within the group timeout")
         self.stats["bytes_received"] += view.nbytes
+
+    async def _recv_into(self, t: torch.Tensor, peer: int, tag: int, deadline: float, what: str) -> None:
+        buf = torch.empty(t.numel(), dtype=t.dtype)
+        await self._recv(buf, peer, tag, deadline, what)
+        t.copy_(buf.view_as(t))
 
     async def _run(self, seq: int, name: str, work: torch.Tensor, steps: list, deadline: float,
                    op=torch.add, step_base: int = 0) -> None:
@@ -436,20 +457,22 @@ class LtpProcessGroup(dist.ProcessGroup):
         tensors = list(tensors)
         _check_cpu(tensors, "broadcast")
 
+        if len(tensors) > 1 << STEP_BITS:
+            raise ConfigError(f"ltp backend: broadcast of more than {1 << STEP_BITS} tensors in one call")
+
         async def go(seq, deadline):
-            flat = torch.cat([_flat(t) for t in tensors]) if len(tensors) != 1 else _flat(tensors[0]).contiguous()
             what = f"broadcast #{seq} from rank {root}"
-            if self._rank == root:
-                await _all_or_first_error([self._send(flat, p, seq << STEP_BITS, deadline, what)
-                                           for p in range(self._world) if p != root and flat.numel()])
-                return
-            buf = torch.empty_like(flat)
-            if flat.numel():
-                await self._recv(buf, root, seq << STEP_BITS, deadline, what)
-            off = 0
-            for t in tensors:
-                t.copy_(buf[off:off + t.numel()].view_as(t))
-                off += t.numel()
+            jobs = []
+            for i, t in enumerate(tensors):  # one message per tensor (dtypes may differ)
+                if not t.numel():
+                    continue
+                tag = (seq << STEP_BITS) | i
+                if self._rank == root:
+                    flat = _flat(t).contiguous()
+                    jobs += [self._send(flat, p, tag, deadline, what) for p in range(self._world) if p != root]
+                else:
+                    jobs.append(self._recv_into(t, root, tag, deadline, what))
+            await _all_or_first_error(jobs)
 
         return self._start("broadcast", go, tensors)
 

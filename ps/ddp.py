@@ -419,11 +419,15 @@ class BucketServer:
 
     async def _recv_repair(self, rnd: int, rank: int, n: int):
         buf = self.bufs[rank][:HDR + ELEM * n]
-        try:
-            rep = await self.transport.recv(buf, peer=self.peers[rank], tag=hook_tag(rnd, K_REPAIR),
-                                            timeout=self.gather_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
-            return f"{type(exc).__name__}: {exc}"
+        deadline = time.monotonic() + self.gather_timeout_s
+        while True:
+            try:
+                rep = await self.transport.recv(buf, peer=self.peers[rank], tag=hook_tag(rnd, K_REPAIR),
+                                                timeout=max(0.001, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+                return f"{type(exc).__name__}: {exc}"
+            if (rep.received_bytes >= buf.nbytes and not rep.bubbles) or time.monotonic() >= deadline:
+                break  # else: closed early; the rank sends it again (LtpHookState._send_reliably)
         h = _unpack_grad(buf)
         if rep.received_bytes != buf.nbytes or h is None or h[1] != rnd or h[3] != n:
             return f"the resend carried {rep.received_bytes} bytes / header {h}, expected round {rnd}, {n} elements"
@@ -444,7 +448,7 @@ class BucketServer:
         view = memoryview(out)[:size]
         deadline = time.monotonic() + self.gather_timeout_s
         reps = await self.transport.broadcast(self.peers, view, tag=hook_tag(rnd, kind), timeout=self.gather_timeout_s)
-        bad = [(p, r) for p, r in zip(self.peers, reps) if isinstance(r, BaseException)]
+        bad = [(p, r) for p, r in zip(self.peers, reps) if _undelivered(r)]
         for _ in range(SEND_ATTEMPTS - 1):
             # A transfer the transport gave up on (e.g. the peer was starved of CPU for a while) is sent again;
             # a duplicate answer is harmless (the rank takes the first one with this tag).
@@ -453,10 +457,15 @@ class BucketServer:
             again = await asyncio.gather(*(self.transport.send(p, view, reliable=True, tag=hook_tag(rnd, kind),
                                                                timeout=max(0.001, deadline - time.monotonic()))
                                            for p, _ in bad), return_exceptions=True)
-            bad = [(p, r) for (p, _), r in zip(bad, again) if isinstance(r, BaseException)]
+            bad = [(p, r) for (p, _), r in zip(bad, again) if _undelivered(r)]
         if bad and strict and status != ERROR:
             raise RemoteError(f"round {rnd}: could not deliver the answer to {bad[0][0]} in {SEND_ATTEMPTS} "
                               f"attempts: {bad[0][1]}")
+
+
+def _undelivered(r) -> bool:
+    """A broadcast outcome that did not reach the peer whole (an exception, or fewer bytes acknowledged)."""
+    return isinstance(r, BaseException) or r.delivered_bytes < r.total_bytes
 
 
 def _unpack_grad(buf):
@@ -491,12 +500,16 @@ class LtpHookState:
         """A reliable send to the PS, tried again (up to SEND_ATTEMPTS, within the timeout) if the transport gives up."""
         deadline = time.monotonic() + self.timeout_s
         for attempt in range(SEND_ATTEMPTS):
+            last = attempt == SEND_ATTEMPTS - 1 or time.monotonic() >= deadline
             try:
-                return await self.transport.send(self.ps_addr, data, reliable=True, tag=tag,
-                                                 timeout=max(0.001, deadline - time.monotonic()))
+                rep = await self.transport.send(self.ps_addr, data, reliable=True, tag=tag,
+                                                timeout=max(0.001, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - the last attempt's error is raised
-                if attempt == SEND_ATTEMPTS - 1 or time.monotonic() >= deadline:
+                if last:
                     raise
+                continue
+            if rep.delivered_bytes >= rep.total_bytes or last:
+                return rep
 
     def path_loss(self) -> float:
         """Lost / sent packets of this rank's last LOSS_WINDOW transfers to the PS (0 on TCP)."""
@@ -564,14 +577,20 @@ class LtpHookState:
         # The PS may spend one timeout waiting for a silent rank's READY and one for a resend before it answers
         # with a named ERROR; wait longer than that so the named cause, not a bare timeout, reaches the user.
         wait = REPLY_WAIT_TIMEOUTS * self.timeout_s + REPLY_WAIT_SLACK_S
-        try:
-            await self.transport.recv(back, peer=self.ps_addr, tag=hook_tag(r, kind), timeout=wait)
-        except Exception as exc:  # noqa: BLE001
-            cause = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) or TIMEOUT in cause.lower():
-                cause = (f"no answer from the bucket server (rank 0 at {self.ps_addr}) within {wait:g} s: "
-                         f"rank 0 or another rank is dead or stuck [{cause}]")
-            raise self._fail(r, index, cause) from exc
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                rep = await self.transport.recv(back, peer=self.ps_addr, tag=hook_tag(r, kind),
+                                                timeout=max(0.001, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001
+                cause = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) or TIMEOUT in cause.lower():
+                    cause = (f"no answer from the bucket server (rank 0 at {self.ps_addr}) within {wait:g} s: "
+                             f"rank 0 or another rank is dead or stuck [{cause}]")
+                raise self._fail(r, index, cause) from exc
+            if rep.received_bytes >= rep.total_bytes and not rep.bubbles:
+                break
+            # a reliable answer the transport closed early: the PS sends it again (see BucketServer._answer)
         magic, status, rnd, _bidx, n, lossy, repaired, minf, cut = _REPLY.unpack_from(back, 0)
         if magic != REPLY_MAGIC or rnd != r:
             raise self._fail(r, index, f"malformed answer from the bucket server (round {rnd})")

@@ -1,0 +1,79 @@
+"""Run ``bench_allreduce`` on N lab hosts (one rank per network namespace) with loss, for gloo and ltp.
+
+    sudo python -m ltp_ps.examples.lab_allreduce --ranks 4 --loss 0.01 --mb 100 --reps 3
+    sudo python -m ltp_ps.examples.lab_allreduce --ranks 4 --loss 0.01 --mb 100 --ddp --modes gloo,ltp-hook
+
+Each rank runs in its own namespace of an ``ltp_tools.netlab.Lab`` whose
+hosts drop ``--loss`` of their incoming data packets (and, with ``--rate``,
+are rate-limited).  Modes: ``gloo`` and ``ltp`` (the backend, exact), and,
+with ``--ddp``, ``gloo-hook`` (gloo backend + LTP gradient hook) and
+``ltp-hook``.  Prints one ``RESULT`` JSON line per mode (rank 0's); exits
+non-zero if any run failed or returned a wrong all-reduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from ltp_tools.netlab import Lab, check_support
+
+RUN_TIMEOUT_S = 900  # seconds per mode
+MASTER_PORT = 29511
+
+
+def run_mode(lab: Lab, mode: str, args) -> dict:
+    backend, _, hook = mode.partition("-")
+    procs = []
+    for r, h in enumerate(lab.hosts[:args.ranks]):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.ranks),
+                   MASTER_ADDR=lab.hosts[0].addr, MASTER_PORT=str(MASTER_PORT), OMP_NUM_THREADS="1",
+                   LTP_BACKEND_HOST=h.addr, LTP_PS_HOST=h.addr, GLOO_SOCKET_IFNAME=h.ifname, LTP_PS_TRANSPORT="ltp")
+        argv = [sys.executable, "-m", "ltp_ps.examples.bench_allreduce", "--backend", backend, "--mb", str(args.mb),
+                "--reps", str(args.reps)]
+        if args.ddp:
+            argv.append("--ddp")
+        if hook:
+            argv.append("--hook")
+        procs.append(lab.popen(h, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
+    if any(p.returncode for p in procs):
+        bad = [(r, p.returncode, o[1][-1500:]) for r, (p, o) in enumerate(zip(procs, outs)) if p.returncode]
+        return {"mode": mode, "error": bad}
+    line = [ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(line[-1][7:])
+    res["mode"] = mode
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--loss", type=float, default=0.01)
+    ap.add_argument("--rate", type=float, default=None, help="per-host rate limit, bit/s")
+    ap.add_argument("--mb", type=float, default=100.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ddp", action="store_true")
+    ap.add_argument("--modes", default="gloo,ltp")
+    args = ap.parse_args(argv)
+    reason = check_support()
+    if reason:
+        print(f"cannot build the lab: {reason}", file=sys.stderr)
+        return 2
+    failed = False
+    with Lab(n_hosts=args.ranks) as lab:
+        for h in lab.hosts:
+            lab.impair(h, "ingress", loss=args.loss, rate_bps=args.rate)
+        for mode in args.modes.split(","):
+            res = run_mode(lab, mode, args)
+            res.update(loss=args.loss, rate_bps=args.rate)
+            print("RESULT " + json.dumps(res), flush=True)
+            failed = failed or "error" in res or not res.get("correct", True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
