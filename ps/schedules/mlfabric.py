@@ -321,6 +321,10 @@ def aggregate(ordering: Ordering, base: ReservationTable, net: FabricNetwork, se
     for n in range(n_max + 1):
         if n > 0:
             g = order[n - 1]
+            if (not net.reachable(g.update.node, server)
+                    or prefix.finish_time(net.path(g.update.node, server), g.update.nbytes, now) == INF):
+                cases.extend((m, INF) for m in range(n, n_max + 1))  # g cannot go direct: no case n' >= n
+                break
             h = _reserve_hop(prefix, net, g.update.node, server, g.update.nbytes, now)
             direct.append(h)
             t_pref = max(t_pref, h.end)
@@ -332,6 +336,8 @@ def aggregate(ordering: Ordering, base: ReservationTable, net: FabricNetwork, se
         cases.append((n, t_end))
         if best is None or t_end <= best[0] + TIME_TIE_S:  # later n wins ties: more direct, fewer hops
             best = (t_end, n, groups, tab)
+    if best is None:  # nothing feasible at all (an update that can reach neither the destination nor an aggregator)
+        return Aggregation(0, (Group(0, None, (), (), None),), INF, base.copy(), tuple(cases))
     t_end, n, groups, tab = best
     return Aggregation(n, tuple(groups), t_end, tab, tuple(cases))
 

@@ -142,7 +142,7 @@ class MLfabricController(Controller):
         self.plans: list = []  # BatchPlan of every batch (bounded: the last ``PLAN_HISTORY``)
         self.ignored: dict = {}  # reason -> count (events that named unknown nodes, duplicates, ...)
         self.stats = {"planned": 0, "dropped": 0, "aggregated": 0, "batches": 0, "written_off": 0,
-                      "replicated": 0, "punted": 0, "delayed": 0, "replica_lost": 0}
+                      "replicated": 0, "punted": 0, "delayed": 0, "replica_lost": 0, "replica_bound_missed": 0}
 
     PLAN_HISTORY = 64
 
@@ -283,6 +283,7 @@ class MLfabricController(Controller):
             self.stats["replicated"] += sum(len(c.members) for c in rp.frozen)
             self.stats["punted"] = len(self.backlog)
             self.stats["delayed"] += int(rp.delayed)
+            self.stats["replica_bound_missed"] += int(not rp.bound_met)
         self.v_next = plan.v_init + plan.applied
         self.plans.append(plan)
         del self.plans[:-self.PLAN_HISTORY]

@@ -45,7 +45,7 @@ import random
 from typing import Sequence
 
 from .mlfabric import BatchPlan, Hop, Ordered, Ordering, Update, aggregate, pick_aggregators
-from .mlfabric_links import FabricNetwork, ReservationTable
+from .mlfabric_links import INF, FabricNetwork, ReservationTable
 
 DEFAULT_MAX_BACKLOG = 32  # updates: most a replica may lag at a batch's end (kept at the workers until sent)
 
@@ -94,6 +94,7 @@ class ReplicaPlan:
     history_norm: float  # bound on the replica's ||h|| after the frozen commits
     aggregators: tuple
     table: ReservationTable  # primary's schedule + frozen replica transfers (+ the moved last transfer)
+    bound_met: bool = True  # False: an unreachable replica path made div_max / max_backlog impossible this batch
 
 
 def plan_replica(server_plan: BatchPlan, backlog: Sequence[Update], net: FabricNetwork, server: str, replica: str,
@@ -126,6 +127,14 @@ def plan_replica(server_plan: BatchPlan, backlog: Sequence[Update], net: FabricN
     if not order_r:
         return ReplicaPlan((), (), 0.0, False, t_last, None, history_norm, (), tab)
     aggs = pick_aggregators([a for a in aggregators if a not in (server, replica)], k, rng) if k > 0 else ()
+    # the replica applies in order, so an update that cannot reach it at all (blocked pair, no capacity) holds
+    # back everything after it: only the prefix before it is planned, the rest stays in the backlog
+    feasible = len(order_r)
+    for i, u in enumerate(order_r):
+        if not net.reachable(u.node, replica) or tab.finish_time(net.path(u.node, replica), u.nbytes, now) == INF:
+            feasible = i
+            break
+    order_all, order_r = order_r, order_r[:feasible]
     ordering = Ordering(tuple(Ordered(u, i + 1, None, now, now) for i, u in enumerate(order_r)), (), tab)
     agg = aggregate(ordering, tab, net, replica, aggs, now=now)
     tab = agg.table
@@ -140,7 +149,7 @@ def plan_replica(server_plan: BatchPlan, backlog: Sequence[Update], net: FabricN
             applied_at = max(applied_at, g.outbound.end)
             commits.append(ReplicaCommit(g.index, g.aggregator, tuple(m.update for m in g.members),
                                          tuple(g.inbound) + (g.outbound,), g.outbound.end, applied_at))
-    norms = [u.norm for u in order_r]
+    norms = [u.norm for u in order_all]
     cum = [0]
     for c in commits:
         cum.append(cum[-1] + len(c.members))
@@ -149,12 +158,15 @@ def plan_replica(server_plan: BatchPlan, backlog: Sequence[Update], net: FabricN
         return divergence_bound(history_bound(history_norm, norms[:count], gamma), norms[count:], gamma)
 
     def ok(i: int) -> bool:
-        return div_at(cum[i]) <= div_max and (max_backlog is None or len(order_r) - cum[i] <= max_backlog)
+        return div_at(cum[i]) <= div_max and (max_backlog is None or len(order_all) - cum[i] <= max_backlog)
 
     n_frozen = sum(1 for c in commits if c.apply_at <= t_last)  # commits done by T_last (apply times are sorted)
     delay = not ok(n_frozen) and bool(server_plan.commits)
+    bound_met = True
     if delay:  # the shortest replica prefix that meets the bound (a caught-up replica has divergence 0)
-        n_frozen = next(i for i in range(n_frozen, len(commits) + 1) if ok(i))
+        n_frozen = next((i for i in range(n_frozen, len(commits) + 1) if ok(i)), None)
+        if n_frozen is None:  # unreachable updates hold the replica back: freeze all it can take, report the miss
+            n_frozen, bound_met = len(commits), False
     for c in commits[n_frozen:]:  # punted: their transfers do not happen in this batch
         for h in c.hops:
             if h.reservation is not None:
@@ -170,5 +182,5 @@ def plan_replica(server_plan: BatchPlan, backlog: Sequence[Update], net: FabricN
         delayed = True
     div = div_at(cum[n_frozen])
     frozen = tuple(commits[:n_frozen])
-    return ReplicaPlan(frozen, tuple(order_r[cum[n_frozen]:]), div, delayed, t_last, server_last,
-                       history_bound(history_norm, norms[:cum[n_frozen]], gamma), aggs, tab)
+    return ReplicaPlan(frozen, tuple(order_all[cum[n_frozen]:]), div, delayed, t_last, server_last,
+                       history_bound(history_norm, norms[:cum[n_frozen]], gamma), aggs, tab, bound_met)
