@@ -346,6 +346,7 @@ def _lab_choice(args) -> tuple[bool, str]:
 
 IMPAIRMENTS = ("loss", "rate", "delay")
 WORKER_EXIT_GRACE_S = 30.0  # seconds workers get to exit after every PS finished
+NO_WORKER_GRACE_S = 10.0  # seconds a PS may run on after every worker exited and one of them failed
 LAUNCH_POLL_S = 0.1  # seconds between looks at the children
 
 
@@ -464,6 +465,7 @@ def launch(args) -> int:
         failures: list[tuple[str, int]] = []
         restarts_left = args.ps_restarts
         reported: set = set()
+        no_worker_since = None
         while True:
             fatal = False
             for c in children:
@@ -483,6 +485,16 @@ def launch(args) -> int:
                 failures.append((what, rc))
                 fatal = fatal or c in servers or c is store_proc
             if fatal or all(c.poll() == 0 for c in (servers or workers)):
+                break
+            # Nobody restarts workers: once all have exited and one failed, none can rejoin the PS.
+            if servers and no_worker_since is None and failures and all(c.poll() is not None for c in workers):
+                no_worker_since = time.monotonic()
+            if no_worker_since is not None and time.monotonic() - no_worker_since > NO_WORKER_GRACE_S:
+                what = (f"every worker exited and {', '.join(c.name for c in servers if c.poll() is None)} "
+                        f"was still waiting for them {NO_WORKER_GRACE_S:.0f} s later; no worker can rejoin")
+                print(f"[launch] {what}", flush=True)
+                failures.append((what, 1))
+                fatal = True
                 break
             time.sleep(LAUNCH_POLL_S)
         if not fatal:

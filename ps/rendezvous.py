@@ -140,6 +140,10 @@ class ServerRendezvous:
             store.delete_key(f"failed/{info.shard}")
         store.set(f"server/{info.shard}", json.dumps(d))
 
+    def mark_failed(self, reason: str) -> None:
+        """Tell the workers (``failed/<s>``) that this shard stopped the job with an error."""
+        self.store.set(f"failed/{self.info.shard}", reason)
+
     def poll(self) -> tuple[list[dict], list[tuple[int, str]]]:
         """New join requests: (accepted requests, [(rank, reason)] rejected)."""
         s = self.info.shard

@@ -219,6 +219,8 @@ class ParameterServer:
             self._failed = exc
             self.metrics.write({"event": "failed", "t": time.time(), "iteration": self.iteration,
                                 "reason": str(exc)})
+            if self.rendezvous is not None:
+                self.rendezvous.mark_failed(str(exc))  # before STOP, so no worker reads "done" and exits 0
             await self._stop_all(best_effort=True)
             raise
         finally:
