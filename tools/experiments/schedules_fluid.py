@@ -255,6 +255,8 @@ def _plots(res, out):
         ax[0].plot(x, [r[key] * 1e3 for r in over], marker="o", label=label)
     ax[0].set(xscale="log", yscale="log", xlabel="oversubscription (:1)", ylabel="round time (ms)",
               title="RAT §5.1: 97 MB, 40 Gbit/s, 4 leaves")
+    ax[0].set_xticks(x, [str(v) for v in x], minor=False)
+    ax[0].minorticks_off()
     ax[0].legend()
     fail = [r for r in res["rat_failures"] if r["k"] == 0 or r["period_s"] == max(
         x["period_s"] or 0 for x in res["rat_failures"])]
