@@ -52,7 +52,8 @@ flow's segment bitmap):
 * *gaps* — a missing normal (non-critical) segment below the highest normal
   segment received: the sender sends normal segments in order and
   retransmits only after its first pass, so a gap is a loss (or a
-  reordering, which LTP's paths do not produce);
+  reordering, which LTP's paths do not produce); gaps / segments up to the
+  highest received is the flow's observed *loss rate*;
 * *first pass done* — the last normal segment has arrived: what is still
   missing can only come from retransmissions, the tail Early Close cuts;
 * *advancing* — a segment arrived within the stall window
@@ -60,14 +61,18 @@ flow's segment bitmap):
   of the flow.
 
 After the LT threshold a flow closes *early* only when it is in its long
-tail: its first pass is done or it stopped advancing. At the group deadline
-a flow closes unless it is *advancing cleanly* (advancing, no gap): such a
-flow is a slow sender on a loss-free path, not a long tail, and it stays
+tail (its first pass is done or it stopped advancing) or its loss rate
+exceeds ``STRETCH_MAX_LOSS`` (the paper's rule, unchanged on a congested
+path). At the group deadline
+a flow closes if it is in its long tail, or its loss rate exceeds
+``STRETCH_MAX_LOSS`` (a congested path: waiting would only add to the
+incast); otherwise it is a slow sender still in its first pass, and it stays
 open while it keeps advancing, up to the **hard deadline**
 ``t0 + HARD_STRETCH·(deadline − t0)`` (and always within the caller's
-timeout). Without loss every flow of a slow-but-steady sender is delivered
-whole; with loss the paper's behaviour is unchanged (gaps make the soft
-deadline binding, and a completed first pass makes the LT rule binding).
+timeout), and closes the moment its first pass ends. A lost packet thus
+costs its own bytes, never a retransmission round trip, and a slow sender
+is not cut: without loss every flow of a slow-but-steady sender is delivered
+whole.
 """
 
 from __future__ import annotations
@@ -77,20 +82,24 @@ from collections import OrderedDict, deque
 import numpy as np
 
 __all__ = ["LinkThresholds", "FlowProgress", "decide", "stall_window", "COMPLETE", "EARLY", "DEADLINE",
-           "STALL_MIN_S", "STALL_RTPROPS", "STALL_GAPS", "HARD_STRETCH"]
+           "STALL_MIN_S", "STALL_RTPROPS", "STALL_GAPS", "HARD_STRETCH", "STRETCH_MAX_LOSS"]
 
 COMPLETE = "complete"
 EARLY = "early"
 DEADLINE = "deadline"
 
-#: a flow that received nothing for this long has stopped advancing (seconds; floor of the stall window)
-STALL_MIN_S = 0.005
+#: a flow that received nothing for this long has stopped advancing (seconds; floor of the stall window:
+#: a few scheduler time slices of a loaded host, so a descheduled sender is not taken for a stalled flow)
+STALL_MIN_S = 0.020
 #: ... nor for this many RTprops (a retransmission round trip)
 STALL_RTPROPS = 2.0
 #: ... nor for this many of its own mean inter-arrival gaps (a slow sender's pace)
 STALL_GAPS = 8.0
-#: a flow advancing without gaps may run past the group deadline up to t0 + HARD_STRETCH·(deadline − t0)
+#: a flow still in its first pass may run past the group deadline up to t0 + HARD_STRETCH·(deadline − t0)
 HARD_STRETCH = 3.0
+#: ... unless its observed loss rate (gaps / segments up to the highest received) exceeds this: random
+#: loss up to 10% stretches, a congested queue (the simulator's 8-way incast loses ~27%) does not
+STRETCH_MAX_LOSS = 0.15
 
 
 class LinkThresholds:
@@ -169,24 +178,32 @@ class FlowProgress:
         self._last = (seg_count - 1 if self._normal is None else int(self._normal[-1])) if n_normal else -1
         self.first_pass_done = n_normal == 0
         self.gaps = False
+        self.loss_rate = 0.0
         self._seen = -1
         self._stride = max(1, seg_count // self.GAP_SCANS)
 
     def observe(self, bitmap, received: int) -> tuple:
-        """``(gaps, first_pass_done)`` for the flow's current bitmap (``received`` segments in)."""
+        """``(loss_rate, first_pass_done)`` for the flow's current bitmap (``received`` segments in).
+
+        ``loss_rate``: missing normal segments below the highest one received,
+        over the normal segments up to it (0.0: no gap). ``self.gaps`` is
+        ``loss_rate > 0``.
+        """
         if self._last < 0:
-            return False, True
+            return 0.0, True
         newly_done = False
         if not self.first_pass_done and bitmap[self._last]:
             self.first_pass_done = newly_done = True
         if self._seen >= 0 and not newly_done and received - self._seen < self._stride:
-            return self.gaps, self.first_pass_done
+            return self.loss_rate, self.first_pass_done
         self._seen = received
         bm = np.asarray(bitmap)
         normal = bm if self._normal is None else bm[self._normal]
         got = np.flatnonzero(normal)
-        self.gaps = bool(got.size and got.size < int(got[-1]) + 1)
-        return self.gaps, self.first_pass_done
+        span = int(got[-1]) + 1 if got.size else 0
+        self.loss_rate = (span - got.size) / span if span else 0.0
+        self.gaps = self.loss_rate > 0
+        return self.loss_rate, self.first_pass_done
 
 
 def _earliest(*times):
@@ -196,7 +213,7 @@ def _earliest(*times):
 
 def decide(now: float, *, start: float, lt: float | None, deadline: float | None, fraction: float,
            complete: bool, critical_ok: bool, lt_fraction: float, reliable: bool,
-           gaps: bool = True, first_pass_done: bool = True, stall_at: float | None = None,
+           lossy: bool = True, first_pass_done: bool = True, stall_at: float | None = None,
            hard_deadline: float | None = None) -> tuple:
     """Early Close decision for one flow.
 
@@ -204,10 +221,11 @@ def decide(now: float, *, start: float, lt: float | None, deadline: float | None
     ``"complete"``, ``"early"`` or ``"deadline"``; ``wake`` is the next time
     the decision can change without new data (None if only data can change it).
 
-    Progress evidence (see the module comment): ``gaps`` (a loss was seen),
+    Progress evidence (see the module comment): ``lossy`` (the flow's loss
+    rate exceeds ``STRETCH_MAX_LOSS``),
     ``first_pass_done`` (only retransmissions can still arrive), ``stall_at``
     (when the flow stops counting as advancing if nothing more arrives; None:
-    never) and ``hard_deadline`` (the latest a cleanly advancing flow may stay
+    never) and ``hard_deadline`` (the latest a flow in its first pass may stay
     open; None: the group deadline is hard). The defaults give the paper's
     rule unchanged.
     """
@@ -219,14 +237,14 @@ def decide(now: float, *, start: float, lt: float | None, deadline: float | None
         return DEADLINE, None
     advancing = stall_at is None or now < stall_at
     if deadline is not None and now >= deadline:
-        if hard_deadline is None or gaps or not advancing:
+        if hard_deadline is None or lossy or not advancing or first_pass_done:
             return DEADLINE, None
-        return None, _earliest(stall_at, hard_deadline)  # a slow sender on a loss-free path: keep going
+        return None, _earliest(stall_at, hard_deadline)  # a slow sender still in its first pass: keep going
     wake = deadline
     if lt is not None:
         lt_at = start + lt
         if now >= lt_at:
-            if fraction >= lt_fraction and critical_ok and (first_pass_done or not advancing):
+            if fraction >= lt_fraction and critical_ok and (first_pass_done or not advancing or lossy):
                 return EARLY, None
             if advancing:
                 wake = _earliest(wake, stall_at)

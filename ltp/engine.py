@@ -62,7 +62,7 @@ import numpy as np
 from . import wire
 from .admission import PendingRegistration, ReplayCache, pending_lifetime, reg_mac
 from .config import Config
-from .early_close import HARD_STRETCH, FlowProgress, LinkThresholds, decide, stall_window
+from .early_close import HARD_STRETCH, STRETCH_MAX_LOSS, FlowProgress, LinkThresholds, decide, stall_window
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
                      TransferTimeout, WireError)
 from .path import Path, Transmit
@@ -668,11 +668,11 @@ class Engine:
         if deadline is not None and flow.slot is not None:
             # unregistered slots of the group expire at the same deadline
             flow.slot.group.wake = deadline
-        gaps, first_pass, stall_at, hard = self._progress_for(flow, lt, deadline, now)
+        lossy, first_pass, stall_at, hard = self._progress_for(flow, lt, deadline, now)
         regime, wake = decide(now, start=flow.anchor, lt=lt, deadline=deadline, fraction=flow.fraction,
                               complete=False, critical_ok=flow.critical_ok,
                               lt_fraction=self.config.lt_fraction, reliable=flow.reliable,
-                              gaps=gaps, first_pass_done=first_pass, stall_at=stall_at, hard_deadline=hard)
+                              lossy=lossy, first_pass_done=first_pass, stall_at=stall_at, hard_deadline=hard)
         if regime is not None:
             self._close_rx(flow, now, regime)
         elif wake is not None:
@@ -681,7 +681,7 @@ class Engine:
             self._wakes.pop(flow.key, None)
 
     def _progress_for(self, flow: FlowReceiver, lt: float | None, deadline: float | None, now: float) -> tuple:
-        """Progress evidence for :func:`decide`: ``(gaps, first_pass_done, stall_at, hard_deadline)``.
+        """Progress evidence for :func:`decide`: ``(lossy, first_pass_done, stall_at, hard_deadline)``.
 
         Before the LT threshold (and the deadline) only time can close the
         flow, so the bitmap is not inspected and the paper's defaults go in.
@@ -692,7 +692,7 @@ class Engine:
         prog = self._progress.get(flow.key)
         if prog is None:
             prog = self._progress[flow.key] = FlowProgress(flow.seg_count, flow.window.critical)
-        gaps, first_pass = prog.observe(flow.window.bitmap, flow.window.received)
+        loss_rate, first_pass = prog.observe(flow.window.bitmap, flow.window.received)
         got = flow.window.received
         mean_gap = (flow.last_arrival - flow.start) / got if got else None
         stall_at = flow.last_arrival + stall_window(flow.rtprop_us / 1e6, mean_gap)
@@ -701,7 +701,7 @@ class Engine:
             hard = flow.anchor + HARD_STRETCH * max(0.0, deadline - flow.anchor)
             if flow.slot is not None and flow.slot.group.timeout_at is not None:
                 hard = min(hard, flow.slot.group.timeout_at)
-        return gaps, first_pass, stall_at, hard
+        return loss_rate > STRETCH_MAX_LOSS, first_pass, stall_at, hard
 
     def _close_rx(self, flow: FlowReceiver, now: float, regime: str, send_stop: bool = True,
                   cause: str = "") -> None:
