@@ -155,12 +155,14 @@ class Worker:
         if self._batches is None:
             self._batches = self.workload.batches(self.cfg.rank, self.cfg.world_size, self.cfg.seed)
         while True:
+            t_pull = time.monotonic()
             try:
                 headers = await self.pull()
             except TransportTimeout as exc:
                 raise TransportTimeout(
-                    f"worker {self.cfg.rank}: no parameters from the PS within {self.cfg.pull_timeout_s} s; the PS "
-                    f"may have dropped this worker (raise --max-missed / --gather-timeout) or exited") from exc
+                    f"worker {self.cfg.rank}: no parameters from the PS for {time.monotonic() - t_pull:.1f} s "
+                    f"(--pull-timeout {self.cfg.pull_timeout_s:g} s; {exc}); the PS may have dropped this worker "
+                    f"(raise --max-missed / --gather-timeout) or exited") from exc
             if any(h.kind == KIND_STOP for h in headers):
                 return {"iterations": self.iterations, "last_loss": self.last_loss, "stopped": True}
             h = headers[0]

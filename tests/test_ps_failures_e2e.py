@@ -105,6 +105,20 @@ def test_killed_worker_fails_the_launch_naming_it_while_the_rest_finish(tmp_path
     assert os.path.exists(tmp_path / "s.json")
 
 
+def test_every_worker_killed_ends_the_launch_instead_of_waiting_for_rejoins(tmp_path):
+    job = Launch(tmp_path, "--transport", "tcp", "--workers", 2, "--epochs", 20, "--compute-delay", 0.02)
+    job.wait_iterations(5)
+    for name in ("worker 0", "worker 1"):
+        os.kill(job.pid(name), signal.SIGKILL)
+    t0 = time.monotonic()
+    rc = job.wait(90)
+    out = job.text()
+    assert rc == 128 + signal.SIGKILL, out
+    assert "no worker can rejoin" in out and re.search(r"FAILED: worker \d \(pid \d+\) was killed by SIGKILL", out)
+    assert time.monotonic() - t0 < 40  # not the PS's --store-timeout (120 s) rejoin wait
+    assert "final / best accuracy" not in out
+
+
 def test_job_whose_only_worker_died_exits_3_not_0(tmp_path):
     # Over TCP the PS's next broadcast to the exited worker fails: the worker is dropped at once, and the
     # PS waits --store-timeout for it to rejoin before it gives up.
