@@ -434,6 +434,8 @@ def launch(args) -> int:
             for h in hosts[:args.num_servers]:
                 lab.impair(h, direction="ingress", loss=args.loss, rate_bps=args.rate, queue_bytes=None,
                            delay_s=args.delay)
+            if getattr(args, "topology", None) is None:  # schedules plan for the lab as built
+                args.topology = schedule_cli.write_lab_topology(lab)
 
             def spawner(i):
                 return lambda argv: lab.popen(hosts[i], argv + ["--host", "0.0.0.0", "--advertise", hosts[i].addr],

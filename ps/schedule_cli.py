@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 from . import rendezvous as rdv
@@ -57,6 +58,28 @@ def load_topology(args):
         return Topology.from_json(path)
     except ValueError as exc:
         raise ConfigError(f"--topology {path}: {exc}") from None
+
+
+def write_lab_topology(lab) -> str:
+    """The lab's topology (``Topology.from_lab``) as a JSON file for the children's ``--topology``."""
+    import tempfile
+
+    from .schedules import Topology
+
+    fd, path = tempfile.mkstemp(prefix="ltp-ps-topology-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(Topology.from_lab(lab).to_json(), f)
+    import atexit
+
+    atexit.register(_unlink_quietly, path)  # the launcher outlives its children
+    return path
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def check_server_schedule(args) -> None:
