@@ -77,6 +77,8 @@ class Endpoint:
         self.engine = Engine(config, rng=rng, local_addr=self._local_addr, wall_offset=time.time() - _now())
         self._wildcard = self._local_addr[0] in ("0.0.0.0", "::")
         self._sources: dict = {}
+        self._icmp_seen = 0
+        self._errq_next = 0.0
         self._waiters: dict = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -264,8 +266,6 @@ class Endpoint:
     def _receive_pending(self) -> None:
         io = self._io
         eng = self.engine
-        if io.recverr_enabled:
-            self._read_errors()
         for _ in range(self.max_batches_per_wakeup):
             try:
                 n = io.recv_batch()
@@ -288,6 +288,14 @@ class Endpoint:
                     log.exception("ltp: error while processing datagrams from %s", addr)
             if n < io.batch:
                 break
+        if io.recverr_enabled:
+            # an ICMP report also sets the socket error, which the receive above met and counted:
+            # read the error queue only then (each read is a syscall), and every so often anyway
+            now = _now()
+            if io.icmp_errors != self._icmp_seen or now >= self._errq_next:
+                self._icmp_seen = io.icmp_errors
+                self._errq_next = now + _ERRQ_POLL_S
+                self._read_errors()
 
     def _read_errors(self) -> None:
         """Feed ICMP unreachable reports (IP_RECVERR error queue) to the engine: a dead peer is noticed
@@ -385,6 +393,9 @@ class Endpoint:
         # never let the engine see a timer early: the loop may fire a hair before `when`
         self._timer = self._loop.call_later(max(when - now, 0.0) + 1e-6, self._on_timer)
 
+
+#: the error queue is read when a socket call met an ICMP error, and at least this often (seconds)
+_ERRQ_POLL_S = 0.05
 
 _UNREACHABLE_CAUSES = {
     errno.ECONNREFUSED: "ICMP port unreachable: nothing listens on UDP port {port} there any more "

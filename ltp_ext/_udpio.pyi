@@ -29,6 +29,7 @@ class UdpIO:
     gro_enabled: bool
     timestamps_enabled: bool
     recverr_enabled: bool
+    icmp_errors: int
     def __init__(
         self,
         sock: socket.socket,

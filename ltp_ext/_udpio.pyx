@@ -283,6 +283,7 @@ cdef class UdpIO:
     cdef readonly bint gro_enabled
     cdef readonly bint timestamps_enabled
     cdef readonly bint recverr_enabled
+    cdef readonly long long icmp_errors
     cdef Py_ssize_t _slot_size
     # receive side
     cdef object _buf_arr
@@ -470,6 +471,8 @@ cdef class UdpIO:
         return fd
 
     cdef void _count_error(self, int e):
+        if _is_icmp(e):
+            self.icmp_errors += 1
         self._count_error_name(_errno.errorcode.get(e, str(e)))
 
     cdef void _count_error_name(self, str name):

@@ -198,6 +198,7 @@ class UdpIO:
         self._dgrams_out = 0
         self._eagain = 0
         self._errors: dict[str, int] = {}
+        self._icmp_errors = 0
 
     # read-only attributes, as in the compiled module
     family = property(lambda self: self._family, doc="The socket family (AF_INET or AF_INET6).")
@@ -206,6 +207,9 @@ class UdpIO:
     gso_enabled = property(lambda self: self._gso, doc="UDP_SEGMENT usable (probed; False when the kernel refuses).")
     gro_enabled = property(lambda self: self._gro, doc="UDP_GRO enabled on the socket.")
     timestamps_enabled = property(lambda self: self._ts, doc="SO_TIMESTAMPNS enabled (kernel receive times).")
+    icmp_errors = property(lambda self: self._icmp_errors,
+                           doc="ICMP-reported errors (ECONNREFUSED, EHOSTUNREACH...) the socket calls met so far: "
+                               "when it grows, recv_errors() has reports to read.")
     recverr_enabled = property(lambda self: self._recverr,
                                doc="IP_RECVERR enabled: ICMP reports are read with recv_errors().")
 
@@ -222,6 +226,8 @@ class UdpIO:
         return fd
 
     def _count_error(self, e: int) -> None:
+        if e in ICMP_ERRNOS:
+            self._icmp_errors += 1
         name = _errno.errorcode.get(e, str(e))
         self._errors[name] = self._errors.get(name, 0) + 1
 
