@@ -295,3 +295,13 @@ def test_replica_option_keeps_order_and_the_divergence_bound(seed, div_max):
     if div_max == 0.0:
         assert not ctrl.backlog and ctrl.stats["delayed"] > 0  # strict: the replica never lags a batch's end
     assert all(len(rp.punted) <= DEFAULT_MAX_BACKLOG for rp in ctrl.replica_plans)  # the lag stays bounded
+
+
+def test_an_unsized_update_is_planned_as_a_dense_partial_of_the_model():
+    net = FabricNetwork({PS: 1000.0, worker(0): 1000.0}, {PS: 1000.0, worker(0): 1000.0})
+    ctrl = MLfabricController(net, PS, n_elems=250, batch_window_s=0.0)
+    ctrl.start(0, [worker(0)], now=0.0)
+    ctrl.on_event(NodeReady(worker(0), 0), now=0.0)  # the executor did not say how large it is
+    ctrl.on_timer(now=0.0)
+    (g,) = ctrl.plans[-1].grants
+    assert g.update.nbytes > 250 * 4 and g.arrive == pytest.approx(g.update.nbytes / 1000.0)

@@ -57,6 +57,7 @@ from . import tags as _tags
 from .base import Schedule, World
 from .mlfabric import BatchPlan, Update, plan_batch
 from .mlfabric_replica import DEFAULT_MAX_BACKLOG, ReplicaPlan, plan_replica
+from .partial import payload_range
 from .mlfabric_links import FabricNetwork, ReservationTable
 from .program import (SLOT_GRAD, TOLERANT, Apply, Combine, Controller, Grant, NodeFailed, NodeReady, Program,
                       Recv, RoundPlan, Send, TransferDone, parse_node, server)
@@ -199,7 +200,8 @@ class MLfabricController(Controller):
         if ev.node in self.pending:
             self._ignore("second_update_before_grant")
             return []
-        self.pending[ev.node] = Update(ev.node, int(ev.nbytes), int(ev.version), float(ev.norm), self._seq)
+        nbytes = int(ev.nbytes) if ev.nbytes > 0 else payload_range(self.hi - self.lo)[1]  # unsized: a dense partial
+        self.pending[ev.node] = Update(ev.node, nbytes, int(ev.version), float(ev.norm), self._seq)
         self._seq += 1
         if self._batch_due is None:
             self._batch_due = now + self.batch_window_s
