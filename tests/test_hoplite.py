@@ -9,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from ltp_ps.schedules.fluid import FluidNetwork, simulate
 from ltp_ps.schedules.hoplite import (CHUNK_BYTES, Broadcast, HopliteController, ObjectDirectory, ReduceChain,
-                                      broadcast_flows, partition, reduce_flows, t_1d, t_2d, use_2d)
+                                      broadcast_flows, params_slot, parse_chunk_slot, partition, reduce_flows, t_1d,
+                                      t_2d, use_2d)
 from ltp_ps.schedules.partial import Partial
 from ltp_ps.schedules.program import ChunkArrived, NodeFailed, NodeReady, TransferDone, server, worker
 
@@ -286,8 +287,9 @@ class MemoryRun:
                             events.append(TransferDone(s.peer, n, s.tag, ok=False))
                             continue
                         if s.payload == "params":
-                            self.slots[n].setdefault(s.slot, np.zeros(self.n_elems, np.float32))[s.lo:s.hi] = msg
-                            k = int(s.slot.split(":")[-1])
+                            k, _ = parse_chunk_slot(s.slot)
+                            held = self.slots[n].setdefault(params_slot(k), np.zeros(self.n_elems, np.float32))
+                            held[s.lo:s.hi] = msg
                             events.append(ChunkArrived(n, f"params:{k}", s.lo, s.hi))
                         else:
                             self.slots[n].setdefault(s.slot, {})[(s.lo, s.hi)] = msg
@@ -311,8 +313,9 @@ class MemoryRun:
         sends = [s for s in g.steps if s.op in ("send", "forward")]
         self.max_parallel_sends = max(self.max_parallel_sends, len({s.peer for s in sends if s.payload == "partial" and not s.peer.startswith("server:")}))
         for s in sends:
-            if s.payload == "params":
-                buf = self.slots[n]["params"] if s.slot == "params" else self.slots[n][s.slot]
+            if s.payload == "params":  # the role binds chunk slots to views of its parameters
+                k, _ = parse_chunk_slot(s.slot)
+                buf = self.slots[n]["params"] if n.startswith("server:") else self.slots[n][params_slot(k)]
                 self.mail[(n, s.peer, s.tag)] = buf[s.lo:s.hi].copy()
             else:
                 self.mail[(n, s.peer, s.tag)] = self.slots[n]["acc"][(s.lo, s.hi)].copy()
@@ -334,7 +337,7 @@ def test_controller_round_broadcasts_then_reduces_to_the_mean():
     run.run()
     for r in range(6):  # every worker got every shard's parameters through the receiver-driven broadcast
         for k, (lo, hi) in enumerate(shards):
-            np.testing.assert_array_equal(run.slots[worker(r)][f"params:server:{k}"][lo:hi], init[lo:hi])
+            np.testing.assert_array_equal(run.slots[worker(r)][params_slot(k)][lo:hi], init[lo:hi])
     for r in (3, 0, 5, 1, 4, 2):
         run.event(NodeReady(worker(r), 0))
         run.run()

@@ -68,7 +68,7 @@ from .tags import PHASE_PULL, PHASE_PUSH, Tag, pack
 __all__ = [
     "CHUNK_BYTES", "STALL_TIMEOUT_S", "PAPER_LATENCY_S", "ObjectDirectory", "Broadcast", "ReduceChain",
     "HopliteController", "HopliteSchedule", "use_2d", "t_1d", "t_2d", "partition", "broadcast_flows",
-    "reduce_flows",
+    "reduce_flows", "chunk_slot", "parse_chunk_slot", "params_slot",
 ]
 
 CHUNK_BYTES = 256 * 1024  # bytes per broadcast chunk (the issue's choice; the paper pipelines 4 KB blocks)
@@ -590,6 +590,22 @@ def params_slot(shard: int) -> str:
     return f"{SLOT_PARAMS}:{server(shard)}"
 
 
+def chunk_slot(shard: int, chunk: int) -> str:
+    """The slot of broadcast chunk ``chunk`` of shard ``shard``'s parameters.  Raw payloads are sent as
+    the whole buffer bound to their slot, so the role binds each chunk slot to that chunk's bytes (a view
+    of the parameter buffer: elements ``[lo, hi)`` of the step), on the PS and on every worker."""
+    return f"{params_slot(shard)}#{int(chunk)}"
+
+
+def parse_chunk_slot(slot: str) -> tuple[int, int] | None:
+    """``(shard, chunk)`` of a :func:`chunk_slot` name, else None."""
+    head, sep, tail = slot.partition("#")
+    if not sep or not tail.isdigit() or not head.startswith(f"{SLOT_PARAMS}:server:"):
+        return None
+    k = head.rsplit(":", 1)[-1]
+    return (int(k), int(tail)) if k.isdigit() else None
+
+
 class HopliteController(Controller):
     """A PS round the Hoplite way: per-shard receiver-driven parameter broadcast, then a reduce chain of
     the workers' gradients whose tail sends shard ``k``'s range to ``server:k``.
@@ -725,11 +741,12 @@ class HopliteController(Controller):
             for i in f.chunks:
                 a, b = lo + i * per, min(hi, lo + (i + 1) * per)
                 tag = self._tag(PHASE_PULL, f.seq, i, KIND_PARAMS)
+                slot = chunk_slot(k, i)
                 if f.src == server(k):
-                    sends.append(Send(f.dst, SLOT_PARAMS, a, b, tag, RELIABLE, "params"))
+                    sends.append(Send(f.dst, slot, a, b, tag, RELIABLE, "params"))
                 else:
-                    sends.append(Forward(f.dst, params_slot(k), a, b, tag, RELIABLE, "params"))
-                recvs.append(Recv(f.src, params_slot(k), a, b, tag, RELIABLE, "params"))
+                    sends.append(Forward(f.dst, slot, a, b, tag, RELIABLE, "params"))
+                recvs.append(Recv(f.src, slot, a, b, tag, RELIABLE, "params"))
             if not f.chunks:
                 continue
             self._tags[self._tag(PHASE_PULL, f.seq, f.chunks[-1], KIND_PARAMS)] = ("bcast", k, f)
