@@ -186,3 +186,33 @@ def test_handler_stop_ends_the_program_and_unknown_slots_name_the_fix():
         with pytest.raises(ExecutorError, match="address"):
             await ex.run(Program("worker:0", ((Recv("worker:9", "x", 0, 1, 5, payload="note"),),)), sl)
     asyncio.run(main())
+
+
+def test_raw_sends_only_mark_gradient_headers_critical():
+    """A reliable note or parameter message carries no critical ranges (LTP refuses ranges outside a short
+    buffer); a tolerant raw gradient's 64-byte header is critical."""
+    seen = []
+
+    class Spy(MemoryNetwork):
+        pass
+
+    async def main():
+        net = MemoryNetwork()
+        a, b = net.endpoint(), net.endpoint()
+        orig = a.send
+
+        async def send(peer, data, **kw):
+            seen.append((kw.get("reliable"), tuple(kw.get("critical", ()))))
+            return await orig(peer, data, **kw)
+
+        a.send = send
+        sl = Slots()
+        sl.bind("note", np.zeros(8, np.uint8))
+        sl.bind("g", np.zeros(64 + 16, np.uint8))
+        ex = Executor(a, "worker:0", {"server:0": b.local_addr})
+        prog = Program("worker:0", ((Send("server:0", "note", 0, 0, 1, "reliable", "note"),
+                                     Send("server:0", "g", 0, 4, 2, "tolerant", "grad", critical=((3, 4),))),))
+        await ex.run(prog, sl)
+    asyncio.run(main())
+    assert seen[0] == (True, ())
+    assert seen[1] == (False, ((0, 64), (76, 80)))

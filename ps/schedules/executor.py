@@ -324,7 +324,10 @@ class Executor:
                 data = as_bytes_view(data)[:last.total_bytes]  # relay what arrived, not the whole buffer
             critical = slots.critical.get(s.slot)
             if critical is None:
-                critical = _raw_critical(getattr(s, "critical", ()), s.lo, self.max_critical_ranges)
+                # only a tolerant raw gradient has a 64-byte header to protect; notes, STOP, grants and reliable
+                # messages carry no ranges (LTP refuses a range outside a short buffer)
+                critical = (_raw_critical(getattr(s, "critical", ()), s.lo, self.max_critical_ranges)
+                            if s.payload == "grad" and s.mode != RELIABLE else ())
         try:
             res.reports[i] = await self.transport.send(self.addr(s.peer), data, reliable=s.mode == RELIABLE,
                                                        critical=critical, element_size=ELEM, tag=s.tag,
