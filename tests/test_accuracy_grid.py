@@ -46,6 +46,8 @@ def test_summary_gap_and_divergence_counts():
     assert s["gap_points"] == pytest.approx(-0.6667, abs=1e-3)
     assert s["gap_ok"] is (s["gap_points"] >= -s["bound_points"])
     assert s["ltp_diverged"] == 1 and s["tcp_diverged"] == 1 and s["n_seeds"] == 3
+    (one,) = G.summarise([r for r in rows if r["seed"] == 0], [(4, 0.01, 0.0)])
+    assert one["gap_points"] == pytest.approx(-1.0) and one["gap_ok"] is None  # one seed: not judged
 
 
 def test_quick_slice_in_memory_never_diverges_and_holds_accuracy(tmp_path):
