@@ -41,11 +41,26 @@ class WireError(RemoteProtocolError, ValueError):
         self.reason = reason
 
 
+_REFUSAL_HINTS = {
+    "unauthenticated": "the job keys differ, or the peer sees this host at another address than the one it "
+                       "signs (NAT?): REG MACs bind the source address",
+    "stale": "the clocks of this host and the peer differ by more than the peer's Config.reg_freshness_s; "
+             "synchronise them (NTP)",
+    "out_of_memory": "the receiver's Config.max_receive_memory (or max_receive_memory_per_host) is taken by "
+                     "messages nobody received yet; post receives earlier or raise the cap",
+    "too_many_flows": "the receiver holds too many flows from this address or host (Config.max_flows_per_peer, "
+                      "max_flows_per_host, max_pending_registrations); wait for some to finish",
+    "too_large": "the message exceeds the receiver's Config.max_flow_bytes or the buffer it posted",
+    "unregistered": "the receiver kept forgetting this registration; it may have restarted",
+}
+
+
 class TransferRefused(LTPError):
     """The peer refused the flow registration (``reason`` says why)."""
 
     def __init__(self, reason: str) -> None:
-        super().__init__(f"transfer refused by peer: {reason}")
+        hint = _REFUSAL_HINTS.get(reason)
+        super().__init__(f"transfer refused by peer: {reason}" + (f" ({hint})" if hint else ""))
         self.reason = reason
 
 

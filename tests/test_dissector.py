@@ -124,3 +124,9 @@ def test_dissect_pcap_and_cli(tmp_path, capsys):
     assert main(["dissect", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 4 and "n=3" in out[3]
+
+
+def test_reset_reasons_of_admission():
+    for code, name in ((8, "stale"), (9, "unregistered")):
+        raw = bytes(LTPT(type=RESET, flow_id=1, token=2, reset_reason=code))
+        assert raw[8:12] == code.to_bytes(4, "big") and f"reason={name}" in LTPT(raw).mysummary()
