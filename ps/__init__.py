@@ -14,7 +14,6 @@ Entry points: ``ltp-ps`` (:mod:`ltp_ps.cli`), ``python -m ltp_ps.run`` under
 torchrun, and the DDP hook :func:`ltp_ps.ddp.register`.  See ``docs/ps.md``.
 """
 
-from . import backend as _backend
 from .aggregate import Aggregator, bubbles_to_elements, critical_ranges
 from .errors import (AuthError, ConfigError, MembershipError, PSError, RemoteError, RendezvousError, TransportError,
                      TransportTimeout)
@@ -31,4 +30,14 @@ __all__ = ["Aggregator", "AuthError", "ConfigError", "DirectSchedule", "ErrorFee
            "Schedule", "ServerConfig", "ShardPlan", "ShardRef", "Staleness", "TransportError", "TransportTimeout",
            "Worker", "WorkerConfig", "bubbles_to_elements", "critical_ranges"]
 
-_backend.register()
+
+def _register_backend() -> None:
+    import torch.distributed as _dist
+
+    if _dist.is_available():  # torch builds without distributed support have no backends to register
+        from . import backend
+
+        backend.register()
+
+
+_register_backend()

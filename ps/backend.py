@@ -50,9 +50,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions,
-                                        AllToAllOptions, BarrierOptions, BroadcastOptions, ReduceOp,
-                                        ReduceOptions, ReduceScatterOptions)
+from torch._C._distributed_c10d import ReduceOp
 
 from . import collectives as C
 from .errors import ConfigError
@@ -67,6 +65,10 @@ P2P_COUNT_BITS = 30
 #: a reliable send the transport gives up on is tried this many times in all, within the collective's timeout
 #: (a duplicate that was in fact delivered waits unmatched in the receiver's bounded buffer)
 SEND_ATTEMPTS = 3
+#: pause before receiving again after a receive closed early (seconds)
+RECV_RETRY_PAUSE_S = 0.05
+#: seconds of silence from a peer that LTP tolerates before failing a transfer (starved, not dead)
+PEER_SILENCE_S = 30.0
 #: seconds to wait for the transport endpoint to open and for peers to publish their addresses
 OPEN_TIMEOUT_S = 60.0
 ENV_TRANSPORT = "LTP_BACKEND_TRANSPORT"
@@ -200,6 +202,27 @@ def configure(**kw) -> BackendOptions:
     return o
 
 
+async def open_tolerant_transport(kind: str, host: str, *, job_key: bytes | None = None,
+                                  advertise_host: str | None = None, cc: str | None = None):
+    """A transport endpoint whose LTP silence timers tolerate :data:`PEER_SILENCE_S` of a starved peer.
+
+    LTP fails a transfer after ``peer_silence_min_s`` (1 s by default) without a
+    word from the peer; a training process starved of CPU (or paused by the
+    GC) for a second is not dead, and an exact collective must not fail for
+    it.  Dead peers are still found: by ICMP unreachable at once, else by the
+    collective's own timeout.
+    """
+    if kind == "ltp":
+        from .transport.ltp import LtpTransport
+
+        return await LtpTransport.open(host, 0, job_key=job_key, advertise_host=advertise_host,
+                                       config_kwargs={"peer_silence_min_s": PEER_SILENCE_S,
+                                                      "idle_timeout_s": PEER_SILENCE_S})
+    from .transport import open_transport
+
+    return await open_transport(kind, host, 0, cc=cc, job_key=job_key, advertise_host=advertise_host)
+
+
 def _reduce_fn(op):
     """(binary torch function, divide-by-world afterwards?) for a ReduceOp."""
     table = {ReduceOp.SUM: (torch.add, False), ReduceOp.AVG: (torch.add, True), ReduceOp.PRODUCT: (torch.mul, False),
@@ -248,14 +271,13 @@ class LtpProcessGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._closed = False
         #: readable counters: collectives started/failed, bytes sent/received by this rank
-        self.stats = {"collectives": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0, "send_retries": 0, "recv_retries": 0}
+        self.stats = {"collectives": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0, "send_retries": 0,
+                      "recv_retries": 0}
         self._io = _Loop(f"ltp-backend-{rank}")
         # LTP authenticates registrations with a job key when one is set ($LTP_PS_SECRET, as for the DDP hook).
         key = os.environ.get("LTP_PS_SECRET", "").encode() or None
-        from .transport import open_transport
-
-        cf = self._io.submit(open_transport(self.options.transport, self.options.host, 0, cc=None, job_key=key,
-                                            advertise_host=self.options.advertise_host))
+        cf = self._io.submit(open_tolerant_transport(self.options.transport, self.options.host, job_key=key,
+                                                     advertise_host=self.options.advertise_host))
         self._transport = cf.result(OPEN_TIMEOUT_S)
         a = self._transport.local_addr
         store.set(f"ltp/addr/{rank}", f"{a[0]}:{a[1]}")
@@ -377,6 +399,7 @@ class LtpProcessGroup(dist.ProcessGroup):
             if time.monotonic() >= deadline:
                 raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: the transfer from rank {peer} "
                                       f"stalled: {stalled}, and no resend arrived within the group timeout")
+            await asyncio.sleep(RECV_RETRY_PAUSE_S)  # an unreachable peer answers at once: do not spin
         self.stats["bytes_received"] += view.nbytes
 
     async def _recv_into(self, t: torch.Tensor, peer: int, tag: int, deadline: float, what: str) -> None:
@@ -772,6 +795,4 @@ def register() -> None:
     dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
 
 
-__all__ = ["BackendOptions", "LtpBackendError", "LtpProcessGroup", "configure", "register",
-           "AllgatherOptions", "AllreduceCoalescedOptions", "AllreduceOptions", "AllToAllOptions", "BarrierOptions",
-           "BroadcastOptions", "ReduceOptions", "ReduceScatterOptions"]
+__all__ = ["BackendOptions", "LtpBackendError", "LtpProcessGroup", "LtpWork", "completion", "configure", "register"]

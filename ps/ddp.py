@@ -69,9 +69,9 @@ import torch
 import torch.distributed as dist
 
 from .aggregate import limit_ranges
-from .backend import LtpBackendError, completion
+from .backend import LtpBackendError, completion, open_tolerant_transport
 from .errors import ConfigError, RemoteError
-from .transport import open_transport, resolve_kind
+from .transport import resolve_kind
 from .transport.base import TIMEOUT, gather_by_recv, missing_report
 
 # --- message layouts and tags (hook endpoints are private to the hook: their tags are ours) ------------------
@@ -497,7 +497,7 @@ class LtpHookState:
     HISTORY = 1024
 
     async def _send_reliably(self, data, tag: int):
-        """A reliable send to the PS, tried again (up to SEND_ATTEMPTS, within the timeout) if the transport gives up."""
+        """A reliable send to the PS, tried again (SEND_ATTEMPTS in all, within the timeout) if it fails."""
         deadline = time.monotonic() + self.timeout_s
         for attempt in range(SEND_ATTEMPTS):
             last = attempt == SEND_ATTEMPTS - 1 or time.monotonic() >= deadline
@@ -658,7 +658,8 @@ def ltp_hook(state: LtpHookState, bucket: dist.GradBucket) -> torch.futures.Futu
 
 
 # DDP checks the annotation object itself; ``from __future__ import annotations`` made it a string.
-ltp_hook.__annotations__.update(bucket=dist.GradBucket, state=LtpHookState, **{"return": torch.futures.Future[torch.Tensor]})
+ltp_hook.__annotations__.update(bucket=dist.GradBucket, state=LtpHookState,
+                                **{"return": torch.futures.Future[torch.Tensor]})
 
 
 def register(ddp_model, *, transport: str | None = None, cc: str = "cubic", min_fraction: float = MIN_FRACTION,
@@ -688,7 +689,7 @@ def register(ddp_model, *, transport: str | None = None, cc: str = "cubic", min_
     state = LtpHookState(rank, world, kind, max_elems, timeout_s, runner=_LoopThread(f"ltp-ddp-{rank}"))
 
     async def open_ep():
-        return await open_transport(kind, host, 0, cc=cc if kind == "tcp" else None, job_key=secret,
+        return await open_tolerant_transport(kind, host, cc=cc if kind == "tcp" else None, job_key=secret,
                                     advertise_host=os.environ.get("LTP_PS_ADVERTISE"))
 
     state.transport = state.runner.call(open_ep(), 30)

@@ -132,7 +132,8 @@ def test_other_collectives(groups_factory, transport):
     assert all(s.tolist() == [0.0, 0.0, 1.0, -1.0, 2.0, -2.0] for s in single)
     # reduce_scatter (list and single)
     rs = [torch.empty(3) for _ in range(world)]
-    run_all(pgs, lambda r, pg: pg.reduce_scatter([rs[r]], [[torch.full((3,), float(100 * j + r)) for j in range(world)]]))
+    run_all(pgs, lambda r, pg: pg.reduce_scatter([rs[r]],
+                                                 [[torch.full((3,), float(100 * j + r)) for j in range(world)]]))
     for j, t in enumerate(rs):
         assert t.tolist() == [float(300 * j + 0 + 1 + 2)] * 3
     rss = [torch.empty(2) for _ in range(world)]

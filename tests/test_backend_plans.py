@@ -29,7 +29,7 @@ def simulate(plans: list, bufs: list, op=np.add) -> list:
             got = {}
             for t in step.recvs:
                 lo, hi, data = sent.pop((t.peer, r))
-                assert (lo, hi) == (t.lo, t.hi), f"step {s}: {t.peer}->{r} sends {lo, hi}, receiver expects {t.lo, t.hi}"
+                assert (lo, hi) == (t.lo, t.hi), f"step {s}: {t.peer}->{r}: sent {lo, hi}, expected {t.lo, t.hi}"
                 got.setdefault((t.lo, t.hi), []).append((t.peer, data))
             for (lo, hi), parts in got.items():
                 if step.combine == C.COPY:

@@ -1,4 +1,4 @@
-"""The DDP hook's round protocol: policy (pure), mean, warnings, and the PS/worker exchange over the memory transport."""
+"""The DDP hook's round protocol: policy (pure), mean, warnings, PS and workers over the memory transport."""
 
 from __future__ import annotations
 
