@@ -211,7 +211,11 @@ class ParameterServer:
     async def run(self) -> dict:
         """Train to the end; returns the summary dict."""
         try:
-            if self.cfg.mode == "async":
+            from .dynamic_roles import runs_async_controller, server_run
+
+            if runs_async_controller(self.planner):  # mlfabric: asynchronous updates through its controller
+                await server_run(self)
+            elif self.cfg.mode == "async":
                 await self._run_async()
             else:
                 await self._run_bsp()
@@ -310,8 +314,8 @@ class ParameterServer:
                     bubbles[m.rank] = len(c.lost)
             elif r.regime not in (TIMEOUT, CANCELLED):
                 self.membership.delivered(m.rank)  # alive (it registered), but Early Close left nothing usable
-            elif self.membership.missed(m.rank, _miss_reason(r, gather_timeout)):
-                self.log(f"[ps{self.shard}] dropped worker {m.rank}: {_miss_reason(r, gather_timeout)} "
+            elif self.membership.missed(m.rank, _miss_reason(r, gather_timeout, t_wait)):
+                self.log(f"[ps{self.shard}] dropped worker {m.rank}: {_miss_reason(r, gather_timeout, t_wait)} "
                          f"{self.cfg.max_missed} rounds in a row")
             if c.lost:
                 lost[m.rank] = c.lost
@@ -577,11 +581,12 @@ class ParameterServer:
 STOP_BEST_EFFORT_S = 2.0  # seconds spent telling workers to stop when the job fails
 
 
-def _miss_reason(r, timeout_s: float) -> str:
-    """Why a worker's gather slot came back empty, with the real elapsed time."""
+def _miss_reason(r, timeout_s: float, waited_s: float) -> str:
+    """Why a worker's gather slot came back empty, with the real elapsed time (the report's, else the wait's)."""
+    elapsed = r.duration_s if r.duration_s > 0 else waited_s
     if r.regime == CANCELLED:
-        return f"its gradient transfer failed after {r.duration_s:.2f} s (peer closed or unreachable)"
-    return (f"no gradient within {r.duration_s:.2f} s ({r.regime}; bound {timeout_s:.2f} s)")
+        return f"its gradient transfer failed after {elapsed:.2f} s (peer closed or unreachable)"
+    return f"no gradient within {elapsed:.2f} s ({r.regime}; bound {timeout_s:.2f} s)"
 
 
 def _bar(total, initial, enabled, desc):

@@ -6,6 +6,7 @@ In-memory and unit tier (no processes): the end-to-end failure drills are in tes
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 
 import numpy as np
@@ -128,6 +129,11 @@ def test_every_worker_gone_stops_with_a_clear_error_not_a_summary():
     assert isinstance(err, TrainingFailed), err
     assert "no usable gradient" in str(err) and "2 rounds in a row" in str(err)
     assert job.servers[0].iteration <= 3 + 2
+    drops = [e.reason for e in job.servers[0].membership.events_log if e.kind == "dropped"]
+    assert len(drops) == 2
+    for reason in drops:  # the real time waited (about the 0.2 s bound), never a made-up 0.00 s
+        waited = float(re.search(r"no gradient within (\d+\.\d+) s \(timeout; bound 0\.20 s\)", reason).group(1))
+        assert 0.15 <= waited < 5, reason
 
 
 def test_no_live_worker_and_none_rejoins_fails_naming_the_drop_reasons():
