@@ -39,7 +39,8 @@ deliberate simplification, exact while rates are steady).
 
 Pauses.  A paused host sends nothing (its up link has capacity 0), which is
 how the RAT paper (§4.1) emulates congested or failed nodes: ``k`` hosts,
-redrawn every ``d`` seconds (:class:`RotatingPauses`, seeded).
+redrawn every ``d`` seconds (:class:`RotatingPauses`, seeded).  A plan with
+``rate_bps > 0`` throttles instead of stopping (the lab's 1 Mbit/s egress).
 
 The simulator is pure: no clock, no I/O; randomness only through a
 ``random.Random`` handed to :class:`RotatingPauses`.
@@ -88,6 +89,7 @@ class Flow:
     stream_from: Hashable | None = None
     delay_s: float = 0.0
     after_sent: tuple = ()  # flows whose last byte must have *left* (sender-side order, no latency)
+    not_before_s: float = 0.0  # seconds: absolute earliest start (a node that becomes ready late)
 
     def __post_init__(self):
         if self.nbytes < 0 or not math.isfinite(self.nbytes):
@@ -165,10 +167,12 @@ class FluidNetwork:
         links.append(("down", dst))
         return links
 
-    def capacity_Bps(self, link: tuple, paused: frozenset = frozenset()) -> float:
+    def capacity_Bps(self, link: tuple, paused: frozenset = frozenset(), paused_bps: float = 0.0) -> float:
+        """Capacity in bytes/s; a paused host's up link runs at ``paused_bps`` (0: stopped)."""
         kind, who = link
         if kind == "up":
-            return 0.0 if who in paused else self.host_up_bps[who] / BITS_PER_BYTE
+            return min(paused_bps, self.host_up_bps[who]) / BITS_PER_BYTE if who in paused \
+                else self.host_up_bps[who] / BITS_PER_BYTE
         if kind == "down":
             return self.host_down_bps[who] / BITS_PER_BYTE
         if kind == "rack_up":
@@ -232,7 +236,9 @@ class RotatingPauses:
     Draws are made lazily per epoch from the seeded ``rng`` in epoch order, so
     a run is reproducible from the seed."""
 
-    def __init__(self, hosts: Sequence[str], k: int, period_s: float, rng: random.Random, start_s: float = 0.0):
+    def __init__(self, hosts: Sequence[str], k: int, period_s: float, rng: random.Random, start_s: float = 0.0,
+                 rate_bps: float = 0.0):
+        self.rate_bps = float(rate_bps)  # bit/s a paused host still sends (0: stopped)
         if not 0 <= k <= len(hosts):
             raise ValueError(f"k={k} paused hosts out of range for {len(hosts)} hosts")
         if period_s <= 0:
@@ -416,7 +422,7 @@ def simulate(network: FluidNetwork, flows: Iterable[Flow], *, pauses: PausePlan 
             return
         if f.stream_from is not None and f.stream_from not in start_s:
             return
-        t0 = t
+        t0 = max(t, f.not_before_s)
         if f.stream_from is not None:
             t0 = max(t0, start_s[f.stream_from] + lat)
         pending_start.append((t0 + f.delay_s, n))
@@ -464,7 +470,8 @@ def simulate(network: FluidNetwork, flows: Iterable[Flow], *, pauses: PausePlan 
             break
         # 3. allocate
         paused = pauses.paused(t)
-        caps = np.array([network.capacity_Bps(l, paused) for l in links]) if links else np.zeros(0)
+        pbps = float(getattr(pauses, "rate_bps", 0.0))
+        caps = np.array([network.capacity_Bps(l, paused, pbps) for l in links]) if links else np.zeros(0)
         F = len(active)
         fl = np.full((F, K), -1, dtype=np.int64)
         pos = {n: i for i, n in enumerate(active)}

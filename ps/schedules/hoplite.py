@@ -816,19 +816,21 @@ def broadcast_flows(source: str, receivers: Sequence[str], size_bytes: float, *,
 
 def reduce_flows(inputs: Sequence[str], receiver: str, size_bytes: float, *, bandwidth_bps: float,
                  latency_s: float, rng: random.Random | None = None, prefix="reduce",
-                 ready_order: Sequence[str] | None = None) -> list[Flow]:
-    """The flows of a reduce with every input ready in ``ready_order`` (default: ``inputs``): each hop
-    streams from the hop into its sender (pipelined chains); a sub-chain's result joins its parent chain
-    once the sub-chain's last hop streams."""
+                 ready_order: Sequence[str] | None = None, ready_s: dict | None = None) -> list[Flow]:
+    """The flows of a reduce with inputs ready in ``ready_order`` (default: ``inputs``; or sorted by
+    ``ready_s``, seconds): a hop starts once its receiver is ready and streams from the hop into its
+    sender (pipelined chains); a sub-chain's result joins its parent chain as the sub-chain completes."""
     rc = ReduceChain(inputs, receiver, size_bytes=size_bytes, bandwidth_bps=bandwidth_bps, latency_s=latency_s,
                      rng=rng or random.Random(0))
-    hops = []
-    for n in (ready_order or inputs):
-        hops += rc.ready(n)
+    ready_s = dict(ready_s or {})
+    order = ready_order or (sorted(inputs, key=lambda n: (ready_s.get(n, 0.0), str(n))) if ready_s else inputs)
+    for n in order:
+        rc.ready(n)
     flows, into = [], {}
     for h in rc.hops:
         up = into.get(h.src)
-        flows.append(Flow((prefix, h.seq), h.src, h.dst, size_bytes, stream_from=up))
+        t0 = max(ready_s.get(h.src, 0.0), 0.0 if h.final else ready_s.get(h.dst, 0.0))
+        flows.append(Flow((prefix, h.seq), h.src, h.dst, size_bytes, stream_from=up, not_before_s=t0))
         into[h.dst] = (prefix, h.seq)
     return flows
 

@@ -174,6 +174,50 @@ def hoplite_section6(*, nodes=HOPLITE_NODES, bps=HOPLITE_BPS, latency_s=PAPER_LA
     return out
 
 
+LAB_MODEL_BYTES = 4e6  # the issue's lab model (4 MB)
+LAB_HOST_BPS = 100e6
+LAB_UPLINK_BPS = 50e6
+LAB_RACKS = (3, 3)
+LAB_PAUSE_BPS = 1e6  # a paused worker's egress in the lab
+LAB_PAUSE_PERIOD_S = 2.0
+LAB_STAGGER_S = 0.1
+
+
+def lab_predictions(*, model_bytes=LAB_MODEL_BYTES, latency_s=HOP_LATENCY_S, seeds=SEEDS) -> dict:
+    """The fluid model's predictions (communication only) for the issue's lab rows, to set beside them."""
+    out = {}
+    net = FluidNetwork.uniform(list(LAB_RACKS), LAB_HOST_BPS, uplink_bps=LAB_UPLINK_BPS, latency_s=latency_s)
+    h = net.hosts
+    n = len(h)
+    split = [h[:LAB_RACKS[0]], h[LAB_RACKS[0]:]]
+    flows = {"direct": ps_flows(h, model_bytes), "ring": ring_flows(h, model_bytes),
+             "rat": rat_flows(rat_trees(split), [model_bytes / n] * n)}  # store-and-forward, as compiled
+    clean = {k: simulate(net, f).completion_s for k, f in flows.items()}
+    paused = {}
+    for k, f in flows.items():
+        paused[k] = _median([simulate(net, f, pauses=RotatingPauses(h, 1, LAB_PAUSE_PERIOD_S, random.Random(s),
+                                                                    rate_bps=LAB_PAUSE_BPS)).completion_s
+                             for s in seeds])
+    out["rat_lab"] = {"clean_s": clean, "paused_s": paused, "rat_over_direct": clean["rat"] / clean["direct"],
+                      "rat_over_ring": clean["rat"] / clean["ring"],
+                      "ring_over_rat_paused": paused["ring"] / paused["rat"]}
+    net = FluidNetwork.uniform([7], LAB_HOST_BPS, latency_s=latency_s)
+    h = net.hosts
+    ps, workers = h[0], h[1:]
+    direct = simulate(net, _star(ps, workers, model_bytes, prefix="bc") +
+                      _incast(workers, ps, model_bytes, after=[("bc", w) for w in workers])).completion_s
+    hop = (simulate(net, broadcast_flows(ps, workers, model_bytes)).completion_s +
+           simulate(net, reduce_flows(workers, ps, model_bytes, bandwidth_bps=LAB_HOST_BPS,
+                                      latency_s=latency_s)).completion_s)
+    ready = {w: LAB_STAGGER_S * i for i, w in enumerate(workers)}
+    staggered = simulate(net, reduce_flows(workers, ps, model_bytes, bandwidth_bps=LAB_HOST_BPS, latency_s=latency_s,
+                                           ready_s=ready)).completion_s
+    bound = max(ready.values()) + 1.5 * model_bytes * 8 / LAB_HOST_BPS
+    out["hoplite_lab"] = {"direct_s": direct, "hoplite_s": hop, "hoplite_over_direct": hop / direct,
+                          "staggered_reduce_end_s": staggered, "staggered_bound_s": bound}
+    return out
+
+
 def _star(src, dsts, nbytes, prefix="star"):
     from ltp_ps.schedules.fluid import Flow
     return [Flow((prefix, d), src, d, nbytes) for d in dsts]
@@ -227,6 +271,7 @@ def run(*, quick: bool = False, out: str | None = None, plots: bool = True) -> d
         fail = rat_failures()
         hop = hoplite_section6()
     res = {"rat_oversubscription": over, "rat_failures": fail, "hoplite": hop, "checks": checks(over, fail, hop),
+           "lab_predictions": lab_predictions(),
            "quick": quick, "wall_s": time.perf_counter() - t0,
            "setup": {"hop_latency_s": HOP_LATENCY_S, "rat_model_bytes": RAT_MODEL_BYTES, "rat_host_bps": RAT_HOST_BPS,
                      "hoplite_bps": HOPLITE_BPS, "hoplite_latency_s": PAPER_LATENCY_S, "rat_chunks": RAT_CHUNKS}}
@@ -291,6 +336,18 @@ def format_report(res: dict) -> str:
         lines.append(f"| {s['nodes']} | {s['direct_s']:.3f} | {s['hoplite_s']:.3f} | {s['reduce_2d']} | "
                      f"{s['comm_ratio']:.2f} | {s.get('ratio_with_fitted_compute', float('nan')):.2f} | "
                      f"{s['paper_ratio']} |")
+    lab = res.get("lab_predictions")
+    if lab:
+        r, hl = lab["rat_lab"], lab["hoplite_lab"]
+        lines += ["", "Fluid predictions for the lab rows (communication only, seconds):",
+                  f"  RAT lab (racks 3+3, 100/50 Mbit/s, 4 MB): direct {r['clean_s']['direct']:.3f}, "
+                  f"ring {r['clean_s']['ring']:.3f}, RAT {r['clean_s']['rat']:.3f} -> RAT/direct "
+                  f"{r['rat_over_direct']:.2f}, RAT/ring {r['rat_over_ring']:.2f}; one worker at 1 Mbit/s rotating "
+                  f"every 2 s: ring {r['paused_s']['ring']:.3f}, RAT {r['paused_s']['rat']:.3f} -> ring/RAT "
+                  f"{r['ring_over_rat_paused']:.2f}",
+                  f"  Hoplite lab (PS + 6 at 100 Mbit/s, 4 MB): direct {hl['direct_s']:.3f}, Hoplite "
+                  f"{hl['hoplite_s']:.3f} -> {hl['hoplite_over_direct']:.2f}x; arrivals every 0.1 s: reduce ends "
+                  f"at {hl['staggered_reduce_end_s']:.3f} (bound {hl['staggered_bound_s']:.3f})"]
     lines += ["", "Checks:"]
     for c in res["checks"]:
         lines.append(f"  [{'PASS' if c['passed'] else 'MISS'}] {c['check']}: {c['value']:.3f} (target {c['target']})")
