@@ -275,10 +275,12 @@ def worker_params(slots, w, r):
     return out
 
 
-@pytest.mark.parametrize("racks_,K", [([4, 4], None), ([3, 3], None), ([3, 3], 2), ([2, 3, 1], None), ([6], None)])
-def test_programs_reduce_to_the_direct_mean(racks_, K):
+@pytest.mark.parametrize("racks_,K,chunks", [([4, 4], None, 1), ([3, 3], None, 1), ([3, 3], 2, 1),
+                                              ([2, 3, 1], None, 1), ([6], None, 1), ([3, 3], None, 3),
+                                              ([2, 3, 1], 4, 5)])
+def test_programs_reduce_to_the_direct_mean(racks_, K, chunks):
     w = _world(racks_, K)
-    sched = RatSchedule(w)
+    sched = RatSchedule(w, chunks=chunks)
     plan = sched.plan(5)
     plan.check()
     rng = np.random.default_rng(1)
@@ -402,3 +404,22 @@ def test_topology_input_and_separate_ps_hosts():
     assert not stuck
     np.testing.assert_allclose(server_params(slots, w), np.mean(list(grads.values()), axis=0), rtol=1e-5, atol=1e-6)
     assert sched.predict_s() > 0
+
+
+def test_chunked_reduce_is_cut_through_and_predicted_faster():
+    w = _world([3, 3], n_elems=1_000_000)
+    one, four = RatSchedule(w), RatSchedule(w, chunks=4)
+    assert one.plan(0).programs == RatSchedule(w, chunks=1).plan(0).programs
+    p = four.plan(0)
+    p.check()
+    # an aggregator sends piece 0 up before it receives piece 1 from its leaves
+    agg = next(iter(four.trees()[0].non_root_aggregators()))
+    ops = [(s.op, s.lo) for st in p.program(agg).stages for s in st if s.op in ("send", "recv")
+           and getattr(s, "payload", "") == "partial"]
+    lo0 = w.shards[0][0]
+    first_up = next(i for i, (op, lo) in enumerate(ops) if op == "send" and lo == lo0)
+    later_in = [i for i, (op, lo) in enumerate(ops) if op == "recv" and lo > lo0 and lo < w.shards[0][1]]
+    assert later_in and first_up < min(later_in)
+    assert four.predict_s() < one.predict_s()
+    with pytest.raises(ValueError, match="chunks"):
+        RatSchedule(w, chunks=0)

@@ -326,8 +326,11 @@ class RatSchedule(Schedule):
     name = "rat"
     apply_at = APPLY_AT_SERVER
 
-    def __init__(self, world: World, *, rng=None):
+    def __init__(self, world: World, *, rng=None, chunks: int = 1):
         super().__init__(world, rng=rng)
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1 (pieces per tree slice in the reduce), got {chunks}")
+        self.chunks = int(chunks)
         self._trees = self._build()
 
     def set_world(self, world: World) -> None:
@@ -382,9 +385,12 @@ class RatSchedule(Schedule):
         (top level first), ``Compute``, partials up every tree (level 0 first), the root shard's ``Apply``.
 
         Stage layout with ``L`` levels: ``L - e`` = level-``e`` broadcast transfers, ``L + 1`` = Compute,
-        ``L + 2 + 2e`` = level-``e`` reduce transfers, ``L + 3 + 2e`` = their Combines, ``3L + 4`` = Apply.
-        A transfer and its receive share a stage index, and every step depends only on earlier stages
-        of its own node, so no two nodes wait on each other."""
+        then for every piece ``j`` of the slice (``chunks``, default 1) and level ``e``: ``L + 2 + 2q`` =
+        the reduce transfers and ``L + 3 + 2q`` their Combines, ``q = j (L + 1) + e``; last, the root's
+        ``Apply`` per piece.  A transfer and its receive share a stage index, and every step depends only
+        on earlier stages (lexicographic in ``(j, e)``) of its own node, so no two nodes wait on each
+        other.  With ``chunks > 1`` aggregators are cut-through: piece ``j`` goes up while the leaves
+        already send piece ``j + 1``."""
         stages: dict = {}  # node -> {stage index: [steps]}
         L = max((t.levels for t in self._trees), default=1)
 
@@ -399,6 +405,9 @@ class RatSchedule(Schedule):
             for c, p, e in t.edges():
                 kids.setdefault(p, []).append((c, e))
             pslot = params_slot(k)
+            n_pieces = max(1, min(self.chunks, hi - lo))
+            bounds = [lo + (hi - lo) * j // n_pieces for j in range(n_pieces + 1)]
+            pieces = list(zip(bounds[:-1], bounds[1:]))
             for c, p, e in t.edges():
                 down_tag = pack(iteration, PHASE_PULL, e, k, KIND_PARAMS)
                 if p == t.root:
@@ -406,17 +415,21 @@ class RatSchedule(Schedule):
                 else:
                     add(p, L - e, Forward(c, pslot, lo, hi, down_tag, RELIABLE, "params"))
                 add(c, L - e, Recv(p, pslot, lo, hi, down_tag, RELIABLE, "params", group="params"))
-                up_tag = pack(iteration, PHASE_PUSH, e, k, KIND_PARTIAL)
-                src_slot = SLOT_ACC if c in kids else SLOT_GRAD
-                add(c, L + 2 + 2 * e, Send(p, src_slot, lo, hi, up_tag, TOLERANT, "partial"))
-                slot = f"in:{c}:{k}"
-                add(p, L + 2 + 2 * e, Recv(c, slot, lo, hi, up_tag, TOLERANT, "partial", group=f"rat:{k}:{e}"))
-                add(p, L + 3 + 2 * e, Combine(SLOT_ACC, slot, lo, hi))
-            for p in kids:  # an aggregating worker adds its own gradient before its children's partials
-                if p != t.root:
-                    first = min(e for _, e in kids[p])
-                    stages[p].setdefault(L + 3 + 2 * first, []).insert(0, Combine(SLOT_ACC, SLOT_GRAD, lo, hi))
-            add(t.root, 3 * L + 4, Apply(SLOT_ACC, lo, hi))
+            for j, (a, b) in enumerate(pieces):
+                for c, p, e in t.edges():
+                    q = j * (L + 1) + e
+                    up_tag = pack(iteration, PHASE_PUSH, q, k, KIND_PARTIAL)
+                    src_slot = SLOT_ACC if c in kids else SLOT_GRAD
+                    add(c, L + 2 + 2 * q, Send(p, src_slot, a, b, up_tag, TOLERANT, "partial"))
+                    slot = f"in:{c}:{k}" if len(pieces) == 1 else f"in:{c}:{k}:{j}"
+                    group = f"rat:{k}:{e}" if len(pieces) == 1 else f"rat:{k}:{j}:{e}"
+                    add(p, L + 2 + 2 * q, Recv(c, slot, a, b, up_tag, TOLERANT, "partial", group=group))
+                    add(p, L + 3 + 2 * q, Combine(SLOT_ACC, slot, a, b))
+                for p in kids:  # an aggregating worker adds its own gradient before its children's partials
+                    if p != t.root:
+                        first = j * (L + 1) + min(e for _, e in kids[p])
+                        stages[p].setdefault(L + 3 + 2 * first, []).insert(0, Combine(SLOT_ACC, SLOT_GRAD, a, b))
+                add(t.root, L + 2 + 2 * len(pieces) * (L + 1), Apply(SLOT_ACC, a, b))
         for n in self.world.worker_nodes:
             add(n, L + 1, Compute())
         programs = {n: Program(n, tuple(tuple(v[i]) for i in sorted(v))) for n, v in stages.items()}
@@ -429,7 +442,7 @@ class RatSchedule(Schedule):
         """This world's round as fluid flows (nodes mapped to topology hosts)."""
         hosts = {n: self.world.host_of(n) for t in self._trees for e in t.edges() for n in e[:2]}
         sizes = [(hi - lo) * nbytes_per_elem for lo, hi in self.world.shards]
-        return rat_flows(self._trees, sizes, hosts)
+        return rat_flows(self._trees, sizes, hosts, chunks=self.chunks)
 
     def predict_s(self, nbytes: int | None = None) -> float | None:
         from .fluid import FluidNetwork, simulate
