@@ -20,6 +20,14 @@ writes in direct mode, so summaries compare like with like.  A chunk that
 never arrives in a reliable step (a dead neighbour) breaks the round for
 everyone: that raises :class:`~ltp_ps.errors.TrainingFailed` (rings have no
 spare path; RSGCM replans around failures instead).
+
+With a ``feedback`` channel (:mod:`ltp_ps.plan_feedback`, given for adaptive
+planners such as RSGCM) every attempt of a round ends with one exchange
+through the coordinator; the optimizer step waits for its verdict.  A missing
+chunk then does not fail the job: the coordinator's decision (failed pairs,
+the round's time) goes to every worker's planner, and the round's reduce is
+run again on the gradient already computed, with the new plan (attempt
+numbers ``seq`` keep tags of the failed attempt apart).  No round is lost.
 """
 
 from __future__ import annotations
@@ -62,7 +70,7 @@ class PeerWorker:
     """One worker of a PS-less schedule: compute, reduce with peers through the executor, apply."""
 
     def __init__(self, workload: Workload, transport, config: PeerConfig, *, planner, addresses: dict,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, feedback=None):
         self.workload = workload
         self.transport = transport
         self.cfg = config
@@ -85,9 +93,20 @@ class PeerWorker:
         self.epoch_lines: list[str] = []
         self._batches = None
         self._round: dict = {}
+        self.feedback = feedback  # plan_feedback.MemoryFeedback / StoreFeedback, or None
+        self.seq = 0  # reduce attempts so far (== iteration without feedback); the same on every worker
+        self.retries = 0  # attempts that were run again after a failure (feedback only)
+        self.plan_log: list = []  # (iteration, seq, plan source, ok) per attempt, feedback only
+        self.rank_of = {worker_node(r): r for r in range(config.world_size)}
+        self._grad = None  # this round's computed partial (kept for retries)
 
     # -- handlers the executor calls ---------------------------------------------------------------------
     async def compute(self, step, slots: Slots):
+        if self._grad is not None:  # a retry: reduce the gradient this round already computed
+            slots.clear_partials()
+            slots.put_partial(step.slot, self._grad.copy())
+            self._round["t_reduce0"] = time.monotonic()
+            return None
         if self.model is not None:
             set_flat(self.model, self.params)
         batch = next(self._batches)
@@ -98,12 +117,18 @@ class PeerWorker:
             raise TrainingFailed(f"worker {self.cfg.rank}: non-finite loss ({loss}) at round {self.iteration}; "
                                  f"training diverged: lower --lr")
         slots.clear_partials()
-        slots.put_partial(step.slot, Partial.of_gradient(np.asarray(grad, np.float32), samples=samples, loss=loss))
+        part = Partial.of_gradient(np.asarray(grad, np.float32), samples=samples, loss=loss)
+        if self.feedback is not None:
+            self._grad = part.copy()
+        slots.put_partial(step.slot, part)
         self._round["t_reduce0"] = time.monotonic()
         return None
 
     def adopt(self, step, slots: Slots):
         p = slots.partial(step.slot, step.lo, step.hi)
+        if p is None and self.feedback is not None:
+            self._round["incomplete"] = True  # the coordinator decides (replan, retry)
+            return None
         if p is None:
             raise TrainingFailed(f"worker {self.cfg.rank}: round {self.iteration}: the reduced chunk "
                                  f"[{step.lo}, {step.hi}) never arrived (a ring neighbour died or stalled "
@@ -121,6 +146,9 @@ class PeerWorker:
     def apply(self, step, slots: Slots):
         if not np.isfinite(self.mean).all():
             raise TrainingFailed(f"worker {self.cfg.rank}: round {self.iteration}: non-finite reduced gradient")
+        if self.feedback is not None:
+            self._round["apply_pending"] = True  # applied once the coordinator says the round is complete
+            return None
         self.optimizer.step(self.mean)
         return None
 
@@ -148,6 +176,8 @@ class PeerWorker:
 
     async def round(self) -> dict:
         it = self.iteration
+        if self.feedback is not None:
+            return await self._round_with_feedback(it)
         self._round = {}
         plan = self.planner.plan(it)
         t0 = time.monotonic()
@@ -155,8 +185,53 @@ class PeerWorker:
         if res.stopped:
             raise TrainingFailed(f"worker {self.cfg.rank}: round {it} stopped early")
         wall = time.monotonic() - t0
+        reduce_s = time.monotonic() - self._round.get("t_reduce0", t0)
+        return self._finish_round(it, res, wall, reduce_s)
+
+    async def _round_with_feedback(self, it: int) -> dict:
+        from .plan_feedback import MAX_RETRIES, apply_decision, outcome_of
+
+        t0 = time.monotonic()
+        self._grad = None
+        kept: dict = {}
+        for attempt in range(MAX_RETRIES + 1):
+            seq = self.seq
+            self.seq += 1
+            self._round = {k: v for k, v in kept.items()}
+            plan = self.planner.plan(seq)
+            program = plan.program(self.node)
+            res = await self.executor.run(program, self.slots, self, iteration=seq)
+            if res.stopped:
+                raise TrainingFailed(f"worker {self.cfg.rank}: round {it} stopped early")
+            st = self._round
+            kept = {k: st[k] for k in ("compute_s", "own_loss") if k in st}
+            reduce_s = time.monotonic() - st.get("t_reduce0", t0)
+            # complete: every chunk adopted, applied, and no reliable receive missed (a missed all-gather
+            # chunk leaves the local partial in its slot: adopting it would split the replicas)
+            steps = program.steps()
+            reliable_missed = any(steps[i].op == "recv" and getattr(steps[i], "mode", None) == "reliable"
+                                  for i, _ in res.missing)
+            ok = not st.get("incomplete") and bool(st.get("apply_pending")) and not reliable_missed
+            outcome = outcome_of(self.cfg.rank, seq, program, res, ok=ok, reduce_s=reduce_s,
+                                 rank_of=self.rank_of.get)
+            decision = await self.feedback.exchange(outcome)
+            apply_decision(self.planner, decision)
+            source = getattr(getattr(self.planner, "_last", None), "source", None)
+            self.plan_log.append({"iteration": it, "seq": seq, "source": source, "ok": not decision.retry,
+                                  "failed_pairs": [list(p) for p in decision.failed_pairs], "reduce_s": reduce_s})
+            if not decision.retry:
+                self.optimizer.step(self.mean)
+                self._grad = None
+                return self._finish_round(it, res, time.monotonic() - t0, reduce_s)
+            self.retries += 1
+            self.log(f"[{self.planner.name} w{self.cfg.rank}] round {it}: attempt {attempt + 1} incomplete "
+                     f"(failed pairs {list(decision.failed_pairs)}, silent {list(decision.dead)}); replanned, "
+                     f"reducing the same gradients again")
+        raise TrainingFailed(f"worker {self.cfg.rank}: round {it}: {MAX_RETRIES + 1} attempts of the reduce were "
+                             f"incomplete even after replanning; the survivors' graph may have no ring")
+
+    def _finish_round(self, it: int, res, wall: float, reduce_s: float) -> dict:
         st = self._round
-        reduce_s = time.monotonic() - st.get("t_reduce0", t0)
         if not np.isfinite(self.params).all():
             raise TrainingFailed(f"worker {self.cfg.rank}: parameters became non-finite at round {it}; lower --lr")
         self.iteration += 1
