@@ -209,7 +209,14 @@ async def peer_work(args, store, open_transport, workload) -> dict:
                          aggregation=args.aggregation, optimizer=args.optimizer, lr=args.lr, momentum=args.momentum,
                          weight_decay=args.weight_decay, step_timeout_s=args.pull_timeout, seed=args.seed,
                          metrics_path=args.metrics, max_iterations=args.max_iterations)
-        peer = PeerWorker(wl, transport, cfg, planner=planner, addresses=addrs)
+        from .plan_feedback import StoreFeedback, wants_feedback
+
+        feedback = None
+        if wants_feedback(planner):  # adaptive planners (rsgcm): rank 0 feeds failures and round times to all
+            feedback = StoreFeedback(store, rank, list(range(args.workers)), sign=lambda d: _sign(secret, d),
+                                     verify=lambda raw, what: _verify(secret, raw, what),
+                                     timeout_s=max(10.0, 4 * args.pull_timeout))
+        peer = PeerWorker(wl, transport, cfg, planner=planner, addresses=addrs, feedback=feedback)
         if rank == 0:
             print(f"[{args.schedule} w0] {args.workers} workers, no PS, transport {args.transport}, model "
                   f"{args.model} ({wl.n_params} params)", flush=True)

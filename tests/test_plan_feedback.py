@@ -172,3 +172,41 @@ async def test_feedback_run_without_failures_matches_the_plain_loop():
     await asyncio.gather(*(p.run() for p in plain))
     np.testing.assert_array_equal(fed[0].params, plain[0].params)
     assert fed[0].retries == 0
+
+
+# -- the store channel (what ltp-ps launch uses) ---------------------------------------------------------------
+
+class DictStore:
+    """The three calls StoreFeedback makes on a rendezvous store (torch TCPStore semantics)."""
+
+    def __init__(self):
+        self.d = {}
+
+    def set(self, k, v):
+        self.d[k] = v.encode() if isinstance(v, str) else v
+
+    def get(self, k):
+        return self.d[k]
+
+    def check(self, keys):
+        return all(k in self.d for k in keys)
+
+
+async def test_store_channel_carries_one_decision_to_every_worker():
+    import json
+
+    from ltp_ps.plan_feedback import StoreFeedback
+
+    store = DictStore()
+    sign = lambda d: json.dumps(d)  # noqa: E731 (the job signs with HMAC; the channel only passes it through)
+    verify = lambda raw, what: json.loads(raw)  # noqa: E731
+    chans = [StoreFeedback(store, r, range(3), sign=sign, verify=verify, timeout_s=0.5, poll_s=0.001)
+             for r in range(3)]
+    outs = [RoundOutcome(0, 0, True, 0.1), RoundOutcome(1, 0, False, 0.2, missed=((2, 1),)),
+            RoundOutcome(2, 0, True, 0.3)]
+    ds = await asyncio.gather(*(c.exchange(o) for c, o in zip(chans, outs)))
+    assert all(d == ds[0] for d in ds) and ds[0].failed_pairs == ((1, 2),) and ds[0].retry
+    # rank 2 goes silent: the coordinator decides without it after its bound, everybody drops it
+    ds = await asyncio.gather(chans[0].exchange(RoundOutcome(0, 1, True, 0.1)),
+                              chans[1].exchange(RoundOutcome(1, 1, True, 0.1)))
+    assert ds[0] == ds[1] and ds[0].dead == (2,) and chans[1].ranks == [0, 1]
