@@ -279,13 +279,16 @@ def cross_region_bytes(trees: Sequence[RatTree], slice_bytes: Sequence[float], r
 
 
 def rat_flows(trees: Sequence[RatTree], slice_bytes: Sequence[float], host_of: Mapping | None = None, *,
-              chunks: int = 1, prefix: str = "rat") -> list[Flow]:
+              chunks: int = 1, down_chunks: int | None = None, prefix: str = "rat") -> list[Flow]:
     """The round as fluid flows.  Per tree, the slice is cut into ``chunks`` pieces sent in order on every
-    edge; an aggregator sends chunk ``j`` up once chunk ``j`` of all its children arrived (cut-through per
-    chunk; ``chunks=1`` is store-and-forward), the root starts the broadcast of chunk ``j`` once it has
-    reduced it, and every node forwards chunk ``j`` down as soon as it has it."""
-    if chunks < 1:
+    edge; an aggregator sends piece ``j`` up once piece ``j`` of all its children arrived (cut-through per
+    piece; ``chunks=1`` is store-and-forward).  The broadcast uses ``down_chunks`` pieces (default:
+    ``chunks``); it starts once the root has reduced the matching piece (all pieces if the two differ),
+    and every node forwards a piece as soon as it has it, to its children of the higher levels first
+    (the broadcast runs the levels in reverse, §3.2)."""
+    if chunks < 1 or (down_chunks is not None and down_chunks < 1):
         raise ValueError("chunks must be >= 1")
+    down_chunks = chunks if down_chunks is None else down_chunks
     host = (lambda n: n) if host_of is None else (lambda n: host_of[n])
     flows = []
     for t, b in zip(trees, slice_bytes):
@@ -293,18 +296,20 @@ def rat_flows(trees: Sequence[RatTree], slice_bytes: Sequence[float], host_of: M
         for c, p, _ in t.edges():
             kids.setdefault(p, []).append(c)
         for j in range(chunks):
-            size = b / chunks
             for c, p, _ in t.edges():
-                flows.append(Flow((prefix, t.index, "up", c, j), host(c), host(p), size,
+                flows.append(Flow((prefix, t.index, "up", c, j), host(c), host(p), b / chunks,
                                   after=[(prefix, t.index, "up", g, j) for g in kids.get(c, ())],
                                   after_sent=[(prefix, t.index, "up", c, j - 1)] if j else []))
+        for j in range(down_chunks):
+            same = down_chunks == chunks
             for c, p, e in t.edges():
-                after = ([(prefix, t.index, "down", p, j)] if p in t.parent
-                         else [(prefix, t.index, "up", g, j) for g in kids.get(p, ())])
-                # the broadcast runs the levels in reverse, top first (§3.2): a node sends a chunk to its
-                # children of a lower level only once it has sent it to those of the higher levels
+                if p in t.parent:
+                    after = [(prefix, t.index, "down", p, j)]
+                else:
+                    after = [(prefix, t.index, "up", g, jj) for g in kids.get(p, ())
+                             for jj in ([j] if same else range(chunks))]
                 higher = [(prefix, t.index, "down", g, j) for g in kids.get(p, ()) if t.edge_level[g] > e]
-                flows.append(Flow((prefix, t.index, "down", c, j), host(p), host(c), size, after=after,
+                flows.append(Flow((prefix, t.index, "down", c, j), host(p), host(c), b / down_chunks, after=after,
                                   after_sent=higher + ([(prefix, t.index, "down", c, j - 1)] if j else [])))
     return flows
 
@@ -442,7 +447,7 @@ class RatSchedule(Schedule):
         """This world's round as fluid flows (nodes mapped to topology hosts)."""
         hosts = {n: self.world.host_of(n) for t in self._trees for e in t.edges() for n in e[:2]}
         sizes = [(hi - lo) * nbytes_per_elem for lo, hi in self.world.shards]
-        return rat_flows(self._trees, sizes, hosts, chunks=self.chunks)
+        return rat_flows(self._trees, sizes, hosts, chunks=self.chunks, down_chunks=1)  # as compiled
 
     def predict_s(self, nbytes: int | None = None) -> float | None:
         from .fluid import FluidNetwork, simulate

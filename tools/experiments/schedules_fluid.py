@@ -190,8 +190,10 @@ def lab_predictions(*, model_bytes=LAB_MODEL_BYTES, latency_s=HOP_LATENCY_S, see
     h = net.hosts
     n = len(h)
     split = [h[:LAB_RACKS[0]], h[LAB_RACKS[0]:]]
+    trees = rat_trees(split)
     flows = {"direct": ps_flows(h, model_bytes), "ring": ring_flows(h, model_bytes),
-             "rat": rat_flows(rat_trees(split), [model_bytes / n] * n)}  # store-and-forward, as compiled
+             "rat": rat_flows(trees, [model_bytes / n] * n),  # RatSchedule(world): store-and-forward slices
+             "rat_chunks4": rat_flows(trees, [model_bytes / n] * n, chunks=4, down_chunks=1)}  # RatSchedule(chunks=4)
     clean = {k: simulate(net, f).completion_s for k, f in flows.items()}
     paused = {}
     for k, f in flows.items():
@@ -200,7 +202,10 @@ def lab_predictions(*, model_bytes=LAB_MODEL_BYTES, latency_s=HOP_LATENCY_S, see
                              for s in seeds])
     out["rat_lab"] = {"clean_s": clean, "paused_s": paused, "rat_over_direct": clean["rat"] / clean["direct"],
                       "rat_over_ring": clean["rat"] / clean["ring"],
-                      "ring_over_rat_paused": paused["ring"] / paused["rat"]}
+                      "ring_over_rat_paused": paused["ring"] / paused["rat"],
+                      "rat4_over_direct": clean["rat_chunks4"] / clean["direct"],
+                      "rat4_over_ring": clean["rat_chunks4"] / clean["ring"],
+                      "ring_over_rat4_paused": paused["ring"] / paused["rat_chunks4"]}
     net = FluidNetwork.uniform([7], LAB_HOST_BPS, latency_s=latency_s)
     h = net.hosts
     ps, workers = h[0], h[1:]
@@ -345,6 +350,9 @@ def format_report(res: dict) -> str:
                   f"{r['rat_over_direct']:.2f}, RAT/ring {r['rat_over_ring']:.2f}; one worker at 1 Mbit/s rotating "
                   f"every 2 s: ring {r['paused_s']['ring']:.3f}, RAT {r['paused_s']['rat']:.3f} -> ring/RAT "
                   f"{r['ring_over_rat_paused']:.2f}",
+                  f"  ... RAT with chunks=4 (cut-through): {r['clean_s']['rat_chunks4']:.3f} -> RAT/direct "
+                  f"{r['rat4_over_direct']:.2f}, RAT/ring {r['rat4_over_ring']:.2f}; paused ring/RAT "
+                  f"{r['ring_over_rat4_paused']:.2f}",
                   f"  Hoplite lab (PS + 6 at 100 Mbit/s, 4 MB): direct {hl['direct_s']:.3f}, Hoplite "
                   f"{hl['hoplite_s']:.3f} -> {hl['hoplite_over_direct']:.2f}x; arrivals every 0.1 s: reduce ends "
                   f"at {hl['staggered_reduce_end_s']:.3f} (bound {hl['staggered_bound_s']:.3f})"]
