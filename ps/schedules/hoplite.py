@@ -58,12 +58,12 @@ import math
 import random
 from typing import Hashable, Sequence
 
-from .base import Schedule, World
+from .base import Schedule
 from .fluid import Flow
 from .program import (APPLY_AT_SERVER, RELIABLE, SLOT_ACC, SLOT_GRAD, SLOT_PARAMS, TOLERANT, Apply, ChunkArrived,
                       Combine, Controller, Forward, Grant, NodeFailed, NodeReady, Recv, RoundPlan, Send, TransferDone,
                       server)
-from .tags import PHASE_PULL, PHASE_PUSH, Tag, pack
+from .tags import PHASE_PULL, PHASE_PUSH, pack
 
 __all__ = [
     "CHUNK_BYTES", "STALL_TIMEOUT_S", "PAPER_LATENCY_S", "ObjectDirectory", "Broadcast", "ReduceChain",
