@@ -436,7 +436,9 @@ class ParameterServer:
         self.log(line)
 
     async def _stop_all(self, best_effort: bool = False) -> None:
-        members = self.membership.active()
+        # A failing job also tells the dropped workers (they may be alive, just slow), so none waits for a PS
+        # that is gone; the best-effort bound keeps dead ones from stalling the exit.
+        members = list(self.membership.members.values()) if best_effort else self.membership.active()
         msg = self._params_message(KIND_STOP, {})
         timeout = min(STOP_BEST_EFFORT_S, self.cfg.broadcast_timeout_s) if best_effort else self.cfg.broadcast_timeout_s
         try:
