@@ -416,6 +416,8 @@ def launch(args) -> int:
     peer_job = schedule_cli.schedule_runs_without_ps(args)
     if peer_job:
         args.num_servers = 0  # the workers apply the optimizer: zero PS processes
+    else:
+        schedule_cli.check_server_schedule(args)  # refuse before spawning anything
     use_lab, why = _lab_choice(args)
     _check_impairments(args, use_lab, why)
     print(f"[launch] {'lab' if use_lab else 'loopback'} ({why}); {args.num_servers} PS + {args.workers} workers, "
