@@ -5,7 +5,10 @@
              --nproc-per-node 4 -m ltp_ps.run --host 0.0.0.0 --advertise <this node's IP> ...
 
 Rendezvous uses torchrun's TCPStore (MASTER_ADDR/MASTER_PORT; torchrun's
-agent hosts it, otherwise rank 0 does).  ``LTP_PS_ROLE=server|worker`` overrides
+agent hosts it, otherwise rank 0 does).  The agent's store outlives the PS
+process, so with ``torchrun --max-restarts N`` and ``--checkpoint-dir`` a
+group restart resumes the PS from its checkpoint.  A job that trains nothing
+exits 3 (``TrainingFailed``), other errors 2.  ``LTP_PS_ROLE=server|worker`` overrides
 the role; the number of workers is ``WORLD_SIZE - num_servers`` unless
 ``--workers`` is given.  All processes need the same ``LTP_PS_SECRET``.
 """
@@ -18,7 +21,7 @@ import sys
 
 from . import cli
 from . import rendezvous as rdv
-from .errors import PSError
+from .errors import PSError, TrainingFailed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,9 +62,12 @@ def main(argv=None) -> int:
             args.rank = rank - args.num_servers
             cli._run(cli.work(args, store=store))
         return 0
+    except TrainingFailed as exc:
+        print(f"ltp-ps[{role} rank {rank}]: training failed: {exc}", file=sys.stderr)
+        return cli.EXIT_TRAINING_FAILED
     except PSError as exc:
         print(f"ltp-ps[{role} rank {rank}]: error: {exc}", file=sys.stderr)
-        return 2
+        return cli.EXIT_CONFIG
 
 
 if __name__ == "__main__":
