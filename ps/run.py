@@ -6,8 +6,9 @@
 
 Rendezvous uses torchrun's TCPStore (MASTER_ADDR/MASTER_PORT; torchrun's
 agent hosts it, otherwise rank 0 does).  The agent's store outlives the PS
-process, so with ``torchrun --max-restarts N`` and ``--checkpoint-dir`` a
-group restart resumes the PS from its checkpoint.  A job that trains nothing
+process; a restarted PS resumes from ``--checkpoint-dir`` (the restart path is
+tested through ``ltp-ps launch --ps-restarts``, not under torchrun's
+``--max-restarts``).  A job that trains nothing
 exits 3 (``TrainingFailed``), other errors 2.  ``LTP_PS_ROLE=server|worker`` overrides
 the role; the number of workers is ``WORLD_SIZE - num_servers`` unless
 ``--workers`` is given.  All processes need the same ``LTP_PS_SECRET``.
