@@ -216,13 +216,18 @@ class PeerWorker:
                                  rank_of=self.rank_of.get)
             decision = await self.feedback.exchange(outcome)
             apply_decision(self.planner, decision)
-            source = getattr(getattr(self.planner, "_last", None), "source", None)
-            self.plan_log.append({"iteration": it, "seq": seq, "source": source, "ok": not decision.retry,
+            last = getattr(self.planner, "_last", None)
+            rings = [list(r) for a in getattr(last, "steps", ()) for rs in a.ring_sets for r in rs.rings]
+            self.plan_log.append({"iteration": it, "seq": seq, "source": getattr(last, "source", None),
+                                  "ok": not decision.retry, "rings": rings,
                                   "failed_pairs": [list(p) for p in decision.failed_pairs], "reduce_s": reduce_s})
             if not decision.retry:
                 self.optimizer.step(self.mean)
                 self._grad = None
-                return self._finish_round(it, res, time.monotonic() - t0, reduce_s)
+                row = self._finish_round(it, res, time.monotonic() - t0, reduce_s, write=False)
+                row.update(attempts=attempt + 1, plan=self.plan_log[-1])
+                self.metrics.write(row)
+                return row
             self.retries += 1
             self.log(f"[{self.planner.name} w{self.cfg.rank}] round {it}: attempt {attempt + 1} incomplete "
                      f"(failed pairs {list(decision.failed_pairs)}, silent {list(decision.dead)}); replanned, "
@@ -230,7 +235,7 @@ class PeerWorker:
         raise TrainingFailed(f"worker {self.cfg.rank}: round {it}: {MAX_RETRIES + 1} attempts of the reduce were "
                              f"incomplete even after replanning; the survivors' graph may have no ring")
 
-    def _finish_round(self, it: int, res, wall: float, reduce_s: float) -> dict:
+    def _finish_round(self, it: int, res, wall: float, reduce_s: float, write: bool = True) -> dict:
         st = self._round
         if not np.isfinite(self.params).all():
             raise TrainingFailed(f"worker {self.cfg.rank}: parameters became non-finite at round {it}; lower --lr")
@@ -242,7 +247,8 @@ class PeerWorker:
                "gather_s": reduce_s, "broadcast_s": 0.0, "round_s": wall, "compute_max_s": st.get("compute_s", 0.0),
                "delivered": {str(self.cfg.rank): frac}, "missing_steps": len(res.missing),
                "loss": st.get("loss", float("nan")), "samples": st.get("samples", 0)}
-        self.metrics.write(row)
+        if write:
+            self.metrics.write(row)
         return row
 
     def _end_epoch(self, rows: list) -> None:
