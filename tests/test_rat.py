@@ -423,3 +423,19 @@ def test_chunked_reduce_is_cut_through_and_predicted_faster():
     assert four.predict_s() < one.predict_s()
     with pytest.raises(ValueError, match="chunks"):
         RatSchedule(w, chunks=0)
+
+
+def test_set_world_rebuilds_trees_without_a_dead_worker():
+    w = _world([3, 3])
+    sched = RatSchedule(w)
+    sched.set_world(w.with_workers([0, 1, 2, 3, 5]))
+    plan = sched.plan(2)
+    plan.check()
+    assert worker(4) not in plan.programs
+    for t in sched.trees():
+        assert worker(4) not in t.parent and worker(4) not in t.parent.values()
+    rng = np.random.default_rng(4)
+    grads = {r: rng.standard_normal(w.n_elems).astype(np.float32) for r in (0, 1, 2, 3, 5)}
+    slots, applied, stuck = run_plan(plan, grads, w.n_elems)
+    assert not stuck and set(applied.values()) == {5}
+    np.testing.assert_allclose(server_params(slots, w), np.mean(list(grads.values()), axis=0), rtol=1e-5, atol=1e-6)
