@@ -1,0 +1,428 @@
+"""``ltp-lab schedules``: aggregation schedules measured in the lab, each beside the fluid simulator's prediction.
+
+Theory of operation
+    One two-rack :class:`~ltp_tools.netlab.Lab` (``racks=[3, 3]``) is built per repeat: every
+    host's link limited to ``--rate`` (default 100 Mbit/s) in both directions and each rack's
+    uplink to ``--uplink-rate`` (default = host rate), so this 2-core machine can drive it.
+    Ranks are interleaved across racks (rank r on h0, h3, h1, h4, h2, h5), so a ring in rank
+    order crosses the racks at every hop while a rack-aware ring crosses twice.
+
+    Every job is the project's own processes, started in the namespaces the way
+    ``ltp-ps launch`` does (one ``ltp-ps store``, then ``ltp-ps worker`` per rank, and for
+    ``direct`` one ``ltp-ps server`` colocated with rank 0, since the racks have six hosts):
+    a synthetic model of ``--model-bytes`` (default 4 MB; random gradients, no compute) for
+    ``--rounds`` rounds.  The round time is the median gap between rank 0's (the PS's, for
+    ``direct``) consecutive metrics rows after ``WARMUP_ROUNDS`` rounds: for rings it is the
+    all-reduce time, for ``direct`` the batch synchronisation time (broadcast + gather).
+    Schedules in one repeat run back to back in the same lab, in a seeded shuffled order.
+
+    Rows (issue 9 §4, RSGCM):
+      * ``ring`` (rank order), ``rsgcm`` and ``direct``: measured round time; targets
+        ``rsgcm <= 0.5 x ring`` and ``rsgcm <= 0.5 x direct``;
+      * ``rsgcm+block``: ``rsgcm`` again; when rank 0 reports round ``--block-at`` the
+        orchestrator blocks (``Lab.block``) the first pair of the ring rank 0 just ran.  The
+        workers' live feedback (``ltp_ps.plan_feedback``) replans; the row reports the retries
+        until a complete round (target <= 5), the median round before / after (target after <=
+        1.3 x before) and the rounds lost (``--rounds`` minus rounds completed; target 0).
+    Every row carries the fluid simulator's prediction for the same topology
+    (``Schedule.predict_s`` on ``Topology.from_lab``, hosts in rank order; ``rsgcm+block``
+    after the block uses the topology with the pair failed) and the ratio measured/predicted;
+    a ratio beyond 1.3 is flagged in the summary for the docs to explain.
+
+    Files in ``--out``: ``results.json`` (parameters, environment, every run with its metrics
+    rows, summary, checks), ``runs.csv``, ``summary.csv``, ``checks.csv`` and ``schedules.png``
+    (measured vs predicted per schedule).  Exit status: 0 when every job ran (targets may be
+    missed: they are reported, not hidden), 1 when a job failed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import _common as C
+
+NAME = "schedules"
+SCHEDULES = ("ring", "rsgcm", "direct", "rsgcm+block")
+RACKS = (3, 3)
+INTERLEAVE = (0, 3, 1, 4, 2, 5)  # rank r runs on host INTERLEAVE[r]
+WARMUP_ROUNDS = 2  # rounds left out of the median (endpoint set-up, RSGCM's first measurements)
+MEASURE_POLL_S = 0.05  # seconds between looks at rank 0's metrics while waiting to block
+JOB_TIMEOUT_S = 420.0  # seconds one job may take before it is killed and reported failed
+FEEDBACK_PULL_TIMEOUT_S = 1.0  # seconds a ring step waits for its neighbour (how fast a blocked pair shows)
+TARGET_RING_RATIO = 0.5
+TARGET_DIRECT_RATIO = 0.5
+TARGET_REPLAN_ROUNDS = 5
+TARGET_AFTER_RATIO = 1.3
+PREDICTION_TOLERANCE = 1.3  # measured / predicted beyond this (or below 1/this) needs an explanation
+
+RUN_COLUMNS = ["repeat", "schedule", "transport", "rounds", "completed", "round_s_median", "predicted_s",
+               "measured_over_predicted", "block_pair", "block_at", "retries", "replanned_after_attempts",
+               "before_s", "after_s", "after_over_before", "predicted_after_s", "rounds_lost", "loadavg_1m", "error"]
+SUMMARY_COLUMNS = ["schedule", "n", "round_s_median", "round_s_min", "round_s_max", "predicted_s",
+                   "measured_over_predicted", "loadavg_1m", "failures"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _topology(lab, order, failed=()):
+    """``Topology.from_lab`` with hosts listed in rank order (worker r = host r) and ``failed`` host pairs."""
+    import dataclasses
+
+    from ltp_ps.schedules import Topology
+
+    t = Topology.from_lab(lab)
+    by_name = {h.name: h for h in t.hosts}
+    hosts = tuple(by_name[lab.hosts[i].name] for i in order)
+    fail = frozenset(frozenset(p) for p in failed) | t.failed
+    return dataclasses.replace(t, hosts=hosts, failed=fail)
+
+
+def predict(schedule: str, topo, n_workers: int, model_bytes: int) -> float | None:
+    """The fluid simulator's round time for ``schedule`` on ``topo`` (PS colocated with rank 0 for direct)."""
+    from ltp_ps.schedules import World, create
+    from ltp_ps.schedules.program import server, worker
+
+    n = max(1, int(model_bytes) // 4)
+    names = topo.names
+    if schedule == "direct":
+        placement = {server(0): names[0], **{worker(r): names[r] for r in range(n_workers)}}
+        w = World(workers=range(n_workers), n_elems=n, shards=((0, n),), topology=topo, placement=placement)
+    else:
+        w = World(workers=range(n_workers), n_elems=n, topology=topo)
+    return create(schedule.split("+")[0], w).predict_s(int(model_bytes))
+
+
+def _rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue  # a line being written
+            if d.get("event") == "iteration":
+                out.append(d)
+    return out
+
+
+def _gaps(rows: list[dict]) -> list[float]:
+    ts = [r["t"] for r in rows]
+    return [b - a for a, b in zip(ts, ts[1:])]
+
+
+def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, rounds: int, transport: str = "ltp",
+            block_at: int | None = None, seed: int = 1, workdir: str, timeout_s: float = JOB_TIMEOUT_S) -> dict:
+    """One job of ``schedule`` in ``lab``; returns its metrics rows and, with ``block_at``, the pair blocked."""
+    from ltp_ps import rendezvous as rdv
+
+    base = schedule.split("+")[0]
+    n = len(order)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
+    env[rdv.DEFAULT_SECRET_ENV] = secrets.token_hex(16)
+    hosts = [lab.hosts[i] for i in order]
+    store = f"{hosts[0].addr}:{_free_port()}"
+    py = [sys.executable, "-m", "ltp_ps.cli"]
+    metrics = os.path.join(workdir, f"{schedule}-metrics.jsonl")
+    if os.path.exists(metrics):
+        os.unlink(metrics)
+    pull = FEEDBACK_PULL_TIMEOUT_S if block_at is not None else 30.0
+    common = ["--workers", str(n), "--model", f"synthetic:{max(1, model_bytes // 4)}", "--iterations", str(rounds),
+              "--schedule", base, "--transport", transport, "--topology", topo_path, "--seed", str(seed)]
+    procs, logs = [], []
+
+    def spawn(h, argv, name):
+        log = open(os.path.join(workdir, f"{schedule}-{name}.log"), "w")
+        logs.append(log)
+        p = lab.popen(h, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs.append((name, p))
+        return p
+
+    res = {"rows": [], "block_pair": None, "error": None}
+    try:
+        spawn(hosts[0], py + ["store", "--store", store], "store")
+        if base == "direct":
+            spawn(hosts[0], py + ["server", "--shard", "0", "--store", store, "--metrics", metrics, "--host",
+                                  "0.0.0.0", "--advertise", hosts[0].addr] + common, "ps")
+        for r in range(n):
+            argv = py + ["worker", "--rank", str(r), "--store", store, "--pull-timeout", str(pull), "--host",
+                         "0.0.0.0", "--advertise", hosts[r].addr] + common
+            if base != "direct" and r == 0:
+                argv += ["--metrics", metrics]
+            spawn(hosts[r], argv, f"w{r}")
+        t_end = time.monotonic() + timeout_s
+        jobs = [p for name, p in procs if name != "store"]
+        while any(p.poll() is None for p in jobs):
+            if time.monotonic() > t_end:
+                raise C.ExperimentError(f"{schedule}: not done within {timeout_s:.0f} s (logs in {workdir})")
+            if block_at is not None and res["block_pair"] is None:
+                rows = _rows(metrics)
+                if len(rows) >= block_at and rows[-1].get("plan", {}).get("rings"):
+                    ring = rows[-1]["plan"]["rings"][0]
+                    a, b = sorted((ring[0], ring[1]))
+                    lab.block(hosts[a], hosts[b])
+                    res["block_pair"] = [a, b]
+                    res["block_t"] = time.time()
+                    res["block_after_iteration"] = rows[-1]["iteration"]
+            time.sleep(MEASURE_POLL_S)
+        bad = [(name, p.returncode) for name, p in procs if name != "store" and p.returncode != 0]
+        if bad:
+            raise C.ExperimentError(f"{schedule}: {', '.join(f'{nm} exit {rc}' for nm, rc in bad)} "
+                                    f"(logs in {workdir})")
+        res["rows"] = _rows(metrics)
+    except C.ExperimentError as exc:
+        res["error"] = str(exc)
+        res["rows"] = _rows(metrics)
+    finally:
+        for name, p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        for log in logs:
+            log.close()
+        if res["block_pair"] is not None:
+            a, b = res["block_pair"]
+            lab.unblock(hosts[a], hosts[b])
+    return res
+
+
+def _summarise_job(schedule: str, job: dict, rounds: int) -> dict:
+    rows = job["rows"]
+    gaps = _gaps(rows)
+    row = {"schedule": schedule, "rounds": rounds, "completed": len(rows), "error": job["error"]}
+    if job.get("block_pair") is None:
+        g = gaps[WARMUP_ROUNDS - 1:] if len(gaps) >= WARMUP_ROUNDS else gaps
+        row["round_s_median"] = statistics.median(g) if g else None
+        return row
+    k = job["block_after_iteration"]  # the last row rank 0 had written when the pair was blocked
+    before = [g for i, g in enumerate(gaps) if WARMUP_ROUNDS - 1 <= i < k]
+    hit = next((r for r in rows if r["iteration"] > k and r.get("attempts", 1) > 1), None)
+    after_from = (hit["iteration"] if hit else k + 1) + 1
+    after = [gaps[i - 1] for i in range(after_from + 1, len(rows)) if i - 1 < len(gaps)]
+    row.update(block_pair=f"{job['block_pair'][0]}-{job['block_pair'][1]}", block_at=k + 1,
+               retries=sum(r.get("attempts", 1) - 1 for r in rows),
+               replanned_after_attempts=(hit.get("attempts") if hit else None),
+               before_s=statistics.median(before) if before else None,
+               after_s=statistics.median(after) if after else None, rounds_lost=rounds - len(rows))
+    row["round_s_median"] = row["before_s"]
+    if row["before_s"] and row["after_s"]:
+        row["after_over_before"] = row["after_s"] / row["before_s"]
+    return row
+
+
+def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | None = None, rate_bps: float = 100e6,
+        uplink_bps: float | None = None, block_at: int | None = None, transport: str = "ltp",
+        repeats: int | None = None, seed: int = 1, quick: bool = False, out: str | None = None,
+        progress: bool = True, verbose: bool = True) -> dict:
+    """Run the lab rows and write their files; returns the results dict (see the module docstring).
+
+    ``quick`` is the CI profile: a 1 MB model, 6 rounds (10 with the block at round 4), 1 repeat.
+    """
+    from ltp_tools.netlab import Lab
+
+    for s in schedules:
+        if s not in SCHEDULES:
+            raise ValueError(f"unknown schedule row {s!r}; choose from {', '.join(SCHEDULES)}")
+    C.require_lab()
+    model_bytes = int(model_bytes or (1_000_000 if quick else 4_000_000))
+    rounds = int(rounds or (6 if quick else 12))
+    block_at = int(block_at or (4 if quick else 5))
+    block_rounds = max(rounds, block_at + 6)
+    repeats = repeats or (1 if quick else 3)
+    uplink_bps = uplink_bps or rate_bps
+    out = C.out_dir(NAME, out)
+    rng = random.Random(seed)
+    params = dict(schedules=list(schedules), model_bytes=model_bytes, rounds=rounds, block_at=block_at,
+                  block_rounds=block_rounds, rate_bps=rate_bps, uplink_bps=uplink_bps, transport=transport,
+                  repeats=repeats, seed=seed, quick=quick, racks=list(RACKS), interleave=list(INTERLEAVE))
+    runs, predictions = [], {}
+    bar = C.progress(repeats * len(schedules), NAME, disable=not progress)
+    try:
+        for rep in range(repeats):
+            order = list(schedules)
+            rng.shuffle(order)
+            with Lab(racks=list(RACKS)) as lab, tempfile.TemporaryDirectory(prefix="ltp-sched-") as work:
+                for h in lab.hosts:
+                    lab.impair(h, direction="both", rate_bps=rate_bps)
+                for r in range(len(RACKS)):
+                    lab.uplink(r, rate_bps=uplink_bps)
+                topo = _topology(lab, INTERLEAVE)
+                topo_path = os.path.join(work, "topology.json")
+                with open(topo_path, "w") as f:
+                    json.dump(topo.to_json(), f)
+                for s in order:
+                    if s not in predictions:
+                        predictions[s] = predict(s, topo, len(INTERLEAVE), model_bytes)
+                    n_rounds = block_rounds if s == "rsgcm+block" else rounds
+                    job = run_job(lab, s, order=INTERLEAVE, topo_path=topo_path, model_bytes=model_bytes,
+                                  rounds=n_rounds, transport=transport,
+                                  block_at=block_at if s == "rsgcm+block" else None, seed=seed + rep, workdir=work)
+                    row = _summarise_job(s, job, n_rounds)
+                    row.update(repeat=rep, transport=transport, predicted_s=predictions[s],
+                               loadavg_1m=os.getloadavg()[0])  # this shared machine's load: CPU-bound rows
+                    if job.get("block_pair") is not None:
+                        a, b = job["block_pair"]
+                        names = topo.names
+                        row["predicted_after_s"] = predict(s, _topology(lab, INTERLEAVE, [(names[a], names[b])]),
+                                                           len(INTERLEAVE), model_bytes)
+                    if row.get("round_s_median") and row["predicted_s"]:
+                        row["measured_over_predicted"] = row["round_s_median"] / row["predicted_s"]
+                    row["metrics"] = job["rows"]
+                    runs.append(row)
+                    bar.update(1)
+                    if verbose and row["error"]:
+                        print(f"[{NAME}] {s}: {row['error']}", file=sys.stderr, flush=True)
+    finally:
+        bar.close()
+    summary = summarise(runs, list(schedules))
+    checks = check(summary, runs)
+    res = dict(name=NAME, params=params, environment=C.environment(), runs=runs, summary=summary, checks=checks,
+               command=command_line(params))
+    C.write_json(os.path.join(out, "results.json"), res)
+    C.write_csv(os.path.join(out, "runs.csv"), RUN_COLUMNS, runs)
+    C.write_csv(os.path.join(out, "summary.csv"), SUMMARY_COLUMNS, summary)
+    C.write_csv(os.path.join(out, "checks.csv"), ["target", "value", "limit", "passed", "note"], checks)
+    _plot(summary, out)
+    res["out"] = out
+    if verbose:
+        print(format_report(res), flush=True)
+    return res
+
+
+def summarise(runs: list[dict], schedules: list[str]) -> list[dict]:
+    out = []
+    for s in schedules:
+        rs = [r for r in runs if r["schedule"] == s]
+        vals = [r["round_s_median"] for r in rs if r.get("round_s_median") and not r["error"]]
+        pred = rs[0]["predicted_s"] if rs else None
+        med = statistics.median(vals) if vals else None
+        row = {"schedule": s, "n": len(vals), "round_s_median": med, "round_s_min": min(vals) if vals else None,
+               "round_s_max": max(vals) if vals else None, "predicted_s": pred,
+               "measured_over_predicted": med / pred if med and pred else None,
+               "loadavg_1m": statistics.median([r["loadavg_1m"] for r in rs]) if rs else None,
+               "failures": sum(1 for r in rs if r["error"])}
+        if s == "rsgcm+block":
+            for k in ("after_s", "after_over_before", "replanned_after_attempts", "rounds_lost", "predicted_after_s"):
+                v = [r[k] for r in rs if r.get(k) is not None]
+                row[k] = statistics.median(v) if v else None
+            row["rounds_lost_max"] = max((r["rounds_lost"] for r in rs if r.get("rounds_lost") is not None),
+                                         default=None)
+        out.append(row)
+    return out
+
+
+def check(summary: list[dict], runs: list[dict]) -> list[dict]:
+    """The issue's targets, each with its value and pass/fail (None: not measured)."""
+    by = {r["schedule"]: r for r in summary}
+    m = lambda s: (by.get(s) or {}).get("round_s_median")  # noqa: E731
+    out = []
+
+    def add(target, value, limit, ok, note=""):
+        out.append({"target": target, "value": value, "limit": limit, "passed": ok, "note": note})
+
+    if m("rsgcm") and m("ring"):
+        v = m("rsgcm") / m("ring")
+        add("rsgcm / ring all-reduce time", v, TARGET_RING_RATIO, v <= TARGET_RING_RATIO)
+    if m("rsgcm") and m("direct"):
+        v = m("rsgcm") / m("direct")
+        add("rsgcm all-reduce / direct BST", v, TARGET_DIRECT_RATIO, v <= TARGET_DIRECT_RATIO)
+    b = by.get("rsgcm+block")
+    if b and b["n"]:
+        att = b.get("replanned_after_attempts")
+        add("attempts until a complete round after the block", att, TARGET_REPLAN_ROUNDS,
+            att is not None and att <= TARGET_REPLAN_ROUNDS, "1 = the failed attempt's retry completed")
+        ab = b.get("after_over_before")
+        add("time after / before the block", ab, TARGET_AFTER_RATIO, ab is not None and ab <= TARGET_AFTER_RATIO)
+        add("rounds lost (max over repeats)", b.get("rounds_lost_max"), 0, b.get("rounds_lost_max") == 0)
+    for s in summary:
+        r = s.get("measured_over_predicted")
+        if r is not None:
+            add(f"{s['schedule']}: measured / fluid prediction", r, PREDICTION_TOLERANCE,
+                1 / PREDICTION_TOLERANCE <= r <= PREDICTION_TOLERANCE, "outside: explained in docs/experiments.md")
+    return out
+
+
+def command_line(params: dict) -> str:
+    cmd = ["ltp-lab", NAME]
+    if params["quick"]:
+        cmd.append("--quick")
+    cmd += ["--schedules", ",".join(params["schedules"]), "--model-bytes", str(params["model_bytes"]),
+            "--rounds", str(params["rounds"]), "--block-at", str(params["block_at"]), "--rate",
+            f"{params['rate_bps']:g}", "--uplink-rate", f"{params['uplink_bps']:g}", "--transport",
+            params["transport"], "--repeats", str(params["repeats"]), "--seed", str(params["seed"])]
+    return " ".join(cmd)
+
+
+def _plot(summary: list[dict], out: str) -> None:
+    plt = C.pyplot()
+    if plt is None:
+        return
+    names = [s["schedule"] for s in summary]
+    meas = [s["round_s_median"] or 0.0 for s in summary]
+    pred = [s["predicted_s"] or 0.0 for s in summary]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], meas, 0.4, label="measured (median)")
+    ax.bar([i + 0.2 for i in x], pred, 0.4, label="fluid prediction")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("round time (s)")
+    ax.set_title("racks [3,3], ranks interleaved")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "schedules.png"), dpi=120)
+    plt.close(fig)
+
+
+def format_report(res: dict) -> str:
+    cols = SUMMARY_COLUMNS
+    lines = [f"== ltp-lab {NAME} ==", res["command"], "",
+             C.format_table(cols, [[s.get(c) for c in cols] for s in res["summary"]])]
+    blk = [r for r in res["runs"] if r.get("block_pair")]
+    if blk:
+        bc = ["repeat", "block_pair", "block_at", "replanned_after_attempts", "before_s", "after_s",
+              "after_over_before", "predicted_after_s", "rounds_lost"]
+        lines += ["", C.format_table(bc, [[r.get(c) for c in bc] for r in blk])]
+    lines += ["", C.format_table(["target", "value", "limit", "passed"],
+                                 [[c["target"], c["value"], c["limit"], "PASS" if c["passed"] else "FAIL"]
+                                  for c in res["checks"]]),
+              f"files: {res.get('out', '')}"]
+    return "\n".join(lines)
+
+
+def register(subparsers) -> None:
+    """Add ``ltp-lab schedules``."""
+    p = subparsers.add_parser(NAME, help="aggregation schedules in the lab vs the fluid simulator (issues 9, 11)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma list of {','.join(SCHEDULES)}")
+    p.add_argument("--model-bytes", type=int, default=None, help="model size (default 4000000; --quick 1000000)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per job (default 12; --quick 6)")
+    p.add_argument("--block-at", type=int, default=None, help="rsgcm+block: block after this many rounds")
+    p.add_argument("--rate", type=float, default=100e6, help="host link rate, bit/s (default 100e6)")
+    p.add_argument("--uplink-rate", type=float, default=None, help="rack uplink rate, bit/s (default: --rate)")
+    p.add_argument("--transport", default="ltp", choices=("ltp", "tcp"))
+    C.add_common_args(p)
+    p.set_defaults(func=_cli)
+
+
+def _cli(args) -> int:
+    res = run(schedules=C.parse_list(args.schedules, str), model_bytes=args.model_bytes, rounds=args.rounds,
+              rate_bps=args.rate, uplink_bps=args.uplink_rate, block_at=args.block_at, transport=args.transport,
+              repeats=args.repeats, seed=args.seed, quick=args.quick, out=args.out, progress=not args.no_progress)
+    return 1 if any(r["error"] for r in res["runs"]) else 0
