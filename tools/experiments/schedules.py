@@ -252,13 +252,14 @@ def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | No
     params = dict(schedules=list(schedules), model_bytes=model_bytes, rounds=rounds, block_at=block_at,
                   block_rounds=block_rounds, rate_bps=rate_bps, uplink_bps=uplink_bps, transport=transport,
                   repeats=repeats, seed=seed, quick=quick, racks=list(RACKS), interleave=list(INTERLEAVE))
-    runs, predictions = [], {}
+    runs, predictions, prefixes = [], {}, []
     bar = C.progress(repeats * len(schedules), NAME, disable=not progress)
     try:
         for rep in range(repeats):
             order = list(schedules)
             rng.shuffle(order)
             with Lab(racks=list(RACKS)) as lab, tempfile.TemporaryDirectory(prefix="ltp-sched-") as work:
+                prefixes.append(lab.prefix)
                 for h in lab.hosts:
                     lab.impair(h, direction="both", rate_bps=rate_bps)
                 for r in range(len(RACKS)):
@@ -294,7 +295,7 @@ def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | No
     summary = summarise(runs, list(schedules))
     checks = check(summary, runs)
     res = dict(name=NAME, params=params, environment=C.environment(), runs=runs, summary=summary, checks=checks,
-               command=command_line(params))
+               command=command_line(params), lab_prefixes=prefixes)
     C.write_json(os.path.join(out, "results.json"), res)
     C.write_csv(os.path.join(out, "runs.csv"), RUN_COLUMNS, runs)
     C.write_csv(os.path.join(out, "summary.csv"), SUMMARY_COLUMNS, summary)
