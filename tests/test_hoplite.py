@@ -438,3 +438,18 @@ def test_pipelined_broadcast_and_reduce_flows_match_appendix_a(n):
     assert bc == pytest.approx(t_1d(n, S, B, L), rel=0.01)  # a chain of partial copies: S/B + (n-1) L
     red = simulate(net, reduce_flows(h[1:], h[0], S, bandwidth_bps=B, latency_s=L)).completion_s
     assert red == pytest.approx(t_1d(n, S, B, L), rel=0.01)
+
+
+def test_schedule_predicts_a_round_from_the_topology():
+    from ltp_ps.schedules.base import World
+    from ltp_ps.schedules.registry import create
+    from ltp_ps.schedules.topology import Topology
+    topo = Topology.uniform([f"h{i}" for i in range(7)], rate_bps=100e6, latency_s=25e-6)
+    w = World(workers=range(6), n_elems=1_000_000, shards=((0, 1_000_000),), topology=topo)
+    sched = create("hoplite", w)
+    assert sched.plan(0).programs == {}
+    p = sched.predict_s()
+    S_over_B = 4e6 * 8 / 100e6
+    assert 2 * S_over_B < p < 2 * S_over_B * 1.05  # a pipelined broadcast chain plus a pipelined reduce chain
+    assert sched.predict_s(2_000_000) == pytest.approx(p / 2, rel=0.02)
+    assert isinstance(sched.controller(), HopliteController)

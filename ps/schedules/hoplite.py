@@ -846,6 +846,27 @@ class HopliteSchedule(Schedule):
     def plan(self, iteration: int) -> RoundPlan:
         return RoundPlan(self.name, iteration, {}, self.apply_at, {"dynamic": True})
 
+    def predict_s(self, nbytes: int | None = None) -> float | None:
+        """Fluid estimate of one round's communication: every shard's receiver-driven broadcast (all workers
+        asking at once), then the gradients' reduce chain, ``S/B + (n-1) L`` each when pipelined."""
+        if self.world.topology is None:
+            return None
+        from .fluid import FluidNetwork, simulate
+
+        total = 4 * max(1, self.world.n_elems)
+        scale = 1.0 if nbytes is None else nbytes / total
+        topo = self.world.effective_topology()
+        net = FluidNetwork.from_topology(topo)
+        workers = self.world.worker_nodes
+        bcast = []
+        for k, (lo, hi) in enumerate(self.world.shards):
+            bcast += broadcast_flows(server(k), workers, 4 * (hi - lo) * scale, prefix=("bcast", k))
+        t_b = simulate(net, bcast).completion_s
+        rate = min(h.up_bps for h in topo.hosts)
+        red = reduce_flows(workers, server(0), total * scale, bandwidth_bps=rate, latency_s=net.latency_s,
+                           rng=random.Random(0))
+        return t_b + simulate(net, red).completion_s
+
     def controller(self) -> HopliteController:
         topo = self.world.topology
         rate, lat = 10e9, PAPER_LATENCY_S
