@@ -7,6 +7,7 @@
 * :mod:`.incast` -- ``ltp-lab incast``: batch synchronisation time, N workers -> one PS (Fig. 3/14)
 * :mod:`.fairness` -- ``ltp-lab fairness``: one LTP flow vs one TCP flow on a shared link (Fig. 15)
 * :mod:`.scoreboard` -- ``ltp-lab scoreboard``: issue 8's performance targets side by side, pass/fail
+* :mod:`.schedules` -- ``ltp-lab schedules``: aggregation schedules in the lab beside the fluid simulator
 
 Each module's top docstring is its theory of operation; ``docs/experiments.md`` has measured
 tables and the command lines that produced them. :func:`register` adds all three subcommands
@@ -17,8 +18,9 @@ from __future__ import annotations
 from . import incast, loss_sweep
 from . import fairness
 from . import scoreboard
+from . import schedules
 
-__all__ = ["loss_sweep", "incast", "fairness", "scoreboard", "register"]
+__all__ = ["loss_sweep", "incast", "fairness", "scoreboard", "schedules", "register"]
 
 
 def register(subparsers) -> None:
@@ -27,3 +29,4 @@ def register(subparsers) -> None:
     incast.register(subparsers)
     fairness.register(subparsers)
     scoreboard.register(subparsers)
+    schedules.register(subparsers)
