@@ -90,11 +90,19 @@ def check_server_schedule(args) -> None:
                           f"start only workers (ltp-ps launch does this)")
     if cls.name == "direct":
         return
+    if cls.name in _async_controller_schedules():  # mlfabric: asynchronous by design, whatever --mode says
+        return
     if getattr(cls, "controller", None) is not None and cls.controller is not _base_controller():
         raise ConfigError(f"--schedule {args.schedule} decides its steps at run time (a controller); its PS loop is "
-                          f"not wired into ltp-ps server yet; available PS schedules: direct, rat")
+                          f"not wired into ltp-ps server yet; available PS schedules: direct, rat, mlfabric")
     if getattr(args, "mode", "bsp") != "bsp":
         raise ConfigError(f"--schedule {args.schedule} runs BSP rounds; use --mode bsp (async runs with direct)")
+
+
+def _async_controller_schedules():
+    from .dynamic_roles import ASYNC_CONTROLLER_SCHEDULES
+
+    return ASYNC_CONTROLLER_SCHEDULES
 
 
 def _base_controller():

@@ -148,6 +148,10 @@ class Worker:
 
     async def run(self) -> dict:
         """Train until the PS says STOP.  Returns a small stats dict."""
+        from .dynamic_roles import runs_async_controller, worker_run as controller_worker_run
+
+        if runs_async_controller(self.planner):  # mlfabric: the PS's controller grants every transfer
+            return await controller_worker_run(self)
         if not hasattr(self.planner, "worker_program"):  # trees etc.: run the schedule's whole round program
             from .program_roles import worker_run
 
