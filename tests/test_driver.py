@@ -1,0 +1,275 @@
+"""The controller driver (ltp_ps.schedules.driver): control messages, rate monitor, grant delivery over memory."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ltp_ps.schedules.driver import (CONTROL_BYTES, DOWN, MIN_RATE_SAMPLE_BYTES, UP, ControlChannel,
+                                     ControlDecodeError, ControllerDriver, GrantFollower, RateMonitor, control_tag,
+                                     decode_message, encode_message, event_from_json, event_to_json,
+                                     grant_uses_gradient, params_tag)
+from ltp_ps.schedules.executor import Executor, Slots
+from ltp_ps.schedules.partial import Partial
+from ltp_ps.schedules.program import (Combine, Controller, Grant, NodeFailed, NodeReady, Recv, Send, TransferDone,
+                                      server, worker)
+from ltp_ps.schedules import tags
+from ltp_ps.transport.base import RecvReport, SendReport
+from ltp_ps.transport.memory import MemoryNetwork
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- control messages -------------------------------------------------------------------------------------------------
+
+def test_message_roundtrip_and_alignment():
+    for msg in ({"stop": True}, {"grant": {"node": "worker:1", "steps": [], "start_at": 1.5}}, {"x": "é" * 7}):
+        raw = encode_message(msg)
+        assert len(raw) % 4 == 0
+        buf = bytearray(CONTROL_BYTES)
+        buf[:len(raw)] = raw
+        assert decode_message(buf, len(raw)) == msg
+
+
+def test_oversized_message_names_the_fix():
+    with pytest.raises(ValueError, match="CONTROL_BYTES"):
+        encode_message({"x": "a" * CONTROL_BYTES})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64))
+def test_garbage_only_raises_control_decode_error(raw):
+    buf = bytearray(max(len(raw), 4))
+    buf[:len(raw)] = raw
+    try:
+        d = decode_message(buf, len(raw))
+    except ControlDecodeError:
+        return
+    assert isinstance(d, dict)
+
+
+def test_events_roundtrip_and_spoofing_is_refused():
+    evs = [NodeReady("worker:2", 5, 0, 17, 1.25), TransferDone("worker:1", "worker:2", 99, False, 0.5)]
+    for ev in evs:
+        assert event_from_json(event_to_json(ev), "worker:2") == ev
+    with pytest.raises(ControlDecodeError, match="reported an event of"):
+        event_from_json(event_to_json(evs[0]), "worker:3")
+    for bad in ({}, {"ready": {"node": "worker:2"}}, {"done": "x"}, {"ready": None}):
+        with pytest.raises(ControlDecodeError):
+            event_from_json(bad, "worker:2")
+
+
+def test_control_and_params_tags_are_distinct_streams():
+    a, b, c = control_tag(3, DOWN), control_tag(3, UP), params_tag(3)
+    assert len({a, b, c}) == 3
+    assert tags.unpack(a).phase == tags.PHASE_CONTROL and tags.unpack(c).phase == tags.PHASE_PULL
+    assert control_tag(tags.MAX_ITERATION + 4, DOWN) == control_tag(3, DOWN)  # wraps, never raises
+
+
+def test_grant_uses_gradient():
+    assert grant_uses_gradient(Grant("worker:0", (), drop=True))
+    assert grant_uses_gradient(Grant("worker:0", (Send("server:0", "grad", 0, 4, 1),)))
+    assert grant_uses_gradient(Grant("worker:0", (Combine("mlf:0:1:acc", "grad", 0, 4),)))
+    assert not grant_uses_gradient(Grant("worker:0", (Recv("worker:1", "mlf:0:in:worker:1", 0, 4, 1),)))
+
+
+# -- rate monitor ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Raw:
+    btlbw_bps: float
+
+
+def _recv(nbytes, dur, raw=None):
+    return RecvReport(("h", 1), 0, nbytes, nbytes, 1.0, duration_s=dur, raw=raw)
+
+
+def test_rate_monitor_uses_btlbw_then_goodput_and_refreshes_every_t_lag():
+    m = RateMonitor(1.0, now=0.0)
+    m.observe(_recv(100, 0.001, _Raw(80e6)), src="worker:0", dst="server:0")  # BtlBw: 10 MB/s
+    m.observe(_recv(100, 1e-6), src="worker:1", dst="server:0")  # too small to say anything
+    m.observe(SendReport(("h", 1), 0, 2 * MIN_RATE_SAMPLE_BYTES, 2 * MIN_RATE_SAMPLE_BYTES, 1.0, duration_s=0.01),
+              src="server:0", dst="worker:2")
+    assert m.take(0.5) is None  # before t_lag
+    up, down = m.take(1.0)
+    assert up["worker:0"] == pytest.approx(10e6) and "worker:1" not in up
+    assert down["worker:2"] == pytest.approx(2 * MIN_RATE_SAMPLE_BYTES / 0.01)
+    assert m.next_deadline() == pytest.approx(2.0)
+    m.observe(_recv(100, 0.001, _Raw(40e6)), src="worker:0", dst="server:0")  # smoothed
+    assert m.take(2.0)[0]["worker:0"] == pytest.approx(7.5e6)
+    with pytest.raises(ValueError):
+        RateMonitor(0)
+
+
+# -- the driver over the memory transport ------------------------------------------------------------------------------
+
+class _Scripted(Controller):
+    """A controller that returns scripted grants and records every call (virtual-clock free)."""
+
+    def __init__(self, script, deadline=None):
+        self.script = script  # event type name -> grants
+        self.events: list = []
+        self.timer_calls: list = []
+        self.rates: list = []
+        self.deadline = deadline
+
+    def start(self, iteration, nodes, *, now):
+        self.nodes = list(nodes)
+        return list(self.script.get("start", []))
+
+    def on_event(self, event, *, now):
+        self.events.append((now, event))
+        return list(self.script.pop(type(event).__name__, []))
+
+    def next_deadline(self):
+        return self.deadline
+
+    def on_timer(self, *, now):
+        self.timer_calls.append(now)
+        self.deadline = None
+        return list(self.script.pop("timer", []))
+
+    def update_rates(self, up=None, down=None, *, now):
+        self.rates.append((now, up, down))
+
+    def done(self):
+        return not self.script
+
+
+def _nodes(net, n):
+    nodes = [server(0)] + [worker(r) for r in range(n)]
+    eps = {x: net.endpoint() for x in nodes}
+    addrs = {x: eps[x].local_addr for x in nodes}
+    return nodes, eps, {x: Executor(eps[x], x, addrs, timeout_s=5.0) for x in nodes}
+
+
+async def test_grants_reach_nodes_in_order_not_before_start_and_receives_become_events():
+    net = MemoryNetwork(segment_size=512, seed=1)
+    nodes, eps, exes = _nodes(net, 2)
+    g = np.arange(64, dtype=np.float32)
+    wslots = {w: Slots() for w in nodes[1:]}
+    for w in nodes[1:]:
+        wslots[w].put_partial("grad", Partial.of_gradient(g + int(w[-1])))
+    t_tag = tags.pack(0, tags.PHASE_PUSH, 1, 0, 5)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    script = {"start": [Grant(worker(0), (Send(worker(1), "grad", 0, 64, t_tag),), start_at=t0 + 0.3),
+                        Grant(worker(1), (Recv(worker(0), "in", 0, 64, t_tag),)),
+                        Grant(worker(1), (Combine("acc", "in", 0, 64), Combine("acc", "grad", 0, 64)))]}
+    ctrl = _Scripted(script)
+    reports: list = []
+    drv_chans = {w: ControlChannel(exes[server(0)], w, out_dir=DOWN, in_dir=UP) for w in nodes[1:]}
+    drv = ControllerDriver(ctrl, exes[server(0)], Slots(),
+                           deliver=lambda node, gr: drv_chans[node].send({"grant": gr.to_json()}))
+    fols = {w: GrantFollower(ControlChannel(exes[w], server(0), out_dir=UP, in_dir=DOWN), wslots[w], timeout_s=5.0,
+                             after_grant=lambda gr, reps: reports.append(gr)) for w in nodes[1:]}
+    tasks = [asyncio.ensure_future(f.run()) for f in fols.values()]
+
+    async def listen(w):
+        ch = drv_chans[w]
+        while True:
+            msg = await ch.recv(5.0)
+            if msg is None:
+                return
+            drv.feed(event_from_json(msg, w))
+
+    listeners = [asyncio.ensure_future(listen(w)) for w in nodes[1:]]
+    drv.start(nodes[1:])
+    while not any(isinstance(e, TransferDone) for _, e in ctrl.events):
+        await asyncio.sleep(0.01)
+    while len(reports) < 3:
+        await asyncio.sleep(0.01)
+    done = [e for _, e in ctrl.events if isinstance(e, TransferDone)]
+    assert done == [TransferDone(worker(0), worker(1), t_tag, True, done[0].duration_s)]
+    assert ctrl.events[0][0] >= t0 + 0.3  # the send was granted at its start time, not before
+    acc = wslots[worker(1)].partial("acc", 0, 64)
+    assert acc.contributors == 2
+    np.testing.assert_allclose(acc.mean("unbiased"), g + 0.5)
+    assert [gr.node for gr in reports].count(worker(1)) == 2  # worker 1's two grants, in issue order
+    for ch in drv_chans.values():
+        await ch.send({"stop": True})
+    assert all(isinstance(r, dict) for r in await asyncio.gather(*tasks))
+    for t in listeners:
+        t.cancel()
+    await asyncio.gather(*listeners, return_exceptions=True)
+    await drv.close()
+
+
+async def test_undeliverable_grant_reports_node_failed_and_later_grants_to_it_are_skipped():
+    net = MemoryNetwork(segment_size=512, seed=1)
+    nodes, eps, exes = _nodes(net, 2)
+    ctrl = _Scripted({"start": [Grant(worker(1), (), drop=True), Grant(worker(1), (), drop=True)]})
+    calls = []
+
+    async def deliver(node, g):
+        calls.append(node)
+        raise ConnectionError("gone")
+
+    drv = ControllerDriver(ctrl, exes[server(0)], Slots(), deliver=deliver)
+    drv.start(nodes[1:])
+    for _ in range(100):
+        if ctrl.events:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert [type(e).__name__ for _, e in ctrl.events] == ["NodeFailed"]
+    assert calls == [worker(1)] and drv.failed == {worker(1)}
+    drv.feed(NodeFailed(worker(1), "again"))  # reported once
+    assert len(ctrl.events) == 1
+    await drv.close()
+
+
+async def test_timer_fires_at_the_deadline_and_rates_are_refreshed_every_t_lag():
+    net = MemoryNetwork(segment_size=512, seed=1)
+    nodes, eps, exes = _nodes(net, 1)
+    loop = asyncio.get_running_loop()
+    ctrl = _Scripted({}, deadline=loop.time() + 0.15)
+
+    async def deliver(node, g):
+        return None
+
+    drv = ControllerDriver(ctrl, exes[server(0)], Slots(), deliver=deliver, t_lag_s=0.1)
+    drv.monitor.observe(_recv(100, 0.001, _Raw(8e6)), src=worker(0), dst=server(0))
+    t0 = loop.time()
+    drv.start(nodes[1:])
+    await asyncio.sleep(0.4)
+    assert len(ctrl.timer_calls) == 1 and ctrl.timer_calls[0] >= t0 + 0.14
+    assert ctrl.rates and ctrl.rates[0][1] == {worker(0): pytest.approx(1e6)}
+    assert drv.counters["rate_updates"] == len(ctrl.rates)
+    await drv.close()
+    assert drv._timer.done()
+
+
+async def test_host_grants_run_locally_and_feed_transfer_done():
+    net = MemoryNetwork(segment_size=512, seed=3)
+    nodes, eps, exes = _nodes(net, 1)
+    t_tag = tags.pack(1, tags.PHASE_PUSH, 1, 0, 5)
+    applied = []
+
+    class H:
+        def apply(self, step, slots):
+            applied.append(slots.partial(step.slot, step.lo, step.hi).contributors)
+
+    from ltp_ps.schedules.program import Apply
+
+    ctrl = _Scripted({"start": [Grant(server(0), (Recv(worker(0), "in", 0, 32, t_tag),)),
+                                Grant(server(0), (Apply("in", 0, 32),))]})
+    drv = ControllerDriver(ctrl, exes[server(0)], Slots(), H(), deliver=lambda n, g: asyncio.sleep(0))
+    drv.start(nodes[1:])
+    ws = Slots()
+    ws.put_partial("grad", Partial.of_gradient(np.ones(32, np.float32)))
+    from ltp_ps.schedules.program import Program
+
+    await exes[worker(0)].run(Program(worker(0), ((Send(server(0), "grad", 0, 32, t_tag),),)), ws)
+    for _ in range(200):
+        if applied:
+            break
+        await asyncio.sleep(0.01)
+    assert applied == [1]
+    assert [type(e).__name__ for _, e in ctrl.events] == ["TransferDone"] and ctrl.events[0][1].ok
+    await drv.close()
