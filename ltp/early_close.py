@@ -57,8 +57,8 @@ flow's segment bitmap):
 * *first pass done* — the last normal segment has arrived: what is still
   missing can only come from retransmissions, the tail Early Close cuts;
 * *advancing* — a segment arrived within the stall window
-  ``max(STALL_MIN_S, STALL_RTPROPS·RTprop, STALL_GAPS·mean inter-arrival)``
-  of the flow.
+  ``max(STALL_MIN_S, C, STALL_RTPROPS·RTprop, STALL_GAPS·mean inter-arrival)``
+  of the flow (C: the deadline slack, the time the paper allows a straggler).
 
 After the LT threshold a flow closes *early* only when it is in its long
 tail (its first pass is done or it stopped advancing) or its loss rate
@@ -143,9 +143,13 @@ class LinkThresholds:
         hist.append(duration_s)
 
 
-def stall_window(rtprop_s: float, mean_gap_s: float | None) -> float:
-    """Seconds without an arrival after which a flow counts as no longer advancing."""
-    w = max(STALL_MIN_S, STALL_RTPROPS * rtprop_s)
+def stall_window(rtprop_s: float, mean_gap_s: float | None, slack_s: float = 0.0) -> float:
+    """Seconds without an arrival after which a flow counts as no longer advancing.
+
+    ``slack_s`` is the deadline slack C the receiver allows a straggler (30 ms DCN,
+    100 ms WAN); a flow silent for less than that is not taken for a stalled one.
+    """
+    w = max(STALL_MIN_S, slack_s, STALL_RTPROPS * rtprop_s)
     if mean_gap_s is not None:
         w = max(w, STALL_GAPS * mean_gap_s)
     return w

@@ -695,7 +695,7 @@ class Engine:
         loss_rate, first_pass = prog.observe(flow.window.bitmap, flow.window.received)
         got = flow.window.received
         mean_gap = (flow.last_arrival - flow.start) / got if got else None
-        stall_at = flow.last_arrival + stall_window(flow.rtprop_us / 1e6, mean_gap)
+        stall_at = flow.last_arrival + stall_window(flow.rtprop_us / 1e6, mean_gap, self.config.deadline_slack_s)
         hard = None
         if deadline is not None:
             hard = flow.anchor + HARD_STRETCH * max(0.0, deadline - flow.anchor)

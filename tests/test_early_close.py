@@ -91,6 +91,7 @@ def test_stall_window_floors_and_scales():
     assert stall_window(0.050, None) == pytest.approx(STALL_RTPROPS * 0.050)
     assert stall_window(0.0, 0.004) == pytest.approx(STALL_GAPS * 0.004)
     assert STALL_MIN_S < STALL_GAPS * 0.004
+    assert stall_window(0.0, None, 0.030) == 0.030 and stall_window(0.0, 0.001, 0.100) == 0.100
 
 
 # ---------------------------------------------------------------- the evidence
