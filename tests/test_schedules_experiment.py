@@ -98,7 +98,7 @@ def test_quick_lab_run_replans_around_a_blocked_pair(tmp_path):
     """A small model, one repeat: rsgcm with a pair blocked mid-run completes every round; files are written."""
     out = tmp_path / "sch"
     res = S.run(schedules=("rsgcm+block",), model_bytes=200_000, rounds=6, block_at=3, quick=True, out=str(out),
-                progress=False, verbose=False)
+                progress=False, verbose=False, fluid=False)
     (run,) = res["runs"]
     assert run["error"] is None, run["error"]
     assert run["block_pair"] and run["rounds_lost"] == 0
@@ -110,3 +110,9 @@ def test_quick_lab_run_replans_around_a_blocked_pair(tmp_path):
     assert (out / "schedules.png").read_bytes()[:4] == b"\x89PNG"
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert not any(p + "-" in listed for p in res["lab_prefixes"])  # the lab cleaned up its namespaces
+
+
+def test_fluid_only_rows_name_the_unmeasured_targets():
+    rows = S.fluid_only_rows()
+    assert len(rows) == 5 and all(r["predicted"] > 0 for r in rows)
+    assert any(r["row"].startswith("RAT / direct") for r in rows)
