@@ -215,6 +215,9 @@ class PeerWorker:
             outcome = outcome_of(self.cfg.rank, seq, program, res, ok=ok, reduce_s=reduce_s,
                                  rank_of=self.rank_of.get)
             decision = await self.feedback.exchange(outcome)
+            if self.cfg.rank in decision.dead:
+                raise TrainingFailed(f"worker {self.cfg.rank}: round {it}: the coordinator heard nothing from this "
+                                     f"worker within its bound and replanned without it; restart the job")
             apply_decision(self.planner, decision)
             last = getattr(self.planner, "_last", None)
             rings = [list(r) for a in getattr(last, "steps", ()) for rs in a.ring_sets for r in rs.rings]

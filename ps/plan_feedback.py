@@ -137,9 +137,9 @@ def decide(seq: int, outcomes: Sequence[RoundOutcome], ranks: Sequence[int]) -> 
             ok.add(_pair(o.rank, y))
     first = min((st for st, _ in evidence), default=None)
     failed = {p for st, p in evidence if st == first}
-    ok -= failed
     for d in dead:  # a silent device: every pair through it failed (the planner sees a failed device)
         failed.update(_pair(d, r) for r in ranks if r != d)
+    ok -= failed
     complete = not dead and all(o.ok for o in outcomes)
     round_s = max((o.reduce_s for o in outcomes), default=None) if complete else None
     return Decision(seq=seq, retry=not complete, round_s=round_s, failed_pairs=tuple(sorted(failed)),

@@ -223,7 +223,8 @@ async def peer_work(args, store, open_transport, workload) -> dict:
         if wants_feedback(planner):  # adaptive planners (rsgcm): rank 0 feeds failures and round times to all
             feedback = StoreFeedback(store, rank, list(range(args.workers)), sign=lambda d: _sign(secret, d),
                                      verify=lambda raw, what: _verify(secret, raw, what),
-                                     timeout_s=max(10.0, 4 * args.pull_timeout))
+                                     timeout_s=max(60.0, 4 * args.pull_timeout))  # a failed attempt's stages
+                                                                                   # each wait out pull_timeout
         peer = PeerWorker(wl, transport, cfg, planner=planner, addresses=addrs, feedback=feedback)
         if rank == 0:
             print(f"[{args.schedule} w0] {args.workers} workers, no PS, transport {args.transport}, model "

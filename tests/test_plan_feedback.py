@@ -54,8 +54,9 @@ def test_cascading_timeouts_blame_only_the_earliest_stage():
 
 def test_silent_worker_is_a_failed_device_and_leaves_the_ranks():
     outs = [RoundOutcome(r, 3, True, 0.2) for r in (0, 1, 3)]
+    outs[0] = RoundOutcome(0, 3, True, 0.2, delivered=(1, 2))  # 2 delivered earlier in the attempt, then went quiet
     d = decide(3, outs, [0, 1, 2, 3])
-    assert d.retry and d.dead == (2,)
+    assert d.retry and d.dead == (2,) and not any(2 in p for p in d.ok_pairs)
     assert set(d.failed_pairs) == {(0, 2), (1, 2), (2, 3)}
     rs = create("rsgcm", World(workers=range(4), n_elems=1000))
     apply_decision(rs, d)
