@@ -36,7 +36,7 @@ Between the two, a flow closes as soon as its received fraction reaches
 ``lt_fraction`` (80% by default) *and* every critical segment is in *and*
 the flow is in its long tail (see below) (*choice*: the fraction is per
 flow, each link having its own LT threshold). At the deadline it closes
-whatever it holds. A complete flow closes at once. Reliable flows never
+whatever it holds (unless stretched, below). A complete flow closes at once. Reliable flows never
 close early. :func:`decide` is a pure function so the policy can be tested
 without any protocol state.
 
@@ -63,11 +63,10 @@ flow's segment bitmap):
 After the LT threshold a flow closes *early* only when it is in its long
 tail (its first pass is done or it stopped advancing) or its loss rate
 exceeds ``STRETCH_MAX_LOSS`` (the paper's rule, unchanged on a congested
-path). At the group deadline
-a flow closes if it is in its long tail, or its loss rate exceeds
-``STRETCH_MAX_LOSS`` (a congested path: waiting would only add to the
-incast); otherwise it is a slow sender still in its first pass, and it stays
-open while it keeps advancing, up to the **hard deadline**
+path). At the group deadline a flow closes if it is in its long tail, or
+its loss rate exceeds ``STRETCH_MAX_LOSS`` (a congested path: waiting would
+only add to the incast); otherwise it is a slow sender still in its first
+pass, and it stays open while it keeps advancing, up to the **hard deadline**
 ``t0 + HARD_STRETCH·(deadline − t0)`` (and always within the caller's
 timeout), and closes the moment its first pass ends. A lost packet thus
 costs its own bytes, never a retransmission round trip, and a slow sender
