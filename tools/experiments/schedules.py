@@ -260,10 +260,11 @@ def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | No
             rng.shuffle(order)
             with Lab(racks=list(RACKS)) as lab, tempfile.TemporaryDirectory(prefix="ltp-sched-") as work:
                 prefixes.append(lab.prefix)
-                for h in lab.hosts:
-                    lab.impair(h, direction="both", rate_bps=rate_bps)
-                for r in range(len(RACKS)):
-                    lab.uplink(r, rate_bps=uplink_bps)
+                if rate_bps > 0:  # 0: unlimited veths (the CPU floor of the same jobs)
+                    for h in lab.hosts:
+                        lab.impair(h, direction="both", rate_bps=rate_bps)
+                    for r in range(len(RACKS)):
+                        lab.uplink(r, rate_bps=uplink_bps)
                 topo = _topology(lab, INTERLEAVE)
                 topo_path = os.path.join(work, "topology.json")
                 with open(topo_path, "w") as f:
@@ -443,7 +444,8 @@ def register(subparsers) -> None:
     p.add_argument("--model-bytes", type=int, default=None, help="model size (default 4000000; --quick 1000000)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per job (default 12; --quick 6)")
     p.add_argument("--block-at", type=int, default=None, help="rsgcm+block: block after this many rounds")
-    p.add_argument("--rate", type=float, default=100e6, help="host link rate, bit/s (default 100e6)")
+    p.add_argument("--rate", type=float, default=100e6,
+                   help="host link rate, bit/s (default 100e6; 0 = unlimited: the jobs' CPU floor)")
     p.add_argument("--uplink-rate", type=float, default=None, help="rack uplink rate, bit/s (default: --rate)")
     p.add_argument("--transport", default="ltp", choices=("ltp", "tcp"))
     p.add_argument("--no-fluid", action="store_true", help="skip the fluid-only RAT/Hoplite lab predictions")
