@@ -56,6 +56,7 @@ INTERLEAVE = (0, 3, 1, 4, 2, 5)  # rank r runs on host INTERLEAVE[r]
 WARMUP_ROUNDS = 2  # rounds left out of the median (endpoint set-up, RSGCM's first measurements)
 MEASURE_POLL_S = 0.05  # seconds between looks at rank 0's metrics while waiting to block
 JOB_TIMEOUT_S = 420.0  # seconds one job may take before it is killed and reported failed
+FAILED_JOB_GRACE_S = 30.0  # seconds the other processes of a job get after one of them failed
 FEEDBACK_PULL_TIMEOUT_S = 1.0  # seconds a ring step waits for its neighbour (how fast a blocked pair shows)
 TARGET_RING_RATIO = 0.5
 TARGET_DIRECT_RATIO = 0.5
@@ -165,9 +166,14 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
             spawn(hosts[r], argv, f"w{r}")
         t_end = time.monotonic() + timeout_s
         jobs = [p for name, p in procs if name != "store"]
+        failed_since = None
         while any(p.poll() is None for p in jobs):
             if time.monotonic() > t_end:
                 raise C.ExperimentError(f"{schedule}: not done within {timeout_s:.0f} s (logs in {workdir})")
+            if failed_since is None and any(p.poll() not in (None, 0) for p in jobs):
+                failed_since = time.monotonic()
+            if failed_since is not None and time.monotonic() - failed_since > FAILED_JOB_GRACE_S:
+                break  # one process failed and the rest are stuck waiting for it: reported below
             if block_at is not None and res["block_pair"] is None:
                 rows = _rows(metrics)
                 if len(rows) >= block_at and rows[-1].get("plan", {}).get("rings"):
@@ -178,9 +184,10 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
                     res["block_t"] = time.time()
                     res["block_after_iteration"] = rows[-1]["iteration"]
             time.sleep(MEASURE_POLL_S)
-        bad = [(name, p.returncode) for name, p in procs if name != "store" and p.returncode != 0]
+        bad = [(name, p.poll()) for name, p in procs if name != "store" and p.poll() != 0]
         if bad:
             raise C.ExperimentError(f"{schedule}: {', '.join(f'{nm} exit {rc}' for nm, rc in bad)} "
+                                    f"(None: still running, stopped) "
                                     f"(logs in {workdir})")
         res["rows"] = _rows(metrics)
     except C.ExperimentError as exc:
