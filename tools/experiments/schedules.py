@@ -20,7 +20,10 @@ Theory of operation
       * ``ring`` (rank order), ``rsgcm`` and ``direct``: measured round time; targets
         ``rsgcm <= 0.5 x ring`` and ``rsgcm <= 0.5 x direct``;
       * ``rsgcm+block``: ``rsgcm`` again; when rank 0 reports round ``--block-at`` the
-        orchestrator blocks (``Lab.block``) the first pair of the ring rank 0 just ran.  The
+        orchestrator blocks (``Lab.block``) the first edge of the ring rank 0 just ran that does
+        not touch rank 0 (the block drops all IPv4 between the two hosts, and the store, the
+        workers' coordinator, lives on rank 0's host: blocking it cuts a worker off entirely,
+        which the feedback correctly treats as a failed device).  The
         workers' live feedback (``ltp_ps.plan_feedback``) replans; the row reports the retries
         until a complete round (target <= 5), the median round before / after (target after <=
         1.3 x before) and the rounds lost (``--rounds`` minus rounds completed; target 0).
@@ -178,7 +181,10 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
                 rows = _rows(metrics)
                 if len(rows) >= block_at and rows[-1].get("plan", {}).get("rings"):
                     ring = rows[-1]["plan"]["rings"][0]
-                    a, b = sorted((ring[0], ring[1]))
+                    # the first edge of the ring rank 0 just ran that spares rank 0: the block drops every IPv4
+                    # packet between the two hosts, and the rendezvous store lives on rank 0's host
+                    edges = [tuple(sorted((ring[i], ring[(i + 1) % len(ring)]))) for i in range(len(ring))]
+                    a, b = next(e for e in edges if 0 not in e)
                     lab.block(hosts[a], hosts[b])
                     res["block_pair"] = [a, b]
                     res["block_t"] = time.time()
