@@ -8,6 +8,7 @@ then DDP training with many buckets, ``find_unused_parameters=True``,
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -142,3 +143,14 @@ def test_killed_rank_gives_a_clear_error_and_no_hang(tmp_path, hook):
     assert "rank 1" in outs[0][1] or "[1]" in outs[0][1], outs[0][1][-3000:]
     # start-up (15-40 s on this shared box) + up to two timeouts (detection, then a cascade) + slack
     assert took < 60 + 4 * timeout_s, f"survivors needed {took:.0f} s with a {timeout_s} s timeout"
+
+
+def test_bench_allreduce_checks_its_result():
+    """The benchmark used for docs/ddp.md: a ring-sized all-reduce over ltp, result checked exactly."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "ltp_ps.examples.bench_allreduce", "--backend", "ltp", "--mb", "2", "--reps", "1"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(line[0][7:])
+    assert res["correct"] is True and res["world"] == 2 and len(res["seconds"]) == 1 and res["seconds"][0] > 0
