@@ -220,6 +220,7 @@ class _ServerRole:
     async def run(self) -> None:
         ps = self.ps
         await ps._wait_workers(ps.cfg.min_workers or ps.cfg.world_size)
+        self.last_apply = time.monotonic()  # the stall bound counts from the start, not from construction
         members = ps.membership.active()
         ps._address(members)
         nodes = [worker_node(m.rank) for m in members]
@@ -250,6 +251,10 @@ class _ServerRole:
                 await asyncio.sleep(POLL_S)
             if self.failed is not None:
                 raise self.failed
+        except TrainingFailed as exc:
+            if ps.rendezvous is not None:  # before STOP, so no worker reads "done" and exits 0
+                ps.rendezvous.mark_failed(str(exc))
+            raise
         finally:
             await self.driver.close()
             for t in listeners:

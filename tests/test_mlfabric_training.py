@@ -19,8 +19,9 @@ from ps_helpers import workload
 pytestmark = pytest.mark.timeout(240)
 
 
-def make_mlf_job(n_workers, *, loss=0.0, seed=0, topology=None, tau_max=8, k=1, worker_kw=None, **server_kw):
-    wl = workload()
+def make_mlf_job(n_workers, *, loss=0.0, seed=0, topology=None, tau_max=8, k=1, worker_kw=None, wl=None,
+                 **server_kw):
+    wl = wl or workload()
     net = MemoryNetwork(loss=loss, segment_size=1024, seed=seed)
     plan = ShardPlan(wl.n_params, 1)
     world = World(workers=range(n_workers), n_elems=wl.n_params, shards=tuple(plan.ranges), topology=topology,
@@ -94,6 +95,31 @@ async def test_killed_worker_does_not_hang_the_job():
     assert outs[1]["stopped"] is False and all(o["stopped"] for i, o in enumerate(outs[:4]) if i != 1)
     assert st["beyond_tau"] == 0
     print("killed worker: finished in", asyncio.get_running_loop().time() - t0, "s", st)
+
+
+class _NanAfter:
+    """A workload whose loss becomes NaN from the ``k``-th step on (a diverged model)."""
+
+    def __init__(self, wl, k):
+        self._wl, self._k, self.calls = wl, k, 0
+
+    def __getattr__(self, name):
+        return getattr(self._wl, name)
+
+    def compute(self, model, batch):
+        grad, loss, samples = self._wl.compute(model, batch)
+        self.calls += 1
+        return grad, (float("nan") if self.calls >= self._k else loss), samples
+
+
+async def test_non_finite_loss_fails_the_job_and_stops_every_worker():
+    from ltp_ps.errors import TrainingFailed
+
+    ps, workers = make_mlf_job(3, wl=_NanAfter(workload(), 12), seed=1, epochs=20, lr=0.1, momentum=0.0)
+    res = await asyncio.wait_for(asyncio.gather(ps.run(), *(w.run() for w in workers), return_exceptions=True), 60)
+    assert isinstance(res[0], TrainingFailed) and "non-finite loss" in str(res[0])
+    assert all(isinstance(r, dict) and r["stopped"] for r in res[1:])  # told to stop, none waits out a timeout
+    assert ps.version < ps.total * 3
 
 
 # -- end to end over processes ----------------------------------------------------------------------------------------
