@@ -58,6 +58,8 @@ def _server_opts(p):
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip-factor", type=float, default=2.0,
+                   help="divergence guard: clip the aggregated gradient's norm to this x its running mean (0: off)")
     p.add_argument("--gather-timeout", type=float, default=None,
                    help="seconds before a gather gives up on a worker (default: derived each round from the "
                         "message size, the workers' compute time and the measured link rate; docs/ps.md)")
@@ -156,7 +158,7 @@ async def serve(args, store=None) -> dict:
         rv = rdv.ServerRendezvous(store, secret, info)
         cfg = ServerConfig(world_size=args.workers, epochs=args.epochs, iterations=args.iterations, mode=args.mode,
                            aggregation=args.aggregation, optimizer=args.optimizer, lr=args.lr,
-                           momentum=args.momentum, weight_decay=args.weight_decay,
+                           momentum=args.momentum, weight_decay=args.weight_decay, clip_factor=args.clip_factor,
                            gather_timeout_s=args.gather_timeout, max_missed=args.max_missed,
                            min_workers=args.min_workers, join_timeout_s=args.store_timeout,
                            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -322,7 +324,8 @@ def _passthrough(args, names) -> list[str]:
 COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "job", "secret-file", "num-servers", "mode",
           "compute-delay",
           "batch-size", "seed", "store-timeout"]
-SERVER = ["epochs", "iterations", "aggregation", "optimizer", "lr", "momentum", "weight-decay", "gather-timeout",
+SERVER = ["epochs", "iterations", "aggregation", "optimizer", "lr", "momentum", "weight-decay", "clip-factor",
+          "gather-timeout",
           "max-missed", "min-workers", "checkpoint-dir", "checkpoint-every", "metrics", "progress", "summary-json"]
 WORKER = ["error-feedback", "pull-timeout", "rejoin"]
 
