@@ -240,8 +240,8 @@ async def peer_work(args, store, open_transport, workload) -> dict:
                     json.dump(summary, f, default=float)
         store.set(f"peer/done/{rank}", "1")
         # Stay reachable until every peer finished its last round (they may still send to us).
-        await asyncio.to_thread(_wait_keys, store, [f"peer/done/{r}" for r in range(args.workers)],
-                                args.store_timeout)
+        alive = feedback.ranks if feedback is not None else range(args.workers)  # minus workers found silent
+        await asyncio.to_thread(_wait_keys, store, [f"peer/done/{r}" for r in alive], args.store_timeout)
         return summary
     finally:
         await transport.close()
