@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from .aggregate import critical_ranges
-from .errors import RemoteError, TransportTimeout
+from .errors import RemoteError, TransportError, TransportTimeout
 from .feedback import ErrorFeedback
 from .schedule import DirectSchedule, Schedule
 from .schedules import World, create as create_schedule
@@ -178,9 +178,18 @@ class Worker:
             compute_s = time.monotonic() - t0
             if self.feedback is not None:
                 grad = self.feedback.compensate(grad, h.iteration)
-            reps = await self.push(grad, iteration=h.iteration, model_version=h.model_version, loss=loss,
-                                   samples=samples, compute_s=compute_s)
-            self.pushes.append([r.delivered_fraction for r in reps])
+            t_push = time.monotonic()
+            try:
+                reps = await self.push(grad, iteration=h.iteration, model_version=h.model_version, loss=loss,
+                                       samples=samples, compute_s=compute_s)
+            except (TransportError, ConnectionError) as exc:
+                # A gradient is loss-tolerant: a failed push costs this round (the PS counts it as missed),
+                # not the job. A PS that is really gone shows up in the next pull (or as a new incarnation).
+                print(f"[worker {self.cfg.rank}] push of round {h.iteration} failed after "
+                      f"{time.monotonic() - t_push:.2f} s ({type(exc).__name__}: {exc}); pulling the next round",
+                      flush=True)
+                reps = []
+            self.pushes.append([r.delivered_fraction for r in reps] or [0.0] * len(self.shards))
             self.iterations += 1
             self.last_loss = loss
             if self.cfg.max_iterations is not None and self.iterations >= self.cfg.max_iterations:

@@ -210,3 +210,26 @@ def test_exit_descriptions_name_process_and_signal():
     assert cli._describe_exit("worker 3", 42, -9) == "worker 3 (pid 42) was killed by SIGKILL"
     assert cli._describe_exit("ps0", 7, 3) == "ps0 (pid 7) exited with code 3"
     assert cli._shell_rc(-9) == 137 and cli._shell_rc(-11) == 139 and cli._shell_rc(2) == 2
+
+
+def test_a_failed_push_costs_the_round_not_the_worker():
+    # e.g. LTP's dead-peer rule firing while the PS still waits on another worker's READY note
+    from ltp_ps.errors import TransportTimeout
+
+    job = make_job(2, iterations=8, lr=0.1, gather_timeout_s=0.5, max_missed=3)
+    w = job.workers[1]
+    real_push, failed = w.push, []
+
+    async def flaky_push(*a, **kw):
+        if kw["iteration"] == 2 and not failed:
+            failed.append(kw["iteration"])
+            raise TransportTimeout("peer sent nothing for 1.06 s (registration unanswered)")
+        return await real_push(*a, **kw)
+
+    w.push = flaky_push
+    res = asyncio.run(asyncio.wait_for(run_job_allow_fail(job), 60))
+    assert not any(isinstance(r, BaseException) for r in res), res
+    assert failed == [2] and res[2]["stopped"] and w.iterations == 8
+    assert w.pushes[2] == [0.0]
+    row = [r for r in job.servers[0].metrics.rows if r["event"] == "iteration"][2]
+    assert row["contributors"] == 1 and row["delivered"]["1"] == 0.0
