@@ -136,6 +136,9 @@ from ps_helpers import child_env, free_port, ps_cmd, stop  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = ("--model", "digits", "--lr", 0.1, "--momentum", 0)
+# Updates of one batch are computed on one version and applied in a row: n of them act like one step of n x lr,
+# so 6 workers need a smaller lr (0.1 diverged to 0.1-0.46 accuracy over TCP; see docs/schedules.md).
+LR_FOR = {3: 0.1, 4: 0.1, 6: 0.05}
 
 
 def _beyond_tau(metrics) -> tuple:
@@ -150,7 +153,8 @@ def _beyond_tau(metrics) -> tuple:
 def test_launch_mlfabric_trains_digits(tmp_path, transport, workers):
     summary, metrics = tmp_path / "s.json", tmp_path / "m.jsonl"
     p = subprocess.run(ps_cmd("launch", "--schedule", "mlfabric", "--workers", workers, "--epochs", 10, "--lab", "off",
-                              "--transport", transport, "--summary-json", summary, "--metrics", metrics, *TRAIN),
+                              "--transport", transport, "--summary-json", summary, "--metrics", metrics, *TRAIN,
+                              "--lr", LR_FOR[workers]),
                        env=child_env(), capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "asynchronous updates through the controller" in p.stdout
