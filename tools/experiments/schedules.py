@@ -19,8 +19,9 @@ Theory of operation
     Rows (issue 9 §4, RSGCM):
       * ``ring`` (rank order), ``rsgcm`` and ``direct``: measured round time; targets
         ``rsgcm <= 0.5 x ring`` and ``rsgcm <= 0.5 x direct``;
-      * ``rsgcm+block``: ``rsgcm`` again; when rank 0 reports round ``--block-at`` the
-        orchestrator blocks (``Lab.block``) the first edge of the ring rank 0 just ran that does
+      * ``rsgcm+block``: ``rsgcm`` again; once rank 0 has reported ``--block-at`` rounds and ran
+        the same ring twice in a row (the eq 13 re-ranking settled; at most
+        ``BLOCK_SETTLE_ROUNDS`` rounds later in any case) the orchestrator blocks (``Lab.block``) the first edge of the ring rank 0 just ran that does
         not touch rank 0 (the block drops all IPv4 between the two hosts, and the store, the
         workers' coordinator, lives on rank 0's host: blocking it cuts a worker off entirely,
         which the feedback correctly treats as a failed device).  The
@@ -59,6 +60,7 @@ INTERLEAVE = (0, 3, 1, 4, 2, 5)  # rank r runs on host INTERLEAVE[r]
 WARMUP_ROUNDS = 2  # rounds left out of the median (endpoint set-up, RSGCM's first measurements)
 MEASURE_POLL_S = 0.05  # seconds between looks at rank 0's metrics while waiting to block
 JOB_TIMEOUT_S = 420.0  # seconds one job may take before it is killed and reported failed
+BLOCK_SETTLE_ROUNDS = 4  # rounds past --block-at the block waits for rank 0 to run the same ring twice
 FAILED_JOB_GRACE_S = 30.0  # seconds the other processes of a job get after one of them failed
 FEEDBACK_PULL_TIMEOUT_S = 1.0  # seconds a ring step waits for its neighbour (how fast a blocked pair shows)
 TARGET_RING_RATIO = 0.5
@@ -179,7 +181,9 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
                 break  # one process failed and the rest are stuck waiting for it: reported below
             if block_at is not None and res["block_pair"] is None:
                 rows = _rows(metrics)
-                if len(rows) >= block_at and rows[-1].get("plan", {}).get("rings"):
+                rings = [r.get("plan", {}).get("rings") for r in rows[-2:]]
+                settled = len(rings) == 2 and rings[0] == rings[1]  # the re-ranking stopped rotating candidates
+                if len(rows) >= block_at and rings[-1] and (settled or len(rows) >= block_at + BLOCK_SETTLE_ROUNDS):
                     ring = rows[-1]["plan"]["rings"][0]
                     # the first edge of the ring rank 0 just ran that spares rank 0: the block drops every IPv4
                     # packet between the two hosts, and the rendezvous store lives on rank 0's host
@@ -257,7 +261,7 @@ def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | No
     model_bytes = int(model_bytes or (1_000_000 if quick else 4_000_000))
     rounds = int(rounds or (6 if quick else 12))
     block_at = int(block_at or (4 if quick else 5))
-    block_rounds = max(rounds, block_at + 6)
+    block_rounds = max(rounds, block_at + BLOCK_SETTLE_ROUNDS + 4)
     repeats = repeats or (1 if quick else 3)
     uplink_bps = uplink_bps or rate_bps
     out = C.out_dir(NAME, out)
