@@ -359,7 +359,7 @@ def _check_impairments(args, use_lab: bool, why: str) -> None:
     if asked and not use_lab:
         raise ConfigError(
             f"{' '.join(asked)} need the network lab, which cannot be built here: {why}. Fix: run as root on a "
-            f"machine with the lab's packages (`bash scripts/install-lab-deps` installs them; "
+            f"machine with the lab's packages (`bash tools/install-lab-deps` installs them; "
             f"`ltp-lab check` tells what is missing), or drop {'/'.join(a.split()[0] for a in asked)} "
             f"to train on loopback without impairments")
 

@@ -186,7 +186,7 @@ def test_impairments_without_a_lab_are_an_error_naming_the_fix(opt, capsys):
     rc = cli.main(["launch", "--lab", "off", "--workers", "2", *opt])
     err = capsys.readouterr().err
     assert rc == cli.EXIT_CONFIG
-    assert opt[0] in err and "network lab" in err and "scripts/install-lab-deps" in err and "loopback" in err
+    assert opt[0] in err and "network lab" in err and "tools/install-lab-deps" in err and "loopback" in err
 
 
 def test_impairments_when_the_lab_is_unsupported_name_the_reason(monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 from ltp_ps import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "scripts", "install-lab-deps")
+SCRIPT = os.path.join(REPO, "tools", "install-lab-deps")
 
 
 def _command(marker: str) -> str:
@@ -36,7 +36,7 @@ def test_readme_has_exactly_two_commands_at_the_top():
 
 def test_main_command_installs_the_lab_then_trains_with_loss_in_the_lab():
     steps = _steps(_command("main-command"))
-    assert steps[0] == ["bash", "scripts/install-lab-deps"]  # the lab's system packages, when root and missing
+    assert steps[0] == ["bash", "tools/install-lab-deps"]  # the lab's system packages, when root and missing
     assert steps[1][:3] == ["python", "-m", "pip"] and "install" in steps[1]
     assert any(a.startswith("-e") or a == "-e" for a in steps[1]) and any("lab" in a and "ps" in a for a in steps[1])
     assert steps[-1][0] == "ltp-ps"
@@ -51,7 +51,7 @@ def test_test_command_runs_pytest_and_ci_runs_it_with_the_same_lab_script():
     steps = _steps(_command("test-command"))
     assert steps[-1][:3] == ["python", "-m", "pytest"]
     ci = open(os.path.join(REPO, ".ci", "run")).read()
-    assert "<!-- test-command -->" in ci and "scripts/install-lab-deps" in ci
+    assert "<!-- test-command -->" in ci and "tools/install-lab-deps" in ci
 
 
 def test_lab_script_covers_everything_the_support_check_needs():
