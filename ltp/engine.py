@@ -92,8 +92,10 @@ def _writable_view(buf) -> memoryview:
 class Engine:
     """All LTP state of one endpoint (sans-IO)."""
 
-    def __init__(self, config: Config | None = None, *, rng: random.Random | None = None) -> None:
+    def __init__(self, config: Config | None = None, *, rng: random.Random | None = None,
+                 gather_send: bool = False) -> None:
         self.config = config or Config()
+        self.gather_send = gather_send  # DATA batches as SegmentTransmit (for an adapter with a gather send)
         self.rng = rng if rng is not None else random.Random(0)
         self.stats = EndpointStats()
         self._paths: dict = {}
@@ -124,7 +126,8 @@ class Engine:
         seg = self.config.segment_size_for(element_size)
         path = self._paths.get(peer)
         if path is None:
-            path = self._paths[peer] = Path(peer, self.config, self.rng, wire.HEADER_SIZE + seg)
+            path = self._paths[peer] = Path(peer, self.config, self.rng, wire.HEADER_SIZE + seg,
+                                            gather_send=self.gather_send)
         fid = path.allocate_flow_id()
         for _ in range(1 << 16):
             if (peer, fid) not in self._tx:
@@ -642,7 +645,7 @@ class Engine:
             tx = path.poll(now)
             if tx is not None:
                 out.append(tx)
-                n = len(tx.data)
+                n = tx.nbytes
                 self.stats.datagrams_out += -(-n // tx.segment_size)
                 self.stats.bytes_out += n
             path.wake = path.next_send_time(now)
