@@ -18,6 +18,18 @@ from .errors import LocalProtocolError
 __all__ = ["Socket"]
 
 
+def _refuse_inside_loop(what: str) -> None:
+    """A blocking call made from a thread that runs an event loop would stall that loop: refuse it."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise LocalProtocolError(
+        f"ltp.Socket.{what} blocks, and it was called from inside a running asyncio event loop, which it would "
+        f"stall; in async code use `ep = await ltp.open_endpoint(...)` and `await ep.{what.split('(')[0]}(...)`, "
+        "or call the Socket from a worker thread (asyncio.to_thread)")
+
+
 def _new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -30,6 +42,7 @@ class Socket:
     """Blocking LTP endpoint: ``send``, ``recv``, ``gather``, ``broadcast``, ``close``."""
 
     def __init__(self, local_addr=("0.0.0.0", 0), *, config: Config | None = None, rng=None) -> None:
+        _refuse_inside_loop("__init__()")
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ltp-socket", daemon=True)
         self._thread.start()
@@ -59,21 +72,25 @@ class Socket:
 
     def send(self, peer, data, **kw):
         """Blocking :meth:`Endpoint.send`."""
+        _refuse_inside_loop("send()")
         self._check()
         return self._call(self._ep.send(peer, data, **kw))
 
     def recv(self, into, **kw):
         """Blocking :meth:`Endpoint.recv`."""
+        _refuse_inside_loop("recv()")
         self._check()
         return self._call(self._ep.recv(into, **kw))
 
     def gather(self, peers, into, **kw):
         """Blocking :meth:`Endpoint.gather`."""
+        _refuse_inside_loop("gather()")
         self._check()
         return self._call(self._ep.gather(peers, into, **kw))
 
     def broadcast(self, peers, data, **kw):
         """Blocking :meth:`Endpoint.broadcast`."""
+        _refuse_inside_loop("broadcast()")
         self._check()
         return self._call(self._ep.broadcast(peers, data, **kw))
 

@@ -37,8 +37,20 @@ class Config:
     max_peers: int = 4096
     #: smallest segment size a peer may register (bounds the per-segment bitmap)
     min_segment_size: int = 64
-    #: job key: REG packets carry HMAC-SHA256(key) and unauthenticated ones are dropped
+    #: receive caps per source host (its IP, any port): open + pending flows, and memory
+    #: (None = the total cap; lower it where peers you do not trust share this receiver)
+    max_flows_per_host: int = 256
+    max_receive_memory_per_host: int | None = None
+    #: registrations admitted but still waiting for their first DATA (no memory committed yet)
+    max_pending_registrations: int = 1024
+    #: job key: REG packets carry HMAC-SHA256(key) over source address + every REG byte;
+    #: unauthenticated, stale or replayed ones are refused (see ltp/admission.py)
     job_key: bytes | None = None
+    #: with a job key: a REG's timestamp must be within this of the receiver's wall clock
+    #: (sender and receiver clocks must agree this well, e.g. NTP)
+    reg_freshness_s: float = 10.0
+    #: with a job key: MACs of accepted REGs remembered to refuse replays (bounded memory)
+    replay_cache_entries: int = 32768
     #: congestion control start-up guesses until the first samples arrive
     initial_cwnd_packets: int = 10
     initial_rtt_s: float = 0.001
@@ -52,8 +64,11 @@ class Config:
     min_burst_packets: int = 8
     #: loss recovery: smallest probe timeout; REG retransmission starts at this times two
     min_pto_s: float = 0.004
-    #: a transfer fails when the peer has been silent this long
+    #: a transfer fails when the peer has been silent this long (upper bound of the dead-peer rule)
     idle_timeout_s: float = 10.0
+    #: dead-peer rule: a send fails after max(this, PEER_SILENCE_RTTS x smoothed RTT) of silence
+    #: from the peer (capped by idle_timeout_s); ICMP unreachable reports fail it at once
+    peer_silence_min_s: float = 1.0
     #: closed receive flows are remembered (to repeat STOP) this long, and at most this many
     closed_flow_ttl_s: float = 10.0
     max_closed_flows: int = 8192
@@ -76,15 +91,28 @@ class Config:
             raise LocalProtocolError("lt_fraction must be in (0, 1]; 0.8 is the paper's default")
         if self.deadline_slack_s < 0:
             raise LocalProtocolError("deadline_slack_s must be >= 0 (30 ms for DCN, 100 ms for WAN)")
+        if self.max_receive_memory_per_host is not None and self.max_receive_memory_per_host <= 0:
+            raise LocalProtocolError("max_receive_memory_per_host must be positive (or None for the total cap)")
         if self.job_key is not None and not isinstance(self.job_key, (bytes, bytearray)):
             raise LocalProtocolError("job_key must be bytes (e.g. secret.encode())")
         for name in ("max_flow_bytes", "max_flows_per_peer", "max_receive_memory", "lt_window",
-                     "initial_cwnd_packets", "min_burst_packets", "io_batch", "max_closed_flows", "ack_every"):
+                     "initial_cwnd_packets", "min_burst_packets", "io_batch", "max_closed_flows", "ack_every",
+                     "max_flows_per_host", "max_pending_registrations", "replay_cache_entries",
+                     "reg_freshness_s", "peer_silence_min_s", "idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise LocalProtocolError(f"{name} must be positive")
 
+    @property
+    def host_memory_cap(self) -> int:
+        """Receive memory one source host may hold (bytes)."""
+        h = self.max_receive_memory_per_host
+        return self.max_receive_memory if h is None else min(h, self.max_receive_memory)
+
     def segment_size_for(self, element_size: int) -> int:
         """Payload bytes per DATA packet for elements of ``element_size`` bytes (padding-bubble rule)."""
+        if isinstance(element_size, bool) or not isinstance(element_size, int) or element_size <= 0:
+            raise LocalProtocolError(
+                f"element_size={element_size!r}: pass a positive int, the bytes per element (4 for float32)")
         raw = self.segment_size if self.segment_size is not None else self.mtu - 28 - 16
         seg = raw - raw % element_size
         if seg <= 0:

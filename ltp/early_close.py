@@ -33,22 +33,64 @@ deadline too early for the whole incast:
   in the group and ``C`` the configured slack (30 ms DCN, 100 ms WAN).
 
 Between the two, a flow closes as soon as its received fraction reaches
-``lt_fraction`` (80% by default) *and* every critical segment is in
-(*choice*: the fraction is per flow, each link having its own LT threshold).
-At the deadline it closes whatever it holds. A complete flow closes at once.
-Reliable flows never close early. :func:`decide` is a pure function so the
-policy can be tested without any protocol state.
+``lt_fraction`` (80% by default) *and* every critical segment is in *and*
+the flow is in its long tail (see below) (*choice*: the fraction is per
+flow, each link having its own LT threshold). At the deadline it closes
+whatever it holds. A complete flow closes at once. Reliable flows never
+close early. :func:`decide` is a pure function so the policy can be tested
+without any protocol state.
+
+**Progress and evidence of loss** (*choice*, issues 7/8/10). The paper's LT
+threshold assumes the sender runs at its BtlBw, so that by the threshold its
+first pass over the message is over and only retransmissions (the long tail)
+are missing. A CPU-starved sender runs below its own estimate: at the
+threshold it is still sending new data, in order, and nothing was lost; the
+paper's rule then cuts 10-30% of every message on a loss-free network. So
+the receiver also watches each flow (:class:`FlowProgress`, computed from the
+flow's segment bitmap):
+
+* *gaps* — a missing normal (non-critical) segment below the highest normal
+  segment received: the sender sends normal segments in order and
+  retransmits only after its first pass, so a gap is a loss (or a
+  reordering, which LTP's paths do not produce);
+* *first pass done* — the last normal segment has arrived: what is still
+  missing can only come from retransmissions, the tail Early Close cuts;
+* *advancing* — a segment arrived within the stall window
+  ``max(STALL_MIN_S, STALL_RTPROPS·RTprop, STALL_GAPS·mean inter-arrival)``
+  of the flow.
+
+After the LT threshold a flow closes *early* only when it is in its long
+tail: its first pass is done or it stopped advancing. At the group deadline
+a flow closes unless it is *advancing cleanly* (advancing, no gap): such a
+flow is a slow sender on a loss-free path, not a long tail, and it stays
+open while it keeps advancing, up to the **hard deadline**
+``t0 + HARD_STRETCH·(deadline − t0)`` (and always within the caller's
+timeout). Without loss every flow of a slow-but-steady sender is delivered
+whole; with loss the paper's behaviour is unchanged (gaps make the soft
+deadline binding, and a completed first pass makes the LT rule binding).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-__all__ = ["LinkThresholds", "decide", "COMPLETE", "EARLY", "DEADLINE"]
+import numpy as np
+
+__all__ = ["LinkThresholds", "FlowProgress", "decide", "stall_window", "COMPLETE", "EARLY", "DEADLINE",
+           "STALL_MIN_S", "STALL_RTPROPS", "STALL_GAPS", "HARD_STRETCH"]
 
 COMPLETE = "complete"
 EARLY = "early"
 DEADLINE = "deadline"
+
+#: a flow that received nothing for this long has stopped advancing (seconds; floor of the stall window)
+STALL_MIN_S = 0.005
+#: ... nor for this many RTprops (a retransmission round trip)
+STALL_RTPROPS = 2.0
+#: ... nor for this many of its own mean inter-arrival gaps (a slow sender's pace)
+STALL_GAPS = 8.0
+#: a flow advancing without gaps may run past the group deadline up to t0 + HARD_STRETCH·(deadline − t0)
+HARD_STRETCH = 3.0
 
 
 class LinkThresholds:
@@ -92,26 +134,94 @@ class LinkThresholds:
         hist.append(duration_s)
 
 
+def stall_window(rtprop_s: float, mean_gap_s: float | None) -> float:
+    """Seconds without an arrival after which a flow counts as no longer advancing."""
+    w = max(STALL_MIN_S, STALL_RTPROPS * rtprop_s)
+    if mean_gap_s is not None:
+        w = max(w, STALL_GAPS * mean_gap_s)
+    return w
+
+
+class FlowProgress:
+    """What a flow's segment bitmap says about it: gaps (loss) and whether the first pass is over.
+
+    Theory of operation: normal segments are sent in order and only
+    retransmitted after the first pass (CQ -> NQ -> RQ), so among the normal
+    segments received so far, a missing one below the highest is a loss, and
+    the arrival of the last normal segment ends the first pass. Critical
+    segments are sent first and are left out. :meth:`observe` is O(segments)
+    and caches its answer per received count; the engine calls it only once
+    the LT threshold has passed.
+    """
+
+    def __init__(self, seg_count: int, critical=None) -> None:
+        if critical is not None and np.count_nonzero(critical):
+            self._normal = np.flatnonzero(np.asarray(critical) == 0)
+        else:
+            self._normal = None
+        self.seg_count = seg_count
+        self.first_pass_done = self._normal is not None and self._normal.size == 0
+        self.gaps = False
+        self._seen = -1
+
+    def observe(self, bitmap, received: int) -> tuple:
+        """``(gaps, first_pass_done)`` for the flow's current bitmap (``received`` segments in)."""
+        if received == self._seen:
+            return self.gaps, self.first_pass_done
+        self._seen = received
+        bm = np.asarray(bitmap)
+        normal = bm if self._normal is None else bm[self._normal]
+        if normal.size == 0:
+            self.gaps, self.first_pass_done = False, True
+            return self.gaps, self.first_pass_done
+        got = np.flatnonzero(normal)
+        self.gaps = bool(got.size and got.size < int(got[-1]) + 1)
+        if not self.first_pass_done and normal[-1]:
+            self.first_pass_done = True
+        return self.gaps, self.first_pass_done
+
+
+def _earliest(*times):
+    ts = [t for t in times if t is not None]
+    return min(ts) if ts else None
+
+
 def decide(now: float, *, start: float, lt: float | None, deadline: float | None, fraction: float,
-           complete: bool, critical_ok: bool, lt_fraction: float, reliable: bool) -> tuple:
+           complete: bool, critical_ok: bool, lt_fraction: float, reliable: bool,
+           gaps: bool = True, first_pass_done: bool = True, stall_at: float | None = None,
+           hard_deadline: float | None = None) -> tuple:
     """Early Close decision for one flow.
 
     Returns ``(regime, wake)``: ``regime`` is None (keep receiving),
     ``"complete"``, ``"early"`` or ``"deadline"``; ``wake`` is the next time
     the decision can change without new data (None if only data can change it).
+
+    Progress evidence (see the module comment): ``gaps`` (a loss was seen),
+    ``first_pass_done`` (only retransmissions can still arrive), ``stall_at``
+    (when the flow stops counting as advancing if nothing more arrives; None:
+    never) and ``hard_deadline`` (the latest a cleanly advancing flow may stay
+    open; None: the group deadline is hard). The defaults give the paper's
+    rule unchanged.
     """
     if complete:
         return COMPLETE, None
     if reliable:
         return None, None
-    if deadline is not None and now >= deadline:
+    if hard_deadline is not None and now >= hard_deadline:
         return DEADLINE, None
+    advancing = stall_at is None or now < stall_at
+    if deadline is not None and now >= deadline:
+        if hard_deadline is None or gaps or not advancing:
+            return DEADLINE, None
+        return None, _earliest(stall_at, hard_deadline)  # a slow sender on a loss-free path: keep going
     wake = deadline
     if lt is not None:
         lt_at = start + lt
         if now >= lt_at:
-            if fraction >= lt_fraction and critical_ok:
+            if fraction >= lt_fraction and critical_ok and (first_pass_done or not advancing):
                 return EARLY, None
+            if advancing:
+                wake = _earliest(wake, stall_at)
         else:
-            wake = lt_at if wake is None else min(wake, lt_at)
+            wake = _earliest(wake, lt_at)
     return None, wake

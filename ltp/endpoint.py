@@ -15,7 +15,10 @@ quantise every RTT and delivery-rate sample. Each received datagram also
 carries its kernel arrival time (``SO_TIMESTAMPNS``): when the loop reads a
 backlog of ACKs late, each is still timed by when it arrived, so BBR's
 delivery-rate samples are not compressed into one instant. If the kernel refuses more data
-(EAGAIN), the rest waits in a queue drained when the socket is writable.
+(EAGAIN), the rest waits in a queue drained when the socket is writable. The socket has
+``IP_RECVERR`` on: ICMP unreachable reports about datagrams we sent are read from its error
+queue (with the peer's address) and fed to :meth:`Engine.peer_unreachable`, so a peer whose
+process died fails its transfers within a round trip.
 
 uvloop is not installed here: pick it at your entry point (:func:`ltp.run`
 does, when it is available).
@@ -24,6 +27,7 @@ does, when it is available).
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import os
@@ -69,8 +73,13 @@ class Endpoint:
         self._sock = sock
         self.config = config
         self._io = _udpio.UdpIO(sock, batch=config.io_batch, max_datagram=max(2048, config.mtu))
+        self._local_addr = sock.getsockname()[:2]
+        # the engine stamps REGs with the wall clock: tell it how far that is from our `now`;
         # DATA goes out by gather send: headers from the engine, payload straight from the message
-        self.engine = Engine(config, rng=rng, gather_send=config.gather_send)
+        self.engine = Engine(config, rng=rng, local_addr=self._local_addr, wall_offset=time.time() - _now(),
+                             gather_send=config.gather_send)
+        self._wildcard = self._local_addr[0] in ("0.0.0.0", "::")
+        self._sources: dict = {}
         self._waiters: dict = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -78,7 +87,6 @@ class Endpoint:
         self._writer = False
         self._closed = False
         self._family = sock.family
-        self._local_addr = sock.getsockname()[:2]
         self._loop.add_reader(sock.fileno(), self._on_readable)
 
     # ------------------------------------------------------------------ properties
@@ -98,11 +106,16 @@ class Endpoint:
         return self._io.stats
 
     # ------------------------------------------------------------------ API
-    async def send(self, peer, data, *, reliable: bool = False, critical=(), element_size: int = 4, tag: int = 0,
-                   timeout: float | None = None):
-        """Send one message to ``peer``; returns a :class:`~ltp.reports.SendReport`."""
+    async def send(self, peer, data, *, reliable: bool = False, critical=(), element_size: int | None = None,
+                   tag: int = 0, timeout: float | None = None):
+        """Send one message to ``peer``; returns a :class:`~ltp.reports.SendReport`.
+
+        ``element_size`` (bytes) defaults to the item size of ``data`` (8 for a
+        float64 array, 1 for bytes): no element is ever split between packets."""
+        _check_timeout(timeout)
         peer = await self._resolve(peer)
         self._check_open()
+        self._note_source(peer)
         handle = self.engine.send(peer, data, now=_now(), reliable=reliable, critical=critical,
                                   element_size=element_size, tag=tag)
         return await self._wait(handle, timeout)
@@ -112,19 +125,24 @@ class Endpoint:
 
         Raises :class:`~ltp.errors.TransferTimeout` when nothing arrived before ``timeout``.
         """
+        _check_timeout(timeout)
         peer = None if peer is None else await self._resolve(peer)
         self._check_open()
         handle = self.engine.post_receive([(peer, tag, into)], now=_now(), timeout=timeout)
         reports = await self._wait(handle, None)
         rep = reports[0]
         if rep.regime == "timeout" and rep.received_bytes == 0:
-            raise TransferTimeout(f"no message from {peer or 'any peer'} within {timeout} s")
+            raise TransferTimeout(rep.cause or f"no message from {peer or 'any peer'} after {rep.duration_s:.3f} s")
         return rep
 
     async def gather(self, peers, into, *, tag=None, timeout: float | None = None) -> list:
         """Receive one message from each peer into the matching buffer, with one Early Close deadline."""
+        _check_timeout(timeout)
         peers = list(peers)
         into = list(into)
+        if not peers:
+            raise LocalProtocolError("gather got no peers: pass the (host, port) of every peer to receive from "
+                                     "and one buffer per peer")
         if len(peers) != len(into):
             raise LocalProtocolError(f"gather got {len(peers)} peers but {len(into)} buffers; pass one buffer per peer")
         peers = [await self._resolve(p) for p in peers]
@@ -133,9 +151,13 @@ class Endpoint:
                                           timeout=timeout)
         return await self._wait(handle, None)
 
-    async def broadcast(self, peers, data, *, tag: int = 0, critical=(), element_size: int = 4,
+    async def broadcast(self, peers, data, *, tag: int = 0, critical=(), element_size: int | None = None,
                         timeout: float | None = None) -> list:
         """Send ``data`` reliably to every peer in parallel; one report per peer, in order."""
+        peers = list(peers)
+        if not peers:
+            raise LocalProtocolError("broadcast got no peers: pass the (host, port) of every peer to send to")
+        _check_timeout(timeout)
         return list(await asyncio.gather(*[
             self.send(p, data, reliable=True, critical=critical, element_size=element_size, tag=tag, timeout=timeout)
             for p in peers]))
@@ -169,30 +191,65 @@ class Endpoint:
             raise LocalProtocolError("endpoint is closed; open a new one with ltp.open_endpoint()")
 
     async def _resolve(self, peer) -> tuple:
+        """Validate and resolve a peer address up front: nothing a caller passes may reach the socket layer."""
         if not isinstance(peer, tuple) or len(peer) < 2:
             raise LocalProtocolError(f"peer must be a (host, port) tuple, got {peer!r}")
         host, port = peer[0], peer[1]
-        if not isinstance(port, int):
-            raise LocalProtocolError(f"peer port must be an int, got {port!r}")
+        if not isinstance(host, str) or not host:
+            raise LocalProtocolError(f"peer host must be a non-empty str (an IP or a name), got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise LocalProtocolError(f"peer port must be an int in 1..65535, got {port!r}")
+        six = self._family == socket.AF_INET6
         if _is_ip(host):
-            return (str(ipaddress.ip_address(host)), port)
-        infos = await self._loop.getaddrinfo(host, port, family=self._family, type=socket.SOCK_DGRAM)
+            ip = ipaddress.ip_address(host)
+            if ip.version == 6 and not six:
+                raise LocalProtocolError(f"peer {host!r} is IPv6 but this endpoint is bound to IPv4 "
+                                         f"{self._local_addr}; open the endpoint on '::' to reach IPv6 peers")
+            if ip.version == 4 and six:
+                return (f"::ffff:{ip}", port)
+            return (str(ip), port)
+        try:
+            infos = await self._loop.getaddrinfo(host, port, family=self._family, type=socket.SOCK_DGRAM)
+        except socket.gaierror as exc:
+            raise LocalProtocolError(f"cannot resolve peer host {host!r}: {exc.strerror}; "
+                                     "check the name or pass an IP address") from None
         if not infos:
             raise LocalProtocolError(f"cannot resolve {host!r}")
         return infos[0][4][:2]
+
+    def _note_source(self, peer) -> None:
+        """Bound to a wildcard address: tell the engine which source IP the kernel routes to ``peer`` from."""
+        if not self._wildcard or self.config.job_key is None or peer in self._sources:
+            return
+        probe = socket.socket(self._family, socket.SOCK_DGRAM)
+        try:
+            probe.connect(peer)  # no packet is sent: this only asks the routing table
+            ip = probe.getsockname()[0]
+        except OSError:
+            ip = self._local_addr[0]
+        finally:
+            probe.close()
+        self._sources[peer] = (ip, self._local_addr[1])
+        self.engine.set_source(peer, self._sources[peer])
 
     async def _wait(self, handle: int, timeout: float | None):
         fut = self._loop.create_future()
         self._waiters[handle] = fut
         self._flush()
+        started = _now()
         try:
             if timeout is None:
                 return await fut
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except (asyncio.TimeoutError, TimeoutError):
+            # nobody awaits the future any more: drop it before the engine fails the transfer, so
+            # its error is not logged as "Future exception was never retrieved"
+            self._waiters.pop(handle, None)
+            fut.cancel()
             self.engine.cancel(handle, now=_now())
             self._flush()
-            raise TransferTimeout(f"transfer did not finish within {timeout} s") from None
+            raise TransferTimeout(f"transfer did not finish within the caller's timeout of {timeout} s "
+                                  f"(gave up after {_now() - started:.3f} s); it was cancelled") from None
         except asyncio.CancelledError:
             if not self._closed:
                 self.engine.cancel(handle, now=_now())
@@ -208,6 +265,8 @@ class Endpoint:
     def _receive_pending(self) -> None:
         io = self._io
         eng = self.engine
+        if io.recverr_enabled:
+            self._read_errors()
         for _ in range(self.max_batches_per_wakeup):
             try:
                 n = io.recv_batch()
@@ -230,6 +289,24 @@ class Endpoint:
                     log.exception("ltp: error while processing datagrams from %s", addr)
             if n < io.batch:
                 break
+
+    def _read_errors(self) -> None:
+        """Feed ICMP unreachable reports (IP_RECVERR error queue) to the engine: a dead peer is noticed
+        within a round trip of our next datagram to it, not after a timeout."""
+        try:
+            reports = self._io.recv_errors()
+        except OSError:
+            return
+        for addr, err, _origin, _type, _code in reports:
+            cause = _UNREACHABLE_CAUSES.get(err)
+            if cause is None:
+                continue  # e.g. EMSGSIZE from path-MTU discovery: not a dead peer
+            peer = tuple(addr[:2])
+            try:
+                self.engine.peer_unreachable(peer, now=_now(), cause=cause.format(port=peer[1]))
+            except Exception:  # a bug must not kill the loop
+                self.engine.stats.drop("internal_error")
+                log.exception("ltp: error while handling an ICMP report about %s", peer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -315,10 +392,29 @@ class Endpoint:
         self._timer = self._loop.call_later(max(when - now, 0.0) + 1e-6, self._on_timer)
 
 
+_UNREACHABLE_CAUSES = {
+    errno.ECONNREFUSED: "ICMP port unreachable: nothing listens on UDP port {port} there any more "
+                        "(the peer process exited or closed its endpoint)",
+    errno.EHOSTUNREACH: "ICMP host unreachable: the peer's host is down or cannot be reached",
+    errno.ENETUNREACH: "ICMP network unreachable: no route to the peer's network",
+    errno.EHOSTDOWN: "host down: the peer's host does not answer",
+}
+
+
+def _check_timeout(timeout) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout >= 0):
+        raise LocalProtocolError(f"timeout={timeout!r}: pass None (no limit) or a number of seconds >= 0")
+
+
 async def open_endpoint(local_addr=("0.0.0.0", 0), *, config: Config | None = None,
                         rng: random.Random | None = None) -> Endpoint:
     """Bind a UDP socket at ``local_addr`` and return a running :class:`Endpoint`."""
     config = config or Config()
+    if not isinstance(local_addr, tuple) or len(local_addr) < 2 or not isinstance(local_addr[0], str) or \
+            isinstance(local_addr[1], bool) or not isinstance(local_addr[1], int) or not 0 <= local_addr[1] <= 65535:
+        raise LocalProtocolError(f"local_addr must be a (host, port) tuple with a port in 0..65535 "
+                                 f"(0 = any free port), got {local_addr!r}")
     host = local_addr[0]
     family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
@@ -330,7 +426,19 @@ async def open_endpoint(local_addr=("0.0.0.0", 0), *, config: Config | None = No
                     sock.setsockopt(socket.SOL_SOCKET, force, config.socket_buffer_bytes)
                 except OSError:
                     pass
-        sock.bind(local_addr)
+        try:
+            sock.bind(local_addr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(errno.EADDRINUSE,
+                              f"cannot bind the LTP endpoint to {local_addr[0]}:{local_addr[1]}: UDP port "
+                              f"{local_addr[1]} is already in use there (another process or endpoint holds it); "
+                              "close that one, pick another port, or pass port 0 for any free port") from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise OSError(errno.EADDRNOTAVAIL,
+                              f"cannot bind the LTP endpoint to {local_addr[0]}:{local_addr[1]}: no local interface "
+                              "has that address; use one of this host's IPs or 0.0.0.0") from None
+            raise
         sock.setblocking(False)
     except Exception:
         sock.close()

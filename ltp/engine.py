@@ -23,11 +23,26 @@ Invariants:
    out-of-range datagrams are dropped and counted in ``stats.dropped`` by
    reason; registrations beyond the configured caps are refused with RESET.
 2. Memory allocated on a peer's say-so (bitmaps, buffers for messages that no
-   receive was posted for) is bounded by ``Config.max_receive_memory``.
+   receive was posted for) is bounded by ``Config.max_receive_memory`` in total
+   and ``Config.host_memory_cap`` per source host, and is committed only on
+   evidence: a REG that passes admission (``ltp.admission``: MAC over source
+   address and every REG byte, freshness, replay cache, caps) becomes a small
+   pending registration; the flow's bitmap and buffer are allocated when its
+   first DATA with the right token arrives. Pending registrations that see no
+   DATA expire after a few RTTs; DATA of a flow this host does not know is
+   answered (rate-limited) with RESET ``unregistered`` so its sender registers
+   again. Every refusal is counted in ``stats.refused`` by reason.
 3. ACKs are batched: one ACK datagram carries the entries of ``ack_every``
    received packets, or fewer once the oldest has waited ``ack_delay_s`` (a
    timer), or when the flow closes. At high rates one input batch yields one
    ACK; at low rates the sender is not woken once per packet.
+5. Dead peers: a send fails with :class:`PeerUnreachable` as soon as the
+   adapter reports an ICMP unreachable for the peer (:meth:`peer_unreachable`),
+   and with :class:`TransferTimeout` once the peer has been silent for
+   ``max(Config.peer_silence_min_s, PEER_SILENCE_RTTS x srtt)`` (at most
+   ``idle_timeout_s``). Receive flows whose sender is silent for
+   ``idle_timeout_s`` close with regime ``timeout``. Every such error states the
+   peer, the elapsed time and the cause.
 4. A closed receive flow is remembered (token, close reason) for
    ``closed_flow_ttl_s`` so DATA that is still in flight is answered with
    STOP again, at most once per probe interval, and never re-opens the flow.
@@ -35,6 +50,8 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 import hmac as _hmac
 import random
 from collections import OrderedDict, deque
@@ -43,20 +60,27 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import wire
+from .admission import PendingRegistration, ReplayCache, pending_lifetime, reg_mac
 from .config import Config
-from .early_close import LinkThresholds, decide
-from .errors import (LocalProtocolError, LTPError, TransferAborted, TransferRefused, TransferTimeout,
-                     WireError)
+from .early_close import HARD_STRETCH, FlowProgress, LinkThresholds, decide, stall_window
+from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
+                     TransferTimeout, WireError)
 from .path import Path, Transmit
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .reports import EndpointStats, RecvReport, SendReport
-from .sender import OPEN, FlowSender, reg_mac
+from .sender import OPEN, FlowSender
 
 __all__ = ["Engine", "SendDone", "ReceiveDone"]
 
 _DATA_B0 = (wire.VERSION << 4) | wire.T_DATA
 _ONE = np.zeros(1, np.int64)
 _STOP_REPEAT_S = 0.002
+#: dead-peer rule: a send fails after this many smoothed RTTs of silence (floored, see Config)
+PEER_SILENCE_RTTS = 64
+#: RESET ``unregistered`` answers to DATA of unknown flows: at most this many per second (and burst)
+UNREGISTERED_RESETS_PER_S = 1000.0
+#: how often receive flows are scanned for the idle rule, as a fraction of idle_timeout_s
+_RX_IDLE_SCAN_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -93,10 +117,26 @@ class Engine:
     """All LTP state of one endpoint (sans-IO)."""
 
     def __init__(self, config: Config | None = None, *, rng: random.Random | None = None,
-                 gather_send: bool = False) -> None:
+                 local_addr=None, wall_offset: float = 0.0, gather_send: bool = False) -> None:
+        """``local_addr``: this host's ``(host, port)`` as peers see it (bound into REG MACs; see
+        :meth:`set_source` for per-peer answers). ``wall_offset``: wall clock minus ``now``
+        (seconds), used only to stamp and check REG freshness. ``gather_send``: DATA batches
+        come out as :class:`~ltp.path.SegmentTransmit` (for an adapter with a gather send)."""
         self.config = config or Config()
-        self.gather_send = gather_send  # DATA batches as SegmentTransmit (for an adapter with a gather send)
+        self.gather_send = gather_send
         self.rng = rng if rng is not None else random.Random(0)
+        self.local_addr = local_addr
+        self.wall_offset = wall_offset
+        self._sources: dict = {}  # peer -> our address as that peer sees it
+        self._pending: dict = {}  # (peer, fid) -> PendingRegistration
+        self._pending_heap: list = []  # (expires, seq, key), lazily cleaned
+        self._pending_seq = 0
+        self._per_host: dict = {}  # source host -> open + pending receive flows
+        self._host_memory: dict = {}  # source host -> receive memory held for it
+        self._replay = ReplayCache(self.config.replay_cache_entries, self.config.reg_freshness_s)
+        self._unreg_budget = UNREGISTERED_RESETS_PER_S
+        self._unreg_at = None
+        self._rx_idle_next: float | None = None
         self.stats = EndpointStats()
         self._paths: dict = {}
         self._tx: dict = {}  # (peer, fid) -> FlowSender
@@ -116,14 +156,28 @@ class Engine:
         self._next_handle = 1
         self._closed_engine = False
         self._wakes: dict = {}
+        self._progress: dict = {}  # (peer, fid) -> FlowProgress, made once a flow passes its LT threshold
 
     # ------------------------------------------------------------------ commands
-    def send(self, peer, data, *, now: float, reliable: bool = False, critical=(), element_size: int = 4,
+    def send(self, peer, data, *, now: float, reliable: bool = False, critical=(), element_size: int | None = None,
              tag: int = 0) -> int:
-        """Start sending one message to ``peer``; returns a handle (see :class:`SendDone`)."""
+        """Start sending one message to ``peer``; returns a handle (see :class:`SendDone`).
+
+        ``element_size`` (bytes; no element is split between packets) defaults to
+        the item size of ``data``'s buffer: 8 for float64, 4 for float32, 1 for bytes."""
         self._check_open()
         peer = self._norm_addr(peer)
+        if element_size is None:
+            try:
+                element_size = memoryview(data).itemsize
+            except TypeError:
+                raise LocalProtocolError("data must support the buffer protocol (bytes, bytearray, numpy array)") \
+                    from None
         seg = self.config.segment_size_for(element_size)
+        source = self._sources.get(peer, self.local_addr)
+        if self.config.job_key is not None and source is None:
+            raise LocalProtocolError("with a job_key the engine must know its own address: pass "
+                                     "Engine(local_addr=...) or call set_source(peer, addr)")
         path = self._paths.get(peer)
         if path is None:
             path = self._paths[peer] = Path(peer, self.config, self.rng, wire.HEADER_SIZE + seg,
@@ -139,13 +193,23 @@ class Engine:
         handle = self._new_handle()
         flow = FlowSender(handle=handle, peer=peer, flow_id=fid, token=token, data=data,
                           element_size=element_size, segment_size=seg, reliable=reliable, critical=critical,
-                          tag=tag, now=now, job_key=self.config.job_key)
+                          tag=tag, now=now, job_key=self.config.job_key, source=source)
         path.flows.append(flow)
         self._tx[(peer, fid)] = flow
         self._tx_by_handle[handle] = flow
         self.stats.flows_sent += 1
-        self._ctrl.append((flow.reg_datagram(now, path.est_word(), path.pto()), peer))
+        self._ctrl.append((flow.reg_datagram(now, path.est_word(), path.pto(), self._wall_us(now)), peer))
         return handle
+
+    def set_source(self, peer, addr) -> None:
+        """Tell the engine the ``(host, port)`` that ``peer`` sees this host at (REG MACs bind it).
+
+        The adapter calls this when it is bound to a wildcard address and the
+        kernel's route to ``peer`` picks the source IP."""
+        self._sources[self._norm_addr(peer)] = addr
+
+    def _wall_us(self, now: float) -> int:
+        return int((now + self.wall_offset) * 1e6)
 
     def post_receive(self, slots, *, now: float, timeout: float | None = None) -> int:
         """Post receives: ``slots`` is a list of ``(peer or None, tag or None, buffer)``.
@@ -156,7 +220,10 @@ class Engine:
         """
         self._check_open()
         if not slots:
-            raise LocalProtocolError("post at least one receive buffer")
+            raise LocalProtocolError("post at least one receive buffer (gather got no peers: pass the peers "
+                                     "to receive from and one buffer per peer)")
+        if timeout is not None and not timeout >= 0:
+            raise LocalProtocolError(f"timeout={timeout!r}: pass None (wait for Early Close) or seconds >= 0")
         handle = self._new_handle()
         group = RecvGroup(handle, now, None if timeout is None else now + timeout)
         for i, (peer, tag, buf) in enumerate(slots):
@@ -207,6 +274,8 @@ class Engine:
             if not group.done:
                 self._finish_group(group, now, TransferAborted("endpoint closed"))
         self._rx.clear()
+        self._pending.clear()
+        self._pending_heap.clear()
         self._closed_engine = True
 
     # ------------------------------------------------------------------ input
@@ -229,12 +298,20 @@ class Engine:
         mv = buf if isinstance(buf, memoryview) else memoryview(buf)
         self.stats.datagrams_in += stop - start
         self.stats.bytes_in += int(np.sum(lengths[start:stop]))
+        path = self._paths.get(addr)
+        if path is not None:
+            path.last_heard = now
         i = start
         while i < stop:
             o = int(offsets[i])
             length = int(lengths[i])
             if length >= wire.HEADER_SIZE and mv[o] == _DATA_B0:
-                flow = self._rx.get((addr, mv[o + 2] << 8 | mv[o + 3]))
+                key = (addr, mv[o + 2] << 8 | mv[o + 3])
+                flow = self._rx.get(key)
+                if flow is None and self._pending:
+                    pend = self._pending.get(key)
+                    if pend is not None and pend.token == int.from_bytes(mv[o + 4:o + 8], "big"):
+                        flow = self._admit(pend, now)  # the first DATA: evidence, commit memory now
                 if flow is not None and flow.regime is None:
                     w = flow.window
                     if w.n_acks >= w.acks.shape[0]:
@@ -298,12 +375,20 @@ class Engine:
             reason = wire.RESET_REASONS.get(w2, "unknown")
             flow = self._tx.get(key)
             if flow is not None and flow.token == token:
+                if reason == "unregistered" and flow.state == OPEN and \
+                        flow.reregister(now, 2 * self._paths[addr].pto()):
+                    self.stats.reregistrations += 1
+                    return
                 flow.fail(now, TransferRefused(reason))
                 self._end_send(flow, now)
                 return
             rflow = self._rx.get(key)
             if rflow is not None and rflow.token == token:
                 self._close_rx(rflow, now, "cancelled", send_stop=False)
+                return
+            pend = self._pending.get(key)
+            if pend is not None and pend.token == token:
+                self._drop_pending(pend)
                 return
             self.stats.drop("unknown_flow")
 
@@ -315,33 +400,57 @@ class Engine:
                 rec[4] = now
                 self._ctrl.append((self._stop_datagram(key[1], token, rec[1], rec[2]), key[0]))
             return
-        self.stats.drop("unknown_flow" if rec is None and key not in self._rx else "bad_token")
+        if rec is not None or key in self._rx or key in self._pending:
+            self.stats.drop("bad_token")
+            return
+        self.stats.drop("unknown_flow")
+        # tell the sender we hold no registration (it expired, or REG was lost): it registers again
+        if self._unreg_at is not None:
+            self._unreg_budget = min(UNREGISTERED_RESETS_PER_S,
+                                     self._unreg_budget + (now - self._unreg_at) * UNREGISTERED_RESETS_PER_S)
+        self._unreg_at = now
+        if self._unreg_budget >= 1.0:
+            self._unreg_budget -= 1.0
+            self._ctrl.append((wire.pack_header(wire.T_RESET, 0, key[1], token, wire.RESET_CODES["unregistered"], 0),
+                               key[0]))
 
     def _stop_datagram(self, fid: int, token: int, code: int, count: int) -> bytes:
         return wire.pack_header(wire.T_STOP, 0, fid, token, count & 0xFFFFFFFF, code << 24)
 
-    def _refuse(self, addr, fid: int, token: int, reason: str) -> None:
+    def _refuse(self, addr, fid: int, token: int, reason: str, code: str | None = None) -> None:
+        """Count a refused registration by ``reason`` and RESET the sender (``code``: the wire reason)."""
         self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
-        self._ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES[reason], 0), addr))
+        self._ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES[code or reason], 0), addr))
 
     def _on_reg(self, data: memoryview, addr, flags: int, fid: int, token: int, w3: int, now: float) -> None:
         cfg = self.config
         key = (addr, fid)
         has_mac = bool(flags & wire.F_MAC)
-        (total, seg, elem, count, tag, mode, ranges, mac, mac_end) = wire.unpack_reg_body(
+        (total, seg, elem, count, tag, mode, ranges, mac, mac_end, stamp) = wire.unpack_reg_body(
             data, wire.HEADER_SIZE, has_mac)
         if cfg.job_key is not None:
-            good = has_mac and _hmac.compare_digest(
-                mac, reg_mac(cfg.job_key, bytes(data[:8]), bytes(data[wire.HEADER_SIZE:mac_end])))
+            good = has_mac and _hmac.compare_digest(mac, reg_mac(cfg.job_key, addr, bytes(data[:mac_end])))
             if not good:
                 self.stats.drop("unauthenticated")
                 self._refuse(addr, fid, token, "unauthenticated")
                 return
+            why = self._replay.check(mac, stamp / 1e6, now + self.wall_offset)
+            if why is not None:
+                self.stats.drop(why)
+                self.stats.refused[why] = self.stats.refused.get(why, 0) + 1
+                if why == "stale":  # a live sender whose clock is off learns why; a replay gets nothing
+                    self._ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES["stale"], 0),
+                                       addr))
+                return
         existing = self._rx.get(key)
-        if existing is not None:
-            if existing.token == token:
-                self._ctrl.append((wire.pack_ack(fid, token, existing.window.received, 0, ()), addr))
+        pend = self._pending.get(key)
+        if existing is not None or pend is not None:
+            if (existing or pend).token == token:
+                received = existing.window.received if existing is not None else 0
+                self._ctrl.append((wire.pack_ack(fid, token, received, 0, ()), addr))
                 self.stats.drop("duplicate_reg")
+                if pend is not None:
+                    pend.expires = max(pend.expires, now + pending_lifetime(self._rtt_hint(addr, w3)))
             else:
                 self.stats.drop("flow_id_collision")
             return
@@ -356,9 +465,16 @@ class Engine:
         if seg < cfg.min_segment_size and count > 1:
             self._refuse(addr, fid, token, "bad_registration")
             return
+        host = addr[0]
         if self._rx_per_peer.get(addr, 0) >= cfg.max_flows_per_peer or (
                 addr not in self._rx_per_peer and len(self._rx_per_peer) >= cfg.max_peers):
             self._refuse(addr, fid, token, "too_many_flows")
+            return
+        if self._per_host.get(host, 0) >= cfg.max_flows_per_host:
+            self._refuse(addr, fid, token, "too_many_host_flows", "too_many_flows")
+            return
+        if len(self._pending) >= cfg.max_pending_registrations:
+            self._refuse(addr, fid, token, "too_many_pending", "too_many_flows")
             return
         expired = self._expired_tags.get((addr, tag))
         if expired is not None and expired > now:
@@ -366,41 +482,111 @@ class Engine:
             self._remember_closed(key, token, wire.STOP_CODES["deadline"], 0, now)
             self._ctrl.append((self._stop_datagram(fid, token, wire.STOP_CODES["deadline"], 0), addr))
             return
-        slot = None
-        for s in self._waiting:
-            if s.matches(addr, tag):
-                slot = s
-                break
+        slot = self._waiting_slot(addr, tag)
         if slot is not None and total > len(slot.dest):
-            self._refuse(addr, fid, token, "too_large")
-            slot.error = LTPError(f"a {total}-byte message from {addr} does not fit the {len(slot.dest)}-byte "
-                                  "receive buffer; post a buffer as large as the message")
-            self._waiting.remove(slot)
-            slot.report = self._empty_report(slot, "cancelled")
-            self._check_group(slot.group, now)
+            self._refuse_too_small(slot, addr, fid, token, total, now)
             return
-        internal = slot is None
-        need = count + (total if internal else 0)
-        if self._memory + need > cfg.max_receive_memory:
+        need = count + (total if slot is None else 0)
+        if self._memory + need > cfg.max_receive_memory or \
+                self._host_memory.get(host, 0) + need > cfg.host_memory_cap:
+            # what it would cost does not fit now: say so early (memory is still only taken on DATA)
             self._refuse(addr, fid, token, "out_of_memory")
             return
-        dest = bytearray(total) if internal else slot.dest
-        rt, bw = wire.split_estimates(w3)
-        padding = (cfg.segment_size if cfg.segment_size is not None else cfg.mtu - 44) - seg
-        flow = FlowReceiver(key=key, peer=addr, flow_id=fid, token=token, total=total, seg_size=seg,
-                            element_size=elem, tag=tag, reliable=bool(mode), critical_runs=ranges, dest=dest,
-                            internal=internal, now=now, est=(rt, bw), padding=max(0, padding))
-        self._memory += need
-        self._rx[key] = flow
+        pend = PendingRegistration(key=key, peer=addr, flow_id=fid, token=token, total=total, seg_size=seg,
+                                   element_size=elem, seg_count=count, tag=tag, reliable=bool(mode),
+                                   ranges=ranges, est=wire.split_estimates(w3), registered=now,
+                                   expires=now + pending_lifetime(self._rtt_hint(addr, w3)))
+        self._pending[key] = pend
+        self._pending_seq += 1
+        heapq.heappush(self._pending_heap, (pend.expires, self._pending_seq, key))
         self._rx_per_peer[addr] = self._rx_per_peer.get(addr, 0) + 1
+        self._per_host[host] = self._per_host.get(host, 0) + 1
+        self._ctrl.append((wire.pack_ack(fid, token, 0, 0, ()), addr))
+
+    def _rtt_hint(self, addr, w3: int) -> float:
+        """Round-trip estimate for a registration: the sender's advertised RTprop or our own srtt."""
+        rt_us = wire.split_estimates(w3)[0]
+        path = self._paths.get(addr)
+        ours = path.srtt if path is not None and path.srtt is not None else 0.0
+        return max(rt_us / 1e6, ours) or self.config.initial_rtt_s
+
+    def _waiting_slot(self, addr, tag: int):
+        for s in self._waiting:
+            if s.matches(addr, tag):
+                return s
+        return None
+
+    def _refuse_too_small(self, slot: RecvSlot, addr, fid: int, token: int, total: int, now: float) -> None:
+        self._refuse(addr, fid, token, "too_large")
+        slot.error = LTPError(f"a {total}-byte message from {addr} does not fit the {len(slot.dest)}-byte "
+                              "receive buffer; post a buffer as large as the message")
+        self._waiting.remove(slot)
+        slot.report = self._empty_report(slot, "cancelled")
+        self._check_group(slot.group, now)
+
+    def _uncount(self, addr) -> None:
+        left = self._rx_per_peer.get(addr, 1) - 1
+        if left:
+            self._rx_per_peer[addr] = left
+        else:
+            self._rx_per_peer.pop(addr, None)
+        left = self._per_host.get(addr[0], 1) - 1
+        if left:
+            self._per_host[addr[0]] = left
+        else:
+            self._per_host.pop(addr[0], None)
+
+    def _take_memory(self, addr, n: int) -> None:
+        self._memory += n
+        self._host_memory[addr[0]] = self._host_memory.get(addr[0], 0) + n
+
+    def _release_memory(self, addr, n: int) -> None:
+        self._memory -= n
+        left = self._host_memory.get(addr[0], 0) - n
+        if left > 0:
+            self._host_memory[addr[0]] = left
+        else:
+            self._host_memory.pop(addr[0], None)
+
+    def _drop_pending(self, pend: PendingRegistration) -> None:
+        if self._pending.pop(pend.key, None) is not None:
+            self._uncount(pend.peer)
+
+    def _admit(self, pend: PendingRegistration, now: float) -> FlowReceiver | None:
+        """The first DATA of a pending registration arrived: allocate the flow (or refuse it)."""
+        cfg = self.config
+        self._pending.pop(pend.key)
+        addr, fid, token, total = pend.peer, pend.flow_id, pend.token, pend.total
+        slot = self._waiting_slot(addr, pend.tag)
+        if slot is not None and total > len(slot.dest):
+            self._uncount(addr)
+            self._remember_closed(pend.key, token, wire.STOP_CODES["cancelled"], 0, now)
+            self._refuse_too_small(slot, addr, fid, token, total, now)
+            return None
+        internal = slot is None
+        need = pend.seg_count + (total if internal else 0)
+        if self._memory + need > cfg.max_receive_memory or \
+                self._host_memory.get(addr[0], 0) + need > cfg.host_memory_cap:
+            self._uncount(addr)
+            self._remember_closed(pend.key, token, wire.STOP_CODES["cancelled"], 0, now)
+            self._refuse(addr, fid, token, "out_of_memory")
+            return None
+        dest = bytearray(total) if internal else slot.dest
+        padding = (cfg.segment_size if cfg.segment_size is not None else cfg.mtu - 44) - pend.seg_size
+        # the flow's clock starts at its registration, as if it had been allocated then
+        flow = FlowReceiver(key=pend.key, peer=addr, flow_id=fid, token=token, total=total, seg_size=pend.seg_size,
+                            element_size=pend.element_size, tag=pend.tag, reliable=pend.reliable,
+                            critical_runs=pend.ranges, dest=dest, internal=internal, now=pend.registered,
+                            est=pend.est, padding=max(0, padding))
+        self._take_memory(addr, need)
+        self._rx[pend.key] = flow
         self.stats.flows_received += 1
         if slot is not None:
             self._waiting.remove(slot)
             self._bind(slot, flow, now)
         else:
             self._unexpected.append(flow)
-        self._ctrl.append((wire.pack_ack(fid, token, 0, 0, ()), addr))
-        self._check_flow(flow, now)
+        return flow
 
     def _bind(self, slot: RecvSlot, flow: FlowReceiver, now: float) -> None:
         slot.flow = flow
@@ -424,7 +610,7 @@ class Engine:
         slot = flow.slot
         slot.dest[:flow.total] = flow.dest[:flow.total]
         slot.report = flow.report
-        self._memory -= flow.total
+        self._release_memory(flow.peer, flow.total)
         self._unexpected.remove(flow)
         self._check_group(slot.group, now)
 
@@ -485,9 +671,11 @@ class Engine:
         if deadline is not None and flow.slot is not None:
             # unregistered slots of the group expire at the same deadline
             flow.slot.group.wake = deadline
+        gaps, first_pass, stall_at, hard = self._progress_for(flow, lt, deadline, now)
         regime, wake = decide(now, start=flow.anchor, lt=lt, deadline=deadline, fraction=flow.fraction,
                               complete=False, critical_ok=flow.critical_ok,
-                              lt_fraction=self.config.lt_fraction, reliable=flow.reliable)
+                              lt_fraction=self.config.lt_fraction, reliable=flow.reliable,
+                              gaps=gaps, first_pass_done=first_pass, stall_at=stall_at, hard_deadline=hard)
         if regime is not None:
             self._close_rx(flow, now, regime)
         elif wake is not None:
@@ -495,21 +683,44 @@ class Engine:
         else:
             self._wakes.pop(flow.key, None)
 
-    def _close_rx(self, flow: FlowReceiver, now: float, regime: str, send_stop: bool = True) -> None:
+    def _progress_for(self, flow: FlowReceiver, lt: float | None, deadline: float | None, now: float) -> tuple:
+        """Progress evidence for :func:`decide`: ``(gaps, first_pass_done, stall_at, hard_deadline)``.
+
+        Before the LT threshold (and the deadline) only time can close the
+        flow, so the bitmap is not inspected and the paper's defaults go in.
+        """
+        if flow.reliable or (lt is None and deadline is None) or (
+                (lt is None or now < flow.anchor + lt) and (deadline is None or now < deadline)):
+            return True, True, None, None
+        prog = self._progress.get(flow.key)
+        if prog is None:
+            prog = self._progress[flow.key] = FlowProgress(flow.seg_count, flow.window.critical)
+        gaps, first_pass = prog.observe(flow.window.bitmap, flow.window.received)
+        got = flow.window.received
+        mean_gap = (flow.last_arrival - flow.start) / got if got else None
+        stall_at = flow.last_arrival + stall_window(flow.rtprop_us / 1e6, mean_gap)
+        hard = None
+        if deadline is not None:
+            hard = flow.anchor + HARD_STRETCH * max(0.0, deadline - flow.anchor)
+            if flow.slot is not None and flow.slot.group.timeout_at is not None:
+                hard = min(hard, flow.slot.group.timeout_at)
+        return gaps, first_pass, stall_at, hard
+
+    def _close_rx(self, flow: FlowReceiver, now: float, regime: str, send_stop: bool = True,
+                  cause: str = "") -> None:
         self._flush_acks(flow, now)
         report = flow.close(now, regime)
+        if cause:
+            report = flow.report = dataclasses.replace(report, cause=cause)
         code = wire.STOP_CODES.get(regime, wire.STOP_CODES["deadline"])
         if send_stop:
             self._ctrl.append((self._stop_datagram(flow.flow_id, flow.token, code, flow.window.received), flow.peer))
         self._rx.pop(flow.key, None)
         self._wakes.pop(flow.key, None)
         self._ack_dirty.pop(flow.key, None)
-        left = self._rx_per_peer.get(flow.peer, 1) - 1
-        if left:
-            self._rx_per_peer[flow.peer] = left
-        else:
-            self._rx_per_peer.pop(flow.peer, None)
-        self._memory -= flow.seg_count
+        self._progress.pop(flow.key, None)
+        self._uncount(flow.peer)
+        self._release_memory(flow.peer, flow.seg_count)
         self._remember_closed(flow.key, flow.token, code, flow.window.received, now)
         if regime == "complete":
             self._thresholds.record_full(flow.peer, flow.total, flow.last_arrival - flow.anchor)
@@ -531,11 +742,13 @@ class Engine:
         while len(self._closed) > self.config.max_closed_flows:
             self._closed.popitem(last=False)
 
-    def _empty_report(self, slot: RecvSlot, regime: str) -> RecvReport:
+    def _empty_report(self, slot: RecvSlot, regime: str, cause: str = "", now: float | None = None) -> RecvReport:
         n = len(slot.dest)
+        waited = 0.0 if now is None else now - slot.group.posted
         return RecvReport(peer=slot.peer, tag=slot.tag, total_bytes=n, received_bytes=0, delivered_fraction=0.0,
-                          bubbles=[(0, n)], critical_complete=False, regime=regime, duration_s=0.0,
-                          duplicates=0, rtprop_s=0.0, btlbw_bps=0.0, lt_threshold_s=None, deadline_s=None)
+                          bubbles=[(0, n)], critical_complete=False, regime=regime, duration_s=waited,
+                          duplicates=0, rtprop_s=0.0, btlbw_bps=0.0, lt_threshold_s=None, deadline_s=None,
+                          cause=cause)
 
     def _check_group(self, group: RecvGroup, now: float) -> None:
         if not group.done and all(s.report is not None or s.error is not None for s in group.slots):
@@ -576,15 +789,25 @@ class Engine:
                             wake = deadline if wake is None else min(wake, deadline)
         return wake
 
-    def _expire_slot(self, slot: RecvSlot, now: float, regime: str) -> None:
+    def _expire_slot(self, slot: RecvSlot, now: float, regime: str, cause: str = "") -> None:
         slot.dest[:] = bytes(len(slot.dest))
-        slot.report = self._empty_report(slot, regime)
+        slot.report = self._empty_report(slot, regime, cause or self._expiry_cause(slot, now), now)
         if slot in self._waiting:
             self._waiting.remove(slot)
         if slot.peer is not None and slot.tag is not None:
             self._expired_tags[(slot.peer, slot.tag)] = now + self.config.closed_flow_ttl_s
             while len(self._expired_tags) > self.config.max_closed_flows:
                 self._expired_tags.popitem(last=False)
+
+    def _expiry_cause(self, slot: RecvSlot, now: float) -> str:
+        group = slot.group
+        who = "any peer" if slot.peer is None else f"peer {slot.peer}"
+        waited = now - group.posted
+        if group.timeout_at is not None and now >= group.timeout_at:
+            return f"no message from {who} within the {group.timeout_at - group.posted:g} s timeout " \
+                   f"(waited {waited:.3f} s)"
+        return f"no message from {who} registered before the gather's Early Close deadline " \
+               f"(waited {waited:.3f} s)"
 
     # ------------------------------------------------------------------ sending side
     def _end_send(self, flow: FlowSender, now: float) -> None:
@@ -673,7 +896,7 @@ class Engine:
                 if oldest >= 0:
                     # tail-loss timer: re-armed by every ACK, so it only fires when ACKs stop
                     take(max(oldest, flow.last_heard) + pto)
-                take(flow.last_heard + self.config.idle_timeout_s)
+                take(max(flow.last_heard, path.last_heard) + self.silence_limit(path))
         for t in self._wakes.values():
             take(t)
         for flow in self._ack_dirty.values():
@@ -683,7 +906,17 @@ class Engine:
             if not group.done:
                 take(group.wake)
                 take(group.timeout_at)
+        if self._pending_heap:
+            take(self._pending_heap[0][0])
+        if self._rx:
+            take(self._rx_idle_next)
         return best
+
+    def silence_limit(self, path: Path) -> float:
+        """Seconds of silence after which a peer counts as dead (the dead-peer rule)."""
+        cfg = self.config
+        rtt = path.srtt if path.srtt is not None else 0.0
+        return min(cfg.idle_timeout_s, max(cfg.peer_silence_min_s, PEER_SILENCE_RTTS * rtt))
 
     def handle_timer(self, now: float) -> None:
         """Run every timer due at ``now`` (REG repeat, tail-loss probe, idle, Early Close)."""
@@ -692,13 +925,14 @@ class Engine:
             for flow in list(path.flows):
                 if flow.state != OPEN:
                     continue
-                if flow.last_heard + self.config.idle_timeout_s <= now:
-                    flow.fail(now, TransferTimeout(
-                        f"peer {flow.peer} did not answer for {self.config.idle_timeout_s} s"))
+                heard = max(flow.last_heard, path.last_heard)
+                limit = self.silence_limit(path)
+                if heard + limit <= now:
+                    flow.fail(now, TransferTimeout(self._silence_message(flow, path, now - heard, limit, now)))
                     self._end_send(flow, now)
                     continue
                 if not flow.reg_confirmed and now >= flow.reg_next:
-                    self._ctrl.append((flow.reg_datagram(now, path.est_word(), pto), flow.peer))
+                    self._ctrl.append((flow.reg_datagram(now, path.est_word(), pto, self._wall_us(now)), flow.peer))
                 if flow.window.inflight_count and max(flow.window.oldest_inflight_time(), flow.last_heard) + pto <= now:
                     # a nanosecond of slack so the transmission the timer was armed for is included
                     lost = flow.window.expire(now - pto + 1e-9)
@@ -713,7 +947,70 @@ class Engine:
         for group in list(self._groups.values()):
             if not group.done:
                 group.wake = self._group_timers(group, now)
+        heap = self._pending_heap
+        while heap and heap[0][0] <= now:
+            _, _, key = heapq.heappop(heap)
+            pend = self._pending.get(key)
+            if pend is None:
+                continue
+            if pend.expires > now:  # extended by a repeated REG
+                self._pending_seq += 1
+                heapq.heappush(heap, (pend.expires, self._pending_seq, key))
+                continue
+            self._drop_pending(pend)
+            self.stats.drop("registration_expired")
+        if self._rx and (self._rx_idle_next is None or self._rx_idle_next <= now):
+            self._expire_idle_receives(now)
         self._purge(now)
+
+    def _silence_message(self, flow: FlowSender, path: Path, silent: float, limit: float, now: float) -> str:
+        cfg = self.config
+        rtt = f"{path.srtt * 1e3:.2f} ms" if path.srtt is not None else "not measured"
+        what = "registration unanswered" if not flow.reg_confirmed else \
+            f"{flow.window.acked_count}/{flow.seg_count} segments acknowledged"
+        return (f"peer {flow.peer} sent nothing for {silent:.3f} s, the dead-peer limit "
+                f"(max({cfg.peer_silence_min_s} s, {PEER_SILENCE_RTTS} x RTT {rtt}), at most idle_timeout_s="
+                f"{cfg.idle_timeout_s} s, = {limit:.3f} s); the send ran {now - flow.started:.3f} s ({what}). "
+                "The peer process probably died or the path is down")
+
+    def _expire_idle_receives(self, now: float) -> None:
+        """Close receive flows whose sender has been silent for ``idle_timeout_s`` (regime ``timeout``)."""
+        limit = self.config.idle_timeout_s
+        for flow in [f for f in self._rx.values() if f.regime is None and f.last_arrival + limit <= now]:
+            self._close_rx(flow, now, "timeout", cause=(
+                f"sender {flow.peer} sent nothing for {now - flow.last_arrival:.3f} s (idle_timeout_s={limit} s); "
+                f"{flow.window.received}/{flow.seg_count} segments had arrived in {now - flow.start:.3f} s"))
+        self._rx_idle_next = now + limit * _RX_IDLE_SCAN_FRACTION
+
+    # ------------------------------------------------------------------ network reports
+    def peer_unreachable(self, peer, *, now: float, cause: str) -> int:
+        """The network reports ``peer`` unreachable (the adapter feeds ICMP errors in).
+
+        Every send to it fails with :class:`PeerUnreachable`, every receive from it
+        closes with regime ``timeout`` (cause in the report), pending registrations
+        from it are dropped and posted receives waiting only for it expire.
+        Returns how many transfers it ended."""
+        self.stats.unreachable_reports += 1
+        n = 0
+        path = self._paths.get(peer)
+        if path is not None:
+            for flow in list(path.flows):
+                if flow.state == OPEN:
+                    flow.fail(now, PeerUnreachable(peer, f"{cause}; {now - flow.started:.3f} s after this send started"))
+                    self._end_send(flow, now)
+                    n += 1
+        if self._rx_per_peer.get(peer):
+            for flow in [f for f in self._rx.values() if f.peer == peer and f.regime is None]:
+                self._close_rx(flow, now, "timeout", send_stop=False,
+                               cause=f"sender {peer} unreachable: {cause} ({now - flow.start:.3f} s after it registered)")
+                n += 1
+            for pend in [p for p in self._pending.values() if p.peer == peer]:
+                self._drop_pending(pend)
+        for slot in [s for s in self._waiting if s.peer == peer]:
+            self._expire_slot(slot, now, "timeout", cause=f"peer {peer} unreachable: {cause}")
+            self._check_group(slot.group, now)
+            n += 1
+        return n
 
     def _purge(self, now: float) -> None:
         while self._closed:
@@ -730,7 +1027,7 @@ class Engine:
         while self._unexpected and self._unexpected[0].report is not None and \
                 self._unexpected[0].slot is None and self._unexpected[0].closed_at + ttl <= now:
             flow = self._unexpected.popleft()
-            self._memory -= flow.total
+            self._release_memory(flow.peer, flow.total)
             self.stats.drop("unclaimed_message")
 
     def next_event(self):
@@ -749,8 +1046,9 @@ class Engine:
 
     @staticmethod
     def _norm_addr(peer):
-        if not isinstance(peer, tuple) or len(peer) < 2 or not isinstance(peer[1], int):
-            raise LocalProtocolError(f"peer must be a (host, port) tuple, got {peer!r}")
+        if not isinstance(peer, tuple) or len(peer) < 2 or not isinstance(peer[1], int) or \
+                isinstance(peer[1], bool) or not 0 <= peer[1] <= 65535:
+            raise LocalProtocolError(f"peer must be a (host, port) tuple with a port in 0..65535, got {peer!r}")
         return peer
 
     @property

@@ -17,6 +17,7 @@ __all__ = [
     "TransferRefused",
     "TransferTimeout",
     "TransferAborted",
+    "PeerUnreachable",
 ]
 
 
@@ -54,3 +55,15 @@ class TransferTimeout(LTPError, TimeoutError):
 
 class TransferAborted(LTPError):
     """The endpoint was closed while the transfer was running."""
+
+
+class PeerUnreachable(LTPError, ConnectionError):
+    """The peer is gone: the network reported it unreachable (ICMP) or it fell silent.
+
+    ``peer`` is its ``(host, port)``; ``cause`` says what was observed.
+    """
+
+    def __init__(self, peer, cause: str) -> None:
+        super().__init__(f"peer {peer} is unreachable: {cause}")
+        self.peer = peer
+        self.cause = cause

@@ -119,6 +119,7 @@ class Path:
         self.next_flow_id = rng.randrange(1 << 16)
         self._out = bytearray(0)
         self.wake: float | None = None  # when the pacer next allows a worthwhile burst
+        self.last_heard = float("-inf")  # last datagram of any kind from this peer (dead-peer rule)
 
     # -- estimates ---------------------------------------------------------
     def inflight_bytes(self) -> int:

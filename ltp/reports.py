@@ -54,6 +54,8 @@ class RecvReport:
     reliable: bool = False
     #: bytes of each packet's room left unused so no element is split (padding bubble)
     padding_bytes_per_packet: int = 0
+    #: why a "timeout" regime ended the receive (peer silent or unreachable, caller's timeout), else ""
+    cause: str = ""
 
 
 @dataclass
@@ -68,8 +70,13 @@ class EndpointStats:
     flows_received: int = 0
     #: dropped datagrams by reason ("truncated", "bad_token", "unknown_flow", ...)
     dropped: dict = field(default_factory=dict)
-    #: refused registrations by reason
+    #: refused registrations by reason ("unauthenticated", "stale", "replayed", "too_many_flows",
+    #: "too_many_host_flows", "too_many_pending", "out_of_memory", "too_large", ...)
     refused: dict = field(default_factory=dict)
+    #: RESET "unregistered" answers received for open sends (each may make the send register again)
+    reregistrations: int = 0
+    #: ICMP unreachable reports fed in by the adapter (Engine.peer_unreachable)
+    unreachable_reports: int = 0
 
     def drop(self, reason: str, n: int = 1) -> None:
         """Count ``n`` dropped datagrams under ``reason``."""

@@ -19,8 +19,6 @@ States: ``OPEN`` (sending) → ``DONE`` (all acked or STOP) or ``FAILED``
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from collections import deque
 
 import numpy as np
@@ -28,6 +26,7 @@ import numpy as np
 from ltp_ext import load as _load
 
 from . import wire
+from .admission import reg_mac
 from .bubbles import critical_mask
 from .errors import LocalProtocolError
 
@@ -35,16 +34,15 @@ _dp = _load("datapath")
 SEG_ACKED = _dp.SEG_ACKED
 SEG_LOST = _dp.SEG_LOST
 
-__all__ = ["FlowSender", "OPEN", "DONE", "FAILED", "reg_mac"]
+__all__ = ["FlowSender", "OPEN", "DONE", "FAILED"]
 
 OPEN = "open"
 DONE = "done"
 FAILED = "failed"
 
 
-def reg_mac(key: bytes, header8: bytes, body: bytes) -> bytes:
-    """The 16-byte registration MAC (HMAC-SHA256 over header bytes 0-7 and the body)."""
-    return hmac.new(key, header8 + body, hashlib.sha256).digest()[:wire.MAC_SIZE]
+#: a receiver that lost (expired) our registration asks again this many times before the flow fails
+MAX_REREGISTRATIONS = 8
 
 
 class FlowSender:
@@ -52,7 +50,7 @@ class FlowSender:
 
     def __init__(self, *, handle: int, peer, flow_id: int, token: int, data, element_size: int,
                  segment_size: int, reliable: bool, critical, tag: int, now: float,
-                 job_key: bytes | None = None) -> None:
+                 job_key: bytes | None = None, source=None) -> None:
         try:
             mv = memoryview(data)
         except TypeError:
@@ -101,27 +99,44 @@ class FlowSender:
         self.finished: float | None = None
         self.last_heard = now
         self.receiver_count = 0
-        # registration
-        mode = 1 if reliable else 0
-        body = wire.pack_reg_body(total, segment_size, element_size, n, tag, mode, runs)
-        reg_flags = flags | (wire.F_MAC if job_key else 0)
-        head8 = wire.pack_header(wire.T_REG, reg_flags, flow_id, token, 0, 0)[:8]
-        if job_key:
-            body += reg_mac(job_key, head8, body)
-        self._reg_flags = reg_flags
-        self._reg_body = body
+        # registration: every copy is stamped and MACed afresh (see ltp/admission.py)
+        self._reg_fields = (total, segment_size, element_size, n, tag, 1 if reliable else 0, runs)
+        self._reg_flags = flags | (wire.F_MAC if job_key else 0)
+        self._job_key = job_key
+        self.source = source  # our address as the peer sees it (bound into the MAC)
+        self.reregistrations = 0
+        self.reg_sent_at = now
         self.reg_confirmed = False
         self.reg_attempts = 0
         self.reg_next: float = now
 
     # -- registration ---------------------------------------------------
-    def reg_datagram(self, now: float, est_word: int, rto: float) -> bytes:
-        """The REG datagram to (re)send now; schedules the next repetition."""
+    def reg_datagram(self, now: float, est_word: int, rto: float, wall_us: int) -> bytes:
+        """The REG datagram to (re)send now, stamped ``wall_us``; schedules the next repetition."""
         self.reg_attempts += 1
+        self.reg_sent_at = now
         self.reg_next = now + min(rto * (2 ** min(self.reg_attempts - 1, 8)), 1.0)
         head = wire.pack_header(wire.T_REG, self._reg_flags, self.flow_id, self.token,
                                 self.reg_attempts & 0xFF, est_word)
-        return head + self._reg_body
+        signed = head + wire.pack_reg_body(*self._reg_fields, timestamp_us=max(0, int(wall_us)))
+        if self._job_key:
+            return signed + reg_mac(self._job_key, self.source, signed)
+        return signed
+
+    def reregister(self, now: float, min_interval: float) -> bool:
+        """The receiver says it holds no registration of ours: send REG again now.
+
+        Ignored while a REG is outstanding or one went out less than
+        ``min_interval`` ago (DATA that overtook that REG draws such answers).
+        False once the receiver forgot us more than MAX_REREGISTRATIONS times."""
+        if not self.reg_confirmed or now - self.reg_sent_at < min_interval:
+            return True
+        self.reregistrations += 1
+        if self.reregistrations > MAX_REREGISTRATIONS:
+            return False
+        self.reg_confirmed = False
+        self.reg_next = now
+        return True
 
     # -- sending --------------------------------------------------------
     def has_sendable(self) -> bool:

@@ -54,6 +54,8 @@ class SimNetwork:
     def add_host(self, addr, engine) -> None:
         """Attach ``engine`` at address ``addr`` (a ``(host, port)`` tuple)."""
         self.hosts[addr] = engine
+        if getattr(engine, "local_addr", addr) is None:
+            engine.local_addr = addr  # REG MACs bind the source address
         self._timer_version[addr] = 0
 
     def set_link(self, src, dst, **params) -> SimLink:

@@ -38,5 +38,6 @@ STOP_REASONS = {1: "complete", 2: "early", 3: "deadline", 4: "cancelled"}
 STOP_CODES = {v: k for k, v in STOP_REASONS.items()}
 #: RESET reasons (word 2).
 RESET_REASONS = {1: "too_large", 2: "too_many_flows", 3: "out_of_memory", 4: "unauthenticated",
-                 5: "bad_registration", 6: "cancelled", 7: "shutdown"}
+                 5: "bad_registration", 6: "cancelled", 7: "shutdown", 8: "stale",
+                 9: "unregistered"}
 RESET_CODES = {v: k for k, v in RESET_REASONS.items()}

@@ -14,6 +14,8 @@ MAX_SEGMENT_SIZE: int
 GRO_SLOT_SIZE: int
 MAX_BATCH: int
 SO_TIMESTAMPNS_OPT: int
+IP_RECVERR_OPT: int
+IPV6_RECVERR_OPT: int
 
 Address = tuple[str, int] | tuple[str, int, int] | tuple[str, int, int, int]
 
@@ -26,6 +28,7 @@ class UdpIO:
     gso_enabled: bool
     gro_enabled: bool
     timestamps_enabled: bool
+    recverr_enabled: bool
     def __init__(
         self,
         sock: socket.socket,
@@ -35,6 +38,7 @@ class UdpIO:
         gso: bool = True,
         gro: bool = True,
         timestamps: bool = True,
+        recverr: bool = True,
     ) -> None: ...
     @property
     def buffer(self) -> memoryview: ...
@@ -48,6 +52,7 @@ class UdpIO:
     def stats(self) -> dict[str, int | dict[str, int]]: ...
     def __len__(self) -> int: ...
     def recv_batch(self) -> int: ...
+    def recv_errors(self, limit: int = 64) -> list[tuple[Address, int, int, int, int]]: ...
     def addr(self, i: int) -> Address: ...
     def runs(self) -> list[tuple[Address, int, int]]: ...
     def send(self, addr: Address | None, data: Buffer, segment_size: int) -> int: ...

@@ -52,6 +52,7 @@ import errno as _errno
 import operator as _operator
 import os as _os
 import socket as _socket
+import struct as _struct
 
 import numpy as np
 
@@ -217,6 +218,14 @@ GRO_SLOT_SIZE = 65536
 #: Most ``mmsghdr`` entries per syscall accepted by the kernel (UIO_MAXIOV).
 MAX_BATCH = 1024
 
+#: IP_RECVERR / IPV6_RECVERR (Linux): ICMP errors queued on the socket with the peer's address
+IP_RECVERR_OPT = 11
+IPV6_RECVERR_OPT = 25
+_MSG_ERRQUEUE = 0x2000
+_EXT_ERR = _struct.Struct("@IBBBBII")  # struct sock_extended_err
+_ERRQ_PAYLOAD = 64
+_ERRQ_ANC = 512
+
 cdef int _ADDR_CACHE_MAX = 4096
 cdef int _ICMP_RETRIES = 4
 
@@ -273,6 +282,7 @@ cdef class UdpIO:
     cdef readonly bint gso_enabled
     cdef readonly bint gro_enabled
     cdef readonly bint timestamps_enabled
+    cdef readonly bint recverr_enabled
     cdef Py_ssize_t _slot_size
     # receive side
     cdef object _buf_arr
@@ -332,7 +342,7 @@ cdef class UdpIO:
         self._g_first = NULL
 
     def __init__(self, sock, *, int batch=64, int max_datagram=2048, bint gso=True, bint gro=True,
-                 bint timestamps=True):
+                 bint timestamps=True, bint recverr=True):
         if self._rmsgs != NULL:
             raise RuntimeError("UdpIO.__init__ called twice; create a new UdpIO instead")
         if not isinstance(sock, _socket.socket):
@@ -377,6 +387,16 @@ cdef class UdpIO:
                 self.timestamps_enabled = True
             except OSError:
                 pass
+        self.recverr_enabled = False
+        if recverr:
+            try:
+                if sock.family == _socket.AF_INET6:
+                    sock.setsockopt(_socket.IPPROTO_IPV6, IPV6_RECVERR_OPT, 1)
+                sock.setsockopt(_socket.IPPROTO_IP, IP_RECVERR_OPT, 1)
+                self.recverr_enabled = True
+            except OSError:
+                self.recverr_enabled = sock.family == _socket.AF_INET6 and bool(
+                    sock.getsockopt(_socket.IPPROTO_IPV6, IPV6_RECVERR_OPT))
         self._slot_size = max(max_datagram, GRO_SLOT_SIZE) if self.gro_enabled else max_datagram
 
         # receive buffers: one contiguous byte buffer cut into `batch` slots
@@ -619,6 +639,36 @@ cdef class UdpIO:
             self._addr_cache.clear()
         self._addr_cache[key] = t
         return t
+
+    def recv_errors(self, limit=64):
+        """Drain the socket's error queue (``IP_RECVERR``): ICMP reports about datagrams we sent.
+
+        Returns up to ``limit`` tuples ``(addr, errno, origin, icmp_type, icmp_code)``:
+        ``addr`` is the destination of the datagram the report is about (the
+        peer), ``errno`` e.g. ``ECONNREFUSED`` for ICMP port unreachable,
+        ``origin`` 2 (ICMP) or 3 (ICMPv6). Empty when ``recverr`` is off or
+        nothing is queued; never raises for an empty queue."""
+        cdef list out = []
+        if not self.recverr_enabled:
+            return out
+        sock = self._sock
+        if sock.fileno() < 0:
+            raise _closed_error()
+        for _ in range(limit):
+            try:
+                _data, anc, _flags, address = sock.recvmsg(_ERRQ_PAYLOAD, _ERRQ_ANC,
+                                                            _MSG_ERRQUEUE | _socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                break
+            for level, kind, cdata in anc:
+                if ((level == _socket.IPPROTO_IP and kind == IP_RECVERR_OPT)
+                        or (level == _socket.IPPROTO_IPV6 and kind == IPV6_RECVERR_OPT)) \
+                        and len(cdata) >= _EXT_ERR.size:
+                    e, origin, typ, code, _pad, _info, _d = _EXT_ERR.unpack_from(cdata)
+                    out.append((address, e, origin, typ, code))
+        return out
 
     def addr(self, Py_ssize_t i):
         """Source address of datagram ``i`` of the last batch, as the socket module returns it."""

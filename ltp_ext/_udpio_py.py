@@ -28,6 +28,11 @@ errors are counted, the message retried once and then dropped as a loss;
 ``EINVAL``/``EIO`` on a GSO message make the rest of the call go without GSO
 (``EIO`` for good); anything else raises unless something was already
 accepted in this call.
+
+Errors.  With ``recverr=True`` (default) ``IP_RECVERR`` is set, so the kernel
+queues every ICMP error about a datagram we sent, *with the peer's address*
+(an unconnected socket otherwise only sees a bare errno); ``recv_errors()``
+drains that queue (``MSG_ERRQUEUE``) so the caller can tell which peer is gone.
 """
 
 from __future__ import annotations
@@ -74,6 +79,13 @@ SO_TIMESTAMPNS_OPT = 35
 _TIMESPEC = _struct.Struct("@qq")
 _ANC_SIZE = 256   # the UDP_GRO cmsg plus room for timestamps, pktinfo... (as the compiled module)
 _INT = _struct.Struct("@i")
+#: IP_RECVERR / IPV6_RECVERR (Linux): ICMP errors queued on the socket with the peer's address
+IP_RECVERR_OPT = 11
+IPV6_RECVERR_OPT = 25
+_MSG_ERRQUEUE = 0x2000
+_EXT_ERR = _struct.Struct("@IBBBBII")  # struct sock_extended_err
+_ERRQ_PAYLOAD = 64
+_ERRQ_ANC = 512
 _U16 = _struct.Struct("@H")
 
 
@@ -118,7 +130,7 @@ class UdpIO:
     """
 
     def __init__(self, sock, *, batch: int = 64, max_datagram: int = 2048, gso: bool = True, gro: bool = True,
-                 timestamps: bool = True):
+                 timestamps: bool = True, recverr: bool = True):
         batch = _operator.index(batch)
         max_datagram = _operator.index(max_datagram)
         if not isinstance(sock, _socket.socket):
@@ -163,6 +175,16 @@ class UdpIO:
                 self._ts = True
             except OSError:
                 pass
+        self._recverr = False
+        if recverr:
+            try:
+                if sock.family == _socket.AF_INET6:
+                    sock.setsockopt(_socket.IPPROTO_IPV6, IPV6_RECVERR_OPT, 1)
+                sock.setsockopt(_socket.IPPROTO_IP, IP_RECVERR_OPT, 1)
+                self._recverr = True
+            except OSError:
+                self._recverr = sock.family == _socket.AF_INET6 and bool(
+                    sock.getsockopt(_socket.IPPROTO_IPV6, IPV6_RECVERR_OPT))
         self._slot_size = max(max_datagram, GRO_SLOT_SIZE) if self._gro else max_datagram
         self._buf = bytearray(self._slot_size * batch)
         self._buffer_view = memoryview(self._buf)
@@ -184,6 +206,8 @@ class UdpIO:
     gso_enabled = property(lambda self: self._gso, doc="UDP_SEGMENT usable (probed; False when the kernel refuses).")
     gro_enabled = property(lambda self: self._gro, doc="UDP_GRO enabled on the socket.")
     timestamps_enabled = property(lambda self: self._ts, doc="SO_TIMESTAMPNS enabled (kernel receive times).")
+    recverr_enabled = property(lambda self: self._recverr,
+                               doc="IP_RECVERR enabled: ICMP reports are read with recv_errors().")
 
     def _alloc_out(self, cap: int) -> None:
         self._cap = cap
@@ -324,6 +348,36 @@ class UdpIO:
         self._addrs = addrs
         self._dgrams_in += n
         return n
+
+    def recv_errors(self, limit=64):
+        """Drain the socket's error queue (``IP_RECVERR``): ICMP reports about datagrams we sent.
+
+        Returns up to ``limit`` tuples ``(addr, errno, origin, icmp_type, icmp_code)``:
+        ``addr`` is the destination of the datagram the report is about (the
+        peer), ``errno`` e.g. ``ECONNREFUSED`` for ICMP port unreachable,
+        ``origin`` 2 (ICMP) or 3 (ICMPv6). Empty when ``recverr`` is off or
+        nothing is queued; never raises for an empty queue."""
+        out: list = []
+        if not self.recverr_enabled:
+            return out
+        sock = self._sock
+        if sock.fileno() < 0:
+            raise _closed_error()
+        for _ in range(limit):
+            try:
+                _data, anc, _flags, address = sock.recvmsg(_ERRQ_PAYLOAD, _ERRQ_ANC,
+                                                            _MSG_ERRQUEUE | _socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                break
+            for level, kind, cdata in anc:
+                if ((level == _socket.IPPROTO_IP and kind == IP_RECVERR_OPT)
+                        or (level == _socket.IPPROTO_IPV6 and kind == IPV6_RECVERR_OPT)) \
+                        and len(cdata) >= _EXT_ERR.size:
+                    e, origin, typ, code, _pad, _info, _d = _EXT_ERR.unpack_from(cdata)
+                    out.append((address, e, origin, typ, code))
+        return out
 
     def addr(self, i: int) -> tuple:
         """Source address of datagram ``i`` of the last batch, as the socket module returns it."""

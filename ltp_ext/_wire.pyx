@@ -52,7 +52,7 @@ F_RELIABLE = 0x02
 F_MAC = 0x04
 F_KNOWN = F_CRITICAL | F_RELIABLE | F_MAC
 MAC_SIZE = 16
-REG_FIXED_SIZE = 28
+REG_FIXED_SIZE = 36
 MAX_ACK_ENTRIES = 364
 MAX_RANGES = 160
 MAX_SEQ = (1 << 24) - 1
@@ -63,7 +63,7 @@ cdef enum:
     _T_RESET = 4
     _F_KNOWN = 0x07
     _MAC_SIZE = 16
-    _REG_FIXED_SIZE = 28
+    _REG_FIXED_SIZE = 36
     _MAX_ACK_ENTRIES = 364
     _MAX_RANGES = 160
     _MAX_SEQ = 0xFFFFFF
@@ -301,8 +301,12 @@ def unpack_header(buf, Py_ssize_t offset=0):
 
 # ---------------------------------------------------------------- REG body
 
-def pack_reg_body(total, segment_size, element_size, segment_count, tag, mode, ranges):
-    """Encode the REG body without the MAC (append it separately when keyed)."""
+def pack_reg_body(total, segment_size, element_size, segment_count, tag, mode, ranges, timestamp_us=0):
+    """Encode the REG body without the MAC (append it separately when keyed).
+
+    ``timestamp_us`` is the sender's wall clock (µs since the Unix epoch) when
+    this copy of the REG was sent: the freshness the MAC binds (docs/protocol.md).
+    """
     cdef Py_ssize_t nr, i
     cdef uint8_t *p
     ranges = list(ranges)
@@ -315,6 +319,7 @@ def pack_reg_body(total, segment_size, element_size, segment_count, tag, mode, r
     cdef uint64_t cnt = _field(segment_count, 0xFFFFFFFF)
     cdef uint64_t tg = _field(tag, 0xFFFFFFFFFFFFFFFF)
     cdef uint64_t md = _field(mode, 0xFF)
+    cdef uint64_t ts = _field(timestamp_us, 0xFFFFFFFFFFFFFFFF)
     out = PyBytes_FromStringAndSize(NULL, _REG_FIXED_SIZE + 8 * nr)
     p = <uint8_t *>PyBytes_AS_STRING(out)
     _st64(p, t)
@@ -325,6 +330,7 @@ def pack_reg_body(total, segment_size, element_size, segment_count, tag, mode, r
     p[24] = <uint8_t>md
     p[25] = 0
     _st16(p + 26, <uint16_t>nr)
+    _st64(p + 28, ts)
     p += _REG_FIXED_SIZE
     for i in range(nr):
         a, b = ranges[i]
@@ -338,7 +344,7 @@ def unpack_reg_body(buf, Py_ssize_t offset, has_mac):
     """Decode a REG body at ``offset``.
 
     Returns ``(total, segment_size, element_size, segment_count, tag, mode,
-    ranges, mac, mac_end)`` where ``mac`` is None without the MAC flag and
+    ranges, mac, mac_end, timestamp_us)`` where ``mac`` is None without the MAC flag and
     ``mac_end`` is the offset where MAC coverage ends. Validates sizes and the
     range list (sorted, non-overlapping, inside the message); raises WireError
     ``truncated``, ``bad_registration`` or ``trailing_bytes``.
@@ -346,7 +352,7 @@ def unpack_reg_body(buf, Py_ssize_t offset, has_mac):
     cdef Py_buffer view
     cdef const uint8_t *p
     cdef Py_ssize_t n, pos, need, i, start
-    cdef uint64_t total, count, tag
+    cdef uint64_t total, count, tag, stamp
     cdef uint32_t seg, elem, mode, nr, a, b, prev
     cdef bint mac_flag = has_mac
     PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
@@ -363,6 +369,7 @@ def unpack_reg_body(buf, Py_ssize_t offset, has_mac):
         tag = _ld64(p + 16)
         mode = p[24]
         nr = _ld16(p + 26)
+        stamp = _ld64(p + 28)
         # like the twin, positions continue from the caller's offset (not the normalized one)
         pos = offset + _REG_FIXED_SIZE
         need = nr * 8 + (_MAC_SIZE if mac_flag else 0)
@@ -391,7 +398,7 @@ def unpack_reg_body(buf, Py_ssize_t offset, has_mac):
             mac = bytes(mac)
         else:
             mac = None
-        return total, seg, elem, count, tag, mode, ranges, mac, pos
+        return total, seg, elem, count, tag, mode, ranges, mac, pos, stamp
     finally:
         PyBuffer_Release(&view)
 

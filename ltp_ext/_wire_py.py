@@ -28,13 +28,13 @@ F_RELIABLE = 0x02
 F_MAC = 0x04
 F_KNOWN = F_CRITICAL | F_RELIABLE | F_MAC
 MAC_SIZE = 16
-REG_FIXED_SIZE = 28
+REG_FIXED_SIZE = 36
 MAX_ACK_ENTRIES = 364
 MAX_RANGES = 160
 MAX_SEQ = (1 << 24) - 1
 
 _HDR = struct.Struct("!BBHIII")
-_REG = struct.Struct("!QHHIQBBH")
+_REG = struct.Struct("!QHHIQBBHQ")
 _RANGE = struct.Struct("!II")
 
 
@@ -97,12 +97,17 @@ def split_estimates(word3: int) -> tuple:
 
 
 def pack_reg_body(total: int, segment_size: int, element_size: int, segment_count: int,
-                  tag: int, mode: int, ranges) -> bytes:
-    """Encode the REG body without the MAC (append it separately when keyed)."""
+                  tag: int, mode: int, ranges, timestamp_us: int = 0) -> bytes:
+    """Encode the REG body without the MAC (append it separately when keyed).
+
+    ``timestamp_us`` is the sender's wall clock (µs since the Unix epoch) when
+    this copy of the REG was sent: the freshness the MAC binds (docs/protocol.md).
+    """
     ranges = list(ranges)
     if len(ranges) > MAX_RANGES:
         raise WireError("too_many_ranges", f"{len(ranges)} > {MAX_RANGES}")
-    parts = [_REG.pack(total, segment_size, element_size, segment_count, tag, mode, 0, len(ranges))]
+    parts = [_REG.pack(total, segment_size, element_size, segment_count, tag, mode, 0, len(ranges),
+                       timestamp_us)]
     parts.extend(_RANGE.pack(a, b) for a, b in ranges)
     return b"".join(parts)
 
@@ -111,7 +116,7 @@ def unpack_reg_body(buf, offset: int, has_mac: bool) -> tuple:
     """Decode a REG body at ``offset``.
 
     Returns ``(total, segment_size, element_size, segment_count, tag, mode,
-    ranges, mac, mac_end)`` where ``mac`` is None without the MAC flag and
+    ranges, mac, mac_end, timestamp_us)`` where ``mac`` is None without the MAC flag and
     ``mac_end`` is the offset where MAC coverage ends. Validates sizes and the
     range list (sorted, non-overlapping, inside the message); raises WireError
     ``truncated``, ``bad_registration`` or ``trailing_bytes``.
@@ -119,7 +124,7 @@ def unpack_reg_body(buf, offset: int, has_mac: bool) -> tuple:
     n = len(buf)
     if n - offset < REG_FIXED_SIZE:
         raise WireError("truncated", "registration body")
-    total, seg, elem, count, tag, mode, _res, nr = _REG.unpack_from(buf, offset)
+    total, seg, elem, count, tag, mode, _res, nr, stamp = _REG.unpack_from(buf, offset)
     pos = offset + REG_FIXED_SIZE
     need = nr * 8 + (MAC_SIZE if has_mac else 0)
     if nr > MAX_RANGES or n - pos < need:
@@ -140,7 +145,7 @@ def unpack_reg_body(buf, offset: int, has_mac: bool) -> tuple:
         ranges.append((a, b))
         prev = b
     mac = bytes(buf[pos:pos + MAC_SIZE]) if has_mac else None
-    return total, seg, elem, count, tag, mode, ranges, mac, pos
+    return total, seg, elem, count, tag, mode, ranges, mac, pos, stamp
 
 
 def pack_ack(flow_id: int, token: int, received: int, ack_delay_us: int, entries) -> bytes:

@@ -7,10 +7,14 @@ reports) -> push/pull (:class:`Worker`, :class:`ParameterServer`).  The
 communication pattern is a pluggable :class:`Schedule`; aggregation,
 schedules, membership, staleness and error feedback are sans-IO objects.
 
+Importing this package registers the ``torch.distributed`` backend ``ltp``
+(:mod:`ltp_ps.backend`): ``dist.init_process_group("ltp")``.
+
 Entry points: ``ltp-ps`` (:mod:`ltp_ps.cli`), ``python -m ltp_ps.run`` under
 torchrun, and the DDP hook :func:`ltp_ps.ddp.register`.  See ``docs/ps.md``.
 """
 
+from . import backend as _backend
 from .aggregate import Aggregator, bubbles_to_elements, critical_ranges
 from .errors import (AuthError, ConfigError, MembershipError, PSError, RemoteError, RendezvousError, TransportError,
                      TransportTimeout)
@@ -26,3 +30,5 @@ __all__ = ["Aggregator", "AuthError", "ConfigError", "DirectSchedule", "ErrorFee
            "Membership", "MembershipError", "PSError", "ParameterServer", "RemoteError", "RendezvousError",
            "Schedule", "ServerConfig", "ShardPlan", "ShardRef", "Staleness", "TransportError", "TransportTimeout",
            "Worker", "WorkerConfig", "bubbles_to_elements", "critical_ranges"]
+
+_backend.register()

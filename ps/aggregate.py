@@ -12,6 +12,23 @@ usable message (their header arrived):
 Byte ranges from transport reports are converted to element ranges of the
 payload with :func:`bubbles_to_elements` (a partially covered element counts
 as lost; LTP's padding bubbles make that case not arise).
+
+Soundness with partial gradients (issue 7):
+
+* An element that *no* worker delivered carries no information: the mean is 0
+  there, but it must not be *applied* as a zero gradient (momentum would decay
+  towards 0 and weight decay would act on it). :meth:`Aggregator.applied_mask`
+  names the elements that have at least one contributor; the PS steps only
+  those (``FlatOptimizer.step(grad, mask=...)``) and, with error feedback,
+  asks the workers to re-send exactly the uncovered ranges.
+* With the unbiased mean, an element delivered by ``k`` of ``n`` workers is
+  already an unbiased estimate of the full mean, so re-sending it later (error
+  feedback) would count it twice; only ranges with zero contributors are
+  re-sent (:func:`feedback_ranges`). With the zero-filled mean every lost range
+  is re-sent (classic error feedback: the sum over rounds is exact).
+* A contribution with a non-finite value (NaN/inf: a diverged worker or a
+  corrupted buffer) is refused whole and counted in ``Aggregator.rejected``;
+  one bad worker never poisons the model.
 """
 
 from __future__ import annotations
@@ -105,12 +122,20 @@ class Aggregator:
     def reset(self) -> None:
         self._sum[:] = 0
         self.contributors = 0
+        self.rejected = 0  # contributions refused for non-finite values
         self._diff = None  # count correction, built lazily when bubbles appear
 
-    def add(self, grad: np.ndarray, lost: Sequence[tuple] = (), weight: float = 1.0) -> None:
-        """Add one worker's gradient; ``lost`` are element ranges it did not deliver."""
+    def add(self, grad: np.ndarray, lost: Sequence[tuple] = (), weight: float = 1.0) -> bool:
+        """Add one worker's gradient; ``lost`` are element ranges it did not deliver.
+
+        Returns False (and counts it in ``rejected``) when a delivered element
+        is NaN or infinite: the contribution is left out whole.
+        """
         if grad.shape != (self.n_elems,):
             raise ValueError(f"gradient has {grad.shape} elements, the aggregator {self.n_elems}")
+        if not _finite(grad, lost):
+            self.rejected += 1
+            return False
         if lost:
             grad = grad.copy()
             if self._diff is None:
@@ -121,6 +146,7 @@ class Aggregator:
                 self._diff[e] += 1
         self._sum += grad if weight == 1.0 else grad * np.float32(weight)
         self.contributors += 1
+        return True
 
     def counts(self) -> np.ndarray:
         """Per element: how many workers delivered it."""
@@ -128,6 +154,19 @@ class Aggregator:
         if self._diff is not None:
             c += np.cumsum(self._diff[:-1])
         return c
+
+    def applied_mask(self) -> np.ndarray | None:
+        """Elements with at least one contributor (bool), or None when that is every element."""
+        if self._diff is None:
+            return None if self.contributors else np.zeros(self.n_elems, dtype=bool)
+        c = self.counts()
+        m = c > 0
+        return None if m.all() else m
+
+    def uncovered(self) -> list[tuple]:
+        """Element ranges no worker delivered this round (never applied)."""
+        m = self.applied_mask()
+        return [] if m is None else mask_to_ranges(~m)
 
     def result(self, out: np.ndarray | None = None) -> np.ndarray:
         out = np.empty(self.n_elems, dtype=np.float32) if out is None else out
@@ -141,3 +180,58 @@ class Aggregator:
         np.divide(self._sum, np.maximum(c, 1).astype(np.float32), out=out)
         out[c == 0] = 0
         return out
+
+
+def _finite(grad: np.ndarray, lost: Sequence[tuple]) -> bool:
+    """True if every delivered element of ``grad`` is finite (one float32 reduction, no copy).
+
+    The sum is NaN/inf exactly when an element is (or when values are so large,
+    > 1e38 in total, that the contribution is garbage anyway); lost ranges are
+    zero-filled by the transport, and checked only when the fast test fails.
+    """
+    if np.isfinite(grad.sum(dtype=np.float32)):
+        return True
+    if not lost:
+        return False
+    keep = np.ones(grad.shape[0], dtype=bool)
+    for s, e in lost:
+        keep[s:e] = False
+    return bool(np.isfinite(grad[keep]).all()) and np.isfinite(grad[keep].sum(dtype=np.float32))
+
+
+def mask_to_ranges(mask: np.ndarray) -> list[tuple]:
+    """Half-open ranges of the True runs of a boolean mask."""
+    idx = np.flatnonzero(mask)
+    if idx.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(idx) != 1)
+    starts = np.concatenate(([idx[0]], idx[breaks + 1]))
+    ends = np.concatenate((idx[breaks] + 1, [idx[-1] + 1]))
+    return [(int(a), int(b)) for a, b in zip(starts, ends)]
+
+
+def intersect_ranges(a: Sequence[tuple], b: Sequence[tuple]) -> list[tuple]:
+    """Intersection of two lists of half-open ranges (each merged first)."""
+    a, b = merge_ranges(a), merge_ranges(b)
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if e > s:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def feedback_ranges(mode: str, lost: Sequence[tuple], uncovered: Sequence[tuple]) -> list[tuple]:
+    """What a worker should re-send next round (error feedback) given the aggregation ``mode``.
+
+    ``zero_fill``: everything it lost (the PS counted it as 0). ``unbiased``:
+    only what nobody delivered, since every other element was already estimated
+    from the workers that delivered it; re-sending those would count them twice.
+    """
+    if mode == "zero_fill":
+        return merge_ranges(lost)
+    return intersect_ranges(lost, uncovered)

@@ -23,7 +23,11 @@ import sys
 import time
 
 from . import rendezvous as rdv
-from .errors import ConfigError, PSError
+from . import schedule_cli
+from .errors import ConfigError, PSError, TrainingFailed
+
+EXIT_CONFIG = 2  # setup, rendezvous or transport error (the message names the fix)
+EXIT_TRAINING_FAILED = 3  # no live worker, no usable gradient, non-finite loss
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -43,6 +47,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store-timeout", type=float, default=120.0, help="seconds to wait for the rendezvous")
+    schedule_cli.add_options(p)
 
 
 def _server_opts(p):
@@ -53,7 +58,9 @@ def _server_opts(p):
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--gather-timeout", type=float, default=10.0, help="seconds before a gather gives up on a worker")
+    p.add_argument("--gather-timeout", type=float, default=None,
+                   help="seconds before a gather gives up on a worker (default: derived each round from the "
+                        "message size, the workers' compute time and the measured link rate; docs/ps.md)")
     p.add_argument("--max-missed", type=int, default=3, help="missed rounds before a worker is dropped")
     p.add_argument("--min-workers", type=int, default=None, help="start when this many joined (default: all)")
     p.add_argument("--checkpoint-dir", default=None)
@@ -82,15 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
     _common(w)
     _worker_opts(w)
     w.add_argument("--rank", type=int, default=None, help="worker rank (default: $RANK - num_servers)")
+    _server_opts(w)  # PS-less schedules (ring): every worker runs the optimizer
+    schedule_cli.build_plan_parser(sub)
+    st = sub.add_parser("store", help="host the rendezvous TCPStore (outlives PS restarts)")
+    st.add_argument("--store", default=None, help="HOST:PORT to serve on (default: $MASTER_ADDR:$MASTER_PORT)")
+    st.add_argument("--store-timeout", type=float, default=120.0)
     la = sub.add_parser("launch", help="1 PS + N workers on this machine (optionally in a network lab)")
     _common(la)
     _server_opts(la)
     _worker_opts(la)
     la.add_argument("--lab", choices=("auto", "on", "off"), default="auto",
                     help="network namespaces with impairments (auto: when root and supported)")
-    la.add_argument("--loss", type=float, default=0.0, help="lab: ingress loss rate at the PS")
-    la.add_argument("--rate", type=float, default=None, help="lab: PS ingress rate in bit/s")
-    la.add_argument("--delay", type=float, default=0.0, help="lab: one-way delay in seconds")
+    la.add_argument("--loss", type=float, default=0.0,
+                    help="lab: ingress loss rate at the PS (needs the lab: root + its packages; an error otherwise)")
+    la.add_argument("--rate", type=float, default=None, help="lab: PS ingress rate in bit/s (needs the lab)")
+    la.add_argument("--delay", type=float, default=0.0, help="lab: one-way delay in seconds (needs the lab)")
+    la.add_argument("--ps-restarts", type=int, default=0,
+                    help="restart a PS that dies up to N times; it resumes from --checkpoint-dir (default 0)")
     la.add_argument("--kill-worker-after", type=int, default=None,
                     help="failure drill: worker 0 exits after this many iterations")
     return ap
@@ -123,6 +138,7 @@ async def serve(args, store=None) -> dict:
     from .server import ParameterServer, ServerConfig, summary_text
     from .sharding import ShardPlan
 
+    schedule_cli.check_server_schedule(args)
     secret = rdv.load_secret(args.secret_file)
     wl = _workload(args)
     if store is None:
@@ -149,7 +165,11 @@ async def serve(args, store=None) -> dict:
         print(f"[ps{args.shard}] listening on {transport.local_addr} ({args.transport}"
               f"{'/' + args.cc if args.transport == 'tcp' else ''}), model {args.model} "
               f"({wl.n_params} params, shard {lo}:{hi}), waiting for {args.workers} workers", flush=True)
-        summary = await ps.run()
+        try:
+            summary = await ps.run()
+        except PSError as exc:
+            store.set(f"failed/{args.shard}", str(exc))
+            raise
         print(summary_text(ps, summary), flush=True)
         if args.summary_json:
             with open(args.summary_json, "w") as f:
@@ -160,8 +180,19 @@ async def serve(args, store=None) -> dict:
         await transport.close()
 
 
+PS_WATCH_S = 0.5  # seconds between a worker's looks at the store for a restarted PS
+
+
 async def work(args, store=None) -> dict:
-    from .errors import TransportTimeout
+    """Join every shard, train until STOP; rejoin a restarted PS (new incarnation) whenever one appears.
+
+    A PS that restarts publishes a new nonce under ``server/<s>``.  The worker watches
+    for it while it trains, so it rejoins at once on any transport; a lost PS (closed
+    connection, no parameters within ``--pull-timeout``) makes it wait for the next
+    incarnation up to ``--store-timeout``.  Being dropped by a live PS is retried
+    ``--rejoin`` times.
+    """
+    from .errors import StaleIncarnation, TransportError
     from .worker import ShardRef, Worker, WorkerConfig
 
     secret = rdv.load_secret(args.secret_file)
@@ -172,36 +203,102 @@ async def work(args, store=None) -> dict:
     if store is None:
         host, port = _store_addr(args)
         store = rdv.make_store(host, port, is_master=False, timeout_s=args.store_timeout)
+    if schedule_cli.schedule_runs_without_ps(args):  # ring: no PS; peers reduce among themselves
+        args.rank = rank
+        return await schedule_cli.peer_work(args, store, lambda: _open_transport(args, secret), wl)
     store = rdv.prefixed(store, args.job)
     transport = await _open_transport(args, secret)
     stats = {"iterations": 0}
     try:
         attempts = 0
+        joined: list | None = None  # nonces of the incarnations joined last time
         while True:
             first = await asyncio.to_thread(rdv.fetch_server, store, secret, 0, timeout_s=args.store_timeout)
             infos = [first] + [await asyncio.to_thread(rdv.fetch_server, store, secret, s, timeout_s=args.store_timeout)
                                for s in range(1, first.num_servers)]
-            for info in infos:
-                await asyncio.to_thread(rdv.join, store, secret, info, rank=rank, addr=transport.local_addr,
-                                        n_params=wl.n_params, dtype="float32", world_size=args.workers,
-                                        transport=args.transport, timeout_s=args.store_timeout)
+            try:
+                for info in infos:
+                    await asyncio.to_thread(rdv.join, store, secret, info, rank=rank, addr=transport.local_addr,
+                                            n_params=wl.n_params, dtype="float32", world_size=args.workers,
+                                            transport=args.transport, timeout_s=args.store_timeout)
+            except StaleIncarnation as exc:
+                print(f"[worker {rank}] {exc}; joining the new one", flush=True)
+                continue
+            nonces = [i.nonce for i in infos]
+            if joined is not None and nonces != joined:
+                attempts = 0  # a restarted PS is not this worker's fault
+            joined = nonces
             shards = [ShardRef(i.shard, i.addr, i.lo, i.hi) for i in infos]
             w = Worker(wl, transport, shards, WorkerConfig(rank=rank, world_size=args.workers,
                                                             error_feedback=args.error_feedback,
                                                             pull_timeout_s=args.pull_timeout, seed=args.seed,
                                                             max_iterations=args.max_iterations))
             try:
-                st = await w.run()
-                stats["iterations"] += st["iterations"]
-                stats.update({k: v for k, v in st.items() if k != "iterations"})
-                return stats
-            except TransportTimeout:
-                attempts += 1
-                if attempts > args.rejoin or (store.check(["done/0"])):
-                    raise
-                print(f"[worker {rank}] lost the PS's broadcasts; rejoining", flush=True)
+                st = await _run_watching(w, store, infos)
+            except (TransportError, ConnectionError) as exc:
+                if await asyncio.to_thread(rdv.job_over, store, len(infos)):
+                    _raise_if_failed(store, len(infos))
+                    print(f"[worker {rank}] the job finished without this worker ({exc})", flush=True)
+                    stats.update(stopped=True, dropped=True)
+                    return stats
+                restarted = await asyncio.to_thread(rdv.wait_new_incarnation, store, infos, PS_WATCH_S, 0.0)
+                if not restarted:
+                    attempts += 1
+                    if attempts > args.rejoin:
+                        print(f"[worker {rank}] lost the PS ({type(exc).__name__}: {exc}); waiting up to "
+                              f"{args.store_timeout:.0f} s for a restarted PS", flush=True)
+                        if not await asyncio.to_thread(rdv.wait_new_incarnation, store, infos, PS_WATCH_S,
+                                                       args.store_timeout):
+                            raise
+                print(f"[worker {rank}] lost the PS's broadcasts ({exc}); rejoining", flush=True)
+                continue
+            if st is None:
+                print(f"[worker {rank}] the PS restarted; rejoining", flush=True)
+                continue
+            stats["iterations"] += st["iterations"]
+            stats.update({k: v for k, v in st.items() if k != "iterations"})
+            _raise_if_failed(store, len(infos))
+            return stats
     finally:
         await transport.close()
+
+
+def _raise_if_failed(store, num_servers: int) -> None:
+    """A worker told to stop by a PS that failed must not exit 0."""
+    for s in range(num_servers):
+        if store.check([f"failed/{s}"]):
+            raise TrainingFailed(f"PS shard {s} stopped the job: {store.get(f'failed/{s}').decode()}")
+
+
+async def _run_watching(worker, store, infos) -> dict | None:
+    """``worker.run()``, cancelled (returning None) as soon as any shard publishes a new incarnation."""
+    run = asyncio.ensure_future(worker.run())
+    stop = asyncio.Event()
+
+    async def watch():
+        while not stop.is_set():
+            if await asyncio.to_thread(rdv.wait_new_incarnation, store, infos, PS_WATCH_S, 0.0):
+                return True
+            try:
+                await asyncio.wait_for(stop.wait(), PS_WATCH_S)
+            except asyncio.TimeoutError:
+                pass
+        return False
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({run, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if run in done:
+            return run.result()
+        if watcher.result():
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            return None
+        return await run
+    finally:
+        stop.set()
+        run.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
 
 
 def _free_port() -> int:
@@ -220,7 +317,8 @@ def _passthrough(args, names) -> list[str]:
     return out
 
 
-COMMON = ["model", "workers", "transport", "cc", "job", "secret-file", "num-servers", "mode", "compute-delay",
+COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "job", "secret-file", "num-servers", "mode",
+          "compute-delay",
           "batch-size", "seed", "store-timeout"]
 SERVER = ["epochs", "iterations", "aggregation", "optimizer", "lr", "momentum", "weight-decay", "gather-timeout",
           "max-missed", "min-workers", "checkpoint-dir", "checkpoint-every", "metrics", "progress", "summary-json"]
@@ -244,20 +342,84 @@ def _lab_choice(args) -> tuple[bool, str]:
     return False, reason
 
 
+IMPAIRMENTS = ("loss", "rate", "delay")
+WORKER_EXIT_GRACE_S = 30.0  # seconds workers get to exit after every PS finished
+LAUNCH_POLL_S = 0.1  # seconds between looks at the children
+
+
+def _check_impairments(args, use_lab: bool, why: str) -> None:
+    """``--loss/--rate/--delay`` only exist in the lab: without one they are an error, never ignored."""
+    asked = [f"--{n} {getattr(args, n)}" for n in IMPAIRMENTS if getattr(args, n)]
+    if asked and not use_lab:
+        raise ConfigError(
+            f"{' '.join(asked)} need the network lab, which cannot be built here: {why}. Fix: run as root on a "
+            f"machine with the lab's packages (`bash scripts/install-lab-deps` installs them; "
+            f"`ltp-lab check` tells what is missing), or drop {'/'.join(a.split()[0] for a in asked)} "
+            f"to train on loopback without impairments")
+
+
+def _describe_exit(name: str, pid: int, rc: int) -> str:
+    if rc < 0:
+        try:
+            sig = signal.Signals(-rc).name
+        except ValueError:
+            sig = f"signal {-rc}"
+        return f"{name} (pid {pid}) was killed by {sig}"
+    return f"{name} (pid {pid}) exited with code {rc}"
+
+
+def _shell_rc(rc: int) -> int:
+    """A child's return code as a shell would report it (128 + signal number for a signal)."""
+    return 128 - rc if rc < 0 else rc
+
+
+class _Child:
+    """One process the launcher started (name, argv, restarts used)."""
+
+    def __init__(self, name: str, argv: list, spawn):
+        self.name, self.argv, self._spawn = name, argv, spawn
+        self.restarts = 0
+        self.rc: int | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = self._spawn(self.argv)
+        self.rc = None
+        print(f"[launch] started {self.name} (pid {self.proc.pid})", flush=True)
+
+    def poll(self) -> int | None:
+        if self.rc is None:
+            self.rc = self.proc.poll()
+        return self.rc
+
+
 def launch(args) -> int:
-    """Spawn 1 PS (per shard) + N workers, on loopback or each in its own lab namespace."""
+    """Spawn the store, 1 PS (per shard) and N workers, on loopback or each in its own lab namespace.
+
+    The rendezvous store runs in its own process (``ltp-ps store``) so it outlives a PS.
+    The exit code reflects every process started: any PS, worker or store that exits
+    non-zero or dies by a signal makes the launch fail, and the failure names the process
+    and the code or signal (a signal is reported as 128 + its number).  With
+    ``--ps-restarts N`` a PS that dies is restarted (up to N times) and resumes from
+    ``--checkpoint-dir``; the workers wait for it and rejoin.
+    """
     env = dict(os.environ)
     env.setdefault(rdv.DEFAULT_SECRET_ENV, secrets.token_hex(16))
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d chatter about unresolvable lab hostnames
+    if args.ps_restarts and not args.checkpoint_dir:
+        raise ConfigError("--ps-restarts needs --checkpoint-dir (and --checkpoint-every N) so that a restarted PS "
+                          "resumes from its checkpoint instead of starting over")
+    peer_job = schedule_cli.schedule_runs_without_ps(args)
+    if peer_job:
+        args.num_servers = 0  # the workers apply the optimizer: zero PS processes
     use_lab, why = _lab_choice(args)
-    if args.loss and not use_lab:
-        print(f"[launch] WARNING: --loss {args.loss} ignored: no lab ({why})", flush=True)
+    _check_impairments(args, use_lab, why)
     print(f"[launch] {'lab' if use_lab else 'loopback'} ({why}); {args.num_servers} PS + {args.workers} workers, "
           f"transport {args.transport}{'/' + args.cc if args.transport == 'tcp' else ''}", flush=True)
     port = _free_port()
     py = [sys.executable, "-m", "ltp_ps.cli"]
-    procs: list[subprocess.Popen] = []
+    children: list[_Child] = []
     lab = None
     try:
         if use_lab:
@@ -270,55 +432,125 @@ def launch(args) -> int:
                 lab.impair(h, direction="ingress", loss=args.loss, rate_bps=args.rate, queue_bytes=None,
                            delay_s=args.delay)
 
-            def spawn(i, argv):
-                return lab.popen(hosts[i], argv + ["--host", "0.0.0.0", "--advertise", hosts[i].addr], env=env)
+            def spawner(i):
+                return lambda argv: lab.popen(hosts[i], argv + ["--host", "0.0.0.0", "--advertise", hosts[i].addr],
+                                              env=env)
+
+            def store_spawner():
+                return lambda argv: lab.popen(hosts[0], argv, env=env)
         else:
             store_host = "127.0.0.1"
 
-            def spawn(i, argv):
-                return subprocess.Popen(argv, env=env)
+            def spawner(i):
+                return lambda argv: subprocess.Popen(argv, env=env)
+
+            store_spawner = spawner
         store = f"{store_host}:{port}"
-        for s in range(args.num_servers):
-            argv = py + ["server", "--shard", str(s), "--store", store] + (["--store-master"] if s == 0 else [])
-            procs.append(spawn(s, argv + _passthrough(args, COMMON + SERVER)))
+        store_proc = _Child("store", py + ["store", "--store", store], store_spawner() if use_lab else spawner(0))
+        children.append(store_proc)
+        servers = [_Child(f"ps{s}", py + ["server", "--shard", str(s), "--store", store]
+                          + _passthrough(args, COMMON + SERVER), spawner(s)) for s in range(args.num_servers)]
+        children += servers
+        workers = []
         for r in range(args.workers):
-            argv = py + ["worker", "--rank", str(r), "--store", store] + _passthrough(args, COMMON + WORKER)
+            argv = py + ["worker", "--rank", str(r), "--store", store] + _passthrough(
+                args, COMMON + WORKER + (SERVER if peer_job else []))
             if args.kill_worker_after is not None and r == 0:
                 argv += ["--max-iterations", str(args.kill_worker_after)]
-            procs.append(spawn(args.num_servers + r, argv))
-        servers = procs[:args.num_servers]
-        rc = 0
-        for p in servers:
-            rc = rc or p.wait()
-        deadline = time.monotonic() + 30
-        for p in procs[args.num_servers:]:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGTERM)
-        return rc
+            workers.append(_Child(f"worker {r}", argv, spawner(args.num_servers + r)))
+        children += workers
+        failures: list[tuple[str, int]] = []
+        restarts_left = args.ps_restarts
+        reported: set = set()
+        while True:
+            fatal = False
+            for c in children:
+                rc = c.poll()
+                if rc is None or rc == 0 or id(c.proc) in reported:
+                    continue
+                reported.add(id(c.proc))
+                what = _describe_exit(c.name, c.proc.pid, rc)
+                if c in servers and restarts_left > 0:
+                    restarts_left -= 1
+                    c.restarts += 1
+                    print(f"[launch] {what}; restarting it from its checkpoint ({restarts_left} restarts left)",
+                          flush=True)
+                    c.start()
+                    continue
+                print(f"[launch] {what}", flush=True)
+                failures.append((what, rc))
+                fatal = fatal or c in servers or c is store_proc
+            if fatal or all(c.poll() == 0 for c in (servers or workers)):
+                break
+            time.sleep(LAUNCH_POLL_S)
+        if not fatal:
+            deadline = time.monotonic() + WORKER_EXIT_GRACE_S
+            for c in workers:
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    print(f"[launch] {c.name} (pid {c.proc.pid}) still running {WORKER_EXIT_GRACE_S:.0f} s "
+                          f"after the PS finished; terminating it", flush=True)
+                    c.proc.send_signal(signal.SIGTERM)
+                    c.proc.wait(10)
+                    failures.append((f"{c.name} (pid {c.proc.pid}) did not exit after the PS finished", 1))
+                    continue
+                rc = c.poll()
+                if rc and id(c.proc) not in reported:
+                    what = _describe_exit(c.name, c.proc.pid, rc)
+                    print(f"[launch] {what}", flush=True)
+                    failures.append((what, rc))
+        if failures:
+            print(f"[launch] FAILED: {'; '.join(w for w, _ in failures)}", flush=True)
+            return _shell_rc(failures[0][1])
+        return 0
     except KeyboardInterrupt:
         return 130
     finally:
-        for p in procs:
+        for c in reversed(children):  # workers first, the store last
+            p = c.proc
             if p.poll() is None:
                 p.terminate()
                 try:
                     p.wait(5)
                 except subprocess.TimeoutExpired:
                     p.kill()
+                    p.wait()
         if lab is not None:
             lab.__exit__(None, None, None)
 
 
+def serve_store(args) -> int:
+    """``ltp-ps store``: host the rendezvous TCPStore until SIGTERM/SIGINT (or the parent's death)."""
+    host, port = _store_addr(args)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # store threads inherit it
+    try:  # die with the launcher even if it is SIGKILLed
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    store = rdv.make_store(host, port, is_master=True, timeout_s=args.store_timeout)
+    print(f"[store] rendezvous store on {host}:{port}", flush=True)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    del store
+    return 0
+
+
 def _run(coro):
+    """Run ``coro`` to completion on uvloop when it is installed, else on asyncio's loop.
+
+    Only the import of uvloop is guarded: an ImportError raised *inside* the job (a missing
+    scikit-learn, say) must reach the user as it is, not be mistaken for "no uvloop".
+    """
     try:
         import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
-            return r.run(coro)
     except ImportError:
+        uvloop = None
+    if uvloop is None:
         return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+        return r.run(coro)
 
 
 def resolve_transport(args) -> None:
@@ -339,10 +571,14 @@ def _limit_threads() -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    resolve_transport(args)
-    if args.cmd in ("server", "worker"):
-        _limit_threads()
     try:
+        if args.cmd == "store":
+            return serve_store(args)
+        if args.cmd == "plan":
+            return schedule_cli.plan_main(args)
+        resolve_transport(args)
+        if args.cmd in ("server", "worker"):
+            _limit_threads()
         if args.cmd == "server":
             _run(serve(args))
             return 0
@@ -350,9 +586,12 @@ def main(argv=None) -> int:
             st = _run(work(args))
             return 0 if st.get("stopped", True) or args.max_iterations else 1
         return launch(args)
+    except TrainingFailed as exc:
+        print(f"ltp-ps: training failed: {exc}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
     except PSError as exc:
         print(f"ltp-ps: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

@@ -32,12 +32,23 @@ class MembershipError(RendezvousError):
     """The PS rejected this worker (model size, dtype, world size, job full)."""
 
 
+class StaleIncarnation(RendezvousError):
+    """The PS restarted (published a new nonce) while this worker was joining the old one."""
+
+
 class TransportError(PSError):
     """A transfer failed (peer gone, timeout, connection refused)."""
 
 
 class TransportTimeout(TransportError, TimeoutError):
     """A transfer did not finish within its timeout."""
+
+
+class TrainingFailed(PSError):
+    """The job cannot make progress: no live worker, no usable gradient, or a non-finite loss.
+
+    Raised instead of printing a summary, so that a job that trained nothing never exits 0.
+    """
 
 
 class Stopped(PSError):

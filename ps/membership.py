@@ -48,14 +48,19 @@ class Membership:
     def __init__(self, *, max_missed: int = 3):
         self.max_missed = max_missed
         self.members: dict[int, Member] = {}
-        self.events: list[Event] = []
+        self.events: list[Event] = []  # not yet drained (for metrics)
+        self.events_log: list[Event] = []  # every event, for error messages
+
+    def _emit(self, ev: Event) -> None:
+        self.events.append(ev)
+        self.events_log.append(ev)
 
     def admit(self, rank: int, addr: tuple, iteration: int = 0) -> Member:
         old = self.members.get(rank)
         gen = 0 if old is None else old.generation + 1
         m = Member(rank=rank, addr=tuple(addr), generation=gen, joined_iteration=iteration)
         self.members[rank] = m
-        self.events.append(Event("joined" if old is None else "rejoined", rank))
+        self._emit(Event("joined" if old is None else "rejoined", rank))
         return m
 
     def active(self) -> list[Member]:
@@ -77,7 +82,7 @@ class Membership:
         m.missed += 1
         if m.missed >= self.max_missed:
             m.state = State.DROPPED
-            self.events.append(Event("dropped", rank, f"{reason} {m.missed} times"))
+            self._emit(Event("dropped", rank, f"{reason} {m.missed} times"))
             return True
         return False
 
@@ -85,7 +90,7 @@ class Membership:
         m = self.members.get(rank)
         if m is not None and m.state is State.ACTIVE:
             m.state = State.DROPPED
-            self.events.append(Event("dropped", rank, reason))
+            self._emit(Event("dropped", rank, reason))
 
     def drain_events(self) -> list[Event]:
         ev, self.events = self.events, []

@@ -6,6 +6,15 @@ Store layout (all keys under the prefix ``ltp_ps/<job>/``)::
     joins/<s>           counter; a worker takes a ticket with ``add(joins/<s>, 1)``
     join/<s>/<ticket>   JSON JoinRequest (rank, address, model size/dtype, world size, ``mac``)
     verdict/<s>/<t>     "ok" or "rejected: <reason>" written by the shard
+    done/<s>            set when shard s finished training
+    failed/<s>          the reason, when shard s stopped with an error (cleared by a restart)
+
+Restarts: the store must outlive a PS (``ltp-ps launch`` hosts it in its own
+``ltp-ps store`` process; torchrun's agent hosts it under torchrun).  A
+restarted shard publishes a fresh ``nonce`` (a new *incarnation*) and ignores
+tickets taken before it started; workers notice the new nonce, and a join
+that was waiting on the old incarnation fails with :class:`StaleIncarnation`
+so the worker joins the new one.
 
 Authentication: the PS publishes a fresh random ``nonce`` and
 ``proof = HMAC(secret, "server" | info)``; a worker with another secret fails
@@ -30,9 +39,10 @@ import os
 import secrets
 import time
 
-from .errors import AuthError, ConfigError, MembershipError, RendezvousError
+from .errors import AuthError, ConfigError, MembershipError, RendezvousError, StaleIncarnation
 
 DEFAULT_SECRET_ENV = "LTP_PS_SECRET"
+INCARNATION_POLL_S = 0.5  # seconds between looks at server/<s> while a join waits for its verdict
 
 
 def load_secret(secret_file: str | None = None, env: str = DEFAULT_SECRET_ENV) -> bytes:
@@ -126,6 +136,8 @@ class ServerRendezvous:
         d["proof"] = _mac(secret, b"server", _canon(info.to_dict()))
         # Restart of a shard: tickets taken before belong to the old incarnation.
         self._next_ticket = int(store.add(f"joins/{info.shard}", 0)) + 1
+        if store.check([f"failed/{info.shard}"]):
+            store.delete_key(f"failed/{info.shard}")
         store.set(f"server/{info.shard}", json.dumps(d))
 
     def poll(self) -> tuple[list[dict], list[tuple[int, str]]]:
@@ -198,10 +210,17 @@ def join(store, secret: bytes, info: ServerInfo, *, rank: int, addr: tuple, n_pa
     t = int(store.add(f"joins/{s}", 1))
     store.set(f"join/{s}/{t}", json.dumps(req))
     key = f"verdict/{s}/{t}"
-    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    next_look = t0 + INCARNATION_POLL_S
     while not store.check([key]):
-        if time.monotonic() > deadline:
-            raise RendezvousError(f"PS shard {s} did not answer the join request within {timeout_s:.0f} s")
+        now = time.monotonic()
+        if now > t0 + timeout_s:
+            raise RendezvousError(f"PS shard {s} did not answer the join request within {now - t0:.0f} s; "
+                                  f"is it running (a crashed PS must be restarted)?")
+        if now >= next_look:
+            next_look = now + INCARNATION_POLL_S
+            if current_nonce(store, s) != info.nonce:
+                raise StaleIncarnation(f"PS shard {s} restarted while worker {rank}'s join was pending")
         time.sleep(0.02)
     verdict = store.get(key).decode()
     if verdict != "ok":
@@ -209,6 +228,30 @@ def join(store, secret: bytes, info: ServerInfo, *, rank: int, addr: tuple, n_pa
         if reason.startswith("authentication"):
             raise AuthError(f"PS shard {s} refused worker {rank}: {reason}")
         raise MembershipError(f"PS shard {s} refused worker {rank}: {reason}")
+
+
+def current_nonce(store, shard: int) -> str | None:
+    """The nonce shard ``shard`` published last (its incarnation), or None if it never did."""
+    key = f"server/{shard}"
+    if not store.check([key]):
+        return None
+    return json.loads(store.get(key)).get("nonce")
+
+
+def wait_new_incarnation(store, infos, poll_s: float, timeout_s: float) -> bool:
+    """True once any shard in ``infos`` published another nonce; False after ``timeout_s`` (0: look once)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if any(current_nonce(store, i.shard) not in (None, i.nonce) for i in infos):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+
+
+def job_over(store, num_servers: int = 1) -> bool:
+    """True when shard 0 finished or any shard stopped with an error (nothing left to rejoin)."""
+    return bool(store.check(["done/0"])) or any(store.check([f"failed/{s}"]) for s in range(num_servers))
 
 
 def new_nonce() -> str:

@@ -40,6 +40,12 @@ def main(argv=None) -> int:
     except KeyError as exc:
         print(f"ltp_ps.run: {exc.args[0]} is not set; start this module with torchrun", file=sys.stderr)
         return 2
+    try:
+        if cli.schedule_cli.schedule_runs_without_ps(args):
+            args.num_servers = 0  # ring-family schedules: every rank is a worker, no PS process
+    except PSError as exc:
+        print(f"ltp_ps.run: error: {exc}", file=sys.stderr)
+        return 2
     role = os.environ.get("LTP_PS_ROLE") or ("server" if rank < args.num_servers else "worker")
     if args.workers is None:
         args.workers = world - args.num_servers

@@ -1,30 +1,26 @@
-"""Schedules: who sends what to whom, when, and how it is combined.
+"""Compatibility shim for the old ``Schedule`` seam; schedules now live in ``ltp_ps.schedules``.
 
-A :class:`Schedule` owns the communication pattern of one synchronisation
-round; the server and worker loops only call its four coroutines and
-``combine``.  Plug-ins (MLfabric ordering/aggregation, RSGCM rings, RAT trees,
-Hoplite chains) subclass it: e.g. a tree schedule makes ``worker_push`` forward
-to a parent that partially aggregates, and ``server_gather`` receive from the
-tree roots only.  ``plan()`` describes the pattern as plain data (edges per
-phase) so it can be tested and drawn without sockets.
-
-The default, :class:`DirectSchedule`, is the paper's: every worker sends its
-gradient straight to each PS shard (loss-tolerant, one Early Close deadline
-over the whole incast), and each shard broadcasts the new parameters straight
-back (reliable).
+The old :class:`DirectSchedule` coroutine API (``server_gather``,
+``server_broadcast``, ``worker_push``, ``worker_pull``, ``server_recv_one``)
+is kept for callers that have not moved (``ltp_ps.ddp``'s bucket server), but
+every one of them builds a small round program and runs it on the executor
+(``ltp_ps.schedules.executor``): nothing sends around it.  ``plan()`` still
+returns the star's edges.  :func:`contribution` and :func:`combine` are the
+PS's helpers for raw gradient messages.
 """
 
 from __future__ import annotations
 
-import abc
-import asyncio
 import dataclasses
 from typing import Sequence
 
 import numpy as np
 
 from .aggregate import Aggregator, bubbles_to_elements
-from .transport.base import RecvReport, Transport, gather_by_recv, missing_report
+from .errors import ConfigError, TransportError, TransportTimeout
+from .schedules.executor import Executor, Slots
+from .schedules.program import RELIABLE, TOLERANT, Program, Recv, Send
+from .transport.base import TIMEOUT, RecvReport, Transport
 from .wire import HEADER_BYTES, KIND_GRAD, KIND_READY, READY_BYTES, GradHeader, tag_of
 
 
@@ -51,127 +47,132 @@ class Contribution:
         return self.header is not None and self.report.critical_complete and self.report.received_bytes > 0
 
 
-class Schedule(abc.ABC):
+def contribution(rank: int, buf: np.ndarray, report: RecvReport, n_elems: int) -> Contribution:
+    """Decode one raw gradient message (header, float32 payload, lost element ranges)."""
+    header = GradHeader.unpack(buf) if report.received_bytes > 0 else None
+    grad = buf[HEADER_BYTES:HEADER_BYTES + 4 * n_elems].view(np.float32)
+    lost = bubbles_to_elements(report.bubbles, offset=HEADER_BYTES, n_elems=n_elems)
+    if header is None:
+        lost = [(0, n_elems)]
+    return Contribution(rank, header, grad, lost, report)
+
+
+def combine(aggregator: Aggregator, contributions: Sequence[Contribution]) -> np.ndarray:
+    """Aggregate usable contributions with the aggregator's mean."""
+    aggregator.reset()
+    for c in contributions:
+        if c.usable:
+            aggregator.add(c.grad, c.lost)
+    return aggregator.result()
+
+
+def _peer_nodes(peers) -> dict:
+    return {f"worker:{i}": tuple(p) for i, p in enumerate(peers)}
+
+
+class Schedule:
+    """Legacy base (kept for type hints); new schedules subclass ``ltp_ps.schedules.Schedule``."""
+
     name = "abstract"
-
-    @abc.abstractmethod
-    def plan(self, workers: Sequence[int], servers: Sequence[int]) -> list[Edge]:
-        """The transfers of one round, as data."""
-
-    @abc.abstractmethod
-    async def server_gather(self, transport: Transport, peers: Sequence[tuple], bufs: Sequence[np.ndarray], *,
-                            tag: int, timeout: float | None) -> list[RecvReport]:
-        """Collect one gradient message per worker into ``bufs`` (byte arrays)."""
-
-    @abc.abstractmethod
-    async def server_broadcast(self, transport: Transport, peers: Sequence[tuple], message, *, tag: int,
-                               timeout: float | None) -> list:
-        """Send the parameter message to every worker; one report or exception per peer."""
-
-    @abc.abstractmethod
-    async def worker_push(self, transport: Transport, server: tuple, message, *, critical, tag: int,
-                          timeout: float | None):
-        """Send this worker's gradient message towards the server."""
-
-    @abc.abstractmethod
-    async def worker_pull(self, transport: Transport, server: tuple, into, *, timeout: float | None) -> RecvReport:
-        """Receive the next parameter message from the server."""
+    contribution = staticmethod(contribution)
 
     def combine(self, aggregator: Aggregator, contributions: Sequence[Contribution]) -> np.ndarray:
-        """Aggregate usable contributions; default: the aggregator's mean."""
-        aggregator.reset()
-        for c in contributions:
-            if c.usable:
-                aggregator.add(c.grad, c.lost)
-        return aggregator.result()
-
-    @staticmethod
-    def contribution(rank: int, buf: np.ndarray, report: RecvReport, n_elems: int) -> Contribution:
-        header = GradHeader.unpack(buf) if report.received_bytes > 0 else None
-        grad = buf[HEADER_BYTES:HEADER_BYTES + 4 * n_elems].view(np.float32)
-        lost = bubbles_to_elements(report.bubbles, offset=HEADER_BYTES, n_elems=n_elems)
-        if header is None:
-            lost = [(0, n_elems)]
-        return Contribution(rank, header, grad, lost, report)
+        return combine(aggregator, contributions)
 
 
 class DirectSchedule(Schedule):
-    """Worker -> PS gather, PS -> worker broadcast (the paper's PS architecture)."""
+    """The star, as coroutines over the executor (legacy API; see ``ltp_ps.schedules.direct``)."""
 
     name = "direct"
-
-    def plan(self, workers, servers):
-        edges = [Edge("push", f"worker:{w}", f"server:{s}", False) for w in workers for s in servers]
-        edges += [Edge("pull", f"server:{s}", f"worker:{w}", True) for s in servers for w in workers]
-        return edges
 
     def __init__(self, *, ready_handshake: bool = True):
         self.ready_handshake = ready_handshake
         self.last_ready_wait_s: float | None = None
 
-    async def server_gather(self, transport, peers, bufs, *, tag, timeout):
-        """READY notes first (bounded by ``timeout``), then one Early Close gather over the ready workers.
+    def plan(self, workers, servers) -> list[Edge]:
+        edges = [Edge("push", f"worker:{w}", f"server:{s}", False) for w in workers for s in servers]
+        edges += [Edge("pull", f"server:{s}", f"worker:{w}", True) for s in servers for w in workers]
+        return edges
 
-        Why the handshake: LTP's gather starts its Early Close clock at the
-        first registration and expires peers that have not registered by the
-        deadline (their late flow is then refused).  A BSP worker that is
-        still *computing* is not a network long tail, so the PS waits for each
-        worker's READY note (up to ``timeout``, the bound after which the worker
-        counts as missed) and only then posts the gather, so Early Close
-        judges transfers, not compute.  Workers send READY and the gradient
-        back to back; a gradient that registers before the gather is posted
-        is buffered by the transport.  The same protocol runs over TCP, so
-        batch-synchronisation times compare like with like.
-        """
-        loop = asyncio.get_running_loop()
-        peers, bufs = list(peers), list(bufs)
-        if not self.ready_handshake:
-            return await transport.gather(peers, bufs, tag=tag, timeout=timeout)
-        t0 = loop.time()
+    async def server_gather(self, transport: Transport, peers, bufs, *, tag: int, timeout):
+        """READY notes (bounded by ``timeout``), then one Early Close gather over the ready peers."""
+        nodes = _peer_nodes(peers)
+        ex = Executor(transport, "server:0", nodes, timeout_s=timeout if timeout is not None else 1e9)
+        slots = Slots()
         ready_tag = tag - KIND_GRAD + KIND_READY
-        notes = [np.zeros(READY_BYTES, np.uint8) for _ in peers]
-        ready = await gather_by_recv(transport, peers, notes, tag=ready_tag, timeout=timeout)
-        self.last_ready_wait_s = loop.time() - t0  # compute time of the slowest worker, as seen by the PS
-        idx = [i for i, r in enumerate(ready) if r.received_bytes > 0]
-        reps = [missing_report(p, tag, b.nbytes, r.regime, loop.time() - t0) for p, b, r in zip(peers, bufs, ready)]
-        if idx:
-            left = None if timeout is None else max(0.001, timeout - (loop.time() - t0))
-            got = await transport.gather([peers[i] for i in idx], [bufs[i] for i in idx], tag=tag, timeout=left)
-            for i, r in zip(idx, got):
-                reps[i] = r
-        return reps
-
-    async def server_recv_one(self, transport, peer, buf, *, iteration: int, timeout):
-        """Asynchronous mode: this worker's READY (if any) and gradient for ``iteration``."""
+        stages = []
         if self.ready_handshake:
-            await transport.recv(np.zeros(READY_BYTES, np.uint8), peer=peer, tag=tag_of(iteration, KIND_READY),
-                                 timeout=timeout)
-        return await transport.recv(buf, peer=peer, tag=tag_of(iteration, KIND_GRAD), timeout=timeout)
+            for n in nodes:
+                slots.bind(f"ready:{n}", np.zeros(READY_BYTES, np.uint8))
+            stages.append(tuple(Recv(n, f"ready:{n}", 0, 0, ready_tag, RELIABLE, "note", group="ready")
+                                for n in nodes))
+        for n, b in zip(nodes, bufs):
+            slots.bind(f"in:{n}", b)
+        stages.append(tuple(Recv(n, f"in:{n}", 0, 0, tag, TOLERANT, "grad", group="grad",
+                                 only_if="ready" if self.ready_handshake else None) for n in nodes))
+        res = await ex.run(Program("server:0", tuple(stages)), slots)
+        self.last_ready_wait_s = res.group_s.get("ready")
+        return res.reports[-len(nodes):] if nodes else []
 
-    async def server_broadcast(self, transport, peers, message, *, tag, timeout):
-        return await transport.broadcast(list(peers), message, tag=tag, timeout=timeout)
+    async def server_broadcast(self, transport: Transport, peers, message, *, tag: int, timeout):
+        nodes = _peer_nodes(peers)
+        ex = Executor(transport, "server:0", nodes, timeout_s=timeout if timeout is not None else 1e9)
+        slots = Slots()
+        slots.bind("params", message)
+        prog = Program("server:0", (tuple(Send(n, "params", 0, 0, tag, RELIABLE, "params") for n in nodes),))
+        return (await ex.run(prog, slots)).reports
 
-    async def worker_push(self, transport, server, message, *, critical, tag, timeout):
-        grad = transport.send(server, message, reliable=False, critical=critical, element_size=4, tag=tag,
-                              timeout=timeout)
-        if not self.ready_handshake:
-            return await grad
-        note = transport.send(server, np.zeros(READY_BYTES, np.uint8), reliable=True, element_size=4,
-                              tag=tag - KIND_GRAD + KIND_READY, timeout=timeout)
-        _, rep = await asyncio.gather(note, grad)
+    async def server_recv_one(self, transport: Transport, peer, buf, *, iteration: int, timeout):
+        """Asynchronous mode: this worker's READY (if any) and gradient for ``iteration``."""
+        ex = Executor(transport, "server:0", {"worker:0": tuple(peer)}, timeout_s=timeout or 1e9)
+        slots = Slots()
+        slots.bind("ready", np.zeros(READY_BYTES, np.uint8))
+        slots.bind("in", buf)
+        stages = []
+        if self.ready_handshake:
+            stages.append((Recv("worker:0", "ready", 0, 0, tag_of(iteration, KIND_READY), RELIABLE, "note"),))
+        stages.append((Recv("worker:0", "in", 0, 0, tag_of(iteration, KIND_GRAD), TOLERANT, "grad"),))
+        rep = (await ex.run(Program("server:0", tuple(stages)), slots)).reports[-1]
+        if rep.regime == TIMEOUT and rep.received_bytes == 0:
+            raise TransportTimeout(f"no gradient from {peer} for iteration {iteration} within {timeout} s")
         return rep
 
-    async def worker_pull(self, transport, server, into, *, timeout):
-        return await transport.recv(into, peer=server, tag=None, timeout=timeout)
+    async def worker_push(self, transport: Transport, server, message, *, critical, tag: int, timeout):
+        ex = Executor(transport, "worker:0", {"server:0": tuple(server)}, timeout_s=timeout or 1e9)
+        slots = Slots()
+        slots.bind("out", message)
+        slots.bind_critical("out", critical)
+        slots.bind("note", np.zeros(READY_BYTES, np.uint8))
+        steps = [Send("server:0", "out", 0, 0, tag, TOLERANT, "grad")]
+        if self.ready_handshake:
+            steps.insert(0, Send("server:0", "note", 0, 0, tag - KIND_GRAD + KIND_READY, RELIABLE, "note"))
+        res = await ex.run(Program("worker:0", (tuple(steps),)), slots)
+        for r in res.reports:
+            if isinstance(r, BaseException):
+                raise r
+        return res.reports[-1]
+
+    async def worker_pull(self, transport: Transport, server, into, *, timeout):
+        ex = Executor(transport, "worker:0", {"server:0": tuple(server)}, timeout_s=timeout or 1e9)
+        slots = Slots()
+        slots.bind("params", into)
+        res = await ex.run(Program("worker:0", ((Recv("server:0", "params", 0, 0, None, RELIABLE, "params"),),)),
+                           slots)
+        rep = res.reports[0]
+        if rep.received_bytes == 0 and rep.regime == TIMEOUT:
+            raise TransportTimeout(f"no parameters from {server} within {timeout} s")
+        if rep.received_bytes == 0:
+            raise TransportError(f"receiving parameters from {server} failed ({rep.regime}): the PS went away")
+        return rep
 
 
 SCHEDULES = {"direct": DirectSchedule}
 
 
 def get_schedule(name: str) -> Schedule:
+    """Legacy lookup: only the star has the coroutine API; round-plan schedules are in ``ltp_ps.schedules``."""
     try:
         return SCHEDULES[name]()
     except KeyError:
-        from .errors import ConfigError
-
-        raise ConfigError(f"unknown schedule {name!r}; available: {sorted(SCHEDULES)}") from None
+        raise ConfigError(f"unknown legacy schedule {name!r}; available legacy schedules: {sorted(SCHEDULES)}; "
+                          f"round-plan schedules (ring, rsgcm, ...) are created with ltp_ps.schedules.create")

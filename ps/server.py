@@ -7,12 +7,18 @@ One round ``i`` of shard ``s``::
     poll joins        admit workers whose join request verified (rendezvous)
     broadcast(i)      reliable: header(i, version) | params | bubbles of round i-1
                       a failed send drops that worker (its process is gone)
-    gather(i)         loss-tolerant, one Early Close deadline (``gather_timeout_s``)
-                      for all active workers; a worker that delivers nothing is
-                      "missed" and dropped after ``max_missed`` misses in a row
+    gather(i)         loss-tolerant, one Early Close deadline for all active workers,
+                      bounded by ``gather_timeout_s`` or, by default, by the bound
+                      ``ltp_ps.deadlines`` derives from size and measured rates; a
+                      worker that delivers nothing is "missed" and dropped after
+                      ``max_missed`` misses in a row
     combine           schedule.combine -> unbiased or zero-filled mean
     optimizer step    in place on the broadcast buffer; version += 1
     metrics, checkpoint every ``checkpoint_every`` rounds (atomic)
+    health            a non-finite loss or parameter, ``max_missed`` rounds in a row
+                      without one usable gradient, or no live worker left (none
+                      rejoins within ``join_timeout_s``) raise TrainingFailed:
+                      the job never reports success when nothing trained
 
 Workers run the mirror loop (``ltp_ps.worker``): pull(i) -> compute -> push(i).
 A worker that joins late, or restarts and rejoins, receives the current
@@ -34,16 +40,20 @@ from typing import Callable
 
 import numpy as np
 
-from .aggregate import Aggregator
+from .aggregate import Aggregator, feedback_ranges
 from .checkpoint import load_latest, save_checkpoint
-from .errors import ConfigError, RendezvousError
+from .deadlines import GatherDeadline
+from .errors import ConfigError, RendezvousError, TrainingFailed
 from .membership import Membership, Staleness
 from .metrics import MetricsLog, format_summary, summarize
-from .optim import FlatOptimizer
+from .optim import CLIP_FACTOR, FlatOptimizer, NormGuard
 from .schedule import DirectSchedule, Schedule
+from .schedules import World, create as create_schedule
+from .schedules.executor import Executor, Slots
+from .schedules.program import RELIABLE, Program, Send, server as server_node, worker as worker_node
 from .sharding import ShardPlan
 from .transport.base import CANCELLED, TIMEOUT, Transport
-from .wire import (ELEM, HEADER_BYTES, KIND_GRAD, KIND_PARAMS, KIND_STOP, MAX_BUBBLES, ParamsHeader,
+from .wire import (ELEM, HEADER_BYTES, KIND_GRAD, KIND_PARAMS, KIND_STOP, MAX_BUBBLES, READY_BYTES, ParamsHeader,
                    encode_bubbles, params_message_capacity, tag_of)
 from .workloads import Workload
 
@@ -59,7 +69,8 @@ class ServerConfig:
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
-    gather_timeout_s: float = 10.0  # seconds; Early Close deadline bound for the gather
+    clip_factor: float = CLIP_FACTOR  # divergence guard: clip the aggregate's norm to this x its running mean (0: off)
+    gather_timeout_s: float | None = None  # seconds; None: derived per round (ltp_ps.deadlines)
     broadcast_timeout_s: float = 30.0  # seconds
     max_missed: int = 3
     min_workers: int | None = None  # BSP starts when this many joined (default: world_size)
@@ -83,7 +94,7 @@ class ParameterServer:
 
     def __init__(self, workload: Workload, transport: Transport, config: ServerConfig, *,
                  plan: ShardPlan | None = None, shard: int = 0, schedule: Schedule | None = None,
-                 rendezvous=None, log: Callable[[str], None] | None = None):
+                 rendezvous=None, log: Callable[[str], None] | None = None, planner=None):
         self.workload = workload
         self.transport = transport
         self.cfg = config
@@ -91,7 +102,17 @@ class ParameterServer:
         self.shard = shard
         self.lo, self.hi = self.plan.ranges[shard]
         self.n = self.hi - self.lo
-        self.schedule = schedule or DirectSchedule()
+        self.schedule = schedule or DirectSchedule()  # maths on raw gradient messages (contribution/combine)
+        # The round plan (ltp_ps.schedules) and the executor that runs it: nothing here sends around it.
+        self.planner = planner or create_schedule("direct", World(
+            workers=range(config.world_size), n_elems=workload.n_params, shards=tuple(self.plan.ranges),
+            layout=tuple(workload.layout()), aggregation=config.aggregation))
+        self.node = server_node(shard)
+        self.executor = Executor(transport, self.node, {}, timeout_s=config.broadcast_timeout_s,
+                                 payload_timeouts={"params": config.broadcast_timeout_s,
+                                                   "stop": config.broadcast_timeout_s})
+        self._slots = Slots()
+        self._ready_wait: float | None = None
         self.rendezvous = rendezvous
         self.log = log or (lambda s: print(s, flush=True))
         self.membership = Membership(max_missed=config.max_missed)
@@ -103,6 +124,8 @@ class ParameterServer:
         self.params[:] = workload.initial_params(config.seed)[self.lo:self.hi]
         self.optimizer = FlatOptimizer(self.params, config.optimizer, lr=config.lr, momentum=config.momentum,
                                        weight_decay=config.weight_decay)
+        self.guard = NormGuard(config.clip_factor)
+        self._clip_scale = 1.0
         self.iteration = 0
         self.version = 0
         self.ipe = max(1, workload.iters_per_epoch(config.world_size))
@@ -113,6 +136,10 @@ class ParameterServer:
         self.metrics = MetricsLog(config.metrics_path)
         self.epoch_lines: list[str] = []
         self._stopping = False
+        self._ready_note = np.zeros(READY_BYTES, dtype=np.uint8)
+        self.deadline = GatherDeadline(config.gather_timeout_s)
+        self._empty_rounds = 0  # consecutive rounds without one usable gradient
+        self._failed: TrainingFailed | None = None
         self._resume()
 
     # -- membership ------------------------------------------------------
@@ -188,8 +215,15 @@ class ParameterServer:
                 await self._run_async()
             else:
                 await self._run_bsp()
+        except TrainingFailed as exc:
+            self._failed = exc
+            self.metrics.write({"event": "failed", "t": time.time(), "iteration": self.iteration,
+                                "reason": str(exc)})
+            await self._stop_all(best_effort=True)
+            raise
         finally:
-            self.checkpoint()
+            if self._failed is None or np.isfinite(self.params).all():
+                self.checkpoint()  # never overwrite a good checkpoint with diverged parameters
             self.metrics.close()
         s = summarize(self.metrics.rows)
         s["staleness_mean"] = self.staleness.mean
@@ -203,8 +237,7 @@ class ParameterServer:
         while self.iteration < self.total:
             self._poll()
             if not self.membership.active():
-                self.log(f"[ps{self.shard}] no active workers; waiting for workers to rejoin")
-                await self._wait_workers(1)
+                await self._wait_rejoin()
             row = await self.round()
             epoch_rows.append(row)
             if bar is not None:
@@ -225,20 +258,29 @@ class ParameterServer:
         members = self.membership.active()
         self.transport.discard_before(tag_of(it, 0))  # late gradients of earlier rounds
         msg = self._params_message(KIND_PARAMS, self._lost_prev)
+        prog = self._bind_round(it, members, msg)
         t0 = time.monotonic()
-        reps = await self.schedule.server_broadcast(self.transport, [m.addr for m in members], msg,
-                                                    tag=tag_of(it, KIND_PARAMS), timeout=self.cfg.broadcast_timeout_s)
+        reps = (await self.executor.run(prog.head(1), self._slots, iteration=it)).reports
         t_b = time.monotonic() - t0
         alive = []
         for m, r in zip(members, reps):
             if isinstance(r, BaseException):
-                self.membership.failed(m.rank, f"broadcast failed: {r}")
+                why = f"broadcast of round {it} failed after {t_b:.2f} s: {type(r).__name__}: {r}"
+                self.membership.failed(m.rank, why)
+                self.log(f"[ps{self.shard}] dropped worker {m.rank}: {why}")
             else:
                 alive.append(m)
+        if alive and len(alive) == len(reps):
+            self.deadline.observe_transfer(len(msg) * len(alive), t_b)
         bufs = [self._bufs[m.rank] for m in alive]
+        gather_timeout = self.deadline.timeout(HEADER_BYTES + ELEM * self.n, len(alive))
         t1 = time.monotonic()
-        greps = await self.schedule.server_gather(self.transport, [m.addr for m in alive], bufs,
-                                                  tag=tag_of(it, KIND_GRAD), timeout=self.cfg.gather_timeout_s)
+        gres = await self.executor.run(Program(self.node, prog.stages[1:-1]), self._slots, iteration=it,
+                                       exclude={worker_node(m.rank) for m in members if m not in alive},
+                                       group_timeouts={"ready": gather_timeout, "grad": gather_timeout})
+        idx = {worker_node(m.rank): i for i, m in enumerate(members)}
+        greps = [gres.reports[len(gres.reports) - len(members) + idx[worker_node(m.rank)]] for m in alive]
+        self._ready_wait = gres.group_s.get("ready")  # compute time of the slowest worker, as seen by the PS
         t_wait = time.monotonic() - t1
         contribs = []
         lost: dict = {}
@@ -262,18 +304,19 @@ class ParameterServer:
                     bubbles[m.rank] = len(c.lost)
             elif r.regime not in (TIMEOUT, CANCELLED):
                 self.membership.delivered(m.rank)  # alive (it registered), but Early Close left nothing usable
-            elif self.membership.missed(m.rank):
-                self.log(f"[ps{self.shard}] dropped worker {m.rank} after {self.cfg.max_missed} missed rounds")
+            elif self.membership.missed(m.rank, _miss_reason(r, gather_timeout)):
+                self.log(f"[ps{self.shard}] dropped worker {m.rank}: {_miss_reason(r, gather_timeout)} "
+                         f"{self.cfg.max_missed} rounds in a row")
             if c.lost:
                 lost[m.rank] = c.lost
         grad = self.schedule.combine(self.aggregator, contribs)
-        if self.aggregator.contributors:
-            self.optimizer.step(grad)
-            self.version += 1
-        self._lost_prev = lost
+        uncovered = self._apply(grad, it)
+        # error feedback: what each worker should re-send (unbiased mean: only what nobody delivered)
+        self._lost_prev = {rank: fb for rank, v in lost.items()
+                           if (fb := feedback_ranges(self.cfg.aggregation, v, uncovered))}
         self.iteration += 1
         # The wait includes the workers' compute: subtract the READY wait (or the slowest reported compute).
-        ready_wait = getattr(self.schedule, "last_ready_wait_s", None)
+        ready_wait = self._ready_wait
         t_g = max(0.0, t_wait - (ready_wait if ready_wait is not None else max(compute, default=0.0)))
         row = {"event": "iteration", "t": time.time(), "shard": self.shard, "iteration": it,
                "epoch": it // self.ipe, "workers": len(alive), "contributors": self.aggregator.contributors,
@@ -282,12 +325,88 @@ class ParameterServer:
                "delivered": {str(k): v for k, v in delivered.items()}, "regime": {str(k): v for k, v in regimes.items()},
                "bubbles": {str(k): v for k, v in bubbles.items()},
                "lost_elements": {str(k): int(sum(e - s for s, e in v)) for k, v in lost.items()},
+               "uncovered_elements": int(sum(e - s for s, e in uncovered)), "rejected": self.aggregator.rejected,
+               "feedback_elements": {str(k): int(sum(e - s for s, e in v)) for k, v in self._lost_prev.items()},
+               "clip_scale": self._clip_scale,
                "loss": float(np.mean(losses)) if losses else float("nan"), "samples": samples}
         for ev in self.membership.drain_events():
             self.metrics.write({"event": ev.kind, "t": time.time(), "rank": ev.rank, "reason": ev.reason,
                                 "iteration": it})
         self.metrics.write(row)
+        self._observe_round(greps, compute, t_g)
+        self._check_health(it, losses, row["contributors"], len(alive), gather_timeout)
         return row
+
+    def _apply(self, grad: np.ndarray, it: int) -> list:
+        """Optimizer step with the aggregated gradient on the elements someone delivered.
+
+        Returns the element ranges nobody delivered (not applied: parameters and
+        optimizer state untouched there). The divergence guard (``NormGuard``)
+        clips the aggregate's norm first. A non-finite aggregate (possible only
+        through overflow, since non-finite contributions are refused) is not
+        applied at all.
+        """
+        agg = self.aggregator
+        self._clip_scale = 1.0
+        if agg.rejected:
+            self.log(f"[ps{self.shard}] round {it}: refused {agg.rejected} gradient(s) with NaN/inf values")
+        if not agg.contributors:
+            return [(0, self.n)]
+        if not np.isfinite(grad.sum(dtype=np.float32)):
+            self.log(f"[ps{self.shard}] round {it}: the aggregated gradient is not finite; update skipped")
+            return [(0, self.n)]
+        mask = agg.applied_mask()
+        self._clip_scale = self.guard.apply(grad, mask)
+        self.optimizer.step(grad, mask=mask)
+        self.version += 1
+        return agg.uncovered() if mask is not None else []
+
+    # -- health and deadlines ------------------------------------------------
+    def _observe_round(self, greps, compute: list, t_g: float) -> None:
+        """Feed the gather-deadline rule: compute times, RTprop/BtlBw estimates, complete-gather goodput."""
+        if compute:
+            self.deadline.observe_compute(max(compute))
+        btlbw = 0.0
+        for r in greps:
+            raw = getattr(r, "raw", None)
+            self.deadline.observe_rtprop(float(getattr(raw, "rtprop_s", 0.0) or 0.0))
+            btlbw += float(getattr(raw, "btlbw_bps", 0.0) or 0.0)
+        if btlbw > 0:
+            self.deadline.observe_rate(btlbw / 8)
+        if greps and all(r.regime not in (TIMEOUT, CANCELLED) for r in greps):
+            self.deadline.observe_transfer(sum(r.received_bytes for r in greps), t_g)
+
+    def _check_health(self, it: int, losses: list, contributors: int, n_alive: int, timeout_s: float) -> None:
+        """Raise TrainingFailed on a non-finite loss/parameter or ``max_missed`` empty rounds in a row."""
+        bad = [x for x in losses if not np.isfinite(x)]
+        if bad:
+            raise TrainingFailed(
+                f"PS shard {self.shard}: round {it}: {len(bad)} of {len(losses)} workers reported a non-finite "
+                f"loss ({bad[0]}); training diverged: lower --lr, or resume from an earlier --checkpoint-dir")
+        if not np.isfinite(self.params).all():
+            raise TrainingFailed(
+                f"PS shard {self.shard}: round {it}: the parameters became non-finite after the optimizer step; "
+                f"training diverged: lower --lr")
+        self._empty_rounds = 0 if contributors else self._empty_rounds + 1
+        if self._empty_rounds >= max(1, self.cfg.max_missed):
+            raise TrainingFailed(
+                f"PS shard {self.shard}: no usable gradient from any of {n_alive} live workers in "
+                f"{self._empty_rounds} rounds in a row (last gather bound {timeout_s:.2f} s); nothing is training. "
+                f"Check the workers' logs; for large models on slow links raise --gather-timeout")
+
+    async def _wait_rejoin(self) -> None:
+        """Every worker is gone: wait ``join_timeout_s`` for one to (re)join, else fail the job."""
+        dropped = [f"worker {e.rank}: {e.reason}" for e in self.membership.events_log if e.kind == "dropped"]
+        self.log(f"[ps{self.shard}] no live worker at round {self.iteration}; waiting up to "
+                 f"{self.cfg.join_timeout_s:.0f} s for workers to rejoin")
+        t0 = time.monotonic()
+        try:
+            await self._wait_workers(1)
+        except RendezvousError:
+            raise TrainingFailed(
+                f"PS shard {self.shard}: no live worker at round {self.iteration} of {self.total} and none "
+                f"rejoined within {time.monotonic() - t0:.1f} s ({'; '.join(dropped[-8:]) or 'all dropped'}); "
+                f"the job stops without finishing") from None
 
     def _end_epoch(self, rows: list[dict], epoch: int | None = None) -> None:
         epoch = (self.iteration - 1) // self.ipe if epoch is None else epoch
@@ -306,11 +425,44 @@ class ParameterServer:
         self.epoch_lines.append(line)
         self.log(line)
 
-    async def _stop_all(self) -> None:
+    async def _stop_all(self, best_effort: bool = False) -> None:
         members = self.membership.active()
         msg = self._params_message(KIND_STOP, {})
-        await self.transport.broadcast([m.addr for m in members], msg, tag=tag_of(self.iteration, KIND_STOP),
-                                       timeout=self.cfg.broadcast_timeout_s)
+        timeout = min(STOP_BEST_EFFORT_S, self.cfg.broadcast_timeout_s) if best_effort else self.cfg.broadcast_timeout_s
+        try:
+            self._address(members)
+            self._slots.bind("params", msg)
+            prog = self.planner.stop_program(self.shard, self.iteration, [m.rank for m in members])
+            prog = Program(self.node, tuple(tuple(dataclasses.replace(s, timeout_s=timeout) for s in st)
+                                            for st in prog.stages))
+            await self.executor.run(prog, self._slots, iteration=self.iteration)
+        except Exception:
+            if not best_effort:
+                raise
+
+    # -- executor bindings -------------------------------------------------
+    def _address(self, members) -> None:
+        for m in members:
+            self.executor.addresses[worker_node(m.rank)] = tuple(m.addr)
+
+    def _bind_round(self, it: int, members, msg) -> Program:
+        """This shard's program for round ``it`` with its slots bound to the server's buffers."""
+        self._address(members)
+        self._slots.bind("params", msg)
+        for m in members:
+            self._slots.bind(f"ready:{worker_node(m.rank)}", self._ready_note)
+            self._slots.bind(f"in:{worker_node(m.rank)}", self._bufs[m.rank])
+        return self.planner.server_program(self.shard, it, [m.rank for m in members])
+
+    async def _send_one(self, m, data, tag: int, payload: str) -> None:
+        """One reliable message to one worker through the executor (async mode); raises what the send raised."""
+        self._address([m])
+        slot = f"out:{worker_node(m.rank)}"
+        self._slots.bind(slot, data)
+        res = await self.executor.run(Program(self.node, ((Send(worker_node(m.rank), slot, 0, 0, tag, RELIABLE,
+                                                                payload),),)), self._slots)
+        if isinstance(res.reports[0], BaseException):
+            raise res.reports[0]
 
     # -- asynchronous ------------------------------------------------------
     async def _run_async(self) -> None:
@@ -341,6 +493,8 @@ class ParameterServer:
         await asyncio.gather(*tasks.values(), return_exceptions=True)
         if bar is not None:
             bar.close()
+        if self._failed is not None:
+            raise self._failed
 
     async def _async_worker(self, m) -> None:
         own = np.zeros(params_message_capacity(self.n), dtype=np.uint8)
@@ -350,8 +504,7 @@ class ParameterServer:
                 hdr = ParamsHeader(KIND_STOP, self.shard, self.version, self.version, 0, 0)
                 hdr.pack_into(own)
                 try:
-                    await self.transport.send(m.addr, own[:HEADER_BYTES], reliable=True,
-                                              tag=tag_of(self.version, KIND_STOP), timeout=self.cfg.broadcast_timeout_s)
+                    await self._send_one(m, own[:HEADER_BYTES], tag_of(self.version, KIND_STOP), "stop")
                 except Exception:
                     pass
                 self._done.set()
@@ -361,11 +514,10 @@ class ParameterServer:
             own[HEADER_BYTES:HEADER_BYTES + ELEM * self.n] = self._msg[HEADER_BYTES:HEADER_BYTES + ELEM * self.n]
             try:
                 t0 = time.monotonic()
-                await self.transport.send(m.addr, own[:HEADER_BYTES + ELEM * self.n], reliable=True,
-                                          tag=tag_of(v, KIND_PARAMS), timeout=self.cfg.broadcast_timeout_s)
+                await self._send_one(m, own[:HEADER_BYTES + ELEM * self.n], tag_of(v, KIND_PARAMS), "params")
                 t_b = time.monotonic() - t0
                 r = await self.schedule.server_recv_one(self.transport, m.addr, buf, iteration=v,
-                                                        timeout=self.cfg.gather_timeout_s)
+                                                        timeout=self.deadline.timeout(HEADER_BYTES + ELEM * self.n, 1))
             except Exception as exc:  # dead or slow worker
                 if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
                     if self.membership.missed(m.rank, "no gradient within the gather timeout"):
@@ -378,9 +530,22 @@ class ParameterServer:
                 self.membership.missed(m.rank, "unusable gradient")
                 continue
             self.membership.delivered(m.rank)
+            self.deadline.observe_compute(c.header.compute_s)
+            if not np.isfinite(c.header.loss):
+                self._failed = TrainingFailed(
+                    f"PS shard {self.shard}: worker {m.rank} reported a non-finite loss ({c.header.loss}) at "
+                    f"version {self.version}; training diverged: lower --lr")
+                self._done.set()
+                return
             st = self.staleness.record(c.header.model_version, self.version)
             grad = self.schedule.combine(self.aggregator, [c])
-            self.optimizer.step(grad)  # no await between snapshot and update: atomic in asyncio
+            if not self.aggregator.contributors or not np.isfinite(grad.sum(dtype=np.float32)):
+                self.membership.missed(m.rank, "non-finite gradient")
+                continue
+            # no await between snapshot and update: atomic in asyncio
+            mask = self.aggregator.applied_mask()
+            self.guard.apply(grad, mask)
+            self.optimizer.step(grad, mask=mask)
             self.version += 1
             self.iteration = self.version
             row = {"event": "iteration", "t": time.time(), "shard": self.shard, "iteration": self.version - 1,
@@ -397,6 +562,16 @@ class ParameterServer:
                 self._async_rows = []
             if self.cfg.checkpoint_every and self.version % self.cfg.checkpoint_every == 0:
                 self.checkpoint()
+
+
+STOP_BEST_EFFORT_S = 2.0  # seconds spent telling workers to stop when the job fails
+
+
+def _miss_reason(r, timeout_s: float) -> str:
+    """Why a worker's gather slot came back empty, with the real elapsed time."""
+    if r.regime == CANCELLED:
+        return f"its gradient transfer failed after {r.duration_s:.2f} s (peer closed or unreachable)"
+    return (f"no gradient within {r.duration_s:.2f} s ({r.regime}; bound {timeout_s:.2f} s)")
 
 
 def _bar(total, initial, enabled, desc):

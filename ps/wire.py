@@ -17,7 +17,9 @@ broadcast (one buffer for all workers, as ``broadcast`` requires).  The table
 is capped (``MAX_BUBBLES``); beyond it the ranges are coarsened (merged), which
 can only over-report loss.
 
-Tags: ``tag = iteration * 8 + kind``.  A header whose magic is wrong (e.g. a
+Tags: structured ``(iteration, phase, step, chunk, kind)`` packed by
+``ltp_ps.schedules.tags`` (the only place that packs them); ``tag_of(i, kind)``
+is the push-phase tag of round ``i``.  A header whose magic is wrong (e.g. a
 zero-filled header of a worker that never sent) means "nothing usable".
 """
 
@@ -27,6 +29,8 @@ import dataclasses
 import struct
 
 import numpy as np
+
+from .schedules import tags as _tags
 
 HEADER_BYTES = 64
 ELEM = 4  # bytes per float32
@@ -38,11 +42,15 @@ KIND_GRAD = 1
 KIND_PARAMS = 2
 KIND_STOP = 3
 KIND_READY = 4  # tiny reliable 'my gradient is computed' note that precedes each push
+KIND_PARTIAL = 5  # a partial aggregate (sum + counts) between workers/aggregators (ltp_ps.schedules.partial)
+KIND_GRANT = 6  # a controller's grant (dynamic schedules), reliable JSON
+KIND_PLAN = 7  # a round plan distributed by the coordinator, reliable JSON
 READY_BYTES = 8
 
 
 def tag_of(iteration: int, kind: int) -> int:
-    return iteration * 8 + kind
+    """The push-phase tag of ``kind`` in round ``iteration`` (see ``ltp_ps.schedules.tags``)."""
+    return _tags.pack(iteration, _tags.PHASE_PUSH, 0, 0, kind)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,9 +28,12 @@ from .aggregate import critical_ranges
 from .errors import RemoteError, TransportTimeout
 from .feedback import ErrorFeedback
 from .schedule import DirectSchedule, Schedule
-from .transport.base import Transport
-from .wire import (BUBBLE_BYTES, ELEM, HEADER_BYTES, KIND_GRAD, KIND_STOP, GradHeader, ParamsHeader,
-                   decode_bubbles, params_message_capacity, tag_of)
+from .schedules import World, create as create_schedule
+from .schedules.executor import Executor, Slots
+from .schedules.program import Program, server as server_node, worker as worker_node
+from .transport.base import TIMEOUT, Transport
+from .wire import (BUBBLE_BYTES, ELEM, HEADER_BYTES, KIND_STOP, READY_BYTES, GradHeader, ParamsHeader,
+                   decode_bubbles, params_message_capacity)
 from .workloads import Workload, set_flat
 
 
@@ -59,12 +62,12 @@ class WorkerConfig:
 
 class Worker:
     def __init__(self, workload: Workload, transport: Transport, shards: Sequence[ShardRef], config: WorkerConfig,
-                 *, schedule: Schedule | None = None):
+                 *, schedule: Schedule | None = None, planner=None):
         self.workload = workload
         self.transport = transport
         self.shards = sorted(shards, key=lambda s: s.shard)
         self.cfg = config
-        self.schedule = schedule or DirectSchedule()
+        self.schedule = schedule or DirectSchedule()  # legacy seam (kept for callers); rounds use the planner
         self.n = workload.n_params
         self.model = workload.build_model()
         self.flat = np.zeros(self.n, dtype=np.float32)
@@ -75,6 +78,21 @@ class Worker:
                                           edge_elems=config.edge_elems, max_ranges=config.max_critical_ranges)
                           for s in self.shards]
         self.feedback = ErrorFeedback(self.n) if config.error_feedback else None
+        # The round plan and the executor: pull, compute and push are this worker's program (ltp_ps.schedules).
+        self.planner = planner or create_schedule("direct", World(
+            workers=range(config.world_size), n_elems=self.n, shards=tuple((s.lo, s.hi) for s in self.shards),
+            layout=tuple(layout)), edge_elems=config.edge_elems, max_critical_ranges=config.max_critical_ranges)
+        self.node = worker_node(config.rank)
+        self.executor = Executor(transport, self.node, {server_node(s.shard): tuple(s.addr) for s in self.shards},
+                                 timeout_s=config.push_timeout_s or 1e9,
+                                 payload_timeouts={"params": config.pull_timeout_s})
+        self.slots = Slots()
+        note = np.zeros(READY_BYTES, dtype=np.uint8)
+        for s, buf, out, crit in zip(self.shards, self._in, self._out, self._critical):
+            self.slots.bind(f"params:{server_node(s.shard)}", buf)
+            self.slots.bind(f"out:{server_node(s.shard)}", out)
+            self.slots.bind_critical(f"out:{server_node(s.shard)}", crit)
+            self.slots.bind(f"note:{server_node(s.shard)}", note)
         self._batches = None
         self.iterations = 0
         self.last_loss = float("nan")
@@ -82,11 +100,14 @@ class Worker:
 
     async def pull(self) -> list[ParamsHeader]:
         """Receive one parameter message per shard; parameters land in ``self.flat``."""
-        reps = await asyncio.gather(*(self.schedule.worker_pull(self.transport, s.addr, buf,
-                                                                timeout=self.cfg.pull_timeout_s)
-                                      for s, buf in zip(self.shards, self._in)))
+        res = await self.executor.run(self.planner.worker_program(self.cfg.rank, 0).head(1), self.slots)
+        for s, r in zip(self.shards, res.reports):
+            if r.received_bytes == 0:
+                why = "no parameters" if r.regime == TIMEOUT else f"the parameter transfer failed ({r.regime})"
+                raise TransportTimeout(f"worker {self.cfg.rank}: {why} from PS shard {s.shard} at {s.addr} within "
+                                       f"{self.cfg.pull_timeout_s} s")
         headers = []
-        for s, buf, r in zip(self.shards, self._in, reps):
+        for s, buf, r in zip(self.shards, self._in, res.reports):
             h = ParamsHeader.unpack(buf)
             if h.kind != KIND_STOP and h.n_elems != s.hi - s.lo:
                 raise RemoteError(f"shard {s.shard} sent {h.n_elems} parameters, expected {s.hi - s.lo}")
@@ -110,13 +131,20 @@ class Worker:
     async def push(self, grad: np.ndarray, *, iteration: int, model_version: int, loss: float, samples: int,
                    compute_s: float = 0.0) -> list:
         """Send ``grad`` (full model) to every shard; returns the SendReports."""
-        coros = []
-        for s, out, crit in zip(self.shards, self._out, self._critical):
+        for s, out in zip(self.shards, self._out):
             GradHeader(self.cfg.rank, s.shard, iteration, model_version, samples, loss, compute_s).pack_into(out)
             out[HEADER_BYTES:].view(np.float32)[:] = grad[s.lo:s.hi]
-            coros.append(self.schedule.worker_push(self.transport, s.addr, out, critical=crit,
-                                                   tag=tag_of(iteration, KIND_GRAD), timeout=self.cfg.push_timeout_s))
-        return list(await asyncio.gather(*coros))
+        prog = self.planner.worker_program(self.cfg.rank, iteration)
+        push = Program(self.node, prog.stages[2:])
+        res = await self.executor.run(push, self.slots, iteration=iteration)
+        steps = push.steps()
+        out = []
+        for st, r in zip(steps, res.reports):
+            if isinstance(r, BaseException):
+                raise r
+            if st.payload == "grad":
+                out.append(r)
+        return out
 
     async def run(self) -> dict:
         """Train until the PS says STOP.  Returns a small stats dict."""

@@ -54,21 +54,24 @@ def test_reg_bytes_with_ranges_and_mac():
     mac = bytes(range(16))
     p = LTPT(type=REG, flags="RELIABLE+MAC", flow_id=9, token=0x01020304, attempt=2,
              total=100_000, segment_size=1456, element_size=4, segment_count=69, tag=42, mode=1,
-             ranges=[LTPTRange(first=0, end=3), LTPTRange(first=10, end=12)], mac=mac)
-    body = struct.pack("!QHHIQBBH", 100_000, 1456, 4, 69, 42, 1, 0, 2) + struct.pack("!IIII", 0, 3, 10, 12)
+             ranges=[LTPTRange(first=0, end=3), LTPTRange(first=10, end=12)], mac=mac,
+             timestamp=1_790_000_000_123_456)
+    body = struct.pack("!QHHIQBBHQ", 100_000, 1456, 4, 69, 42, 1, 0, 2, 1_790_000_000_123_456) + \
+        struct.pack("!IIII", 0, 3, 10, 12)
     want = hdr(0, 0x06, 9, 0x01020304, 2, 0) + body + mac
     assert bytes(p) == want
     q = LTPT(want)
     assert q.range_count == 2 and [(r.first, r.end) for r in q.ranges] == [(0, 3), (10, 12)]
     assert q.mac == mac and q.segment_count == 69 and q.tag == 42 and q.mode == 1
+    assert q.timestamp == 1_790_000_000_123_456 and "ts=1790000000123456" in q.mysummary()
     assert len(q.payload) == 0   # the MAC ends the packet
 
 
 def test_reg_without_mac_has_no_mac_field():
     p = LTPT(type=REG, flow_id=1, token=2, total=10, segment_size=8, element_size=4, segment_count=2)
     raw = bytes(p)
-    assert len(raw) == 16 + 28
-    assert raw[16:] == struct.pack("!QHHIQBBH", 10, 8, 4, 2, 0, 0, 0, 0)
+    assert len(raw) == 16 + 36
+    assert raw[16:] == struct.pack("!QHHIQBBHQ", 10, 8, 4, 2, 0, 0, 0, 0, 0)
     q = LTPT(raw)
     assert q.mac is None and len(q.payload) == 0
 

@@ -19,8 +19,8 @@ PEER = ("10.0.0.2", 7447)
 
 def _engine_datagrams(job_key=None):
     """REG and DATA from a sender engine, ACK and STOP from a receiver engine."""
-    snd = Engine(Config(job_key=job_key), rng=random.Random(1))
-    rcv = Engine(Config(job_key=job_key), rng=random.Random(2))
+    snd = Engine(Config(job_key=job_key), rng=random.Random(1), local_addr=("10.0.0.1", 7447))
+    rcv = Engine(Config(job_key=job_key), rng=random.Random(2), local_addr=PEER)
     data = np.arange(1800, dtype=np.float32)  # 5 packets: within the first burst of a new path
     snd.send(PEER, data, now=0.0, critical=[(0, 100), (6000, 7000)], tag=77, reliable=False)
     out = []
@@ -41,7 +41,7 @@ def test_engine_datagrams_dissect_field_by_field(job_key):
     assert ptype == wire.T_REG and reg.type == 0 and reg.flow_id == fid and reg.token == token
     body = wire.unpack_reg_body(out[0], 16, bool(flags & wire.F_MAC))
     assert (reg.total, reg.segment_size, reg.element_size, reg.segment_count, reg.tag, reg.mode) == body[:6]
-    assert [(r.first, r.end) for r in reg.ranges] == body[6]
+    assert [(r.first, r.end) for r in reg.ranges] == body[6] and reg.timestamp == body[9]
     if job_key:
         assert reg.mac == body[7]
     for raw in out[1:]:

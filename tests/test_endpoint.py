@@ -127,7 +127,7 @@ async def test_recv_timeout_and_misuse_errors():
         with pytest.raises(LocalProtocolError, match="one buffer per peer"):
             await b.gather([a.local_addr], [bytearray(4), bytearray(4)])
         with pytest.raises(LocalProtocolError, match="multiple of element_size"):
-            await a.send(b.local_addr, b"123")
+            await a.send(b.local_addr, b"123", element_size=4)
     with pytest.raises(LocalProtocolError, match="closed"):
         await a.send(b.local_addr, b"1234")
 

@@ -471,3 +471,33 @@ def test_random_segment_sizes_roundtrip(mod, hyp_sockets, data, gso, gro):
     finally:
         a.close()
         b.close()
+
+
+def test_recv_errors_reports_icmp_port_unreachable_with_the_peer(mod, socks, fam):
+    family, host = fam
+    s = socks.make(family, host)
+    io = mod.UdpIO(s)
+    assert io.recverr_enabled and io.recv_errors() == []
+    gone = socks.make(family, host)
+    dead = gone.getsockname()
+    gone.close()
+    io.send(dead, b"x" * 40, 40)
+    deadline = time.monotonic() + 2.0
+    reports = []
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.005)
+        reports = io.recv_errors()
+    assert len(reports) == 1
+    addr, err, origin, icmp_type, _code = reports[0]
+    assert addr[:2] == dead[:2] and err == errno.ECONNREFUSED
+    assert (origin, icmp_type) in ((2, 3), (3, 1))  # ICMP dest unreachable / ICMPv6 dest unreachable
+    assert io.recv_errors() == []  # drained
+    # the socket still works after the report
+    peer = socks.make(family, host)
+    io.send(peer.getsockname(), b"hello", 5)
+    assert peer.recv(16) == b"hello"
+
+
+def test_recverr_can_be_turned_off(mod, socks):
+    io = mod.UdpIO(socks.make(), recverr=False)
+    assert not io.recverr_enabled and io.recv_errors() == []

@@ -65,13 +65,14 @@ def test_reg_body_round_trip(total, elems, tag, mode, data):
         return
     cuts = sorted(set(data.draw(st.lists(st.integers(0, min(count, 10_000)), max_size=8))))
     ranges = [(a, b) for a, b in zip(cuts[::2], cuts[1::2]) if b > a]
-    body = wire.pack_reg_body(total, seg, elem, count, tag, mode, ranges)
+    stamp = data.draw(st.integers(0, (1 << 64) - 1))
+    body = wire.pack_reg_body(total, seg, elem, count, tag, mode, ranges, timestamp_us=stamp)
     got = wire.unpack_reg_body(body, 0, False)
     assert got[:7] == (total, seg, elem, count, tag, mode, ranges)
-    assert got[7] is None and got[8] == len(body)
+    assert got[7] is None and got[8] == len(body) and got[9] == stamp
     mac = bytes(range(16))
     got = wire.unpack_reg_body(body + mac, 0, True)
-    assert got[7] == mac and got[8] == len(body)
+    assert got[7] == mac and got[8] == len(body) and got[9] == stamp
 
 
 @pytest.mark.parametrize("mutate,reason", [

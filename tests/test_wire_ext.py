@@ -128,14 +128,17 @@ def reg_fields(draw):
     return total, seg, elem, count, draw(u64), draw(st.integers(0, 1)), ranges
 
 
-@given(f=reg_fields(), mac=st.none() | st.binary(min_size=16, max_size=16), pre=st.binary(max_size=20))
-def test_reg_body_roundtrip(mod, f, mac, pre):
+@given(f=reg_fields(), mac=st.none() | st.binary(min_size=16, max_size=16), pre=st.binary(max_size=20),
+       stamp=u64)
+def test_reg_body_roundtrip(mod, f, mac, pre, stamp):
     total, seg, elem, count, tag, mode, ranges = f
-    body = mod.pack_reg_body(total, seg, elem, count, tag, mode, ranges)
-    assert len(body) == mod.REG_FIXED_SIZE + 8 * len(ranges)
+    body = mod.pack_reg_body(total, seg, elem, count, tag, mode, ranges, timestamp_us=stamp)
+    assert len(body) == mod.REG_FIXED_SIZE + 8 * len(ranges) == 36 + 8 * len(ranges)
+    # the timestamp sits right after the range count (docs/protocol.md)
+    assert int.from_bytes(body[28:36], "big") == stamp
     wire = pre + body + (mac or b"")
     got = mod.unpack_reg_body(wire, len(pre), mac is not None)
-    assert got == (total, seg, elem, count, tag, mode, ranges, mac, len(pre) + len(body))
+    assert got == (total, seg, elem, count, tag, mode, ranges, mac, len(pre) + len(body), stamp)
 
 
 @given(fid=u16, tok=u32, rcv=u32, delay=st.integers(0, 10 ** 7),
@@ -220,7 +223,8 @@ def reg_almost_valid(draw):
     if draw(st.booleans()):
         ranges.sort()
     mac = draw(st.booleans())
-    body = struct.pack("!QHHIQBBH", total, seg, elem, max(count, 0), draw(u64), draw(st.integers(0, 1)), 0, nr)
+    body = struct.pack("!QHHIQBBHQ", total, seg, elem, max(count, 0), draw(u64), draw(st.integers(0, 1)), 0, nr,
+                       draw(u64))
     body += b"".join(struct.pack("!II", a, b) for a, b in ranges) + (bytes(range(16)) if mac else b"")
     return body, mac
 
@@ -295,6 +299,7 @@ def test_uf16_arguments(comp, v):
        | st.lists(st.tuples(st.integers(0, 9)), max_size=2) | st.just([(1, 2)] * 161))
 def test_pack_reg_body_arguments(comp, args, ranges):
     agree(comp, "pack_reg_body", *args, ranges)
+    agree(comp, "pack_reg_body", *args[:6], [], args[0])  # timestamp_us: same checks as the other fields
 
 
 @settings(max_examples=300)

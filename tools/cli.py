@@ -36,6 +36,7 @@ from typing import Callable
 #: import paths of modules whose ``register(subparsers)`` adds subcommands (built-ins first)
 COMMAND_MODULES: list[str] = ["ltp_tools.cli"]
 COMMAND_MODULES.append("ltp_tools.experiments")  # loss-sweep, incast, fairness (tools/experiments/)
+COMMAND_MODULES.append("ltp_tools.experiments.accuracy_grid")  # accuracy-grid (issue 7)
 _extra_registrars: list[Callable] = []
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,15}$")

@@ -9,7 +9,8 @@ Theory of operation
         DATA  seq(24) attempt(8) | rtprop(uf16) btlbw(uf16) | payload (scapy Raw)
         REG   seq(24, always 0) attempt(8) | rtprop btlbw | total(64) segment_size(16)
               element_size(16) segment_count(32) tag(64) mode(8) reserved(8)
-              range_count(16) ranges[range_count] (first(32), end(32)) [mac(16 B) if flag MAC]
+              range_count(16) timestamp(64, µs since the Unix epoch)
+              ranges[range_count] (first(32), end(32)) [mac(16 B) if flag MAC]
         ACK   held(32) | ack_delay(uf16) count(16) | entries[count] (u32: seq << 8 | attempt)
         STOP  held(32) | close_reason(8) reserved(24)
         RESET reset_reason(32) | reserved(32)
@@ -39,7 +40,7 @@ FLAG_CRITICAL, FLAG_RELIABLE, FLAG_MAC = 0x01, 0x02, 0x04
 MODES = {0: "loss-tolerant", 1: "reliable"}
 CLOSE_REASONS = {1: "complete", 2: "early", 3: "deadline", 4: "cancelled"}
 RESET_REASONS = {1: "too_large", 2: "too_many_flows", 3: "out_of_memory", 4: "unauthenticated",
-                 5: "bad_registration", 6: "cancelled", 7: "shutdown"}
+                 5: "bad_registration", 6: "cancelled", 7: "shutdown", 8: "stale", 9: "unregistered"}
 
 UF16_MAX = 2047 << 31
 
@@ -118,6 +119,7 @@ class LTPT(Packet):
         ConditionalField(ByteEnumField("mode", 0, MODES), _is(REG)),
         ConditionalField(ByteField("reg_reserved", 0), _is(REG)),
         ConditionalField(FieldLenField("range_count", None, fmt="H", count_of="ranges"), _is(REG)),
+        ConditionalField(LongField("timestamp", 0), _is(REG)),
         ConditionalField(PacketListField("ranges", [], LTPTRange, count_from=lambda p: p.range_count), _is(REG)),
         ConditionalField(XStrFixedLenField("mac", b"\x00" * MAC_LEN, MAC_LEN),
                          lambda p: p.type == REG and int(p.flags) & FLAG_MAC),
@@ -142,7 +144,8 @@ class LTPT(Packet):
         if self.type == REG:
             return (f"{head} att={self.attempt} total={self.total} seg={self.segment_size} "
                     f"elem={self.element_size} nseg={self.segment_count} tag={self.tag} "
-                    f"mode={MODES.get(self.mode, self.mode)} ranges={len(self.ranges or [])}")
+                    f"mode={MODES.get(self.mode, self.mode)} ranges={len(self.ranges or [])} "
+                    f"ts={self.timestamp}")
         if self.type == ACK:
             ents = self.acked()
             shown = " ".join(f"{s}/{a}" for s, a in ents[:8]) + (" ..." if len(ents) > 8 else "")

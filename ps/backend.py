@@ -1,0 +1,703 @@
+"""A ``torch.distributed`` backend named ``ltp``: ``import ltp_ps; dist.init_process_group("ltp")``.
+
+Theory of operation
+-------------------
+:class:`LtpProcessGroup` is a Python ``ProcessGroup`` (the extension point
+torch offers third-party backends, registered with
+``Backend.register_backend("ltp", ..., devices=["cpu"])``).  Every rank opens
+one transport endpoint (LTP by default, TCP on request) on a private
+event-loop thread and publishes its address in the store
+``init_process_group`` handed to the backend (torchrun's TCPStore, already
+prefixed per group by torch); then every rank reads every address.
+
+A collective call (from any thread) takes the next *sequence number* of the
+group (all ranks issue collectives in the same order, as torch requires),
+turns the call into the steps of an algorithm (:mod:`ltp_ps.collectives`,
+plain data) and submits one coroutine to the loop thread; it returns at once
+with a ``Work`` wrapping a ``torch.futures.Future`` that the coroutine
+completes, so ``async_op=True`` and DDP's reducer (which chains on the future)
+work unchanged.  The message of step ``s`` of collective ``seq`` carries tag
+``seq << STEP_BITS | s``; point-to-point messages use a disjoint tag space,
+numbered per (peer, user tag) so they match in send order.
+
+Every transfer here is **reliable** (bit-exact, LTP's reliable mode):
+barriers, parameter broadcasts and the DDP reducer's default all-reduce are
+never approximate.  Loss tolerance is opt-in for gradient reduction only,
+through the DDP communication hook :func:`ltp_ps.ddp.register`.
+
+The all-reduce algorithm (``direct`` via rank 0, PS-style, or ``ring``) is an
+option; ``auto`` (the default) picks per message size
+(:func:`ltp_ps.collectives.default_algorithm`).  Options come from
+:func:`configure` or the environment: ``LTP_BACKEND_TRANSPORT`` (``ltp`` |
+``tcp``), ``LTP_BACKEND_ALGORITHM`` (``auto`` | ``direct`` | ``ring``),
+``LTP_BACKEND_HOST`` / ``LTP_PS_ADVERTISE`` (bind / advertised address).
+
+Failures: a transfer that does not finish within the group's timeout (the
+``timeout=`` of ``init_process_group``) fails the collective with
+:class:`LtpBackendError` (a ``torch.distributed.DistBackendError``) naming
+this rank, the collective, its sequence number, the step, the peer and the
+transport's own error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions,
+                                        AllToAllOptions, BarrierOptions, BroadcastOptions, ReduceOp,
+                                        ReduceOptions, ReduceScatterOptions)
+
+from . import collectives as C
+from .errors import ConfigError
+
+BACKEND_NAME = "ltp"
+#: bits of a collective tag that number the steps of one collective (so at most 4096 steps)
+STEP_BITS = 12
+#: tags with this bit set are point-to-point messages
+P2P_BIT = 1 << 63
+#: bits of a p2p tag numbering the messages of one (peer, user tag) pair
+P2P_COUNT_BITS = 30
+#: seconds to wait for the transport endpoint to open and for peers to publish their addresses
+OPEN_TIMEOUT_S = 60.0
+ENV_TRANSPORT = "LTP_BACKEND_TRANSPORT"
+ENV_ALGORITHM = "LTP_BACKEND_ALGORITHM"
+ENV_HOST = "LTP_BACKEND_HOST"
+
+
+class LtpBackendError(dist.DistBackendError):
+    """A collective of the ``ltp`` backend failed (timeout, peer gone, protocol violation)."""
+
+
+class LtpWork(dist.Work):
+    """The ``Work`` of one collective: ``wait()`` raises its error; ``get_future()`` is what DDP chains on.
+
+    (torch's ``_create_work_from_future`` wrapper does not re-raise the future's
+    exception from ``wait()`` in torch 2.13, so a failed collective would look
+    successful; this subclass waits on the future itself.)
+    """
+
+    def __init__(self, fut: torch.futures.Future):
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._fut.wait()  # raises the collective's error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.value()
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self._fut.value()
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def result(self):
+        return self._fut.wait()
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class BackendOptions:
+    """Options of the ``ltp`` backend (``configure()`` or the environment)."""
+
+    transport: str = "ltp"  # "ltp" | "tcp"
+    algorithm: str = "auto"  # "auto" | "direct" | "ring"
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+
+    @classmethod
+    def from_env(cls) -> "BackendOptions":
+        o = cls(transport=os.environ.get(ENV_TRANSPORT, "ltp"), algorithm=os.environ.get(ENV_ALGORITHM, "auto"),
+                host=os.environ.get(ENV_HOST, os.environ.get("LTP_PS_HOST", "127.0.0.1")),
+                advertise_host=os.environ.get("LTP_PS_ADVERTISE"))
+        o.validate()
+        return o
+
+    def validate(self) -> None:
+        if self.transport not in ("ltp", "tcp"):
+            raise ConfigError(f"ltp backend: transport {self.transport!r} unknown; set {ENV_TRANSPORT}=ltp or tcp")
+        if self.algorithm not in ("auto",) + C.ALGORITHMS:
+            raise ConfigError(f"ltp backend: algorithm {self.algorithm!r} unknown; set {ENV_ALGORITHM} to one of "
+                              f"auto, {', '.join(C.ALGORITHMS)}")
+
+
+_configured: BackendOptions | None = None
+
+
+def configure(**kw) -> BackendOptions:
+    """Set the options of process groups created from now on (overrides the environment)."""
+    global _configured
+    o = dataclasses.replace(BackendOptions.from_env(), **kw)
+    o.validate()
+    _configured = o
+    return o
+
+
+def _reduce_fn(op):
+    """(binary torch function, divide-by-world afterwards?) for a ReduceOp."""
+    table = {ReduceOp.SUM: (torch.add, False), ReduceOp.AVG: (torch.add, True), ReduceOp.PRODUCT: (torch.mul, False),
+             ReduceOp.MIN: (torch.minimum, False), ReduceOp.MAX: (torch.maximum, False),
+             ReduceOp.BAND: (torch.bitwise_and, False), ReduceOp.BOR: (torch.bitwise_or, False),
+             ReduceOp.BXOR: (torch.bitwise_xor, False)}
+    for k, v in table.items():
+        if op == k:
+            return v
+    raise ConfigError(f"ltp backend: reduce op {op} is not supported; use SUM, AVG, PRODUCT, MIN, MAX, BAND, "
+                      f"BOR or BXOR")
+
+
+def _bytes(t: torch.Tensor):
+    """A writable byte view (numpy) of a contiguous CPU tensor, any dtype."""
+    return t.view(torch.uint8).numpy() if t.numel() else t.numpy()
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1)
+
+
+class _Loop:
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+
+class LtpProcessGroup(dist.ProcessGroup):
+    """The ``ltp`` process group.  Create it with ``dist.init_process_group("ltp")``, not directly."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout: datetime.timedelta,
+                 options: BackendOptions | None = None):
+        super().__init__(rank, world_size)
+        self._rank, self._world = rank, world_size
+        self._timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
+        self.options = options or _configured or BackendOptions.from_env()
+        self.algorithm = self.options.algorithm
+        self._seq = 0
+        self._p2p_send: dict = {}
+        self._p2p_recv: dict = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        #: readable counters: collectives started/failed, bytes sent/received by this rank
+        self.stats = {"collectives": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0}
+        self._io = _Loop(f"ltp-backend-{rank}")
+        # LTP authenticates registrations with a job key when one is set ($LTP_PS_SECRET, as for the DDP hook).
+        key = os.environ.get("LTP_PS_SECRET", "").encode() or None
+        from .transport import open_transport
+
+        cf = self._io.submit(open_transport(self.options.transport, self.options.host, 0, cc=None, job_key=key,
+                                            advertise_host=self.options.advertise_host))
+        self._transport = cf.result(OPEN_TIMEOUT_S)
+        a = self._transport.local_addr
+        store.set(f"ltp/addr/{rank}", f"{a[0]}:{a[1]}")
+        wait = min(self._timeout_s, OPEN_TIMEOUT_S) if self._timeout_s else OPEN_TIMEOUT_S
+        keys = [f"ltp/addr/{r}" for r in range(world_size)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=wait))
+        except Exception as exc:  # noqa: BLE001 - torch raises a plain RuntimeError/DistStoreError
+            missing = [k for k in keys if not store.check([k])]
+            raise LtpBackendError(f"ltp backend rank {rank}: ranks {missing} did not publish their address within "
+                                  f"{wait:.0f} s ({exc}); did every rank call init_process_group('ltp')?") from exc
+        self.peers = []
+        for r in range(world_size):
+            h, _, p = store.get(f"ltp/addr/{r}").decode().rpartition(":")
+            self.peers.append((h, int(p)))
+        engine = getattr(getattr(self._transport, "_ep", None), "engine", None)
+        if key is not None and engine is not None:
+            # REG MACs bind the source address; the endpoint does not tell its engine its own address
+            # (ltp.Endpoint builds Engine without local_addr), so name it per peer here.
+            for p in self.peers:
+                engine.set_source(p, a)
+
+    # -- identity ---------------------------------------------------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def transport(self):
+        """The transport endpoint (``ltp`` or ``tcp``) this group moves bytes with."""
+        return self._transport
+
+    def __repr__(self) -> str:
+        return f"LtpProcessGroup(rank={self._rank}, world={self._world}, transport={self.options.transport})"
+
+    # -- machinery --------------------------------------------------------------------------------------------
+
+    def _start(self, name: str, coro_fn, result) -> dist.Work:
+        if self._closed:
+            raise LtpBackendError(f"ltp backend rank {self._rank}: {name} on a shut-down process group")
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+        self.stats["collectives"] += 1
+        fut: torch.futures.Future = torch.futures.Future()
+        deadline = time.monotonic() + self._timeout_s
+
+        async def run():
+            await coro_fn(seq, deadline)
+
+        cf = self._io.submit(run())
+
+        def done(f):
+            exc = f.exception()
+            if exc is None:
+                fut.set_result(result)
+                return
+            self.stats["failed"] += 1
+            if not isinstance(exc, LtpBackendError):
+                exc = LtpBackendError(f"ltp backend rank {self._rank}: {name} #{seq} failed: "
+                                      f"{type(exc).__name__}: {exc}")
+            fut.set_exception(exc)
+
+        cf.add_done_callback(done)
+        return LtpWork(fut)
+
+    def _left(self, deadline: float) -> float:
+        return max(0.001, deadline - time.monotonic())
+
+    async def _send(self, buf: torch.Tensor, peer: int, tag: int, deadline: float, what: str) -> None:
+        view = _bytes(buf)
+        try:
+            rep = await self._transport.send(self.peers[peer], view, reliable=True, tag=tag, element_size=1,
+                                             timeout=self._left(deadline))
+        except Exception as exc:  # noqa: BLE001 - name the real cause, keep it chained
+            raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: sending {view.nbytes} bytes to rank "
+                                  f"{peer} at {self.peers[peer]} failed: {type(exc).__name__}: {exc}") from exc
+        if rep.delivered_bytes != view.nbytes:
+            raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: rank {peer} acknowledged "
+                                  f"{rep.delivered_bytes} of {view.nbytes} bytes ({rep.close_reason})")
+        self.stats["bytes_sent"] += view.nbytes
+
+    async def _recv(self, buf: torch.Tensor, peer: int, tag: int, deadline: float, what: str) -> None:
+        view = _bytes(buf)
+        try:
+            rep = await self._transport.recv(view, peer=self.peers[peer], tag=tag, timeout=self._left(deadline))
+        except Exception as exc:  # noqa: BLE001
+            cause = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+                cause = (f"no message within the group timeout of {self._timeout_s:g} s (rank {peer} is dead, "
+                         f"stuck, or issued a different collective) [{cause}]")
+            raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: receiving {view.nbytes} bytes from "
+                                  f"rank {peer} at {self.peers[peer]} failed: {cause}") from exc
+        if rep.received_bytes != view.nbytes or rep.total_bytes != view.nbytes or rep.bubbles:
+            raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: rank {peer} sent {rep.total_bytes} "
+                                  f"bytes ({rep.received_bytes} arrived, regime {rep.regime}), expected "
+                                  f"{view.nbytes}; ranks disagree on tensor shapes or dtypes")
+        self.stats["bytes_received"] += view.nbytes
+
+    async def _run(self, seq: int, name: str, work: torch.Tensor, steps: list, deadline: float,
+                   op=torch.add, step_base: int = 0) -> None:
+        """Execute ``steps`` on the flat contiguous ``work`` buffer (tags from step ``step_base`` on)."""
+        if step_base + len(steps) > 1 << STEP_BITS:
+            raise ConfigError(f"ltp backend: {name} needs {step_base + len(steps)} steps, more than "
+                              f"{1 << STEP_BITS}; use the direct algorithm or fewer dtypes per call")
+        for si, step in enumerate(steps):
+            tag = (seq << STEP_BITS) | (step_base + si)
+            what = f"{name} #{seq} step {si + 1}/{len(steps)}"
+            got = [(t, torch.empty(t.hi - t.lo, dtype=work.dtype)) for t in step.recvs]
+            jobs = [self._recv(b, t.peer, tag, deadline, what) for t, b in got]
+            jobs += [self._send(work[t.lo:t.hi], t.peer, tag, deadline, what) for t in step.sends]
+            await _all_or_first_error(jobs)
+            if step.combine == C.COPY:
+                for t, b in got:
+                    work[t.lo:t.hi].copy_(b)
+                continue
+            by_range: dict = {}
+            for t, b in got:
+                by_range.setdefault((t.lo, t.hi), []).append((t.peer, b))
+            for (lo, hi), parts in by_range.items():
+                parts.append((self._rank, work[lo:hi].clone()))
+                parts.sort(key=lambda x: x[0])  # invariant 3: fold in rank order
+                acc = parts[0][1]
+                for _, b in parts[1:]:
+                    acc = op(acc, b)
+                work[lo:hi].copy_(acc)
+
+    def _algo(self, nbytes: int) -> str:
+        return C.default_algorithm(self._world, nbytes) if self.algorithm == "auto" else self.algorithm
+
+    # -- collectives ------------------------------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None) -> dist.Work:
+        op = opts.reduceOp if opts is not None else ReduceOp.SUM
+        return self._allreduce_many(list(tensors), op, "allreduce")
+
+    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
+        op = opts.reduceOp if opts is not None else ReduceOp.SUM
+        return self._allreduce_many(list(tensors), op, "allreduce_coalesced")
+
+    def _allreduce_many(self, tensors, op, name) -> dist.Work:
+        fn, avg = _reduce_fn(op)
+        _check_cpu(tensors, name)
+        dtypes = {t.dtype for t in tensors}
+        if avg and any(not (d.is_floating_point or d.is_complex) for d in dtypes):
+            raise ConfigError(f"ltp backend: ReduceOp.AVG needs floating-point tensors, got {sorted(map(str, dtypes))}")
+        groups: dict = {}
+        for t in tensors:
+            groups.setdefault(t.dtype, []).append(t)
+
+        async def go(seq, deadline):
+            base = 0
+            for dtype, ts in groups.items():
+                flat = torch.cat([_flat(t) for t in ts]) if len(ts) > 1 else _flat(ts[0]).contiguous().clone()
+                steps = C.allreduce_plan(self._algo(flat.numel() * flat.element_size()), self._rank, self._world,
+                                         flat.numel())
+                await self._run(seq, name, flat, steps, deadline, fn, step_base=base)
+                base += len(steps)
+                if avg:
+                    flat.div_(self._world)
+                off = 0
+                for t in ts:
+                    t.copy_(flat[off:off + t.numel()].view_as(t))
+                    off += t.numel()
+
+        return self._start(name, go, tensors)
+
+    def broadcast(self, tensors, opts=None) -> dist.Work:
+        root = opts.rootRank if opts is not None else 0
+        tensors = list(tensors)
+        _check_cpu(tensors, "broadcast")
+
+        async def go(seq, deadline):
+            flat = torch.cat([_flat(t) for t in tensors]) if len(tensors) != 1 else _flat(tensors[0]).contiguous()
+            what = f"broadcast #{seq} from rank {root}"
+            if self._rank == root:
+                await _all_or_first_error([self._send(flat, p, seq << STEP_BITS, deadline, what)
+                                           for p in range(self._world) if p != root and flat.numel()])
+                return
+            buf = torch.empty_like(flat)
+            if flat.numel():
+                await self._recv(buf, root, seq << STEP_BITS, deadline, what)
+            off = 0
+            for t in tensors:
+                t.copy_(buf[off:off + t.numel()].view_as(t))
+                off += t.numel()
+
+        return self._start("broadcast", go, tensors)
+
+    def reduce(self, tensors, opts=None) -> dist.Work:
+        """Reduce to ``opts.rootRank`` (implemented as an all-reduce; non-roots' tensors are left unchanged)."""
+        root = opts.rootRank if opts is not None else 0
+        op = opts.reduceOp if opts is not None else ReduceOp.SUM
+        fn, avg = _reduce_fn(op)
+        tensors = list(tensors)
+        _check_cpu(tensors, "reduce")
+
+        async def go(seq, deadline):
+            flat = _flat(tensors[0]).contiguous().clone()
+            await self._run(seq, "reduce", flat, C.allreduce_plan(self._algo(flat.numel() * flat.element_size()),
+                                                                  self._rank, self._world, flat.numel()),
+                            deadline, fn)
+            if avg:
+                flat.div_(self._world)
+            if self._rank == root:
+                tensors[0].copy_(flat.view_as(tensors[0]))
+
+        return self._start("reduce", go, tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        outs, ins = list(output_tensors), list(input_tensors)
+        if len(ins) != 1 or len(outs) != 1:
+            raise ConfigError("ltp backend: allgather takes one input tensor per rank (a list of one)")
+        outs0 = list(outs[0])
+        if len(outs0) != self._world:
+            raise ConfigError(f"ltp backend: allgather needs {self._world} output tensors, got {len(outs0)}")
+        _check_cpu(outs0 + ins, "allgather")
+        return self._gather_into("allgather", outs0, ins[0], outs)
+
+    def all_gather_single(self, output_tensor, input_tensor, opts=None) -> dist.Work:
+        if output_tensor.numel() != input_tensor.numel() * self._world:
+            raise ConfigError(f"ltp backend: all_gather_into_tensor output has {output_tensor.numel()} elements, "
+                              f"needs world_size x input = {input_tensor.numel() * self._world}")
+        return self._gather_into("all_gather_into_tensor", None, input_tensor, output_tensor, single=output_tensor)
+
+    _allgather_base = all_gather_single
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
+        works = [self.allgather([list(o)], [i]) for o, i in zip(output_lists, input_list)]
+        return _chain(works, output_lists)
+
+    def _gather_into(self, name, outs, inp, result, single=None) -> dist.Work:
+        n = inp.numel()
+        dtype = inp.dtype
+        if single is not None and single.dtype != dtype:
+            raise ConfigError(f"ltp backend: {name}: output dtype {single.dtype} != input dtype {dtype}")
+
+        async def go(seq, deadline):
+            work = torch.empty(n * self._world, dtype=dtype)
+            work[self._rank * n:(self._rank + 1) * n].copy_(_flat(inp))
+            bounds = [r * n for r in range(self._world + 1)]
+            algo = self._algo(n * self._world * inp.element_size())
+            await self._run(seq, name, work, C.allgather_plan(algo, self._rank, self._world, bounds), deadline)
+            if single is not None:
+                single.copy_(work.view_as(single))
+            else:
+                for r, o in enumerate(outs):
+                    o.copy_(work[r * n:(r + 1) * n].view_as(o))
+
+        return self._start(name, go, result)
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
+        op = opts.reduceOp if opts is not None else ReduceOp.SUM
+        outs, ins = list(output_tensors), list(input_lists)
+        if len(outs) != 1 or len(ins) != 1 or len(ins[0]) != self._world:
+            raise ConfigError(f"ltp backend: reduce_scatter takes one output and a list of {self._world} inputs")
+        parts = list(ins[0])
+        _check_cpu(parts + outs, "reduce_scatter")
+        return self._reduce_scatter("reduce_scatter", outs[0], parts, op, outs)
+
+    def reduce_scatter_single(self, output_tensor, input_tensor, opts=None) -> dist.Work:
+        op = opts.reduceOp if opts is not None else ReduceOp.SUM
+        if input_tensor.numel() != output_tensor.numel() * self._world:
+            raise ConfigError(f"ltp backend: reduce_scatter_tensor input has {input_tensor.numel()} elements, "
+                              f"needs world_size x output = {output_tensor.numel() * self._world}")
+        n = output_tensor.numel()
+        flat = _flat(input_tensor)
+        return self._reduce_scatter("reduce_scatter_tensor", output_tensor,
+                                    [flat[r * n:(r + 1) * n] for r in range(self._world)], op, output_tensor)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def _reduce_scatter(self, name, out, parts, op, result) -> dist.Work:
+        fn, avg = _reduce_fn(op)
+
+        async def go(seq, deadline):
+            work = torch.cat([_flat(p) for p in parts])
+            bounds = [0]
+            for p in parts:
+                bounds.append(bounds[-1] + p.numel())
+            algo = self._algo(work.numel() * work.element_size())
+            await self._run(seq, name, work, C.reduce_scatter_plan(algo, self._rank, self._world, bounds),
+                            deadline, fn)
+            mine = work[bounds[self._rank]:bounds[self._rank + 1]]
+            if avg:
+                mine = mine / self._world
+            out.copy_(mine.view_as(out))
+
+        return self._start(name, go, result)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        outs, ins = list(output_tensors), list(input_tensors)
+        if len(outs) != self._world or len(ins) != self._world:
+            raise ConfigError(f"ltp backend: alltoall takes {self._world} input and output tensors")
+        _check_cpu(outs + ins, "alltoall")
+
+        async def go(seq, deadline):
+            what = f"alltoall #{seq}"
+            tag = seq << STEP_BITS
+            jobs = [self._send(_flat(ins[p]).contiguous(), p, tag, deadline, what)
+                    for p in range(self._world) if p != self._rank and ins[p].numel()]
+            bufs = {p: torch.empty(outs[p].numel(), dtype=outs[p].dtype) for p in range(self._world)
+                    if p != self._rank and outs[p].numel()}
+            jobs += [self._recv(b, p, tag, deadline, what) for p, b in bufs.items()]
+            await _all_or_first_error(jobs)
+            outs[self._rank].copy_(ins[self._rank].view_as(outs[self._rank]))
+            for p, b in bufs.items():
+                outs[p].copy_(b.view_as(outs[p]))
+
+        return self._start("alltoall", go, outs)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None) -> dist.Work:
+        w = self._world
+        row_out = output.numel() // max(1, output.shape[0]) if output.dim() else 1
+        row_in = input.numel() // max(1, input.shape[0]) if input.dim() else 1
+        osz = list(output_split_sizes) or [output.shape[0] // w] * w
+        isz = list(input_split_sizes) or [input.shape[0] // w] * w
+        if sum(osz) != output.shape[0] or sum(isz) != input.shape[0]:
+            raise ConfigError("ltp backend: all_to_all_single split sizes do not add up to the tensors' first dim")
+        outs = list(torch.split(output, osz)) if output.numel() else [output[:0]] * w
+        ins = list(torch.split(input, isz)) if input.numel() else [input[:0]] * w
+        del row_out, row_in
+        return self.alltoall(outs, ins, opts)
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts=None) -> dist.Work:
+        t = torch.zeros(1)
+
+        async def go(seq, deadline):
+            await self._run(seq, "barrier", t, C.direct_allreduce(self._rank, self._world, 1), deadline)
+
+        return self._start("barrier", go, [t])
+
+    def monitored_barrier(self, opts=None, wait_all_ranks=False):
+        return self.barrier(opts).wait()
+
+    def gather(self, output_lists, input_tensors, opts=None) -> dist.Work:
+        root = opts.rootRank if opts is not None else 0
+        inp = list(input_tensors)[0]
+        outs = list(output_lists[0]) if self._rank == root and len(output_lists) else []
+
+        async def go(seq, deadline):
+            tag, what = seq << STEP_BITS, f"gather #{seq} to rank {root}"
+            if self._rank != root:
+                if inp.numel():
+                    await self._send(_flat(inp).contiguous(), root, tag, deadline, what)
+                return
+            bufs = {p: torch.empty(outs[p].numel(), dtype=outs[p].dtype) for p in range(self._world)
+                    if p != root and outs[p].numel()}
+            await _all_or_first_error([self._recv(b, p, tag, deadline, what) for p, b in bufs.items()])
+            outs[root].copy_(inp.view_as(outs[root]))
+            for p, b in bufs.items():
+                outs[p].copy_(b.view_as(outs[p]))
+
+        return self._start("gather", go, list(output_lists))
+
+    def scatter(self, output_tensors, input_lists, opts=None) -> dist.Work:
+        root = opts.rootRank if opts is not None else 0
+        out = list(output_tensors)[0]
+        ins = list(input_lists[0]) if self._rank == root and len(input_lists) else []
+
+        async def go(seq, deadline):
+            tag, what = seq << STEP_BITS, f"scatter #{seq} from rank {root}"
+            if self._rank == root:
+                await _all_or_first_error([self._send(_flat(ins[p]).contiguous(), p, tag, deadline, what)
+                                           for p in range(self._world) if p != root and ins[p].numel()])
+                out.copy_(ins[root].view_as(out))
+                return
+            if out.numel():
+                buf = torch.empty(out.numel(), dtype=out.dtype)
+                await self._recv(buf, root, tag, deadline, what)
+                out.copy_(buf.view_as(out))
+
+        return self._start("scatter", go, [out])
+
+    # -- point to point ---------------------------------------------------------------------------------------
+
+    def _p2p_tag(self, table: dict, peer: int, tag: int) -> int:
+        with self._lock:
+            k = (peer, tag)
+            n = table.get(k, 0)
+            table[k] = n + 1
+        return P2P_BIT | ((tag & 0xFFFFFFFF) << P2P_COUNT_BITS) | (n & ((1 << P2P_COUNT_BITS) - 1))
+
+    def send(self, tensors, dst: int, tag: int = 0) -> dist.Work:
+        t = list(tensors)[0]
+        _check_cpu([t], "send")
+        wire_tag = self._p2p_tag(self._p2p_send, dst, tag)
+        data = _flat(t).contiguous().clone()
+
+        async def go(seq, deadline):
+            if data.numel():
+                await self._send(data, dst, wire_tag, deadline, f"send (tag {tag}) to rank {dst}")
+
+        return self._start("send", go, [t])
+
+    def recv(self, tensors, src: int, tag: int = 0) -> dist.Work:
+        t = list(tensors)[0]
+        _check_cpu([t], "recv")
+        wire_tag = self._p2p_tag(self._p2p_recv, src, tag)
+
+        async def go(seq, deadline):
+            if t.numel():
+                buf = torch.empty(t.numel(), dtype=t.dtype)
+                await self._recv(buf, src, wire_tag, deadline, f"recv (tag {tag}) from rank {src}")
+                t.copy_(buf.view_as(t))
+
+        return self._start("recv", go, [t])
+
+    def recv_anysource(self, tensors, tag: int = 0) -> dist.Work:
+        raise ConfigError("ltp backend: recv from any source is not supported; pass src= to dist.recv")
+
+    # -- lifetime ---------------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Close the endpoint and stop the loop thread (``destroy_process_group`` calls this)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            asyncio.run_coroutine_threadsafe(self._transport.close(), self._io.loop).result(10)
+        except Exception:  # noqa: BLE001 - closing a broken endpoint must not mask the real error
+            pass
+        self._io.loop.call_soon_threadsafe(self._io.loop.stop)
+
+    abort = shutdown
+
+    def _set_sequence_number_for_group(self) -> None:
+        pass
+
+
+async def _all_or_first_error(coros) -> None:
+    """Run ``coros`` together; if one fails, cancel the rest and raise its error."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+    for t in pending:
+        t.cancel()
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            raise t.exception()
+
+
+def _chain(works, result) -> dist.Work:
+    fut: torch.futures.Future = torch.futures.Future()
+    futs = [w.get_future() for w in works]
+
+    def done(_):
+        try:
+            for f in futs:
+                f.wait()
+        except Exception as exc:  # noqa: BLE001
+            fut.set_exception(exc)
+            return
+        fut.set_result(result)
+
+    torch.futures.collect_all(futs).add_done_callback(done)
+    return LtpWork(fut)
+
+
+def _check_cpu(tensors, name: str) -> None:
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ConfigError(f"ltp backend: {name} got a {t.device.type} tensor; the ltp backend moves CPU tensors "
+                              f"(use backend='cpu:ltp,cuda:nccl' to keep accelerators on their own backend)")
+
+
+def _create(store, rank: int, world_size: int, timeout: datetime.timedelta) -> LtpProcessGroup:
+    return LtpProcessGroup(store, rank, world_size, timeout)
+
+
+def register() -> None:
+    """Register ``ltp`` with ``torch.distributed`` (idempotent; ``import ltp_ps`` does it)."""
+    if BACKEND_NAME in dist.Backend.backend_list and dist.Backend._plugins.get(BACKEND_NAME.upper()) is not None:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+
+
+__all__ = ["BackendOptions", "LtpBackendError", "LtpProcessGroup", "configure", "register",
+           "AllgatherOptions", "AllreduceCoalescedOptions", "AllreduceOptions", "AllToAllOptions", "BarrierOptions",
+           "BroadcastOptions", "ReduceOptions", "ReduceScatterOptions"]

@@ -1,0 +1,415 @@
+"""The executor: runs one node's round program over a ``Transport``.
+
+Theory of operation
+-------------------
+The executor is the only code that moves PS/worker messages.  It is given a
+:class:`~ltp_ps.schedules.program.Program`, the node's :class:`Slots`
+(named byte buffers and partial aggregates) and a handler object for the
+role-specific maths, and runs the program's stages in order; the steps of a
+stage run concurrently:
+
+* Sends: reliable non-partial Sends of one slot and tag to several peers
+  become one ``Transport.broadcast``; every other Send is one
+  ``Transport.send``.  A ``"partial"`` payload is encoded from the slot's
+  partial over ``[lo, hi)`` (:mod:`.partial` wire format) with its header and
+  deficit table critical, plus the step's critical element ranges.
+* Recvs: Recvs sharing a ``group`` are one receive group: a tolerant group is
+  one ``Transport.gather`` (one Early Close deadline), a reliable group
+  parallel receives under one timeout (``gather_by_recv``).  ``only_if``
+  restricts a group to the peers that delivered in an earlier group (the
+  READY handshake); its timeout counts from the start of that earlier group,
+  so the two together never wait longer than one bound.  A peer that delivers
+  nothing yields a ``missing_report`` (never an exception), so a dead peer
+  costs at most the bound.  Received partials are decoded with the
+  transport's bubbles (lost elements count as not delivered for all their
+  contributors).
+* ``Combine`` merges partials natively; ``Compute``, ``Apply``, ``Adopt`` and
+  any ``Combine`` over non-partial slots call the role's handler
+  (``handlers.compute(step, slots)`` etc.).  A handler returning
+  :data:`STOP` ends the program early (the PS said STOP).
+
+Results come back as :class:`RunResult`: one report (``RecvReport``,
+``SendReport`` or the exception) per transfer step, in program order, and the
+wall time of each receive group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..aggregate import bubbles_to_elements, limit_ranges, merge_ranges
+from ..transport.base import (CANCELLED, TIMEOUT, RecvReport, Transport, as_bytes_view, gather_by_recv,
+                              missing_report)
+from .partial import (ELEM, PARTIAL_HEADER_BYTES, Partial, PartialDecodeError, message_capacity)
+from .program import RELIABLE, Program
+
+STOP = "stop"
+MIN_TIMEOUT_S = 0.001  # seconds; a dependent group never gets less
+DEFAULT_TIMEOUT_S = 60.0  # seconds for a step that names none and no default was configured
+MAX_CRITICAL_RANGES = 128  # LTP fits at most 160 critical ranges in a registration
+
+
+class ExecutorError(RuntimeError):
+    """A program the executor cannot run (a slot or address it was not given)."""
+
+
+class MissingInput(ExecutorError):
+    """A send whose partial never arrived (an earlier receive came back empty); reported, not raised."""
+
+
+class PartialSet:
+    """The partials of one slot, keyed by element range ``(lo, hi)``.
+
+    ``get(lo, hi)`` returns the exact range if held, else a slice of a
+    partial covering it (so a worker's whole-gradient partial serves every
+    chunk), else None.
+    """
+
+    def __init__(self):
+        self.parts: dict = {}
+
+    def put(self, p: Partial) -> None:
+        self.parts[(p.lo, p.hi)] = p
+
+    def get(self, lo: int, hi: int) -> Partial | None:
+        p = self.parts.get((lo, hi))
+        if p is not None:
+            return p
+        for (a, b), q in self.parts.items():
+            if a <= lo and hi <= b:
+                return q.slice(lo, hi)
+        return None
+
+    def clear(self) -> None:
+        self.parts.clear()
+
+
+class Slots:
+    """A node's named data: byte buffers (``bind``) and partial aggregates (``partials``)."""
+
+    def __init__(self):
+        self.buffers: dict[str, Any] = {}
+        self.critical: dict[str, Any] = {}  # slot -> byte ranges (raw payloads whose role computed them)
+        self._partials: dict[str, PartialSet] = {}
+
+    def bind(self, name: str, buf) -> None:
+        """Byte buffer for ``name`` (sent as is; received into)."""
+        self.buffers[name] = buf
+
+    def bind_critical(self, name: str, byte_ranges) -> None:
+        """Critical byte ranges of the raw message in slot ``name`` (overrides the step's element ranges)."""
+        self.critical[name] = tuple(byte_ranges)
+
+    def buffer(self, name: str):
+        try:
+            return self.buffers[name]
+        except KeyError:
+            raise ExecutorError(f"the program uses slot {name!r} but no buffer is bound to it; "
+                                f"bind it with Slots.bind before running") from None
+
+    def partials(self, name: str) -> PartialSet:
+        ps = self._partials.get(name)
+        if ps is None:
+            ps = self._partials[name] = PartialSet()
+        return ps
+
+    def put_partial(self, name: str, p: Partial) -> None:
+        self.partials(name).put(p)
+
+    def partial(self, name: str, lo: int, hi: int) -> Partial | None:
+        ps = self._partials.get(name)
+        return None if ps is None else ps.get(lo, hi)
+
+    def clear_partials(self) -> None:
+        self._partials.clear()
+
+
+@dataclasses.dataclass
+class RunResult:
+    reports: list  # per step of program.steps(): report / exception / None (non-transfer steps)
+    group_s: dict  # receive group -> seconds it took
+    stopped: bool = False  # a handler returned STOP
+    missing: list = dataclasses.field(default_factory=list)  # (step index, reason) of recvs that delivered nothing
+
+    def report(self, index: int):
+        return self.reports[index]
+
+
+class Executor:
+    """Runs programs for node ``me`` over ``transport``; ``addresses`` maps node ids to ``(host, port)``."""
+
+    def __init__(self, transport: Transport, me: str, addresses: Mapping, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 payload_timeouts: Mapping | None = None, max_critical_ranges: int = MAX_CRITICAL_RANGES):
+        self.transport = transport
+        self.me = me
+        self.addresses = dict(addresses)
+        self.timeout_s = timeout_s
+        self.payload_timeouts = dict(payload_timeouts or {})
+        self.max_critical_ranges = max_critical_ranges
+        self._scratch: dict = {}
+        self._exclude: set = set()
+        self._group_timeouts: dict = {}
+        self.counters = {"sent": 0, "received": 0, "missing": 0, "undecodable": 0}
+
+    # -- helpers -------------------------------------------------------------
+    def addr(self, node: str) -> tuple:
+        try:
+            return tuple(self.addresses[node])
+        except KeyError:
+            raise ExecutorError(f"{self.me}: no address for {node}; pass it in the executor's address book "
+                                f"(the rendezvous publishes every node's address)") from None
+
+    def _timeout(self, step) -> float:
+        if step.timeout_s is not None:
+            return step.timeout_s
+        return self.payload_timeouts.get(step.payload, self.timeout_s)
+
+    def _scratch_buf(self, key, nbytes: int) -> np.ndarray:
+        b = self._scratch.get(key)
+        if b is None or b.nbytes < nbytes:
+            b = self._scratch[key] = np.zeros(nbytes, dtype=np.uint8)
+        return b
+
+    def _encode_partial(self, step, slots: Slots, iteration: int) -> tuple:
+        p = slots.partial(step.slot, step.lo, step.hi)
+        if p is None:
+            raise MissingInput(f"{self.me}: slot {step.slot!r} holds no partial over [{step.lo}, {step.hi}) "
+                               f"(an earlier receive delivered nothing, or the program sends before producing it)")
+        from ..wire import KIND_PARTIAL
+        from .program import parse_node
+
+        role, idx = parse_node(self.me)
+        buf = self._scratch_buf(("send", step.peer, step.lo, step.hi), message_capacity(step.hi - step.lo))
+        view = p.encode_into(buf, kind=KIND_PARTIAL, origin=idx if role == "worker" else -1, iteration=iteration)
+        n_runs = (view.nbytes - PARTIAL_HEADER_BYTES - ELEM * p.n) // 24
+        crit = list(Partial.critical_bytes(p.n, n_runs))
+        for a, b in step.critical:
+            a, b = max(a, step.lo), min(b, step.hi)
+            if b > a:
+                crit.append((PARTIAL_HEADER_BYTES + ELEM * (a - step.lo), PARTIAL_HEADER_BYTES + ELEM * (b - step.lo)))
+        return view, limit_ranges(crit, self.max_critical_ranges)
+
+    # -- running ---------------------------------------------------------------
+    async def run(self, program: Program, slots: Slots, handlers: Any = None, *, iteration: int = 0,
+                  exclude=(), group_timeouts: Mapping | None = None) -> RunResult:
+        """Run ``program``'s stages in order; returns every transfer's report.
+
+        ``exclude``: peers known dead (their receives report missing at once,
+        sends to them are skipped); ``group_timeouts``: seconds per receive
+        group, overriding the steps' own (bounds the role computes at run time).
+        """
+        steps = program.steps()
+        res = RunResult(reports=[None] * len(steps), group_s={})
+        self._exclude = set(exclude)
+        self._group_timeouts = dict(group_timeouts or {})
+        group_t0: dict = {}
+        group_ok: dict = {}
+        i0 = 0
+        for stage in program.stages:
+            idx = list(range(i0, i0 + len(stage)))
+            i0 += len(stage)
+            stop = await self._run_stage(stage, idx, slots, handlers, res, group_t0, group_ok, iteration)
+            if stop:
+                res.stopped = True
+                break
+        return res
+
+    async def _run_stage(self, stage, idx, slots, handlers, res, group_t0, group_ok, iteration) -> bool:
+        # Local steps first in program order if the stage has no transfers; mixed stages run transfers then local.
+        transfers = [(i, s) for i, s in zip(idx, stage) if s.op in ("send", "forward", "recv")]
+        local = [(i, s) for i, s in zip(idx, stage) if s.op not in ("send", "forward", "recv")]
+        if transfers:
+            await self._transfers(transfers, slots, res, group_t0, group_ok, iteration)
+        for i, s in local:
+            if await self._local(s, slots, handlers) == STOP:
+                return True
+        return False
+
+    async def _local(self, step, slots: Slots, handlers):
+        if step.op == "combine":
+            src = slots._partials.get(step.src)
+            if src is not None or handlers is None or not hasattr(handlers, "combine"):
+                p = slots.partial(step.src, step.lo, step.hi)
+                if p is None:
+                    return None  # nothing arrived: the accumulator keeps what it has
+                acc = slots.partial(step.dst, step.lo, step.hi)
+                if acc is None:
+                    slots.put_partial(step.dst, p.copy())
+                else:
+                    acc = acc.copy() if (acc.lo, acc.hi) != (step.lo, step.hi) else acc
+                    acc.merge(p)
+                    slots.put_partial(step.dst, acc)
+                return None
+        fn = getattr(handlers, step.op, None) if handlers is not None else None
+        if fn is None:
+            raise ExecutorError(f"{self.me}: the program has a {step.op!r} step but the role gave no handler for it")
+        out = fn(step, slots)
+        if asyncio.iscoroutine(out):
+            out = await out
+        return out
+
+    async def _transfers(self, transfers, slots, res, group_t0, group_ok, iteration) -> None:
+        loop = asyncio.get_running_loop()
+        jobs = []
+        # Sends: broadcast groups (reliable, same slot+tag, raw payload) and single sends.
+        bcast: dict = {}
+        for i, s in transfers:
+            if s.op in ("send", "forward") and s.mode == RELIABLE and s.payload != "partial":
+                bcast.setdefault((s.slot, s.tag, s.payload), []).append((i, s))
+        in_bcast = {i for v in bcast.values() if len(v) > 1 for i, _ in v}
+        for key, members in bcast.items():
+            if len(members) > 1:
+                jobs.append(self._broadcast(members, slots, res))
+        for i, s in transfers:
+            if s.op in ("send", "forward") and i not in in_bcast:
+                jobs.append(self._send(i, s, slots, res, iteration))
+        send_groups = {}
+        for i, s in transfers:
+            if s.op in ("send", "forward") and getattr(s, "group", None) is not None:
+                send_groups.setdefault(s.group, []).append((i, s))
+        # Receives: by group (None = each on its own).
+        groups: dict = {}
+        for i, s in transfers:
+            if s.op == "recv":
+                groups.setdefault(s.group if s.group is not None else ("_", i), []).append((i, s))
+        now = loop.time()
+        for g, members in groups.items():
+            if isinstance(g, str):
+                group_t0[g] = now
+            jobs.append(self._recv_group(g, members, slots, res, group_t0, group_ok))
+        await asyncio.gather(*jobs)
+        for g, members in send_groups.items():
+            group_ok[g] = {s.peer for i, s in members
+                           if res.reports[i] is not None and not isinstance(res.reports[i], BaseException)}
+
+    async def _broadcast(self, members, slots, res) -> None:
+        skip = [(i, s) for i, s in members if s.peer in self._exclude]
+        for i, s in skip:
+            res.reports[i] = ExecutorError(f"{s.peer} is excluded (known dead)")
+        members = [(i, s) for i, s in members if s.peer not in self._exclude]
+        if not members:
+            return
+        s0 = members[0][1]
+        data = slots.buffer(s0.slot)
+        peers = [self.addr(s.peer) for _, s in members]
+        try:
+            reps = await self.transport.broadcast(peers, data, tag=s0.tag, timeout=self._timeout(s0))
+        except Exception as exc:  # a transport that raises instead of reporting per peer
+            reps = [exc] * len(members)
+        for (i, _), r in zip(members, reps):
+            res.reports[i] = r
+        self.counters["sent"] += len(members)
+
+    async def _send(self, i, s, slots, res, iteration) -> None:
+        if s.peer in self._exclude:
+            res.reports[i] = ExecutorError(f"{s.peer} is excluded (known dead)")
+            return
+        if s.payload == "partial":
+            try:
+                data, critical = self._encode_partial(s, slots, iteration)
+            except MissingInput as exc:
+                res.reports[i] = exc
+                res.missing.append((i, str(exc)))
+                return
+        else:
+            data = slots.buffer(s.slot)
+            critical = slots.critical.get(s.slot)
+            if critical is None:
+                critical = _raw_critical(getattr(s, "critical", ()), s.lo, self.max_critical_ranges)
+        try:
+            res.reports[i] = await self.transport.send(self.addr(s.peer), data, reliable=s.mode == RELIABLE,
+                                                       critical=critical, element_size=ELEM, tag=s.tag,
+                                                       timeout=self._timeout(s))
+            self.counters["sent"] += 1
+        except Exception as exc:  # reported, not raised: the role decides (drop the peer, fail the round)
+            res.reports[i] = exc
+
+    async def _recv_group(self, g, members, slots, res, group_t0, group_ok) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        s0 = members[0][1]
+        timeout = self._group_timeouts.get(g, self._timeout(s0)) if isinstance(g, str) else self._timeout(s0)
+        if s0.only_if is not None:
+            ok = group_ok.get(s0.only_if)  # None: that group ran in an earlier run() call (the role filtered)
+            start = group_t0.get(s0.only_if, t0)  # only receive groups have a start: sends do not eat the bound
+            timeout = max(MIN_TIMEOUT_S, timeout - (t0 - start))
+        else:
+            ok = None
+        bufs = [self._recv_buf(i, s, slots) for i, s in members]
+        live = [k for k, (i, s) in enumerate(members)
+                if (ok is None or s.peer in ok) and s.peer not in self._exclude]
+        for k, (i, s) in enumerate(members):
+            if k not in live:
+                res.reports[i] = missing_report(self.addr(s.peer), s.tag, as_bytes_view(bufs[k]).nbytes, TIMEOUT, 0.0)
+        if live:
+            peers = [self.addr(members[k][1].peer) for k in live]
+            lbufs = [bufs[k] for k in live]
+            tags = {members[k][1].tag for k in live}
+            if isinstance(g, str) and s0.mode != RELIABLE and len(tags) == 1 and None not in tags:
+                reps = await self.transport.gather(peers, lbufs, tag=s0.tag, timeout=timeout)
+            elif isinstance(g, str) and len(tags) == 1:
+                reps = await gather_by_recv(self.transport, peers, lbufs, tag=s0.tag, timeout=timeout)
+            else:
+                reps = await asyncio.gather(*(self._recv_one(p, b, members[k][1], timeout)
+                                              for p, b, k in zip(peers, lbufs, live)))
+            for k, r in zip(live, reps):
+                res.reports[members[k][0]] = r
+        if isinstance(g, str):
+            res.group_s[g] = loop.time() - t0
+            group_ok[g] = {s.peer for i, s in members
+                           if isinstance(res.reports[i], RecvReport) and res.reports[i].received_bytes > 0}
+        for k, (i, s) in enumerate(members):
+            r = res.reports[i]
+            if not isinstance(r, RecvReport) or r.received_bytes == 0:
+                self.counters["missing"] += 1
+                res.missing.append((i, getattr(r, "regime", repr(r))))
+                continue
+            self.counters["received"] += 1
+            if s.payload == "partial":
+                try:
+                    p = Partial.decode(bufs[k], r.bubbles if r.critical_complete else [(0, r.total_bytes)])
+                except PartialDecodeError as exc:
+                    self.counters["undecodable"] += 1
+                    res.missing.append((i, f"undecodable partial: {exc}"))
+                    continue
+                if (p.lo, p.hi) != (s.lo, s.hi):
+                    self.counters["undecodable"] += 1
+                    res.missing.append((i, f"partial covers [{p.lo}, {p.hi}), expected [{s.lo}, {s.hi})"))
+                    continue
+                slots.put_partial(s.slot, p)
+
+    def _recv_buf(self, i, s, slots):
+        if s.payload == "partial":
+            return self._scratch_buf(("recv", s.peer, s.lo, s.hi), message_capacity(s.hi - s.lo))
+        return slots.buffer(s.slot)
+
+    async def _recv_one(self, peer, buf, s, timeout) -> RecvReport:
+        t0 = time.monotonic()
+        try:
+            return await self.transport.recv(buf, peer=peer, tag=s.tag, timeout=timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            return missing_report(peer, s.tag or 0, as_bytes_view(buf).nbytes, TIMEOUT, time.monotonic() - t0)
+        except (ConnectionError, OSError):
+            return missing_report(peer, s.tag or 0, as_bytes_view(buf).nbytes, CANCELLED, time.monotonic() - t0)
+
+
+def _raw_critical(elements, lo: int, max_ranges: int) -> list:
+    """A raw gradient message's critical bytes: its 64-byte header plus the given element ranges."""
+    from ..wire import HEADER_BYTES
+
+    out = [(0, HEADER_BYTES)]
+    for a, b in elements:
+        out.append((HEADER_BYTES + ELEM * (a - lo), HEADER_BYTES + ELEM * (b - lo)))
+    return limit_ranges(out, max_ranges)
+
+
+def lost_elements(report: RecvReport, *, offset: int, n_elems: int) -> list:
+    """Element ranges of a raw gradient message that did not arrive (helper for roles)."""
+    if report.received_bytes == 0:
+        return [(0, n_elems)]
+    return merge_ranges(bubbles_to_elements(report.bubbles, offset=offset, n_elems=n_elems))

@@ -1,0 +1,843 @@
+"""Hoplite: an object directory, receiver-driven broadcast and dynamic reduce chains (Zhuang et al.).
+
+Theory of operation
+-------------------
+Hoplite schedules collectives at run time, from the order in which objects
+become ready, instead of from ranks.  Three parts, all sans-IO:
+
+* :class:`ObjectDirectory` (§4.1): per object, its size and the locations
+  holding it, each marked *partial* (being written) or *complete*.  A query
+  returns **one** location -- a complete one if any, else a partial one
+  (ties: the location published earliest) -- and removes it while it
+  serves, so a node sends to one receiver at a time; the receiver puts it
+  back when its transfer ends.  A query that finds nothing waits in FIFO
+  order until a location is put back (a synchronous query).
+* :class:`Broadcast` (§4.2-4.3): receiver-driven.  A receiver's ``get``
+  queries the directory, fetches the object in :data:`CHUNK_BYTES` chunks
+  from the location it got, and publishes itself as a partial location at
+  once, so later receivers stream from partial copies (the paper's Fig 4).
+* :class:`ReduceChain` (§4.3): the receiver chains the inputs in the order
+  they become ready; the running sum stays at the newest input's node (the
+  chain's *tail*), which is told to send it to the next input that becomes
+  ready (arrivals a, d, c, b at receiver D: A->C, C->B, B->D).  The
+  receiver's own input is added last, at the receiver.  When ``n B L > S``
+  the inputs are split at random into ``~sqrt(n)`` subsets, each reduced by
+  its own chain, and the subset results chained again in the order they
+  complete; subsets recurse until ``m B L <= S`` (App. A:
+  ``T_1d = S/B + (n-1) L``, ``T_2d = 2 S/B + 2 (sqrt(n) - 1) L``).
+
+Faults (the paper leaves them to the framework; our choices, also in
+``docs/schedules.md``):
+
+1. A stalled broadcast sender (no chunk for :data:`STALL_TIMEOUT_S`) is
+   dropped from the directory; its receiver re-queries and fetches only the
+   chunks it is missing.  A receiver that dies gives its sender back.
+2. A reduce sender keeps its partial (``acc``) until the hop after the next
+   one has succeeded.  If the node it sent to dies before forwarding, the
+   sender takes its place again: it becomes the tail (to be chained to the
+   next ready node, or the receiver when every input is accounted for) or
+   re-sends to the dead node's successor.  Only the dead node's own input
+   is lost.
+3. A worker that dies before it was chained counts as *missed*; the round
+   closes once every input is chained or missed, so a round with one dead
+   worker closes with ``N - 1`` contributions and, through the partials'
+   per-element counts, their exact mean.
+
+:class:`HopliteController` is the schedule layer's
+:class:`~ltp_ps.schedules.program.Controller` for a PS round: parameters are
+broadcast from every shard (one object per shard), gradients reduced along a
+chain whose tail sends shard ``k``'s range to ``server:k``.  Grants to one
+node are one stage each and run in the order issued.  Nothing here reads a
+clock: every call takes ``now``; partitions use a seeded ``random.Random``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from typing import Hashable, Sequence
+
+from .base import Schedule, World
+from .fluid import Flow
+from .program import (APPLY_AT_SERVER, RELIABLE, SLOT_ACC, SLOT_GRAD, SLOT_PARAMS, TOLERANT, Apply, ChunkArrived,
+                      Combine, Controller, Forward, Grant, NodeFailed, NodeReady, Recv, RoundPlan, Send, TransferDone,
+                      server)
+from .tags import PHASE_PULL, PHASE_PUSH, Tag, pack
+
+__all__ = [
+    "CHUNK_BYTES", "STALL_TIMEOUT_S", "PAPER_LATENCY_S", "ObjectDirectory", "Broadcast", "ReduceChain",
+    "HopliteController", "HopliteSchedule", "use_2d", "t_1d", "t_2d", "partition", "broadcast_flows",
+    "reduce_flows",
+]
+
+CHUNK_BYTES = 256 * 1024  # bytes per broadcast chunk (the issue's choice; the paper pipelines 4 KB blocks)
+STALL_TIMEOUT_S = 0.5  # seconds without a chunk before a broadcast receiver gives up on its sender
+PAPER_LATENCY_S = 125e-6  # seconds: the paper's conservative point-to-point latency estimate (§6.1)
+KIND_PARAMS = 2  # ltp_ps.wire.KIND_PARAMS
+KIND_PARTIAL = 5  # ltp_ps.wire.KIND_PARTIAL
+MAX_STEP = 4095  # tags.STEP_BITS: transfer sequence numbers wrap here
+
+
+# --------------------------------------------------------------------------- App. A
+
+def use_2d(n: int, size_bytes: float, bandwidth_bps: float, latency_s: float) -> bool:
+    """§4.3: a two-dimensional chain when ``n B L > S`` (S in bits)."""
+    return n * bandwidth_bps * latency_s > 8 * size_bytes
+
+
+def t_1d(n: int, size_bytes: float, bandwidth_bps: float, latency_s: float) -> float:
+    """App. A: a pipelined chain of ``n`` objects, ``S/B + (n-1) L`` seconds."""
+    return 8 * size_bytes / bandwidth_bps + (n - 1) * latency_s
+
+
+def t_2d(n: int, size_bytes: float, bandwidth_bps: float, latency_s: float) -> float:
+    """App. A: ``2 T_1d(sqrt(n))``."""
+    return 2 * t_1d(math.sqrt(n), size_bytes, bandwidth_bps, latency_s)
+
+
+def partition(nodes: Sequence, rng: random.Random) -> list[list]:
+    """Split ``nodes`` at random into ``round(sqrt(n))`` (at least 2) subsets of near-equal size."""
+    nodes = list(nodes)
+    rng.shuffle(nodes)
+    k = max(2, round(math.sqrt(len(nodes))))
+    return [nodes[i::k] for i in range(k) if nodes[i::k]]
+
+
+# --------------------------------------------------------------------------- directory (§4.1)
+
+class ObjectDirectory:
+    """Per object: size and locations (partial/complete).  ``query`` hands out one location and removes
+    it until ``put_back``; unanswered queries wait in FIFO order."""
+
+    def __init__(self):
+        self._size: dict = {}
+        self._loc: dict = {}  # key -> {node: complete}, insertion order = publication order
+        self._waiting: dict = {}  # key -> [receiver, ...]
+        self._lent: dict = {}  # key -> {node: complete} (serving, out of the directory)
+
+    def create(self, key: Hashable, size: int) -> None:
+        if key in self._size and self._size[key] != size:
+            raise ValueError(f"object {key!r} already exists with size {self._size[key]}, not {size}")
+        self._size[key] = int(size)
+        self._loc.setdefault(key, {})
+        self._waiting.setdefault(key, [])
+        self._lent.setdefault(key, {})
+
+    def size(self, key) -> int:
+        return self._size[key]
+
+    def publish(self, key, node, *, complete: bool) -> None:
+        """``node`` holds (or is about to hold) ``key``: add it, or update its completeness."""
+        self._need(key)
+        if node in self._lent[key]:
+            self._lent[key][node] = self._lent[key][node] or complete
+        else:
+            self._loc[key][node] = self._loc[key].get(node, False) or complete
+
+    def locations(self, key) -> dict:
+        """``{node: complete}`` of the locations available now (not serving)."""
+        self._need(key)
+        return dict(self._loc[key])
+
+    def query(self, key, receiver, *, exclude=()) -> Hashable | None:
+        """One location for ``receiver`` (complete first, then partial; earliest published first), removed
+        until :meth:`put_back`; None (and the receiver queued) if there is none."""
+        self._need(key)
+        locs = [(n, c) for n, c in self._loc[key].items() if n != receiver and n not in exclude]
+        pick = next((n for n, c in locs if c), None)
+        if pick is None and locs:
+            pick = locs[0][0]
+        if pick is None:
+            if receiver not in self._waiting[key]:
+                self._waiting[key].append(receiver)
+            return None
+        self._lent[key][pick] = self._loc[key].pop(pick)
+        if receiver in self._waiting[key]:
+            self._waiting[key].remove(receiver)
+        return pick
+
+    def put_back(self, key, node) -> None:
+        """``node`` finished serving: it is a location again (with the completeness it has reached)."""
+        self._need(key)
+        if node in self._lent[key]:
+            self._loc[key][node] = self._lent[key].pop(node)
+
+    def forget(self, key, node) -> None:
+        """``node`` is gone (dead or stalled): drop it everywhere."""
+        self._need(key)
+        self._loc[key].pop(node, None)
+        self._lent[key].pop(node, None)
+        if node in self._waiting[key]:
+            self._waiting[key].remove(node)
+
+    def waiting(self, key) -> list:
+        return list(self._waiting.get(key, []))
+
+    def _need(self, key):
+        if key not in self._size:
+            raise KeyError(f"unknown object {key!r}; create it first")
+
+
+# --------------------------------------------------------------------------- broadcast (§4.2-4.3)
+
+@dataclasses.dataclass
+class Fetch:
+    """One granted transfer of ``chunks`` of ``key`` from ``src`` to ``dst``."""
+
+    key: Hashable
+    src: Hashable
+    dst: Hashable
+    chunks: tuple
+    seq: int
+    started_s: float
+    progress_s: float
+
+
+class Broadcast:
+    """Receiver-driven broadcast of one object from ``source`` (complete) to whoever calls :meth:`get`.
+
+    Methods return the list of :class:`Fetch` transfers to start now."""
+
+    def __init__(self, key, size: int, source, directory: ObjectDirectory | None = None, *,
+                 chunk_bytes: int = CHUNK_BYTES, stall_timeout_s: float = STALL_TIMEOUT_S):
+        if chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be > 0")
+        self.key, self.size, self.source = key, int(size), source
+        self.dir = directory or ObjectDirectory()
+        self.dir.create(key, size)
+        self.dir.publish(key, source, complete=True)
+        self.n_chunks = max(1, -(-self.size // chunk_bytes))
+        self.chunk_bytes = chunk_bytes
+        self.stall_timeout_s = stall_timeout_s
+        self.have: dict = {source: set(range(self.n_chunks))}
+        self.active: dict = {}  # dst -> Fetch
+        self.suspect: set = set()
+        self.dead: set = set()
+        self.log: list = []  # (event, details) in order, for tests and traces
+        self._seq = 0
+
+    def complete(self, node) -> bool:
+        return len(self.have.get(node, ())) == self.n_chunks
+
+    def missing(self, node) -> tuple:
+        h = self.have.get(node, set())
+        return tuple(i for i in range(self.n_chunks) if i not in h)
+
+    def get(self, node, *, now: float) -> list[Fetch]:
+        """``node`` wants the object."""
+        if node in self.dead or self.complete(node) or node in self.active:
+            return []
+        self.have.setdefault(node, set())
+        return self._try(node, now)
+
+    def _try(self, node, now) -> list[Fetch]:
+        src = self.dir.query(self.key, node, exclude=self.suspect | self.dead)
+        if src is None:
+            self.log.append(("wait", node))
+            return []
+        self._seq += 1
+        f = Fetch(self.key, src, node, self.missing(node), self._seq, now, now)
+        self.active[node] = f
+        self.dir.publish(self.key, node, complete=False)  # a partial copy serves others at once (§4.2)
+        self.log.append(("fetch", src, node, "complete" if self.complete(src) else "partial"))
+        return [f]
+
+    def on_chunk(self, node, chunk: int, *, now: float) -> list[Fetch]:
+        if not 0 <= chunk < self.n_chunks:
+            self.log.append(("bad_chunk", node, chunk))
+            return []
+        self.have.setdefault(node, set()).add(chunk)
+        f = self.active.get(node)
+        if f is not None:
+            f.progress_s = now
+        if self.complete(node):
+            self.dir.publish(self.key, node, complete=True)
+        return []
+
+    def on_done(self, src, dst, *, ok: bool, now: float) -> list[Fetch]:
+        f = self.active.get(dst)
+        if f is None or f.src != src:
+            return []
+        del self.active[dst]
+        out = []
+        if src not in self.dead and src not in self.suspect:
+            self.dir.put_back(self.key, src)
+        if not self.complete(dst) and dst not in self.dead:
+            out += self._try(dst, now)  # a short transfer: fetch the rest elsewhere
+        return out + self._serve_waiting(now)
+
+    def on_timer(self, *, now: float) -> list[Fetch]:
+        """Receivers whose sender stalled re-query and fetch only their missing chunks."""
+        out = []
+        for dst, f in sorted(self.active.items(), key=lambda kv: kv[1].seq):
+            if now - f.progress_s >= self.stall_timeout_s:
+                self.log.append(("stalled", f.src, dst))
+                self.suspect.add(f.src)
+                self.dir.forget(self.key, f.src)
+                del self.active[dst]
+                out += self._try(dst, now)
+        return out + self._serve_waiting(now)
+
+    def next_deadline(self) -> float | None:
+        if not self.active:
+            return None
+        return min(f.progress_s for f in self.active.values()) + self.stall_timeout_s
+
+    def on_failed(self, node, *, now: float) -> list[Fetch]:
+        self.dead.add(node)
+        self.dir.forget(self.key, node)
+        out = []
+        f = self.active.pop(node, None)
+        if f is not None and f.src not in self.dead:
+            self.dir.put_back(self.key, f.src)
+        for dst, g in sorted(self.active.items(), key=lambda kv: kv[1].seq):
+            if g.src == node:
+                del self.active[dst]
+                out += self._try(dst, now)
+        return out + self._serve_waiting(now)
+
+    def _serve_waiting(self, now) -> list[Fetch]:
+        out = []
+        for r in self.dir.waiting(self.key):
+            if r in self.active or self.complete(r) or r in self.dead:
+                continue
+            got = self._try(r, now)
+            if not got:
+                break
+            out += got
+        return out
+
+    def chunk_range(self, i: int) -> tuple[int, int]:
+        """Byte range of chunk ``i``."""
+        return i * self.chunk_bytes, min(self.size, (i + 1) * self.chunk_bytes)
+
+
+# --------------------------------------------------------------------------- reduce chains (§4.3)
+
+@dataclasses.dataclass
+class Hop:
+    """A granted reduce transfer: ``src`` sends its running sum to ``dst`` (``final``: dst is the receiver)."""
+
+    src: Hashable
+    dst: Hashable
+    seq: int
+    final: bool = False
+
+
+class _Chain:
+    """One 1D chain over ``members`` (nodes, or sub-chains whose result counts as one input)."""
+
+    def __init__(self, members, parent=None):
+        self.members = list(members)
+        self.parent = parent
+        self.tail = None  # node holding this chain's running sum
+        self.accounted: set = set()  # members chained or missed
+        self.done = False
+
+
+class ReduceChain:
+    """Dynamic reduce of ``inputs`` into ``receiver`` (whose own input, if ``receiver_input``, is added last).
+
+    ``ready(node)`` / ``failed(node)`` / ``hop_done(src, dst, ok)`` return the :class:`Hop` transfers to
+    start now.  ``contents[node]`` is the set of inputs the node's running sum holds (bookkeeping that
+    the fault rules and tests rely on)."""
+
+    def __init__(self, inputs: Sequence, receiver, *, receiver_input: bool = False, size_bytes: float = 0.0,
+                 bandwidth_bps: float = 10e9, latency_s: float = PAPER_LATENCY_S,
+                 rng: random.Random | None = None, two_d: bool | None = None):
+        self.inputs = [x for x in inputs if x != receiver]
+        if len(set(self.inputs)) != len(self.inputs):
+            raise ValueError("reduce inputs must be distinct nodes")
+        self.receiver = receiver
+        self.receiver_input = receiver_input
+        self.rng = rng or random.Random(0)
+        self._seq = 0
+        self.hops: list[Hop] = []
+        self.contents: dict = {}
+        self.pred: dict = {}  # dst -> src of the latest hop into dst (the src keeps its sum for it)
+        self.in_flight: dict = {}  # (src, dst) -> Hop
+        self.outgoing: dict = {}  # src -> Hop it is sending (not yet done)
+        self.dead: set = set()
+        self.missed: set = set()
+        self.ready_nodes: list = []
+        self.deferred: dict = {}  # src -> hops granted once its incoming hop is done
+        self.closed = False
+        self.final_ok = False
+        self.receiver_ready = not receiver_input
+        n = len(self.inputs)
+        want_2d = use_2d(n, size_bytes, bandwidth_bps, latency_s) if two_d is None else two_d
+        self._leaf_chain: dict = {}
+        self.root = self._build(self.inputs, None, want_2d, size_bytes, bandwidth_bps, latency_s, depth=0)
+        self.dimensions = self._depth(self.root)
+
+    def _build(self, members, parent, split, S, B, L, depth):
+        if split and len(members) >= 4 and depth < 8:
+            c = _Chain([], parent)
+            for sub in partition(members, self.rng):
+                again = (len(sub) * B * L > 8 * S) if S else False
+                c.members.append(self._build(sub, c, again, S, B, L, depth + 1))
+            return c
+        c = _Chain(members, parent)
+        for m in members:
+            self._leaf_chain[m] = c
+        return c
+
+    def _depth(self, c) -> int:
+        subs = [m for m in c.members if isinstance(m, _Chain)]
+        return 1 + max((self._depth(s) for s in subs), default=0)
+
+    def subsets(self) -> list[list]:
+        """The leaf chains' members (one list for a 1D chain)."""
+        out = []
+
+        def walk(c):
+            if all(not isinstance(m, _Chain) for m in c.members):
+                out.append(list(c.members))
+            for m in c.members:
+                if isinstance(m, _Chain):
+                    walk(m)
+        walk(self.root)
+        return out
+
+    # -- events ---------------------------------------------------------------
+    def ready(self, node, *, now: float = 0.0) -> list[Hop]:
+        """``node``'s input is ready; the hops to start now."""
+        return self._release(self._ready(node))
+
+    def _ready(self, node) -> list[Hop]:
+        if self.closed or node in self.dead:
+            return []
+        if node == self.receiver:
+            self.receiver_ready = True
+            return self._maybe_close()
+        if node not in self._leaf_chain or node in self.ready_nodes:
+            return []
+        self.ready_nodes.append(node)
+        self.contents[node] = {node}
+        return self._arrive(self._leaf_chain[node], node, member=node)
+
+    def _arrive(self, chain: _Chain, holder, member) -> list[Hop]:
+        """``member``'s input (held at node ``holder``) is ready in ``chain``."""
+        chain.accounted.add(id(member) if isinstance(member, _Chain) else member)
+        out = []
+        if chain.tail is None:
+            chain.tail = holder
+        else:
+            out.append(self._hop(chain.tail, holder))  # the tail sends to the newest arrival
+            chain.tail = holder
+        return out + self._maybe_complete(chain)
+
+    def _miss(self, chain: _Chain, member) -> list[Hop]:
+        chain.accounted.add(id(member) if isinstance(member, _Chain) else member)
+        return self._maybe_complete(chain)
+
+    def _maybe_complete(self, chain: _Chain) -> list[Hop]:
+        keys = {id(m) if isinstance(m, _Chain) else m for m in chain.members}
+        if chain.done or not keys <= chain.accounted:
+            return []
+        chain.done = True
+        if chain.parent is None:
+            return self._maybe_close()
+        if chain.tail is None:
+            return self._miss(chain.parent, chain)
+        return self._arrive(chain.parent, chain.tail, chain)
+
+    def _maybe_close(self) -> list[Hop]:
+        if not self.root.done or not self.receiver_ready or self.closed:
+            return []
+        if self.root.tail is None:  # nothing to deliver (every input missed)
+            self.closed = True
+            return []
+        if any(h.final for h in self.outgoing.values()):
+            return []
+        return [self._hop(self.root.tail, self.receiver, final=True)]
+
+    def _hop(self, src, dst, final=False) -> Hop:
+        self._seq += 1
+        h = Hop(src, dst, self._seq, final)
+        self.hops.append(h)
+        self.in_flight[(src, dst)] = h
+        self.outgoing[src] = h
+        self.pred[dst] = src
+        return h
+
+    def _incoming(self, node) -> bool:
+        return any(d == node for (_, d) in self.in_flight)
+
+    def _release(self, hops: list) -> list[Hop]:
+        """Hops whose sender is still receiving wait (``deferred``) until its incoming hop is combined."""
+        out = []
+        for h in hops:
+            if self._incoming(h.src):
+                self.deferred.setdefault(h.src, []).append(h)
+            else:
+                out.append(h)
+        return out
+
+    def _undefer(self, node) -> list[Hop]:
+        if self._incoming(node):
+            return []
+        return [h for h in self.deferred.pop(node, []) if (h.src, h.dst) in self.in_flight]
+
+    def hop_done(self, src, dst, *, ok: bool, now: float = 0.0) -> list[Hop]:
+        """A hop ended.  On success ``dst`` has combined it (the controller grants the Combine first), so
+        hops deferred behind it start now."""
+        h = self.in_flight.pop((src, dst), None)
+        if h is None:
+            return []
+        if self.outgoing.get(src) is h:
+            del self.outgoing[src]
+        if not ok:
+            return self._release(self._lost_hop(h)) + self._undefer(dst)
+        self.contents[dst] = self.contents.get(dst, set()) | self.contents.get(src, set())
+        if h.final:
+            self.closed = True
+            self.final_ok = True
+            return []
+        return self._undefer(dst)
+
+    def _lost_hop(self, h: Hop) -> list[Hop]:
+        """A hop failed: if the sender is alive it tries again, else its predecessor re-sends."""
+        if h.dst in self.dead:
+            return self._reroute_from(h.src, h.dst)
+        src = h.src if h.src not in self.dead else self._live_pred(h.src)
+        if src is None:
+            return self._maybe_close() if h.final else []
+        return [self._hop(src, h.dst, h.final)]
+
+    def failed(self, node, *, now: float = 0.0) -> list[Hop]:
+        """``node`` died; the hops to start now (see the fault rules in the module docstring)."""
+        if node in self.dead or self.closed:
+            return []
+        hops = self._failed(node)
+        self.deferred.pop(node, None)
+        out = self._release(hops)
+        for n in list(self.deferred):
+            out += self._undefer(n)
+        return out
+
+    def _failed(self, node) -> list[Hop]:
+        self.dead.add(node)
+        out = []
+        if node == self.receiver:
+            raise RuntimeError("the reduce receiver died; the round cannot close (restart the round elsewhere)")
+        if node in self._leaf_chain and node not in self.ready_nodes:
+            self.missed.add(node)
+            return self._miss(self._leaf_chain[node], node)
+        # hops into the dead node are lost; its predecessor takes over
+        for (s, d), h in list(self.in_flight.items()):
+            if d == node:
+                self.in_flight.pop((s, d))
+                if self.outgoing.get(s) is h:
+                    del self.outgoing[s]
+        # a hop out of the dead node is lost too: its receiver gets the predecessor's sum instead
+        for (s, d), h in list(self.in_flight.items()):
+            if s == node:
+                self.in_flight.pop((s, d))
+                self.outgoing.pop(s, None)
+                src = self._live_pred(node)
+                if src is not None:
+                    out.append(self._hop(src, d, h.final))
+                elif h.final:
+                    self.root.tail = None
+                    out += self._maybe_close()
+                return out
+        out += self._reroute_from(self.pred.get(node), node)
+        return out
+
+    def _live_pred(self, node):
+        seen = set()
+        p = self.pred.get(node)
+        while p is not None and p in self.dead and p not in seen:
+            seen.add(p)
+            p = self.pred.get(p)
+        return p if p is not None and p not in self.dead else None
+
+    def _reroute_from(self, src, dead):
+        """``dead`` held (or was receiving) the running sum: ``src`` (its live predecessor) replaces it as
+        the tail of every chain whose tail it was."""
+        src = src if src is None or src not in self.dead else self._live_pred(src)
+        out = []
+        for chain in self._chains():
+            if chain.tail == dead:
+                chain.tail = src
+        if self.root.done:
+            out += self._maybe_close()
+        return out
+
+    def _chains(self):
+        out, stack = [], [self.root]
+        while stack:
+            c = stack.pop()
+            out.append(c)
+            stack += [m for m in c.members if isinstance(m, _Chain)]
+        return out
+
+    def lost(self) -> set:
+        """Inputs that will not reach the receiver: missed before they were ready, or held only by a node
+        that died (after close: every input not in :meth:`contributions`)."""
+        return set(self.inputs) - self.contributions()
+
+    def contributions(self) -> set:
+        """Inputs included in the receiver's result (after close)."""
+        return set(self.contents.get(self.receiver, set())) | ({self.receiver} if self.receiver_input else set())
+
+
+# --------------------------------------------------------------------------- the controller
+
+def params_slot(shard: int) -> str:
+    return f"{SLOT_PARAMS}:{server(shard)}"
+
+
+class HopliteController(Controller):
+    """A PS round the Hoplite way: per-shard receiver-driven parameter broadcast, then a reduce chain of
+    the workers' gradients whose tail sends shard ``k``'s range to ``server:k``.
+
+    Events: ``NodeReady(worker)`` -- its gradient is ready (joins the chain); ``ChunkArrived(worker,
+    key=f"params:{k}", lo, hi)`` -- parameter bytes ``[lo, hi)`` of shard ``k`` arrived; ``TransferDone``
+    -- a granted transfer ended (tags say which); ``NodeFailed``.  :meth:`get` -- a worker wants the
+    parameters (issued for every node by :meth:`start` unless ``auto_get=False``)."""
+
+    def __init__(self, shards: Sequence[tuple[int, int]], *, elem_bytes: int = 4, bandwidth_bps: float = 10e9,
+                 latency_s: float = PAPER_LATENCY_S, rng: random.Random | None = None,
+                 chunk_bytes: int = CHUNK_BYTES, stall_timeout_s: float = STALL_TIMEOUT_S, auto_get: bool = True):
+        if not shards:
+            raise ValueError("Hoplite needs at least one PS shard (the reduce receiver)")
+        self.shards = [tuple(s) for s in shards]
+        self.elem_bytes = elem_bytes
+        self.bandwidth_bps, self.latency_s = bandwidth_bps, latency_s
+        self.rng = rng or random.Random(0)
+        self.chunk_bytes = max(elem_bytes, chunk_bytes - chunk_bytes % elem_bytes)
+        self.stall_timeout_s = stall_timeout_s
+        self.auto_get = auto_get
+        self.iteration = 0
+        self.broadcasts: list[Broadcast] = []
+        self.reduce: ReduceChain | None = None
+        self._tags: dict = {}  # tag -> ("bcast", k, Fetch) | ("reduce", Hop, shard)
+        self._hop_pending: dict = {}  # hop seq -> shard indices whose transfer has not ended yet
+        self._hop_slot: dict = {}  # hop seq -> receive slot name
+        self._attempt = 0
+
+    # -- Controller interface -------------------------------------------------
+    def start(self, iteration: int, nodes: Sequence[str], *, now: float) -> list[Grant]:
+        self.iteration = iteration
+        self.nodes = [n for n in nodes if not n.startswith("server:")]
+        self._tags.clear()
+        self._hop_pending.clear()
+        self._hop_slot.clear()
+        d = ObjectDirectory()
+        self.broadcasts = [Broadcast(f"params:{k}", (hi - lo) * self.elem_bytes, server(k), d,
+                                     chunk_bytes=self.chunk_bytes, stall_timeout_s=self.stall_timeout_s)
+                           for k, (lo, hi) in enumerate(self.shards)]
+        size = sum(hi - lo for lo, hi in self.shards) * self.elem_bytes
+        self.reduce = ReduceChain(self.nodes, "PS", size_bytes=size, bandwidth_bps=self.bandwidth_bps,
+                                  latency_s=self.latency_s, rng=self.rng)
+        out = []
+        if self.auto_get:
+            for n in self.nodes:
+                out += self.get(n, now=now)
+        return out
+
+    def get(self, node: str, *, now: float) -> list[Grant]:
+        out = []
+        for k, b in enumerate(self.broadcasts):
+            out += self._fetch_grants(k, b.get(node, now=now))
+        return out
+
+    def on_event(self, event, *, now: float) -> list[Grant]:
+        if isinstance(event, NodeReady):
+            if event.iteration != self.iteration or self.reduce is None or event.node not in self.nodes:
+                return []
+            if event.node in self.reduce.ready_nodes or event.node in self.reduce.dead:
+                return []
+            return self.ready_grants(event.node) + self._hop_grants(self.reduce.ready(event.node, now=now))
+        if isinstance(event, ChunkArrived):
+            k = self._shard_of_key(event.key)
+            if k is None:
+                return []
+            b = self.broadcasts[k]
+            lo_b, hi_b = (event.lo - self.shards[k][0]) * self.elem_bytes, (event.hi - self.shards[k][0]) * self.elem_bytes
+            out = []
+            for i in range(lo_b // b.chunk_bytes, -(-hi_b // b.chunk_bytes)):
+                out += self._fetch_grants(k, b.on_chunk(event.node, i, now=now))
+            return out
+        if isinstance(event, TransferDone):
+            what = self._tags.pop(event.tag, None)
+            if what is None:
+                return []
+            if what[0] == "bcast":
+                _, k, f = what
+                return self._fetch_grants(k, self.broadcasts[k].on_done(f.src, f.dst, ok=event.ok, now=now))
+            _, h, k = what
+            pend = self._hop_pending.get(h.seq)
+            if pend is None:  # this hop already failed on another shard
+                return []
+            if not event.ok:
+                del self._hop_pending[h.seq]
+                return self._hop_grants(self.reduce.hop_done(h.src, h.dst, ok=False, now=now))
+            pend.discard(k)
+            if pend:
+                return []
+            del self._hop_pending[h.seq]
+            out = self._combine_grants(h)
+            return out + self._hop_grants(self.reduce.hop_done(h.src, h.dst, ok=True, now=now))
+        if isinstance(event, NodeFailed):
+            out = []
+            for k, b in enumerate(self.broadcasts):
+                out += self._fetch_grants(k, b.on_failed(event.node, now=now))
+            if self.reduce is not None and not event.node.startswith("server:"):
+                out += self._hop_grants(self.reduce.failed(event.node, now=now))
+            return out
+        return []
+
+    def next_deadline(self) -> float | None:
+        ds = [d for b in self.broadcasts if (d := b.next_deadline()) is not None]
+        return min(ds) if ds else None
+
+    def on_timer(self, *, now: float) -> list[Grant]:
+        out = []
+        for k, b in enumerate(self.broadcasts):
+            out += self._fetch_grants(k, b.on_timer(now=now))
+        return out
+
+    def done(self) -> bool:
+        return self.reduce is not None and self.reduce.closed
+
+    def contributions(self) -> set:
+        return self.reduce.contributions() if self.reduce else set()
+
+    # -- grants -----------------------------------------------------------------
+    def _shard_of_key(self, key) -> int | None:
+        if isinstance(key, str) and key.startswith("params:") and key[7:].isdigit() and int(key[7:]) < len(self.shards):
+            return int(key[7:])
+        return None
+
+    def _tag(self, phase, seq, chunk, kind) -> int:
+        return pack(self.iteration, phase, seq % (MAX_STEP + 1), chunk, kind)
+
+    def _fetch_grants(self, k: int, fetches) -> list[Grant]:
+        out = []
+        lo, hi = self.shards[k]
+        per = self.chunk_bytes // self.elem_bytes
+        for f in fetches:
+            sends, recvs = [], []
+            for i in f.chunks:
+                a, b = lo + i * per, min(hi, lo + (i + 1) * per)
+                tag = self._tag(PHASE_PULL, f.seq, i, KIND_PARAMS)
+                if f.src == server(k):
+                    sends.append(Send(f.dst, SLOT_PARAMS, a, b, tag, RELIABLE, "params"))
+                else:
+                    sends.append(Forward(f.dst, params_slot(k), a, b, tag, RELIABLE, "params"))
+                recvs.append(Recv(f.src, params_slot(k), a, b, tag, RELIABLE, "params"))
+            if not f.chunks:
+                continue
+            self._tags[self._tag(PHASE_PULL, f.seq, f.chunks[-1], KIND_PARAMS)] = ("bcast", k, f)
+            out += [Grant(f.src, tuple(sends), reason=f"hoplite bcast {k} -> {f.dst}"),
+                    Grant(f.dst, tuple(recvs), reason=f"hoplite bcast {k} <- {f.src}")]
+        return out
+
+    def _hop_grants(self, hops) -> list[Grant]:
+        """A hop: the sender sends its running sum (per shard range), the receiver receives it.  The
+        receiver's Combine is granted only once every range arrived (:meth:`_combine_grants`), so a hop
+        from a sender that died half-way is never combined."""
+        out = []
+        for h in hops:
+            self._attempt += 1
+            a = self._attempt
+            slot = f"in:{h.src}:{a}"
+            self._hop_slot[h.seq] = slot
+            self._hop_pending[h.seq] = set(range(len(self.shards)))
+            sends, recvs = [], []
+            for k, (lo, hi) in enumerate(self.shards):
+                tag = self._tag(PHASE_PUSH, a, k, KIND_PARTIAL)
+                self._tags[tag] = ("reduce", h, k)
+                dst = server(k) if h.final else h.dst
+                sends.append(Send(dst, SLOT_ACC, lo, hi, tag, TOLERANT, "partial"))
+                r = Recv(h.src, slot, lo, hi, tag, TOLERANT, "partial")
+                if h.final:
+                    out.append(Grant(server(k), (r,), reason=f"hoplite reduce <- {h.src}"))
+                else:
+                    recvs.append(r)
+            out.insert(len(out) - (len(self.shards) if h.final else 0),
+                       Grant(h.src, tuple(sends), reason=f"hoplite reduce -> {'PS' if h.final else h.dst}"))
+            if recvs:
+                out.append(Grant(h.dst, tuple(recvs), reason=f"hoplite reduce <- {h.src}"))
+        return out
+
+    def _combine_grants(self, h: Hop) -> list[Grant]:
+        slot = self._hop_slot.pop(h.seq)
+        if h.final:
+            return [Grant(server(k), (Combine(SLOT_ACC, slot, lo, hi), Apply(SLOT_ACC, lo, hi)),
+                          reason="hoplite apply") for k, (lo, hi) in enumerate(self.shards)]
+        return [Grant(h.dst, tuple(Combine(SLOT_ACC, slot, lo, hi) for lo, hi in self.shards),
+                      reason="hoplite combine")]
+
+    def ready_grants(self, node: str) -> list[Grant]:
+        """A worker's first reduce grant once its gradient is computed: its sum starts as its gradient."""
+        return [Grant(node, tuple(Combine(SLOT_ACC, SLOT_GRAD, lo, hi) for lo, hi in self.shards),
+                      reason="hoplite own gradient")]
+
+
+# --------------------------------------------------------------------------- fluid flows (§6 experiments)
+
+def broadcast_flows(source: str, receivers: Sequence[str], size_bytes: float, *, prefix="bcast") -> list[Flow]:
+    """The flows of a broadcast in which every receiver asks at time 0 (the directory's decisions replayed
+    with no transfer finishing before the last query): partial copies stream from each other."""
+    b = Broadcast("obj", int(size_bytes), source, chunk_bytes=max(1, int(size_bytes)))
+    flows, feeding = [], {}
+    for r in receivers:
+        for f in b.get(r, now=0.0):
+            up = feeding.get(f.src)
+            flows.append(Flow((prefix, f.dst), f.src, f.dst, size_bytes, stream_from=up))
+            feeding[f.dst] = (prefix, f.dst)
+    waiting = [r for r in receivers if r not in feeding]
+    # receivers that found no location wait for the first transfer to end, then fetch from its sender
+    for r in waiting:
+        first = next(iter(feeding))
+        src = b.active.get(first).src if first in b.active else source
+        flows.append(Flow((prefix, r), src, r, size_bytes, after=[(prefix, first)]))
+    return flows
+
+
+def reduce_flows(inputs: Sequence[str], receiver: str, size_bytes: float, *, bandwidth_bps: float,
+                 latency_s: float, rng: random.Random | None = None, prefix="reduce",
+                 ready_order: Sequence[str] | None = None) -> list[Flow]:
+    """The flows of a reduce with every input ready in ``ready_order`` (default: ``inputs``): each hop
+    streams from the hop into its sender (pipelined chains); a sub-chain's result joins its parent chain
+    once the sub-chain's last hop streams."""
+    rc = ReduceChain(inputs, receiver, size_bytes=size_bytes, bandwidth_bps=bandwidth_bps, latency_s=latency_s,
+                     rng=rng or random.Random(0))
+    hops = []
+    for n in (ready_order or inputs):
+        hops += rc.ready(n)
+    flows, into = [], {}
+    for h in rc.hops:
+        up = into.get(h.src)
+        flows.append(Flow((prefix, h.seq), h.src, h.dst, size_bytes, stream_from=up))
+        into[h.dst] = (prefix, h.seq)
+    return flows
+
+
+class HopliteSchedule(Schedule):
+    """``--schedule hoplite``: dynamic; :meth:`controller` returns a :class:`HopliteController`.
+
+    ``plan()`` gives the static part only: nothing (every transfer is granted at run time)."""
+
+    name = "hoplite"
+    apply_at = APPLY_AT_SERVER
+
+    def plan(self, iteration: int) -> RoundPlan:
+        return RoundPlan(self.name, iteration, {}, self.apply_at, {"dynamic": True})
+
+    def controller(self) -> HopliteController:
+        topo = self.world.topology
+        rate, lat = 10e9, PAPER_LATENCY_S
+        if topo is not None and topo.hosts:
+            rate = min(h.up_bps for h in topo.hosts)
+            lat = max(2 * h.latency_s for h in topo.hosts)
+        return HopliteController(self.world.shards, bandwidth_bps=rate, latency_s=lat,
+                                 rng=random.Random(self.rng.random()))
+
+
+SCHEDULE = HopliteSchedule

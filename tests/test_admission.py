@@ -1,0 +1,291 @@
+"""Admission of registrations, deterministic and in memory (issue 7 section 4).
+
+A REG must be authentic over every byte and its source address, fresh and
+not replayed; memory is committed on the first DATA, not on the REG; pending
+registrations expire; caps hold per address, per host and in total; every
+refusal is counted by reason.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ltp import wire
+from ltp.admission import PENDING_MAX_S, ReplayCache, address_bytes, pending_lifetime, reg_mac
+from ltp.config import Config
+from ltp.engine import Engine
+from ltp.errors import TransferRefused
+
+KEY = b"job-secret"
+A = ("10.0.0.1", 7447)
+B = ("10.0.0.2", 7447)
+T0 = 1_790_000_000.0  # a wall-clock origin (seconds since the epoch) for the engines' `now = 0`
+MiB = 1 << 20
+
+
+def engines(key=KEY, cfg_b=None, wall_b=T0):
+    a = Engine(Config(job_key=key), rng=random.Random(1), local_addr=A, wall_offset=T0)
+    b = Engine(cfg_b or Config(job_key=key), rng=random.Random(2), local_addr=B, wall_offset=wall_b)
+    return a, b
+
+
+def out(eng, now):
+    """Every datagram ``eng`` sends at ``now``, as (bytes, addr)."""
+    return [(bytes(d), tx.addr) for tx in eng.datagrams_to_send(now) for d in tx.datagrams()]
+
+
+def regs(dgrams):
+    return [d for d, _ in dgrams if d[0] & 0x0F == wire.T_REG]
+
+
+def captured_reg(size=16 * MiB, key=KEY, now=0.0, tag=0):
+    """The REG a legitimate sender at A sends for a ``size``-byte message (what an observer captures)."""
+    a = Engine(Config(job_key=key), rng=random.Random(size + tag), local_addr=A, wall_offset=T0)
+    a.send(B, np.zeros(size // 4, np.float32), now=now, tag=tag)
+    return regs(out(a, now))[0]
+
+
+def test_mac_covers_every_byte_and_the_source_address():
+    reg = captured_reg(4096)
+    mac_end = len(reg) - wire.MAC_SIZE
+    assert reg[mac_end:] == reg_mac(KEY, A, reg[:mac_end])
+    # every header and body byte (8-15 included) changes the MAC
+    for i in range(mac_end):
+        flipped = bytearray(reg[:mac_end])
+        flipped[i] ^= 0x01
+        assert reg_mac(KEY, A, bytes(flipped)) != reg[mac_end:], f"byte {i} is not covered"
+    assert reg_mac(KEY, ("10.0.0.1", 7448), reg[:mac_end]) != reg[mac_end:]
+    assert reg_mac(KEY, ("10.0.0.9", 7447), reg[:mac_end]) != reg[mac_end:]
+    # IPv4-mapped IPv6 is the same source as plain IPv4
+    assert address_bytes(("::ffff:10.0.0.1", 7447)) == address_bytes(A)
+
+
+@pytest.mark.parametrize("byte", range(8, 16))
+def test_bit_flips_in_header_bytes_8_to_15_are_refused(byte):
+    _, b = engines()
+    reg = bytearray(captured_reg(4096))
+    reg[byte] ^= 0x10
+    b.receive_datagram(bytes(reg), A, 0.001)
+    assert b.stats.refused == {"unauthenticated": 1} and b.receive_memory == 0
+
+
+def test_replay_from_other_ports_and_hosts_is_unauthenticated():
+    _, b = engines()
+    reg = captured_reg()
+    for port in range(20000, 20160):
+        b.receive_datagram(reg, ("10.0.0.1", port), 0.001)
+    b.receive_datagram(reg, ("10.0.0.66", 7447), 0.001)
+    assert b.stats.refused == {"unauthenticated": 161}
+    assert b.receive_memory == 0 and not b._pending
+
+
+def test_replay_from_the_same_source_is_refused_and_not_answered():
+    _, b = engines()
+    reg = captured_reg()
+    b.receive_datagram(reg, A, 0.001)
+    assert len(b._pending) == 1
+    out(b, 0.001)
+    b.handle_timer(1.5)  # the first copy's pending registration expired (no DATA)
+    assert not b._pending and b.stats.dropped["registration_expired"] == 1
+    b.receive_datagram(reg, A, 2.0)
+    assert b.stats.refused == {"replayed": 1} and not b._pending
+    assert out(b, 2.0) == []  # a replay gets no answer (a RESET could hurt the real sender)
+
+
+def test_stale_registration_is_refused_and_the_sender_learns_why():
+    # the receiver's clock is 60 s ahead: outside the 10 s freshness window
+    a, b = engines(wall_b=T0 + 60)
+    h = a.send(B, np.ones(1000, np.float32), now=0.0)
+    for d, _ in out(a, 0.0):
+        b.receive_datagram(d, A, 0.001)
+    assert b.stats.refused == {"stale": 1}
+    for d, _ in out(b, 0.001):
+        a.receive_datagram(d, B, 0.002)
+    ev = a.next_event()
+    assert ev.handle == h and isinstance(ev.error, TransferRefused) and ev.error.reason == "stale"
+
+
+def test_every_repeated_reg_is_fresh_and_accepted():
+    a, b = engines()
+    a.send(B, np.ones(1000, np.float32), now=0.0)
+    first = regs(out(a, 0.0))[0]
+    a.handle_timer(0.05)  # no answer: the REG is repeated with a new attempt, stamp and MAC
+    again = regs(out(a, 0.05))[0]
+    assert again[16:] != first[16:] and again[-16:] != first[-16:]
+    b.receive_datagram(first, A, 0.051)
+    b.receive_datagram(again, A, 0.052)
+    assert b.stats.refused == {} and b.stats.dropped == {"duplicate_reg": 1}
+
+
+def test_memory_is_committed_on_first_data_not_on_reg():
+    a, b = engines()
+    data = np.arange(250_000, dtype=np.float32)  # 1 MB
+    a.send(B, data, now=0.0)
+    dg = out(a, 0.0)
+    reg, datas = dg[0][0], [d for d, _ in dg[1:]]
+    assert reg[0] & 0x0F == wire.T_REG and datas
+    b.receive_datagram(reg, A, 0.001)
+    assert b.receive_memory == 0 and len(b._pending) == 1
+    b.receive_datagram(datas[0], A, 0.002)
+    assert not b._pending and b.receive_memory == -(-data.nbytes // 1456) + data.nbytes  # bitmap + buffer
+    assert b.stats.flows_received == 1
+
+
+def test_data_with_a_wrong_token_does_not_commit_memory():
+    a, b = engines()
+    a.send(B, np.ones(250_000, np.float32), now=0.0)
+    dg = out(a, 0.0)
+    b.receive_datagram(dg[0][0], A, 0.001)
+    forged = bytearray(dg[1][0])
+    forged[4] ^= 0xFF
+    b.receive_datagram(bytes(forged), A, 0.002)
+    assert b.receive_memory == 0 and len(b._pending) == 1 and b.stats.dropped["bad_token"] == 1
+
+
+def test_pending_registration_expires_within_a_few_rtts():
+    assert pending_lifetime(0.0001) == 0.05 and pending_lifetime(0.01) == pytest.approx(0.08)
+    assert pending_lifetime(10.0) == PENDING_MAX_S
+    _, b = engines()
+    b.receive_datagram(captured_reg(), A, 0.0)
+    assert b.get_timer() is not None and b.get_timer() <= pending_lifetime(0.001) + 1e-9
+    b.handle_timer(b.get_timer())
+    assert not b._pending and b._rx_per_peer == {} and b._per_host == {}
+
+
+def test_sender_registers_again_when_the_receiver_forgot_it():
+    """The receiver's pending registration expired before the first DATA arrived (a sender stuck behind
+    other flows): DATA draws RESET 'unregistered', the sender repeats REG and the transfer completes."""
+    a, b = engines()
+    data = np.arange(20_000, dtype=np.float32)
+    hs = a.send(B, data, now=0.0)
+    dg = out(a, 0.0)
+    b.receive_datagram(dg[0][0], A, 0.001)  # REG only; its DATA is "late"
+    for d, _ in out(b, 0.001):
+        a.receive_datagram(d, B, 0.002)  # the confirming ACK
+    b.handle_timer(0.3)
+    assert not b._pending
+    buf = np.zeros_like(data)
+    hr = b.post_receive([(A, 0, buf)], now=0.3)
+    now = 0.3
+    pending = [d for d, _ in dg[1:]]
+    done = {}
+    for _ in range(2000):
+        now += 0.001
+        for d in pending:
+            b.receive_datagram(d, A, now)
+        a.handle_timer(now)
+        b.handle_timer(now)
+        back = out(b, now)
+        for d, _ in back:
+            a.receive_datagram(d, B, now)
+        pending = [d for d, _ in out(a, now)]
+        for eng in (a, b):
+            while (ev := eng.next_event()) is not None:
+                done[ev.handle, eng is a] = ev
+        if (hs, True) in done and (hr, False) in done:
+            break
+    assert a.stats.reregistrations >= 1
+    assert done[hs, True].error is None and done[hr, False].error is None
+    assert np.array_equal(buf, data)
+
+
+def test_caps_per_address_per_host_and_pending_total_are_counted_by_reason():
+    cfg = Config(job_key=KEY, max_flows_per_peer=2, max_flows_per_host=4, max_pending_registrations=5)
+    _, b = engines(cfg_b=cfg)
+    n = 0
+    for host in ("10.0.0.1", "10.0.0.3", "10.0.0.4"):
+        for port in (1, 2, 3):
+            for tag in range(3):
+                src = (host, port)
+                s = Engine(Config(job_key=KEY), rng=random.Random(n), local_addr=src, wall_offset=T0)
+                s.send(B, np.ones(1000, np.float32), now=0.0, tag=tag)
+                b.receive_datagram(regs(out(s, 0.0))[0], src, 0.001)
+                n += 1
+    r = b.stats.refused
+    assert len(b._pending) == 5
+    assert r["too_many_flows"] >= 1 and r["too_many_host_flows"] >= 1 and r["too_many_pending"] >= 1
+    assert sum(r.values()) == n - 5
+    assert max(b._per_host.values()) <= 4 and max(b._rx_per_peer.values()) <= 2
+
+
+def test_host_memory_cap_refuses_on_evidence():
+    cfg = Config(job_key=KEY, max_receive_memory_per_host=3 * MiB)
+    _, b = engines(cfg_b=cfg)
+    first = []
+    for port in (1, 2, 3):  # three unexpected 1 MiB messages from one host, different ports
+        src = ("10.0.0.1", port)
+        s = Engine(Config(job_key=KEY), rng=random.Random(port), local_addr=src, wall_offset=T0)
+        s.send(B, np.ones(MiB // 4, np.float32), now=0.0)
+        dg = out(s, 0.0)
+        b.receive_datagram(dg[0][0], src, 0.001)  # every REG fits the cap on its own: pending
+        first.append((dg[1][0], src))
+    assert len(b._pending) == 3 and b.receive_memory == 0
+    for d, src in first:  # the first DATA commits memory: the third does not fit
+        b.receive_datagram(d, src, 0.002)
+    assert 2 * MiB < b.receive_memory <= 3 * MiB
+    assert b.stats.refused == {"out_of_memory": 1}
+    # another host is not affected by this one's cap
+    src = ("10.0.0.5", 9)
+    s = Engine(Config(job_key=KEY), rng=random.Random(9), local_addr=src, wall_offset=T0)
+    s.send(B, np.ones(MiB // 4, np.float32), now=0.0)
+    for d, _ in out(s, 0.0):
+        b.receive_datagram(d, src, 0.003)
+    assert b.stats.refused == {"out_of_memory": 1} and b.receive_memory > 3 * MiB
+
+
+def test_replay_cache_is_bounded_and_never_readmits():
+    c = ReplayCache(capacity=100, window_s=10.0)
+    for i in range(1000):
+        assert c.check(i.to_bytes(16, "big"), 1000.0 + i * 0.001, 1001.0) is None
+    assert len(c) == 100
+    # an old MAC the cache forgot is still refused: it is at or below the floor
+    assert c.check((5).to_bytes(16, "big"), 1000.005, 1001.0) == "replayed"
+    assert c.check((999).to_bytes(16, "big"), 1000.999, 1001.0) == "replayed"
+    assert c.check(b"x" * 16, 1011.5, 1001.0) == "stale"
+    assert c.check(b"y" * 16, 1001.5, 1001.0) is None
+    # entries older than the window are forgotten
+    assert c.check(b"z" * 16, 1020.0, 1020.0) is None and len(c) <= 2
+
+
+def test_unkeyed_replay_storm_commits_no_memory_and_real_transfers_complete(harness, floats):
+    """Without a job key anyone may register; the issue's replay (160 registrations of up to 16 MiB)
+    still pins nothing: no DATA, no memory; the pending registrations expire."""
+    h = harness(seed=41, config=Config())
+    h.links(rate=125e6, delay_s=0.0002)
+    b = h.engines[1]
+    reg_sizes = [16 * MiB] * 64 + [MiB] * 20 + [4096] * 76
+    for i, size in enumerate(reg_sizes):
+        reg = captured_reg(size, key=None, tag=i)
+        b.receive_datagram(reg, ("10.0.0.1", 30000 + i), h.now)
+    assert b.receive_memory == 0 and len(b._pending) == 160
+    data = floats(100_000)
+    buf = np.zeros_like(data)
+    a = h.engines[0]
+    sent, recv = h.wait([(0, a.send(h.addrs[1], data, now=h.now)), (1, b.post_receive([(h.addrs[0], 0, buf)],
+                                                                                      now=h.now))])
+    assert sent.error is None and np.array_equal(buf, data)
+    h.net.run(until=h.now + 2.0)
+    assert not b._pending and b.stats.dropped["registration_expired"] == 160
+    assert b.receive_memory == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 7)), min_size=1, max_size=6),
+       st.integers(1, 65535))
+def test_mutated_regs_never_admitted(flips, port):
+    """Any bit flip anywhere in a keyed REG, from any port, is refused and counted; nothing is allocated."""
+    _, b = engines()
+    reg = bytearray(captured_reg(4096))
+    for pos, bit in flips:
+        reg[pos % len(reg)] ^= 1 << bit
+    src = ("10.0.0.1", port)
+    b.receive_datagram(bytes(reg), src, 0.001)
+    if bytes(reg) == captured_reg(4096) and src == A:
+        return  # the flips cancelled out: the genuine REG
+    assert b.receive_memory == 0 and not b._pending
+    assert sum(b.stats.refused.values()) + sum(b.stats.dropped.values()) >= 1

@@ -1,0 +1,165 @@
+"""Dead peers are noticed fast and every timeout says what happened (issue 7 section 3).
+
+Engine tier (virtual clock): the silence rule tied to the RTT, ICMP reports fed in with
+``peer_unreachable``, receive flows whose sender went silent. Loopback tier: ``IP_RECVERR`` on the
+endpoint's socket turns ICMP port unreachable into :class:`PeerUnreachable` within a second, for a
+closed endpoint and for a receiver process killed mid-transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import ltp
+from ltp.config import Config
+from ltp.engine import PEER_SILENCE_RTTS
+from ltp.errors import PeerUnreachable, TransferTimeout
+
+pytestmark = pytest.mark.timeout(120)
+GBIT = 125e6
+
+
+# ---------------------------------------------------------------- engine tier
+def test_silent_peer_fails_after_the_rtt_tied_limit_and_says_so(harness, floats):
+    h = harness(seed=51, config=Config(peer_silence_min_s=0.2))
+    h.links(rate=GBIT, delay_s=0.005)  # RTT 10 ms: the limit is 64 x srtt, above the 0.2 s floor
+    a = h.engines[0]
+    big = floats(2_000_000)
+    hs = a.send(h.addrs[1], big, now=h.now, reliable=True)
+    h.engines[1].post_receive([(h.addrs[0], 0, np.zeros_like(big))], now=h.now)
+    h.net.run(until=h.now + 0.05)
+    srtt = a._paths[h.addrs[1]].srtt
+    assert srtt is not None and PEER_SILENCE_RTTS * srtt > 0.2
+    h.links(rate=GBIT, delay_s=0.005, loss=1.0, loss_min_size=0)  # the peer vanishes
+    died = h.now
+    (ev,) = h.wait([(0, hs)], timeout=5)
+    assert isinstance(ev.error, TransferTimeout)
+    elapsed = h.now - died
+    limit = a.silence_limit(a._paths[h.addrs[1]])
+    assert limit == pytest.approx(PEER_SILENCE_RTTS * a._paths[h.addrs[1]].srtt)
+    assert limit <= elapsed <= limit + 0.05
+    msg = str(ev.error)
+    assert str(h.addrs[1]) in msg and "sent nothing for" in msg and "None" not in msg
+    silent = float(msg.split("sent nothing for ")[1].split(" s")[0])
+    assert silent == pytest.approx(limit, abs=0.02)
+
+
+def test_silence_limit_is_floored_and_capped():
+    from ltp.engine import Engine
+    from ltp.path import Path
+    import random
+    eng = Engine(Config(peer_silence_min_s=1.0, idle_timeout_s=3.0), rng=random.Random(0))
+    p = Path(("10.0.0.2", 1), eng.config, random.Random(0), 1500)
+    assert eng.silence_limit(p) == 1.0  # nothing measured: the floor
+    p.srtt = 0.00005
+    assert eng.silence_limit(p) == 1.0
+    p.srtt = 0.1
+    assert eng.silence_limit(p) == 3.0  # capped by idle_timeout_s
+
+
+def test_peer_unreachable_fails_sends_and_closes_receives_with_the_cause(harness, floats):
+    h = harness(n_hosts=3, seed=52)
+    h.links(rate=GBIT, delay_s=0.0005)
+    a = h.engines[0]
+    dead, alive = h.addrs[1], h.addrs[2]
+    hs_dead = a.send(dead, floats(1_000_000), now=h.now, reliable=True)
+    hs_alive = a.send(alive, floats(100_000), now=h.now, reliable=True)
+    h.engines[2].post_receive([(h.addrs[0], 0, np.zeros(100_000, np.float32))], now=h.now)
+    # a gather waiting on the dead peer and on the live one
+    hr = a.post_receive([(dead, 7, np.zeros(1000, np.float32)), (alive, 7, np.zeros(1000, np.float32))],
+                        now=h.now)
+    h.net.run(until=h.now + 0.002)
+    n = a.peer_unreachable(dead, now=h.now, cause="ICMP port unreachable: test")
+    assert n == 2 and a.stats.unreachable_reports == 1
+    ev = next(e for i, e in h.events + [(0, x) for x in iter(a.next_event, None)] if e.handle == hs_dead)
+    assert isinstance(ev.error, PeerUnreachable) and ev.error.peer == dead
+    assert "ICMP port unreachable" in str(ev.error) and str(dead) in str(ev.error)
+    h.engines[2].send(h.addrs[0], floats(1000), now=h.now, tag=7)
+    ok, rec = h.wait([(0, hs_alive), (0, hr)])
+    assert ok.error is None
+    dead_rep, alive_rep = rec.reports
+    assert dead_rep.regime == "timeout" and "unreachable" in dead_rep.cause
+    assert alive_rep.regime in ("complete", "early")
+
+
+def test_receive_from_a_sender_that_went_silent_closes_with_the_real_cause(harness, floats):
+    h = harness(seed=53, config=Config(idle_timeout_s=0.5, peer_silence_min_s=0.5))
+    h.links(rate=GBIT, delay_s=0.0005)
+    data = floats(3_000_000)
+    out = np.zeros_like(data)
+    a, b = h.engines
+    a.send(h.addrs[1], data, now=h.now, reliable=True)
+    hr = b.post_receive([(h.addrs[0], 0, out)], now=h.now)
+    h.net.run(until=h.now + 0.01)
+    h.link(0, 1, rate=GBIT, delay_s=0.0005, loss=1.0, loss_min_size=0)  # the sender vanishes
+    gone = h.now
+    (ev,) = h.wait([(1, hr)], timeout=5)
+    rep = ev.reports[0]
+    assert rep.regime == "timeout" and 0 < rep.received_bytes < data.nbytes
+    assert "sent nothing for" in rep.cause and "idle_timeout_s=0.5" in rep.cause
+    assert 0.5 <= h.now - gone <= 0.5 * 1.25 + 0.05  # the idle scan runs every quarter of the limit
+
+
+# ---------------------------------------------------------------- loopback tier
+async def test_send_to_a_closed_endpoint_fails_fast_naming_peer_and_cause():
+    a = await ltp.open_endpoint(("127.0.0.1", 0))
+    b = await ltp.open_endpoint(("127.0.0.1", 0))
+    gone = b.local_addr
+    await b.close()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnreachable) as ei:
+            await a.send(gone, np.ones(100_000, np.float32), reliable=True)
+        took = time.monotonic() - t0
+        assert took < 1.0, took
+        assert ei.value.peer == gone and "port unreachable" in str(ei.value) and str(gone[1]) in str(ei.value)
+        assert a.engine.stats.unreachable_reports >= 1
+        # the endpoint stays usable
+        c = await ltp.open_endpoint(("127.0.0.1", 0))
+        out = np.zeros(1000, np.float32)
+        await asyncio.gather(a.send(c.local_addr, np.ones(1000, np.float32)), c.recv(out))
+        assert out.sum() == 1000
+        await c.close()
+    finally:
+        await a.close()
+
+
+_RECEIVER = r"""
+import asyncio, sys, numpy as np, ltp
+async def main():
+    ep = await ltp.open_endpoint(("127.0.0.1", 0))
+    print(ep.local_addr[1], flush=True)
+    await ep.recv(np.zeros(50_000_000, np.float32))
+asyncio.run(main())
+"""
+
+
+async def test_receiver_process_killed_mid_transfer_is_noticed_within_a_second():
+    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        a = await ltp.open_endpoint(("127.0.0.1", 0))
+        try:
+            data = np.ones(50_000_000, np.float32)  # 200 MB: far from done when the receiver dies
+            task = asyncio.ensure_future(a.send(("127.0.0.1", port), data, reliable=True))
+            await asyncio.sleep(0.3)
+            assert not task.done()
+            os.kill(proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            with pytest.raises(PeerUnreachable) as ei:
+                await task
+            assert time.monotonic() - killed < 1.0
+            assert ei.value.peer == ("127.0.0.1", port)
+        finally:
+            await a.close()
+    finally:
+        proc.kill()
+        proc.wait()

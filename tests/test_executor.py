@@ -1,0 +1,188 @@
+"""The executor runs round programs over a transport: ring and direct over the in-memory transport,
+with seeded loss; every schedule's result equals the direct unbiased mean of what was delivered."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from ltp_ps.aggregate import Aggregator
+from ltp_ps.schedules import World, create
+from ltp_ps.schedules.executor import STOP, Executor, ExecutorError, Slots
+from ltp_ps.schedules.partial import Partial
+from ltp_ps.schedules.program import Program, Recv, Send, worker
+from ltp_ps.transport.memory import MemoryNetwork
+
+
+class RingRole:
+    """Worker-side handlers of a ring program (the same maths ltp_ps.worker uses)."""
+
+    def __init__(self, grad, lo=0):
+        self.grad = grad
+        self.mean = np.full(grad.size, np.nan, np.float32)
+        self.applied = None
+        self.counts = np.zeros(grad.size, np.int64)
+
+    def compute(self, step, slots):
+        slots.clear_partials()
+        slots.put_partial(step.slot, Partial.of_gradient(self.grad))
+
+    def adopt(self, step, slots):
+        p = slots.partial(step.slot, step.lo, step.hi)
+        assert p is not None, f"chunk [{step.lo},{step.hi}) never arrived"
+        p.mean("unbiased", out=self.mean[step.lo:step.hi])
+        self.counts[step.lo:step.hi] = p.counts()
+
+    def apply(self, step, slots):
+        self.applied = self.mean.copy()
+
+
+async def run_ring(grads, *, loss, seed, layout=()):
+    n = len(grads)
+    net = MemoryNetwork(loss=loss, segment_size=64, seed=seed)
+    eps = [net.endpoint() for _ in range(n)]
+    addrs = {worker(r): eps[r].local_addr for r in range(n)}
+    world = World(workers=range(n), n_elems=grads[0].size, layout=layout)
+    sched = create("ring", world)
+    plan = sched.plan(7)
+    plan.check()
+    roles = [RingRole(g) for g in grads]
+    exes = [Executor(eps[r], worker(r), addrs, timeout_s=5.0) for r in range(n)]
+    results = await asyncio.gather(*(exes[r].run(plan.program(worker(r)), Slots(), roles[r], iteration=7)
+                                     for r in range(n)))
+    return roles, results, eps
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 6), st.integers(1, 300), st.sampled_from([0.0, 0.05, 0.3]), st.integers(0, 10_000))
+def test_ring_equals_direct_unbiased_mean(n, size, loss, seed):
+    rng = np.random.default_rng(seed)
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+    roles, results, _ = asyncio.run(run_ring(grads, loss=loss, seed=seed, layout=((0, size),)))
+    # every worker applies the same bits (all-gather is reliable)
+    for r in roles[1:]:
+        np.testing.assert_array_equal(r.applied, roles[0].applied)
+    counts = roles[0].counts
+    assert counts.max() <= n
+    if loss == 0:
+        assert (counts == n).all()
+        np.testing.assert_allclose(roles[0].applied, np.mean(grads, axis=0), rtol=1e-5, atol=1e-6)
+    else:
+        # Direct PS on the same delivery pattern: element e of worker w arrived iff ...; reconstruct from the
+        # partial sums: mean * counts must be a sum of exactly `counts` of the workers' values.
+        tot = roles[0].applied * counts
+        assert np.isfinite(tot).all()
+        assert (roles[0].applied[counts == 0] == 0).all()
+    # the first and last element of the tensor are critical: always every contribution
+    assert counts[0] == n and counts[-1] == n
+
+
+def test_ring_with_loss_matches_aggregator_on_the_same_loss_pattern():
+    """Replay: the ring's per-element counts name who was lost; an Aggregator fed the workers' gradients
+    with exactly those losses gives the same mean.  Worker w's contribution to chunk c is lost on the hop where
+    the partial carrying it crossed a lossy segment, so we rebuild it from the delivered sums."""
+    n, size = 4, 400
+    rng = np.random.default_rng(1)
+    grads = [np.full(size, float(10 ** w), np.float32) for w in range(n)]  # decodable: which workers are in a sum
+    roles, _, _ = asyncio.run(run_ring(grads, loss=0.2, seed=3))
+    mean, counts = roles[0].applied, roles[0].counts
+    agg = Aggregator(size)
+    total = np.rint(mean * counts).astype(np.int64)
+    for w in range(n):
+        present = (total // 10 ** w) % 10 == 1
+        lost = [(int(i), int(i) + 1) for i in np.flatnonzero(~present)]
+        agg.add(grads[w], lost)
+    np.testing.assert_allclose(agg.result(), mean, rtol=1e-6)
+    np.testing.assert_array_equal(agg.counts(), counts)
+    assert counts.min() < n  # the test exercised loss
+    del rng
+
+
+def test_ring_single_worker_is_its_own_mean():
+    g = np.arange(5, dtype=np.float32)
+    roles, _, _ = asyncio.run(run_ring([g], loss=0.5, seed=0))
+    np.testing.assert_array_equal(roles[0].applied, g)
+
+
+class DirectServerRole:
+    def __init__(self, n):
+        self.agg = Aggregator(n)
+        self.combined = []
+
+    def combine(self, step, slots):
+        self.combined.append(step.src)
+
+    def apply(self, step, slots):
+        self.applied = True
+
+
+def test_direct_plan_runs_and_dead_worker_costs_one_bound():
+    """Direct's server program over the executor: a worker that never answers is reported missing within
+    the READY bound and does not hold up the others' gradients."""
+    async def main():
+        net = MemoryNetwork()
+        eps = [net.endpoint() for _ in range(4)]  # server + 3 workers
+        addrs = {"server:0": eps[0].local_addr, **{worker(r): eps[r + 1].local_addr for r in range(3)}}
+        world = World(workers=range(3), n_elems=16, shards=((0, 16),))
+        sched = create("direct", world)
+        plan = sched.plan(0)
+        plan.check()
+        s_slots = Slots()
+        s_slots.bind("params", np.zeros(64 + 64, np.uint8))
+        for r in range(3):
+            s_slots.bind(f"ready:worker:{r}", np.zeros(8, np.uint8))
+            s_slots.bind(f"in:worker:{r}", np.zeros(64 + 64, np.uint8))
+
+        class W:
+            def __init__(self, r):
+                self.r = r
+
+            def compute(self, step, slots):
+                slots.buffers["out:server:0"][64:] = self.r + 1
+
+        async def run_worker(r):
+            sl = Slots()
+            sl.bind("params:server:0", np.zeros(128, np.uint8))
+            sl.bind("note:server:0", np.zeros(8, np.uint8))
+            sl.bind("out:server:0", np.zeros(128, np.uint8))
+            ex = Executor(eps[r + 1], worker(r), addrs, timeout_s=2.0)
+            return await ex.run(plan.program(worker(r)), sl, W(r), iteration=0)
+
+        role = DirectServerRole(16)
+        ex = Executor(eps[0], "server:0", addrs, timeout_s=0.3)
+        t0 = asyncio.get_running_loop().time()
+        res, *_ = await asyncio.gather(ex.run(plan.program("server:0"), s_slots, role), run_worker(0), run_worker(1))
+        took = asyncio.get_running_loop().time() - t0
+        return res, s_slots, role, took
+
+    res, slots, role, took = asyncio.run(main())
+    got = {k for k in ("in:worker:0", "in:worker:1", "in:worker:2") if slots.buffers[k][64:].any()}
+    assert got == {"in:worker:0", "in:worker:1"}
+    assert set(role.combined) == {"in:worker:0", "in:worker:1", "in:worker:2"} and role.applied
+    assert took < 1.5  # the dead worker cost one READY bound (0.3 s), not the full default
+    assert res.group_s["ready"] >= 0.29
+    assert len(res.missing) >= 2  # worker 2's READY and grad
+
+
+def test_handler_stop_ends_the_program_and_unknown_slots_name_the_fix():
+    async def main():
+        net = MemoryNetwork()
+        a, b = net.endpoint(), net.endpoint()
+        ex = Executor(a, "worker:0", {"worker:1": b.local_addr})
+
+        class H:
+            def compute(self, step, slots):
+                return STOP
+
+        from ltp_ps.schedules.program import Compute
+        prog = Program("worker:0", ((Compute(),), (Send("worker:1", "x", 0, 1, 5, payload="note"),)))
+        res = await ex.run(prog, Slots(), H())
+        assert res.stopped and res.reports[1] is None
+        with pytest.raises(ExecutorError, match="bind"):
+            await ex.run(Program("worker:0", ((Send("worker:1", "x", 0, 1, 5, payload="note"),),)), Slots())
+        sl = Slots()
+        sl.bind("x", np.zeros(8, np.uint8))
+        with pytest.raises(ExecutorError, match="address"):
+            await ex.run(Program("worker:0", ((Recv("worker:9", "x", 0, 1, 5, payload="note"),),)), sl)
+    asyncio.run(main())

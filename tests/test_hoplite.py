@@ -1,0 +1,437 @@
+"""Hoplite: directory, receiver-driven broadcast (Fig 4), reduce chains (a,d,c,b; 2D), faults, controller."""
+
+import collections
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ltp_ps.schedules.fluid import FluidNetwork, simulate
+from ltp_ps.schedules.hoplite import (CHUNK_BYTES, Broadcast, HopliteController, ObjectDirectory, ReduceChain,
+                                      broadcast_flows, partition, reduce_flows, t_1d, t_2d, use_2d)
+from ltp_ps.schedules.partial import Partial
+from ltp_ps.schedules.program import ChunkArrived, NodeFailed, NodeReady, TransferDone, server, worker
+
+MB = 1e6
+GBIT = 1e9
+
+
+# --------------------------------------------------------------------------- directory + Fig 4
+
+def test_directory_prefers_complete_then_earliest_and_lends_one_at_a_time():
+    d = ObjectDirectory()
+    d.create("x", 10)
+    d.publish("x", "p1", complete=False)
+    d.publish("x", "c1", complete=True)
+    d.publish("x", "c2", complete=True)
+    assert d.query("x", "r1") == "c1"
+    assert d.query("x", "r2") == "c2"
+    assert d.query("x", "r3") == "p1"
+    assert d.query("x", "r4") is None and d.waiting("x") == ["r4"]
+    d.put_back("x", "c1")
+    assert d.locations("x") == {"c1": True}
+    with pytest.raises(KeyError, match="create it first"):
+        d.query("nope", "r")
+
+
+def test_fig4_broadcast_sequence():
+    """§4.3 Fig 4: R1 fetches from S; R2 from the partial R1 (S is busy); after R1 completes the directory
+    holds S (complete) and R2 (partial); R3 then chooses S."""
+    b = Broadcast("x", 3 * CHUNK_BYTES, "S")
+    assert b.n_chunks == 3
+    (f1,) = b.get("R1", now=0.0)
+    assert (f1.src, f1.dst, f1.chunks) == ("S", "R1", (0, 1, 2))
+    assert b.dir.locations("x") == {"R1": False}  # S is serving, R1 is a partial location
+    (f2,) = b.get("R2", now=0.1)
+    assert (f2.src, f2.dst) == ("R1", "R2")
+    assert b.dir.locations("x") == {"R2": False}
+    for i in range(3):
+        b.on_chunk("R1", i, now=0.2)
+    b.on_done("S", "R1", ok=True, now=0.2)
+    assert b.complete("R1")
+    assert b.dir.locations("x") == {"R2": False, "S": True}  # R1 still sends to R2
+    (f3,) = b.get("R3", now=0.3)
+    assert (f3.src, f3.dst) == ("S", "R3")
+    assert b.log == [("fetch", "S", "R1", "complete"), ("fetch", "R1", "R2", "partial"),
+                     ("fetch", "S", "R3", "complete")]
+
+
+def test_stalled_sender_receiver_refetches_only_missing_chunks():
+    b = Broadcast("x", 8 * CHUNK_BYTES, "S", stall_timeout_s=0.5)
+    b.get("R1", now=0.0)
+    for i in range(8):
+        b.on_chunk("R1", i, now=0.01)
+    b.on_done("S", "R1", ok=True, now=0.01)
+    (f,) = b.get("R2", now=0.02)
+    assert f.src == "R1"  # both complete: the earliest published location (R1 published when it started)
+    (g,) = b.get("R3", now=0.02)
+    assert g.src == "S"
+    for i in range(3):
+        b.on_chunk("R2", i, now=0.1)
+    assert b.next_deadline() == pytest.approx(0.52)
+    assert b.on_timer(now=0.3) == []
+    # R1 stalls: at the deadline R2 gives up on it and re-queries; S serves R3, so R2 streams the rest from
+    # R3's partial copy -- only the five chunks it lacks
+    b.on_chunk("R3", 0, now=0.55)
+    out = b.on_timer(now=0.61)
+    assert ("stalled", "R1", "R2") in b.log
+    assert [(x.src, x.dst, x.chunks) for x in out] == [("R3", "R2", (3, 4, 5, 6, 7))]
+    assert "R1" not in b.dir.locations("x") and "R1" in b.suspect
+    # the stalled node is never handed out again
+    for i in range(8):
+        b.on_chunk("R3", i, now=0.7)
+    b.on_done("S", "R3", ok=True, now=0.7)
+    (h,) = b.get("R4", now=0.8)
+    assert h.src == "S"
+
+
+def test_dead_receiver_gives_its_sender_back():
+    b = Broadcast("x", 2 * CHUNK_BYTES, "S")
+    b.get("R1", now=0)
+    assert b.get("R2", now=0)[0].src == "R1"
+    out = b.on_failed("R1", now=0.1)  # R2's partial source died: R2 re-queries and gets S back
+    assert [(f.src, f.dst) for f in out] == [("S", "R2")]
+
+
+# --------------------------------------------------------------------------- reduce chains
+
+def test_paper_chain_adcb():
+    """§4.3: D reduces a, b, c, d; arrivals a, d, c, b give A->C, C->B, B->D."""
+    rc = ReduceChain(["A", "B", "C", "D"], "D", receiver_input=True, two_d=False)
+    assert rc.ready("A") == []
+    assert rc.ready("D") == []
+    (h1,) = rc.ready("C")
+    assert (h1.src, h1.dst) == ("A", "C")
+    rc.hop_done("A", "C", ok=True)
+    (h2,) = rc.ready("B")
+    assert (h2.src, h2.dst) == ("C", "B")
+    (h3,) = rc.hop_done("C", "B", ok=True)
+    assert (h3.src, h3.dst, h3.final) == ("B", "D", True)
+    rc.hop_done("B", "D", ok=True)
+    assert rc.closed and rc.contributions() == {"A", "B", "C", "D"}
+    assert [(h.src, h.dst) for h in rc.hops] == [("A", "C"), ("C", "B"), ("B", "D")]
+
+
+def test_hop_waits_for_the_senders_incoming_hop():
+    rc = ReduceChain(["A", "B", "C"], "R", two_d=False)
+    rc.ready("A")
+    (h,) = rc.ready("B")
+    assert (h.src, h.dst) == ("A", "B")
+    assert rc.ready("C") == []  # B is still receiving from A: B -> C waits
+    (h2,) = rc.hop_done("A", "B", ok=True)
+    assert (h2.src, h2.dst) == ("B", "C")
+
+
+@pytest.mark.parametrize("n,two", [(2, False), (6, False), (7, True), (16, True)])
+def test_section_6_1_one_or_two_dimensions(n, two):
+    # 1 MB objects, 10 Gbit/s, 125 us: 2D when reducing more than 6 objects
+    assert use_2d(n, 1 * MB, 10 * GBIT, 125e-6) is two
+    rc = ReduceChain([f"n{i}" for i in range(n)], "R", size_bytes=1 * MB, bandwidth_bps=10 * GBIT,
+                     latency_s=125e-6, rng=random.Random(1))
+    assert rc.dimensions == (2 if two else 1)
+
+
+def test_appendix_a_condition_is_where_1d_and_2d_cross():
+    S, B, L = 1 * MB, 10 * GBIT, 125e-6
+    for n in range(2, 64):
+        if (np.sqrt(n) - 1) ** 2 > S * 8 / (B * L) * 1.3:
+            assert t_2d(n, S, B, L) < t_1d(n, S, B, L)
+        if n * B * L < S * 8 * 0.7:
+            assert t_1d(n, S, B, L) <= t_2d(n, S, B, L)
+
+
+def test_partition_sqrt_subsets_seeded():
+    nodes = [f"n{i}" for i in range(16)]
+    p1 = partition(nodes, random.Random(3))
+    assert len(p1) == 4 and sorted(x for s in p1 for x in s) == sorted(nodes)
+    assert p1 == partition(nodes, random.Random(3))
+    assert p1 != partition(nodes, random.Random(4))
+
+
+def test_two_d_reduce_chains_subset_results():
+    n = 16
+    nodes = [f"n{i}" for i in range(n)]
+    rc = ReduceChain(nodes, "PS", size_bytes=1 * MB, bandwidth_bps=10 * GBIT, latency_s=125e-6,
+                     rng=random.Random(0))
+    subsets = rc.subsets()
+    assert len(subsets) == 4 and all(len(s) == 4 for s in subsets)
+    pending = collections.deque()
+    for x in nodes:
+        pending.extend(rc.ready(x))
+    while pending:
+        h = pending.popleft()
+        pending.extend(rc.hop_done(h.src, h.dst, ok=True))
+    assert rc.closed and rc.contributions() == set(nodes)
+    # chain length: 3 hops inside each subset + 3 between subset results + 1 to the PS = 2 sqrt(n)
+    depth = {x: 0 for x in nodes}
+    for h in rc.hops:
+        depth[h.dst] = max(depth.get(h.dst, 0), depth[h.src] + 1)
+    assert depth["PS"] == 2 * 4 - 1
+    assert len(rc.hops) == n
+
+
+def test_two_d_recurses_until_chains_are_short():
+    # tiny objects: m B L > S even for m = 4 -> subsets split again (a 3-level reduce)
+    rc = ReduceChain([f"n{i}" for i in range(64)], "PS", size_bytes=1000, bandwidth_bps=10 * GBIT,
+                     latency_s=125e-6, rng=random.Random(0))
+    assert rc.dimensions >= 3
+
+
+def test_dead_tail_gives_the_chain_back_to_its_predecessor():
+    rc = ReduceChain(["A", "B", "C", "D"], "PS", two_d=False)
+    rc.ready("A")
+    (h,) = rc.ready("B")
+    rc.hop_done("A", "B", ok=True)
+    assert rc.failed("B") == []  # B held a+b; A still holds a and becomes the tail again
+    (h2,) = rc.ready("C")
+    assert (h2.src, h2.dst) == ("A", "C")
+    rc.hop_done("A", "C", ok=True)
+    (h3,) = rc.ready("D")
+    (h4,) = rc.hop_done("C", "D", ok=True)
+    assert h4.final and h4.src == "D"
+    rc.hop_done("D", "PS", ok=True)
+    assert rc.closed and rc.contributions() == {"A", "C", "D"}
+
+
+def test_dead_sender_mid_hop_predecessor_resends():
+    rc = ReduceChain(["A", "B", "C"], "PS", two_d=False)
+    rc.ready("A")
+    rc.ready("B")
+    rc.hop_done("A", "B", ok=True)
+    (h,) = rc.ready("C")
+    assert (h.src, h.dst) == ("B", "C")
+    (r,) = rc.failed("B")  # B dies while sending to C: A re-sends a to C
+    assert (r.src, r.dst) == ("A", "C")
+    (f,) = rc.hop_done("A", "C", ok=True)
+    assert f.final and f.src == "C"
+    rc.hop_done("C", "PS", ok=True)
+    assert rc.contributions() == {"A", "C"}
+
+
+def test_worker_dead_before_ready_is_missed_and_the_round_closes():
+    rc = ReduceChain(["A", "B", "C"], "PS", two_d=False)
+    rc.ready("A")
+    (h,) = rc.ready("C")
+    rc.hop_done("A", "C", ok=True)
+    (f,) = rc.failed("B")
+    assert f.final and f.src == "C"
+    rc.hop_done("C", "PS", ok=True)
+    assert rc.closed and rc.missed == {"B"} and rc.lost() == {"B"}
+
+
+# --------------------------------------------------------------------------- the controller, in memory
+
+class MemoryRun:
+    """Drives a HopliteController: nodes run their grants in order (one stage each); a send posts its
+    data at once, a receive completes when the data is there (TransferDone ok) or its sender is dead
+    (TransferDone not ok); params receives report ChunkArrived.  A killed node drops everything it has
+    not delivered."""
+
+    def __init__(self, ctrl, workers, shards, grads, n_elems, init):
+        self.c = ctrl
+        self.workers = [worker(r) for r in workers]
+        self.shards = shards
+        self.n_elems = n_elems
+        self.q = collections.defaultdict(collections.deque)
+        self.entered = {}
+        self.mail = {}
+        self.dead = set()
+        self.slots = {n: {} for n in self.workers + [server(k) for k in range(len(shards))]}
+        for r in workers:
+            self.slots[worker(r)]["grad"] = Partial.of_gradient(grads[r])
+            self.slots[worker(r)]["acc"] = {}
+        for k in range(len(shards)):
+            self.slots[server(k)]["params"] = init.copy()
+            self.slots[server(k)]["acc"] = {}
+        self.applied = {}
+        self.max_parallel_sends = 0
+
+    def feed(self, grants):
+        for g in grants:
+            self.q[g.node].append(g)
+
+    def event(self, ev):
+        self.feed(self.c.on_event(ev, now=0.0))
+
+    def kill(self, node):
+        self.dead.add(node)
+        self.q.pop(node, None)
+        for key in [k for k in self.mail if k[0] == node]:
+            del self.mail[key]
+        self.event(NodeFailed(node))
+
+    def run(self, until=None):
+        progress = True
+        while progress:
+            progress = False
+            for n in sorted(self.q):
+                if n in self.dead or not self.q[n]:
+                    continue
+                g = self.q[n][0]
+                if self.entered.get(n) is not g:
+                    self.entered[n] = g
+                    progress = True
+                    self._post(n, g)
+                recvs = [s for s in g.steps if s.op == "recv"]
+                if any((s.peer, n, s.tag) not in self.mail and s.peer not in self.dead for s in recvs):
+                    continue
+                self.q[n].popleft()
+                progress = True
+                events = []
+                for s in g.steps:
+                    if s.op == "recv":
+                        msg = self.mail.pop((s.peer, n, s.tag), None)
+                        if msg is None:
+                            events.append(TransferDone(s.peer, n, s.tag, ok=False))
+                            continue
+                        if s.payload == "params":
+                            self.slots[n].setdefault(s.slot, np.zeros(self.n_elems, np.float32))[s.lo:s.hi] = msg
+                            k = int(s.slot.split(":")[-1])
+                            events.append(ChunkArrived(n, f"params:{k}", s.lo, s.hi))
+                        else:
+                            self.slots[n].setdefault(s.slot, {})[(s.lo, s.hi)] = msg
+                        events.append(TransferDone(s.peer, n, s.tag, ok=True))
+                    elif s.op == "combine":
+                        acc = self.slots[n]["acc"].setdefault((s.lo, s.hi), Partial(s.hi - s.lo, lo=s.lo))
+                        src = self.slots[n].get(s.src)
+                        part = src.slice(s.lo, s.hi) if isinstance(src, Partial) else (src or {}).get((s.lo, s.hi))
+                        if part is not None:
+                            acc.merge(part)
+                    elif s.op == "apply":
+                        acc = self.slots[n]["acc"][(s.lo, s.hi)]
+                        self.slots[n]["params"][s.lo:s.hi] = acc.mean()
+                        self.applied[(s.lo, s.hi)] = acc.contributors
+                for ev in events:
+                    self.event(ev)
+                if until is not None and until(self):
+                    return
+
+    def _post(self, n, g):
+        sends = [s for s in g.steps if s.op in ("send", "forward")]
+        self.max_parallel_sends = max(self.max_parallel_sends, len({s.peer for s in sends if s.payload == "partial" and not s.peer.startswith("server:")}))
+        for s in sends:
+            if s.payload == "params":
+                buf = self.slots[n]["params"] if s.slot == "params" else self.slots[n][s.slot]
+                self.mail[(n, s.peer, s.tag)] = buf[s.lo:s.hi].copy()
+            else:
+                self.mail[(n, s.peer, s.tag)] = self.slots[n]["acc"][(s.lo, s.hi)].copy()
+
+
+def _setup(n=6, K=2, n_elems=3000, seed=0, chunk_elems=256, latency_s=125e-6):
+    shards = [(round(n_elems * k / K), round(n_elems * (k + 1) / K)) for k in range(K)]
+    rng = np.random.default_rng(seed)
+    grads = {r: rng.standard_normal(n_elems).astype(np.float32) for r in range(n)}
+    init = np.arange(n_elems, dtype=np.float32)
+    ctrl = HopliteController(shards, chunk_bytes=chunk_elems * 4, rng=random.Random(seed), latency_s=latency_s)
+    run = MemoryRun(ctrl, range(n), shards, grads, n_elems, init)
+    return ctrl, run, grads, init, shards
+
+
+def test_controller_round_broadcasts_then_reduces_to_the_mean():
+    ctrl, run, grads, init, shards = _setup()
+    run.feed(ctrl.start(0, [worker(r) for r in range(6)], now=0.0))
+    run.run()
+    for r in range(6):  # every worker got every shard's parameters through the receiver-driven broadcast
+        for k, (lo, hi) in enumerate(shards):
+            np.testing.assert_array_equal(run.slots[worker(r)][f"params:server:{k}"][lo:hi], init[lo:hi])
+    for r in (3, 0, 5, 1, 4, 2):
+        run.event(NodeReady(worker(r), 0))
+        run.run()
+    assert ctrl.done() and ctrl.contributions() == {worker(r) for r in range(6)}
+    want = np.mean([grads[r] for r in range(6)], axis=0)
+    for k, (lo, hi) in enumerate(shards):
+        np.testing.assert_allclose(run.slots[server(k)]["params"][lo:hi], want[lo:hi], rtol=1e-5, atol=1e-6)
+    assert run.max_parallel_sends == 1  # one reduce send to one chain peer at a time per node
+
+
+def test_killing_a_chain_node_mid_round_closes_with_n_minus_1():
+    n = 6
+    ctrl, run, grads, init, shards = _setup(n=n, seed=4, latency_s=1e-9)  # 1D: n B L <= S
+    ctrl.auto_get = False
+    run.feed(ctrl.start(0, [worker(r) for r in range(n)], now=0.0))
+    order = [2, 5, 0, 3, 1, 4]
+    for r in order[:3]:
+        run.event(NodeReady(worker(r), 0))
+        run.run()
+    # worker 0 is now the chain's tail, holding g2 + g5 + g0: kill it
+    assert ctrl.reduce.dimensions == 1 and ctrl.reduce.root.tail == worker(0)
+    run.kill(worker(0))
+    for r in order[3:]:
+        run.event(NodeReady(worker(r), 0))
+        run.run()
+    assert ctrl.done()
+    alive = [r for r in range(n) if r != 0]
+    assert ctrl.contributions() == {worker(r) for r in alive}
+    want = np.mean([grads[r] for r in alive], axis=0)
+    for k, (lo, hi) in enumerate(shards):
+        assert run.applied[(lo, hi)] == n - 1
+        np.testing.assert_allclose(run.slots[server(k)]["params"][lo:hi], want[lo:hi], rtol=1e-5, atol=1e-6)
+
+
+def test_killing_a_sender_in_flight_reroutes_from_its_predecessor():
+    n = 5
+    ctrl, run, grads, init, shards = _setup(n=n, seed=5, latency_s=1e-9)
+    ctrl.auto_get = False
+    run.feed(ctrl.start(0, [worker(r) for r in range(n)], now=0.0))
+    for r in (0, 1):
+        run.event(NodeReady(worker(r), 0))
+        run.run()
+    run.event(NodeReady(worker(2), 0))  # worker 1 is told to send to worker 2
+    # worker 1 dies before anything arrives at worker 2
+    run.kill(worker(1))
+    run.run()
+    for r in (3, 4):
+        run.event(NodeReady(worker(r), 0))
+        run.run()
+    assert ctrl.done() and ctrl.contributions() == {worker(r) for r in (0, 2, 3, 4)}
+    want = np.mean([grads[r] for r in (0, 2, 3, 4)], axis=0)
+    lo, hi = shards[0]
+    np.testing.assert_allclose(run.slots[server(0)]["params"][lo:hi], want[lo:hi], rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.integers(2, 12), st.randoms(use_true_random=False), st.integers(0, 3))
+def test_any_order_any_deaths_round_closes_with_the_exact_mean(n, rnd, n_dead):
+    ctrl, run, grads, init, shards = _setup(n=n, K=1 + n % 2, n_elems=200, seed=n,
+                                            latency_s=rnd.choice([1e-9, 125e-6]))  # 1D or 2D chains
+    ctrl.auto_get = False
+    nodes = [worker(r) for r in range(n)]
+    run.feed(ctrl.start(0, nodes, now=0.0))
+    order = list(range(n))
+    rnd.shuffle(order)
+    victims = set(rnd.sample(range(n), min(n_dead, n - 1)))
+    kill_at = {rnd.randrange(n): v for v in victims}
+    for i, r in enumerate(order):
+        if i in kill_at and worker(kill_at[i]) not in run.dead:
+            run.kill(worker(kill_at[i]))
+            run.run()
+        if worker(r) not in run.dead:
+            run.event(NodeReady(worker(r), 0))
+            run.run()
+    for v in victims:  # victims never scheduled to die before the end die now
+        if worker(v) not in run.dead and not ctrl.done():
+            run.kill(worker(v))
+            run.run()
+    assert ctrl.done()
+    got = ctrl.contributions()
+    assert got <= set(nodes) - run.dead | {worker(v) for v in victims}
+    assert set(nodes) - {worker(v) for v in victims} <= got, "a live worker's gradient was lost"
+    contributors = sorted(int(x.split(":")[1]) for x in got)
+    want = np.mean([grads[r] for r in contributors], axis=0)
+    for k, (lo, hi) in enumerate(shards):
+        assert run.applied[(lo, hi)] == len(contributors)
+        np.testing.assert_allclose(run.slots[server(k)]["params"][lo:hi], want[lo:hi], rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- fluid flows
+
+@pytest.mark.parametrize("n", [4, 8, 16])
+def test_pipelined_broadcast_and_reduce_flows_match_appendix_a(n):
+    S, B, L = 100 * MB, 10 * GBIT, 125e-6
+    net = FluidNetwork.uniform([n], B, latency_s=L)
+    h = net.hosts
+    bc = simulate(net, broadcast_flows(h[0], h[1:], S)).completion_s
+    assert bc == pytest.approx(t_1d(n, S, B, L), rel=0.01)  # a chain of partial copies: S/B + (n-1) L
+    red = simulate(net, reduce_flows(h[1:], h[0], S, bandwidth_bps=B, latency_s=L)).completion_s
+    assert red == pytest.approx(t_1d(n, S, B, L), rel=0.01)

@@ -1,0 +1,206 @@
+"""A job that trains nothing never reports success; gather bounds from size and rate; CLI error paths.
+
+In-memory and unit tier (no processes): the end-to-end failure drills are in test_ps_failures_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import numpy as np
+import pytest
+
+from ltp_ps import cli
+from ltp_ps import deadlines as dl
+from ltp_ps.deadlines import GatherDeadline
+from ltp_ps.errors import ConfigError, TrainingFailed
+from ps_helpers import make_job, run_job, workload
+
+
+# -- the gather bound ---------------------------------------------------------------------------
+def test_first_round_bound_uses_the_floor_rate_and_initial_compute():
+    d = GatherDeadline()
+    b, n = 102_400_000, 6  # ResNet-50-sized float32 gradients, 6 workers
+    want = dl.GATHER_BASE_S + dl.COMPUTE_MARGIN * dl.INITIAL_COMPUTE_S + dl.TRANSFER_MARGIN * n * b / (
+        dl.FLOOR_RATE_BPS / 8)
+    assert d.timeout(b, n) == pytest.approx(want)
+    assert d.timeout(b, n) > 200  # the 10 s constant cut every round of this job
+    assert "assumed" in d.explain(b, n)
+
+
+def test_bound_follows_the_lowest_measured_rate_and_slowest_compute():
+    d = GatherDeadline(window=3)
+    d.observe_compute(0.5)
+    d.observe_compute(0.1)
+    for rate in (1e9, 50e6, 400e6):  # bytes/s
+        d.observe_rate(rate)
+    b, n = 10_000_000, 4
+    assert d.rate_bytes_per_s == 50e6
+    assert d.timeout(b, n) == pytest.approx(dl.GATHER_BASE_S + dl.COMPUTE_MARGIN * 0.5
+                                            + dl.TRANSFER_MARGIN * n * b / 50e6)
+    for rate in (1e9, 1e9, 1e9):  # the slow sample leaves the window
+        d.observe_transfer(rate * 2, 2.0)
+    assert d.rate_bytes_per_s == 1e9
+    d.observe_rtprop(0.01)
+    assert d.timeout(b, n) == pytest.approx(dl.GATHER_BASE_S + dl.COMPUTE_MARGIN * 0.5
+                                            + dl.TRANSFER_MARGIN * (n * b / 1e9 + dl.RTT_MULTIPLE * 0.01))
+    assert "measured" in d.explain(b, n)
+
+
+def test_small_model_on_fast_link_settles_near_the_base():
+    d = GatherDeadline()
+    d.observe_compute(0.005)
+    d.observe_transfer(4 * 153_000, 0.004)
+    assert dl.GATHER_BASE_S < d.timeout(153_000, 4) < dl.GATHER_BASE_S + 0.1
+
+
+def test_fixed_bound_overrides_and_bad_values_name_the_fix():
+    d = GatherDeadline(1.5)
+    d.observe_rate(1.0)
+    assert d.timeout(10**9, 8) == 1.5 and "fixed" in d.explain(1, 1)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="omit --gather-timeout"):
+            GatherDeadline(bad)
+    d = GatherDeadline()
+    d.observe_transfer(0, 1.0)
+    d.observe_transfer(10, 0.0)  # degenerate samples are ignored
+    d.observe_rate(-5)
+    assert d.rate_bytes_per_s == dl.FLOOR_RATE_BPS / 8
+
+
+def test_server_derives_its_bound_and_learns_from_rounds():
+    job = make_job(2, iterations=6, lr=0.1)
+    asyncio.run(run_job(job))
+    ps = job.servers[0]
+    assert ps.deadline.fixed_s is None and ps.deadline._rates and ps.deadline._compute
+    assert ps.deadline.timeout(ps.n * 4, 2) < dl.GATHER_BASE_S + dl.COMPUTE_MARGIN * dl.INITIAL_COMPUTE_S
+
+
+# -- never report success when nothing trained -------------------------------------------------
+class _NanAfter:
+    """A workload whose loss becomes NaN from the ``k``-th step on (a diverged model)."""
+
+    def __init__(self, wl, k):
+        self._wl, self._k, self.calls = wl, k, 0
+
+    def __getattr__(self, name):
+        return getattr(self._wl, name)
+
+    def compute(self, model, batch):
+        grad, loss, samples = self._wl.compute(model, batch)
+        self.calls += 1
+        return grad, (float("nan") if self.calls >= self._k else loss), samples
+
+
+def test_non_finite_loss_stops_the_job_and_keeps_the_good_checkpoint(tmp_path):
+    job = make_job(2, wl=_NanAfter(workload(), 7), iterations=50, lr=0.1, checkpoint_dir=str(tmp_path),
+                   checkpoint_every=2)
+    ps = job.servers[0]
+
+    async def go():
+        res = await asyncio.wait_for(run_job_allow_fail(job), 60)
+        return res
+
+    res = asyncio.run(go())
+    err = res[0]
+    assert isinstance(err, TrainingFailed) and "non-finite loss" in str(err) and "lower --lr" in str(err)
+    assert ps.iteration < 10
+    # the workers were told to stop: none of them is left waiting for parameters
+    assert all(isinstance(r, dict) and r["stopped"] for r in res[1:])
+    import torch
+    st = torch.load(tmp_path / "ps-shard0.pt", weights_only=False)
+    assert np.isfinite(st["params"].numpy()).all()
+    assert any(r["event"] == "failed" for r in ps.metrics.rows)
+
+
+async def run_job_allow_fail(job):
+    return await asyncio.gather(*(s.run() for s in job.servers), *(w.run() for w in job.workers),
+                                return_exceptions=True)
+
+
+def test_every_worker_gone_stops_with_a_clear_error_not_a_summary():
+    # Both workers crash after 3 pushes; the PS must not train on, print a summary and exit 0.
+    job = make_job(2, iterations=200, lr=0.1, gather_timeout_s=0.2, max_missed=2, join_timeout_s=0.5,
+                   worker_kw={"max_iterations": 3})
+    res = asyncio.run(asyncio.wait_for(run_job_allow_fail(job), 60))
+    err = res[0]
+    assert isinstance(err, TrainingFailed), err
+    assert "no usable gradient" in str(err) and "2 rounds in a row" in str(err)
+    assert job.servers[0].iteration <= 3 + 2
+
+
+def test_no_live_worker_and_none_rejoins_fails_naming_the_drop_reasons():
+    # Broadcasts to dead endpoints fail at once: every worker is dropped, nobody rejoins.
+    job = make_job(2, iterations=200, lr=0.1, gather_timeout_s=0.5, max_missed=5, join_timeout_s=0.3,
+                   worker_kw={"max_iterations": 2})
+
+    async def go():
+        async def killer():
+            while any(w.iterations < 2 for w in job.workers):
+                await asyncio.sleep(0.005)
+            for t in job.worker_transports:
+                job.net.kill(t.local_addr)
+        return await asyncio.gather(run_job_allow_fail(job), killer())
+
+    (res, _) = asyncio.run(asyncio.wait_for(go(), 60))
+    err = res[0]
+    assert isinstance(err, TrainingFailed), err
+    msg = str(err)
+    assert "no live worker" in msg and "none rejoined within" in msg and "broadcast of round" in msg
+    assert "failed after" in msg  # the real elapsed time, not a configured constant
+
+
+def test_async_mode_non_finite_loss_fails():
+    job = make_job(2, wl=_NanAfter(workload(), 5), iterations=200, lr=0.05, mode="async", momentum=0.0)
+    res = asyncio.run(asyncio.wait_for(run_job_allow_fail(job), 60))
+    assert isinstance(res[0], TrainingFailed) and "non-finite loss" in str(res[0])
+
+
+# -- ltp-ps CLI -------------------------------------------------------------------------------
+def test_import_error_inside_the_job_reaches_the_user(monkeypatch):
+    async def job():
+        import ltp_ps_no_such_module  # noqa: F401 - what a missing scikit-learn looks like
+
+    with pytest.raises(ImportError, match="ltp_ps_no_such_module"):
+        cli._run(job())
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # no uvloop: same answer on asyncio's loop
+    with pytest.raises(ImportError, match="ltp_ps_no_such_module"):
+        cli._run(job())
+
+    async def ok():
+        return 7
+
+    assert cli._run(ok()) == 7
+
+
+@pytest.mark.parametrize("opt", [["--loss", "0.01"], ["--rate", "1e9"], ["--delay", "0.003"],
+                                 ["--loss", "0.01", "--delay", "0.01"]])
+def test_impairments_without_a_lab_are_an_error_naming_the_fix(opt, capsys):
+    rc = cli.main(["launch", "--lab", "off", "--workers", "2", *opt])
+    err = capsys.readouterr().err
+    assert rc == cli.EXIT_CONFIG
+    assert opt[0] in err and "network lab" in err and "scripts/install-lab-deps" in err and "loopback" in err
+
+
+def test_impairments_when_the_lab_is_unsupported_name_the_reason(monkeypatch):
+    import ltp_tools.netlab as netlab
+
+    monkeypatch.setattr(netlab, "check_support", lambda: "`nft` not found: apt-get install nftables")
+    args = cli.build_parser().parse_args(["launch", "--loss", "0.01"])
+    use_lab, why = cli._lab_choice(args)
+    assert not use_lab
+    with pytest.raises(ConfigError, match="apt-get install nftables"):
+        cli._check_impairments(args, use_lab, why)
+    cli._check_impairments(cli.build_parser().parse_args(["launch"]), use_lab, why)  # no impairment: fine
+
+
+def test_ps_restarts_need_a_checkpoint_dir(capsys):
+    assert cli.main(["launch", "--lab", "off", "--ps-restarts", "1"]) == cli.EXIT_CONFIG
+    assert "--checkpoint-dir" in capsys.readouterr().err
+
+
+def test_exit_descriptions_name_process_and_signal():
+    assert cli._describe_exit("worker 3", 42, -9) == "worker 3 (pid 42) was killed by SIGKILL"
+    assert cli._describe_exit("ps0", 7, 3) == "ps0 (pid 7) exited with code 3"
+    assert cli._shell_rc(-9) == 137 and cli._shell_rc(-11) == 139 and cli._shell_rc(2) == 2
