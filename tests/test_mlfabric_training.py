@@ -47,7 +47,7 @@ def make_mlf_job(n_workers, *, loss=0.0, seed=0, topology=None, tau_max=8, k=1, 
 
 
 @pytest.mark.parametrize("n_workers,k,loss,epochs,want", [(3, 1, 0.0, 8, 0.8), (5, 2, 0.0, 12, 0.75),
-                                                          (4, 1, 0.03, 10, 0.75)])
+                                                          (4, 1, 0.03, 16, 0.75)])
 async def test_mlfabric_trains_digits(n_workers, k, loss, epochs, want):
     ps, workers = make_mlf_job(n_workers, k=k, loss=loss, seed=n_workers, epochs=epochs, lr=0.1, momentum=0.0)
     summary, *outs = await asyncio.gather(ps.run(), *(w.run() for w in workers))
