@@ -67,10 +67,8 @@ class Config:
     #: a transfer fails when the peer has been silent this long (upper bound of the dead-peer rule)
     idle_timeout_s: float = 10.0
     #: dead-peer rule: a send fails after max(this, PEER_SILENCE_RTTS x smoothed RTT) of silence
-    #: from the peer (capped by idle_timeout_s); ICMP unreachable reports fail it at once.
-    #: 5 s, not 1 s: a live peer busy for a second (a PS evaluating or checkpointing, a
-    #: CPU-starved process) must not be declared dead; a killed process is caught by ICMP.
-    peer_silence_min_s: float = 5.0
+    #: from the peer (capped by idle_timeout_s); ICMP unreachable reports fail it at once
+    peer_silence_min_s: float = 1.0
     #: closed receive flows are remembered (to repeat STOP) this long, and at most this many
     closed_flow_ttl_s: float = 10.0
     max_closed_flows: int = 8192

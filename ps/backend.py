@@ -206,7 +206,7 @@ async def open_tolerant_transport(kind: str, host: str, *, job_key: bytes | None
                                   advertise_host: str | None = None, cc: str | None = None):
     """A transport endpoint whose LTP silence timers tolerate :data:`PEER_SILENCE_S` of a starved peer.
 
-    LTP fails a transfer after ``peer_silence_min_s`` (5 s by default) without a
+    LTP fails a transfer after ``peer_silence_min_s`` (1 s by default) without a
     word from the peer; a training process starved of CPU (or paused by the
     GC) for a second is not dead, and an exact collective must not fail for
     it.  Dead peers are still found: by ICMP unreachable at once, else by the
