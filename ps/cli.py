@@ -268,10 +268,24 @@ async def work(args, store=None) -> dict:
 
 
 def _raise_if_failed(store, num_servers: int) -> None:
-    """A worker told to stop by a PS that failed must not exit 0."""
+    """A worker told to stop by a PS that failed must not exit 0.
+
+    A failing PS writes ``failed/<s>`` before it sends STOP.  Where the store lived inside
+    that PS (``--store-master``, manual set-ups) it may be gone by the time the worker
+    asks: the worker then says it could not confirm the verdict and exits as told; the
+    job's verdict is the PS's exit code (``launch`` and torchrun keep the store alive
+    elsewhere, so there the check always answers).
+    """
     for s in range(num_servers):
-        if store.check([f"failed/{s}"]):
-            raise TrainingFailed(f"PS shard {s} stopped the job: {store.get(f'failed/{s}').decode()}")
+        try:
+            failed = store.check([f"failed/{s}"])
+            reason = store.get(f"failed/{s}").decode() if failed else ""
+        except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
+            print(f"warning: could not confirm PS shard {s}'s verdict, the store is gone "
+                  f"({type(exc).__name__}); its exit code is the job's verdict", file=sys.stderr, flush=True)
+            continue
+        if failed:
+            raise TrainingFailed(f"PS shard {s} stopped the job: {reason}")
 
 
 async def _run_watching(worker, store, infos) -> dict | None:
