@@ -79,6 +79,8 @@ class Config:
     socket_buffer_bytes: int = 64 * _MiB
     #: datagrams per recvmmsg/GRO batch in the adapter
     io_batch: int = 64
+    #: adapters send DATA by gather (header + segment straight from the message: one copy, by the kernel)
+    gather_send: bool = True
 
     def __post_init__(self) -> None:
         if not 576 <= self.mtu <= 65535:

@@ -41,6 +41,7 @@ from ltp_ext import load as _load
 
 from .config import Config
 from .engine import Engine, ReceiveDone, SendDone
+from .path import SegmentTransmit
 from .errors import LocalProtocolError, TransferTimeout
 
 _udpio = _load("udpio")
@@ -73,8 +74,10 @@ class Endpoint:
         self.config = config
         self._io = _udpio.UdpIO(sock, batch=config.io_batch, max_datagram=max(2048, config.mtu))
         self._local_addr = sock.getsockname()[:2]
-        # the engine stamps REGs with the wall clock: tell it how far that is from our `now`
-        self.engine = Engine(config, rng=rng, local_addr=self._local_addr, wall_offset=time.time() - _now())
+        # the engine stamps REGs with the wall clock: tell it how far that is from our `now`;
+        # DATA goes out by gather send: headers from the engine, payload straight from the message
+        self.engine = Engine(config, rng=rng, local_addr=self._local_addr, wall_offset=time.time() - _now(),
+                             gather_send=config.gather_send)
         self._wildcard = self._local_addr[0] in ("0.0.0.0", "::")
         self._sources: dict = {}
         self._icmp_seen = 0
@@ -355,10 +358,15 @@ class Endpoint:
         io = self._io
         now = _now()
         for tx in eng.datagrams_to_send(now):
-            data = tx.data
             if self._pending:
-                self._pending.append((tx.addr, bytes(data), tx.segment_size))
+                self._pending.append((tx.addr, bytes(tx.data), tx.segment_size))
                 continue
+            if isinstance(tx, SegmentTransmit):
+                k = io.send_segments(tx.addr, tx.headers, tx.payload, tx.seqs, tx.seg_size, tx.total)
+                if k < len(tx):  # the socket buffer is full: keep the rest, assembled, for on_writable
+                    self._pending.append((tx.addr, tx.assemble(k), tx.segment_size))
+                continue
+            data = tx.data
             sent = io.send(tx.addr, data, tx.segment_size)
             if sent < len(data):
                 self._pending.append((tx.addr, bytes(data[sent:]), tx.segment_size))

@@ -117,11 +117,13 @@ class Engine:
     """All LTP state of one endpoint (sans-IO)."""
 
     def __init__(self, config: Config | None = None, *, rng: random.Random | None = None,
-                 local_addr=None, wall_offset: float = 0.0) -> None:
+                 local_addr=None, wall_offset: float = 0.0, gather_send: bool = False) -> None:
         """``local_addr``: this host's ``(host, port)`` as peers see it (bound into REG MACs; see
         :meth:`set_source` for per-peer answers). ``wall_offset``: wall clock minus ``now``
-        (seconds), used only to stamp and check REG freshness."""
+        (seconds), used only to stamp and check REG freshness. ``gather_send``: DATA batches
+        come out as :class:`~ltp.path.SegmentTransmit` (for an adapter with a gather send)."""
         self.config = config or Config()
+        self.gather_send = gather_send
         self.rng = rng if rng is not None else random.Random(0)
         self.local_addr = local_addr
         self.wall_offset = wall_offset
@@ -178,7 +180,8 @@ class Engine:
                                      "Engine(local_addr=...) or call set_source(peer, addr)")
         path = self._paths.get(peer)
         if path is None:
-            path = self._paths[peer] = Path(peer, self.config, self.rng, wire.HEADER_SIZE + seg)
+            path = self._paths[peer] = Path(peer, self.config, self.rng, wire.HEADER_SIZE + seg,
+                                            gather_send=self.gather_send)
         fid = path.allocate_flow_id()
         for _ in range(1 << 16):
             if (peer, fid) not in self._tx:
@@ -865,7 +868,7 @@ class Engine:
             tx = path.poll(now)
             if tx is not None:
                 out.append(tx)
-                n = len(tx.data)
+                n = tx.nbytes
                 self.stats.datagrams_out += -(-n // tx.segment_size)
                 self.stats.bytes_out += n
             path.wake = path.next_send_time(now)

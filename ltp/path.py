@@ -24,7 +24,7 @@ from .bbr import BBR
 from .config import Config
 from .pacing import Pacer
 
-__all__ = ["Path", "Transmit"]
+__all__ = ["Path", "SegmentTransmit", "Transmit"]
 
 
 @dataclass
@@ -36,6 +36,58 @@ class Transmit:
     data: memoryview
     segment_size: int
 
+    @property
+    def nbytes(self) -> int:
+        """Wire bytes of the batch (LTP headers included)."""
+        return len(self.data)
+
+    def datagrams(self) -> list:
+        """Split into individual datagrams (for tests and simple drivers)."""
+        d, s = self.data, self.segment_size
+        return [bytes(d[i:i + s]) for i in range(0, len(d), s)]
+
+
+class SegmentTransmit:
+    """A batch of DATA datagrams described, not assembled (for a gather send).
+
+    Datagram ``k`` is ``headers[16k:16k+16]`` followed by segment ``seqs[k]``
+    of the message ``payload`` (``seg_size`` bytes, the message's last
+    segment shorter).  An adapter with a gather send (``UdpIO.send_segments``)
+    hands these straight to the kernel, so the payload is copied once, by the
+    kernel, as with TCP; :attr:`data` assembles the same bytes for drivers that
+    need them (the simulator, tests, a partial send's remainder).  Valid until
+    the next poll, like :class:`Transmit`.
+    """
+
+    __slots__ = ("addr", "headers", "payload", "seqs", "seg_size", "total", "segment_size", "nbytes")
+
+    def __init__(self, addr, headers: memoryview, payload: memoryview, seqs, seg_size: int, total: int,
+                 nbytes: int) -> None:
+        self.addr = addr
+        self.headers = headers
+        self.payload = payload
+        self.seqs = seqs
+        self.seg_size = seg_size
+        self.total = total
+        self.segment_size = wire.HEADER_SIZE + seg_size  # the stride, as Transmit's
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return int(self.seqs.shape[0])
+
+    def assemble(self, start: int = 0) -> bytes:
+        """Datagrams ``start..`` as one contiguous buffer at :attr:`segment_size` stride."""
+        h, p, seg, total = self.headers, self.payload, self.seg_size, self.total
+        parts = []
+        for k in range(start, len(self)):
+            q = int(self.seqs[k])
+            parts += [h[16 * k:16 * k + 16], p[q * seg:min(total, (q + 1) * seg)]]
+        return b"".join(parts)
+
+    @property
+    def data(self) -> memoryview:
+        return memoryview(self.assemble())
+
     def datagrams(self) -> list:
         """Split into individual datagrams (for tests and simple drivers)."""
         d, s = self.data, self.segment_size
@@ -45,8 +97,9 @@ class Transmit:
 class Path:
     """Per-peer congestion control, pacing and FIFO flow scheduling."""
 
-    def __init__(self, peer, config: Config, rng: random.Random, mss: int) -> None:
+    def __init__(self, peer, config: Config, rng: random.Random, mss: int, *, gather_send: bool = False) -> None:
         self.peer = peer
+        self.gather_send = gather_send  # poll() returns SegmentTransmit (headers only; payload stays put)
         self.config = config
         self.mss = mss
         self.bbr = BBR(mss=mss, initial_cwnd_packets=config.initial_cwnd_packets,
@@ -124,15 +177,19 @@ class Path:
         if inflight == 0:
             self.first_sent_time = now
             self.delivered_time = now
-        need = seqs.shape[0] * stride
+        gather = self.gather_send
+        need = seqs.shape[0] * (wire.HEADER_SIZE if gather else stride)
         if len(self._out) < need:
             self._out = bytearray(need)
         nbytes = flow.window.build(seqs, now, self.delivered, self.delivered_time, self.first_sent_time,
-                                   self.est_word(), self._out)
+                                   self.est_word(), self._out, gather)
         self.pacer.consume(now, nbytes)
         if self._active() is None:
             # nothing more queued: samples until this data is delivered are app-limited
             self.app_limited_until = self.delivered + self.inflight_bytes()
+        if gather:
+            return SegmentTransmit(self.peer, memoryview(self._out)[:need], flow.payload, seqs, flow.seg_size,
+                                   flow.total, nbytes)
         return Transmit(self.peer, memoryview(self._out)[:nbytes], stride)
 
     def next_send_time(self, now: float) -> float | None:

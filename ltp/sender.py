@@ -83,6 +83,7 @@ class FlowSender:
         self.critical_runs = runs
         flags = wire.F_RELIABLE if reliable else 0
         self.window = _dp.SendWindow(mv, total, segment_size, flow_id, token, flags, mask)
+        self.payload = mv  # the message bytes, for gather sends (SegmentTransmit)
         n = self.window.seg_count
         if n - 1 > wire.MAX_SEQ:
             raise LocalProtocolError(f"message needs {n} segments; at most {wire.MAX_SEQ + 1} fit one flow — split it")

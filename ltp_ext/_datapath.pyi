@@ -98,6 +98,7 @@ class SendWindow:
         first_sent_time: float,
         est_word: int,
         out: Buffer,
+        headers_only: bool = ...,
     ) -> int: ...
     def on_ack(
         self, entries: _U32 | Sequence[int], now: float, delivered: int, delivered_time: float

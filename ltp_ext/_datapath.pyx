@@ -331,7 +331,7 @@ cdef class SendWindow:
     # -- building --------------------------------------------------------------
     cdef int64_t _build_one(self, int64_t seq, int64_t k, uint8_t *buf, Py_ssize_t buflen, double now,
                             int64_t delivered, double delivered_time, double first_sent_time,
-                            int64_t est, object est_obj, object out_obj) except -1:
+                            int64_t est, object est_obj, object out_obj, bint headers_only) except -1:
         cdef uint8_t a = <uint8_t>(self._attempt[seq] + 1)
         self._attempt[seq] = a
         cdef uint8_t st = self._state[seq]
@@ -341,7 +341,8 @@ cdef class SendWindow:
         if st == _INFLIGHT:
             self.inflight_count -= 1
             self.inflight_bytes -= length + _HDR
-        cdef int64_t off = k * (_HDR + self.seg_size)
+        cdef int64_t end = k * (_HDR + self.seg_size) + _HDR + length
+        cdef int64_t off = k * _HDR if headers_only else k * (_HDR + self.seg_size)
         cdef int c = self._crit[seq] != 0
         cdef int64_t word2 = (seq << 8) | a
         cdef uint8_t *p
@@ -354,9 +355,10 @@ cdef class SendWindow:
             memcpy(p, &self._hdr[c][0], 8)
             _st32(p + 8, <uint32_t>word2)
             _st32(p + 12, <uint32_t>est)
-        if off + _HDR + length > buflen:
-            raise ValueError("memoryview assignment: lvalue and rvalue have different structures")
-        memcpy(buf + off + _HDR, self._data + seq * self.seg_size, <size_t>length)
+        if not headers_only:
+            if off + _HDR + length > buflen:
+                raise ValueError("memoryview assignment: lvalue and rvalue have different structures")
+            memcpy(buf + off + _HDR, self._data + seq * self.seg_size, <size_t>length)
         self._state[seq] = _INFLIGHT
         self.inflight_count += 1
         self.inflight_bytes += length + _HDR
@@ -366,14 +368,16 @@ cdef class SendWindow:
         self._snap_fs[seq] = first_sent_time
         self._sent_idx[seq] = self._log_append(seq)
         self.packets_sent += 1
-        return off + _HDR + length
+        return end
 
     def build(self, seqs, double now, int64_t delivered, double delivered_time, double first_sent_time,
-              est_word, out):
+              est_word, out, bint headers_only=False):
         """Write DATA packets for ``seqs`` into ``out`` at a stride of ``16 + seg_size``.
 
         Only the last packet may be short (the caller puts the final segment
-        last). Returns the number of bytes written.
+        last). Returns the number of wire bytes of the packets built.  With
+        ``headers_only`` only the 16-byte headers are written, packed at a
+        stride of 16 (the payload stays in the message, for a gather send).
         """
         cdef Py_buffer view
         cdef object out_obj = out
@@ -398,7 +402,7 @@ cdef class SendWindow:
                     if seq < 0 or seq >= n:
                         raise LocalProtocolError(f"segment {seq} out of range")
                     written = self._build_one(seq, k, buf, buflen, now, delivered, delivered_time,
-                                              first_sent_time, est, est_word, out_obj)
+                                              first_sent_time, est, est_word, out_obj, headers_only)
             else:
                 m = len(seqs)
                 for k in range(m):
@@ -406,7 +410,7 @@ cdef class SendWindow:
                     if s < 0 or s >= n:
                         raise LocalProtocolError(f"segment {s} out of range")
                     written = self._build_one(<int64_t>s, k, buf, buflen, now, delivered, delivered_time,
-                                              first_sent_time, est, est_word, out_obj)
+                                              first_sent_time, est, est_word, out_obj, headers_only)
         finally:
             PyBuffer_Release(&view)
         return written

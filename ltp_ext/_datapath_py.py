@@ -131,11 +131,13 @@ class SendWindow(_Geometry):
         return idx
 
     def build(self, seqs, now: float, delivered: int, delivered_time: float, first_sent_time: float,
-              est_word: int, out) -> int:
+              est_word: int, out, headers_only: bool = False) -> int:
         """Write DATA packets for ``seqs`` into ``out`` at a stride of ``16 + seg_size``.
 
         Only the last packet may be short (the caller puts the final segment
-        last). Returns the number of bytes written.
+        last). Returns the number of wire bytes of the packets built.  With
+        ``headers_only`` only the 16-byte headers are written, packed at a
+        stride of 16 (the payload stays in the message, for a gather send).
         """
         mv = _as_bytes_view(out, True)
         stride = HEADER_SIZE + self.seg_size
@@ -153,11 +155,12 @@ class SendWindow(_Geometry):
                 self.inflight_count -= 1
                 self.inflight_bytes -= self.seg_len(seq) + HEADER_SIZE
             length = self.seg_len(seq)
-            off = k * stride
+            off = k * HEADER_SIZE if headers_only else k * stride
             flags = self.flags | (F_CRITICAL if self.critical[seq] else 0)
             pack_header_into(mv, off, T_DATA, flags, self.flow_id, self.token, (seq << 8) | a, est_word)
-            start = seq * self.seg_size
-            mv[off + HEADER_SIZE:off + HEADER_SIZE + length] = self.data[start:start + length]
+            if not headers_only:
+                start = seq * self.seg_size
+                mv[off + HEADER_SIZE:off + HEADER_SIZE + length] = self.data[start:start + length]
             self.state[seq] = SEG_INFLIGHT
             self.inflight_count += 1
             self.inflight_bytes += length + HEADER_SIZE
@@ -167,7 +170,7 @@ class SendWindow(_Geometry):
             self.snap_first_sent[seq] = first_sent_time
             self.sent_idx[seq] = self._log_append(seq)
             self.packets_sent += 1
-            written = off + HEADER_SIZE + length
+            written = k * stride + HEADER_SIZE + length
         return written
 
     def on_ack(self, entries, now: float, delivered: int, delivered_time: float) -> tuple:

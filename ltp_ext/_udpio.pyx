@@ -41,7 +41,7 @@ The GIL is released around every ``recvmmsg``/``sendmmsg``; nothing in the
 per-datagram loops touches Python objects.
 """
 
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBuffer_IsContiguous, PyBUF_STRIDES
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBuffer_IsContiguous, PyBUF_STRIDES, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 from libc.errno cimport errno, EAGAIN, EINTR, ENOBUFS, EINVAL, EIO
 from libc.stdint cimport int64_t, uint16_t
@@ -314,6 +314,9 @@ cdef class UdpIO:
     cdef Py_ssize_t *_m_len
     cdef Py_ssize_t *_m_nseg
     cdef bint *_m_gso
+    cdef mmsghdr *_gmsgs  # gather sends: own headers, their msg_iov point into _giov per call
+    cdef iovec *_giov
+    cdef Py_ssize_t *_g_first
     cdef dict _name_cache
     # stats
     cdef int64_t _syscalls
@@ -335,6 +338,9 @@ cdef class UdpIO:
         self._m_len = NULL
         self._m_nseg = NULL
         self._m_gso = NULL
+        self._gmsgs = NULL
+        self._giov = NULL
+        self._g_first = NULL
 
     def __init__(self, sock, *, int batch=64, int max_datagram=2048, bint gso=True, bint gro=True,
                  bint timestamps=True, bint recverr=True):
@@ -413,10 +419,14 @@ cdef class UdpIO:
         self._m_len = <Py_ssize_t *>calloc(self._scap, sizeof(Py_ssize_t))
         self._m_nseg = <Py_ssize_t *>calloc(self._scap, sizeof(Py_ssize_t))
         self._m_gso = <bint *>calloc(self._scap, sizeof(bint))
+        self._gmsgs = <mmsghdr *>calloc(self._scap, sizeof(mmsghdr))
+        self._giov = <iovec *>calloc(self._scap * 2 * GSO_MAX_SEGMENTS, sizeof(iovec))
+        self._g_first = <Py_ssize_t *>calloc(self._scap + 1, sizeof(Py_ssize_t))
         if (self._rmsgs == NULL or self._riov == NULL or self._rnames == NULL or self._rcmsg == NULL
                 or self._smsgs == NULL or self._siov == NULL or self._scmsg == NULL
                 or self._m_item == NULL or self._m_off == NULL or self._m_len == NULL
-                or self._m_nseg == NULL or self._m_gso == NULL):
+                or self._m_nseg == NULL or self._m_gso == NULL or self._gmsgs == NULL or self._giov == NULL
+                or self._g_first == NULL):
             raise MemoryError()
         cdef int i
         for i in range(batch):
@@ -452,6 +462,9 @@ cdef class UdpIO:
         free(self._m_len)
         free(self._m_nseg)
         free(self._m_gso)
+        free(self._gmsgs)
+        free(self._giov)
+        free(self._g_first)
 
     cdef _alloc_out(self, Py_ssize_t cap):
         self._cap = cap
@@ -745,6 +758,143 @@ cdef class UdpIO:
         anything is sent.
         """
         return self._send(None, None, None, items, True)
+
+    def send_segments(self, addr, headers, payload, seqs, Py_ssize_t seg_size, Py_ssize_t total):
+        """Gather-send DATA packets without assembling them: header ``k`` + payload segment ``seqs[k]``.
+
+        Packet ``k`` is the 16 bytes at ``headers[16k:16k+16]`` followed by
+        ``payload[seqs[k]*seg_size : min(total, (seqs[k]+1)*seg_size)]``, straight
+        from the caller's buffers (one kernel copy, as TCP).  Consecutive
+        packets of equal size share one GSO super-datagram; a short packet
+        ends its batch.  Non-blocking: returns the number of packets
+        accepted (all of them unless EAGAIN/ENOBUFS stopped it); a packet the
+        destination refuses twice (ICMP) is counted as sent, as a loss.
+        """
+        cdef Py_buffer hv, pv
+        cdef const int64_t[::1] sv = np.ascontiguousarray(seqs, dtype=np.int64)
+        cdef Py_ssize_t n = sv.shape[0], k = 0, j, nm, m_pkts, m_bytes, plen, first_len, accepted = 0
+        cdef Py_ssize_t gi, seq
+        cdef int64_t q
+        cdef sockaddr_storage name
+        cdef int namelen
+        cdef int fd = self._fd()
+        cdef int r, e
+        cdef Py_ssize_t retry_at = -1
+        cdef bint gso_ok = self.gso_enabled
+        cdef msghdr *h
+        cdef char *hbuf
+        cdef char *pbuf
+        if seg_size <= 0 or seg_size + 16 > MAX_SEGMENT_SIZE:
+            raise ValueError(f"seg_size must be in 1..{MAX_SEGMENT_SIZE - 16}, got {seg_size}")
+        if n == 0:
+            return 0
+        namelen = self._encode_name(addr, &name)
+        PyObject_GetBuffer(headers, &hv, PyBUF_SIMPLE)
+        try:
+            PyObject_GetBuffer(payload, &pv, PyBUF_SIMPLE)
+        except BaseException:
+            PyBuffer_Release(&hv)
+            raise
+        try:
+            if hv.len < n * 16:
+                raise ValueError(f"headers hold {hv.len} bytes, {n} packets need {n * 16}")
+            if total > pv.len or total <= 0:
+                raise ValueError(f"total={total} must be in 1..len(payload)={pv.len}")
+            for j in range(n):
+                q = sv[j]
+                if q < 0 or q * seg_size >= total:
+                    raise ValueError(f"segment {q} is outside a {total}-byte message of {seg_size}-byte segments")
+            hbuf = <char *>hv.buf
+            pbuf = <char *>pv.buf
+            while k < n:
+                # fill up to _scap messages, each a GSO batch of equal-size packets
+                nm = 0
+                gi = 0
+                j = k
+                while nm < self._scap and j < n:
+                    self._g_first[nm] = j
+                    h = &self._gmsgs[nm].msg_hdr
+                    h.msg_iov = &self._giov[gi]
+                    m_pkts = 0
+                    m_bytes = 0
+                    first_len = -1
+                    while j < n and m_pkts < (GSO_MAX_SEGMENTS if gso_ok else 1):
+                        seq = sv[j]
+                        plen = total - seq * seg_size
+                        if plen > seg_size:
+                            plen = seg_size
+                        if first_len >= 0 and (plen > first_len or m_bytes + 16 + plen > GSO_MAX_BYTES):
+                            break
+                        self._giov[gi].iov_base = hbuf + j * 16
+                        self._giov[gi].iov_len = 16
+                        self._giov[gi + 1].iov_base = pbuf + seq * seg_size
+                        self._giov[gi + 1].iov_len = <size_t>plen
+                        gi += 2
+                        m_pkts += 1
+                        m_bytes += 16 + plen
+                        j += 1
+                        if first_len < 0:
+                            first_len = plen
+                        elif plen < first_len:
+                            break  # a short packet ends the batch
+                    h.msg_iovlen = <size_t>(2 * m_pkts)
+                    if namelen > 0:
+                        h.msg_name = &name
+                        h.msg_namelen = namelen
+                    else:
+                        h.msg_name = NULL
+                        h.msg_namelen = 0
+                    if m_pkts > 1:
+                        ltp_set_gso(h, self._scmsg + nm * LTP_CMSG_SIZE, <uint16_t>(16 + first_len))
+                    else:
+                        h.msg_control = NULL
+                        h.msg_controllen = 0
+                    h.msg_flags = 0
+                    self._m_nseg[nm] = m_pkts
+                    self._m_gso[nm] = m_pkts > 1
+                    nm += 1
+                self._g_first[nm] = j
+                e = 0
+                with nogil:
+                    r = sendmmsg(fd, self._gmsgs, nm, MSG_DONTWAIT)
+                    if r < 0:
+                        e = errno
+                self._syscalls += 1
+                if r > 0:
+                    for j in range(r):
+                        self._dgrams_out += self._m_nseg[j]
+                    accepted += self._g_first[r] - k
+                    k = self._g_first[r]
+                    continue
+                if e == EINTR:
+                    continue
+                if e == EAGAIN or e == EWOULDBLOCK or e == ENOBUFS:
+                    self._eagain += 1
+                    if e == ENOBUFS:
+                        self._count_error(e)
+                    break
+                self._count_error(e)
+                if _is_icmp(e):
+                    if retry_at == k:
+                        # refused twice in a row: the destination is unreachable, drop it like a loss
+                        accepted += self._g_first[1] - k
+                        k = self._g_first[1]
+                        retry_at = -1
+                    else:
+                        retry_at = k
+                    continue
+                if self._m_gso[0] and (e == EINVAL or e == EIO):
+                    gso_ok = False
+                    if e == EIO:
+                        self.gso_enabled = False
+                    continue
+                if accepted > 0:
+                    break
+                raise OSError(e, f"UdpIO.send_segments: sendmmsg failed: {_os.strerror(e)}")
+        finally:
+            PyBuffer_Release(&pv)
+            PyBuffer_Release(&hv)
+        return accepted
 
     cdef object _send(self, addr1, data1, seg1, list_items, bint many):
         cdef Py_ssize_t n_items, i, it = 0, off, L, seg, rem, chunk, per, nm, k, j, accepted = 0

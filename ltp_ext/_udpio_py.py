@@ -448,6 +448,95 @@ class UdpIO:
         """
         return self._send(list(items), True)
 
+    def send_segments(self, addr, headers, payload, seqs, seg_size: int, total: int) -> int:
+        """Gather-send DATA packets without assembling them: header ``k`` + payload segment ``seqs[k]``.
+
+        Packet ``k`` is the 16 bytes at ``headers[16k:16k+16]`` followed by
+        ``payload[seqs[k]*seg_size : min(total, (seqs[k]+1)*seg_size)]``, straight
+        from the caller's buffers (one kernel copy, as TCP).  Consecutive
+        packets of equal size share one GSO super-datagram; a short packet
+        ends its batch.  Non-blocking: returns the number of packets
+        accepted (all of them unless EAGAIN/ENOBUFS stopped it); a packet the
+        destination refuses twice (ICMP) is counted as sent, as a loss.
+        """
+        fd = self._fd()
+        del fd
+        seg_size, total = _operator.index(seg_size), _operator.index(total)
+        if seg_size <= 0 or seg_size + 16 > MAX_SEGMENT_SIZE:
+            raise ValueError(f"seg_size must be in 1..{MAX_SEGMENT_SIZE - 16}, got {seg_size}")
+        sv = np.ascontiguousarray(seqs, dtype=np.int64)
+        n = sv.shape[0]
+        if n == 0:
+            return 0
+        name = self._resolve(addr)
+        hv = memoryview(headers).cast("B")
+        pv = memoryview(payload).cast("B")
+        if len(hv) < n * 16:
+            raise ValueError(f"headers hold {len(hv)} bytes, {n} packets need {n * 16}")
+        if total > len(pv) or total <= 0:
+            raise ValueError(f"total={total} must be in 1..len(payload)={len(pv)}")
+        for q in sv.tolist():
+            if q < 0 or q * seg_size >= total:
+                raise ValueError(f"segment {q} is outside a {total}-byte message of {seg_size}-byte segments")
+        sock = self._sock
+        gso_ok = self._gso
+        accepted = 0
+        k = 0
+        retry_at = -1
+        while k < n:
+            parts, j, first_len, m_bytes = [], k, -1, 0
+            while j < n and (j - k) < (GSO_MAX_SEGMENTS if gso_ok else 1):
+                seq = int(sv[j])
+                plen = min(seg_size, total - seq * seg_size)
+                if first_len >= 0 and (plen > first_len or m_bytes + 16 + plen > GSO_MAX_BYTES):
+                    break
+                parts += [hv[16 * j:16 * j + 16], pv[seq * seg_size:seq * seg_size + plen]]
+                m_bytes += 16 + plen
+                j += 1
+                if first_len < 0:
+                    first_len = plen
+                elif plen < first_len:
+                    break  # a short packet ends the batch
+            m_pkts = j - k
+            anc = [(SOL_UDP, UDP_SEGMENT, _U16.pack(16 + first_len))] if m_pkts > 1 else []
+            try:
+                self._syscalls += 1
+                if name is None:
+                    sock.sendmsg(parts, anc, _socket.MSG_DONTWAIT)
+                else:
+                    sock.sendmsg(parts, anc, _socket.MSG_DONTWAIT, name)
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                e = exc.errno
+                if e in (_errno.EAGAIN, _errno.EWOULDBLOCK, _errno.ENOBUFS):
+                    self._eagain += 1
+                    if e == _errno.ENOBUFS:
+                        self._count_error(e)
+                    break
+                self._count_error(e)
+                if e in ICMP_ERRNOS:
+                    if retry_at == k:
+                        # refused twice in a row: the destination is unreachable, drop it like a loss
+                        accepted += m_pkts
+                        k = j
+                        retry_at = -1
+                    else:
+                        retry_at = k
+                    continue
+                if m_pkts > 1 and e in (_errno.EINVAL, _errno.EIO):
+                    gso_ok = False
+                    if e == _errno.EIO:
+                        self._gso = False
+                    continue
+                if accepted > 0:
+                    break
+                raise OSError(e, f"UdpIO.send_segments: sendmsg failed: {_os.strerror(e)}") from None
+            accepted += m_pkts
+            self._dgrams_out += m_pkts
+            k = j
+        return accepted
+
     def _send(self, items: list, many: bool) -> int:
         self._fd()
         n_items = len(items)
