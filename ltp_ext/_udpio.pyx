@@ -488,6 +488,16 @@ cdef class UdpIO:
             self.icmp_errors += 1
         self._count_error_name(_errno.errorcode.get(e, str(e)))
 
+    cdef bint _send_full_or_count(self, int e):
+        """Count a failed send; True when the socket buffer is full (EAGAIN/ENOBUFS): stop for now."""
+        if e == EAGAIN or e == EWOULDBLOCK or e == ENOBUFS:
+            self._eagain += 1
+            if e == ENOBUFS:
+                self._count_error(e)
+            return True
+        self._count_error(e)
+        return False
+
     cdef void _count_error_name(self, str name):
         self._errors[name] = self._errors.get(name, 0) + 1
 
@@ -868,12 +878,8 @@ cdef class UdpIO:
                     continue
                 if e == EINTR:
                     continue
-                if e == EAGAIN or e == EWOULDBLOCK or e == ENOBUFS:
-                    self._eagain += 1
-                    if e == ENOBUFS:
-                        self._count_error(e)
+                if self._send_full_or_count(e):
                     break
-                self._count_error(e)
                 if _is_icmp(e):
                     if retry_at == k:
                         # refused twice in a row: the destination is unreachable, drop it like a loss
@@ -1033,12 +1039,8 @@ cdef class UdpIO:
                     continue  # the next call reports entry k's error, if any
                 if e == EINTR:
                     continue
-                if e == EAGAIN or e == EWOULDBLOCK or e == ENOBUFS:
-                    self._eagain += 1
-                    if e == ENOBUFS:
-                        self._count_error(e)
+                if self._send_full_or_count(e):
                     break
-                self._count_error(e)
                 if _is_icmp(e):
                     if retry_at_item == it and retry_at_off == off:
                         # failed twice in a row: the destination is unreachable, drop it like a loss

@@ -225,6 +225,16 @@ class UdpIO:
             raise _closed_error()
         return fd
 
+    def _send_full_or_count(self, e: int) -> bool:
+        """Count a failed send; True when the socket buffer is full (EAGAIN/ENOBUFS): stop for now."""
+        if e in (_errno.EAGAIN, _errno.EWOULDBLOCK, _errno.ENOBUFS):
+            self._eagain += 1
+            if e == _errno.ENOBUFS:
+                self._count_error(e)
+            return True
+        self._count_error(e)
+        return False
+
     def _count_error(self, e: int) -> None:
         if e in ICMP_ERRNOS:
             self._icmp_errors += 1
@@ -509,12 +519,8 @@ class UdpIO:
                 continue
             except OSError as exc:
                 e = exc.errno
-                if e in (_errno.EAGAIN, _errno.EWOULDBLOCK, _errno.ENOBUFS):
-                    self._eagain += 1
-                    if e == _errno.ENOBUFS:
-                        self._count_error(e)
+                if self._send_full_or_count(e):
                     break
-                self._count_error(e)
                 if e in ICMP_ERRNOS:
                     if retry_at == k:
                         # refused twice in a row: the destination is unreachable, drop it like a loss
@@ -591,12 +597,8 @@ class UdpIO:
                 continue
             except OSError as exc:
                 e = exc.errno
-                if e in (_errno.EAGAIN, _errno.EWOULDBLOCK, _errno.ENOBUFS):
-                    self._eagain += 1
-                    if e == _errno.ENOBUFS:
-                        self._count_error(e)
+                if self._send_full_or_count(e):
                     break
-                self._count_error(e)
                 if e in ICMP_ERRNOS:
                     if retry_at == (it, off):
                         # failed twice in a row: the destination is unreachable, drop it like a loss
