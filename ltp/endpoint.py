@@ -18,7 +18,12 @@ delivery-rate samples are not compressed into one instant. If the kernel refuses
 (EAGAIN), the rest waits in a queue drained when the socket is writable. The socket has
 ``IP_RECVERR`` on: ICMP unreachable reports about datagrams we sent are read from its error
 queue (with the peer's address) and fed to :meth:`Engine.peer_unreachable`, so a peer whose
-process died fails its transfers within a round trip.
+process died fails its transfers within a round trip. Until that queue is read the socket
+signals EPOLLERR, which libuv (uvloop) treats as fatal for a watched descriptor: it runs the
+callbacks once and silently drops the watch, and the endpoint would never read again after its
+first dead peer. So the loop does not watch the socket itself: :class:`_SocketWatch` puts it
+in two private epoll sets (one for reading, one for writing) and the loop watches those,
+whose own descriptors only ever become readable.
 
 uvloop is not installed here: pick it at your entry point (:func:`ltp.run`
 does, when it is available).
@@ -32,6 +37,7 @@ import ipaddress
 import logging
 import os
 import random
+import select
 import socket
 import sys
 import time
@@ -63,6 +69,47 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+class _SocketWatch:
+    """Readable / writable callbacks for a socket with an error queue, safe on every event loop.
+
+    The loop watches a private epoll set per direction (the socket registered in it), not the
+    socket: an ICMP report then makes the set readable, never the loop's watch fail (see the
+    module docstring).  Without ``select.epoll`` (not Linux) the socket is watched directly.
+    """
+
+    def __init__(self, loop, fd: int, on_readable, on_writable) -> None:
+        self._loop, self._fd = loop, fd
+        self._on_writable = on_writable
+        self._rset = self._wset = None
+        if hasattr(select, "epoll"):
+            self._rset = select.epoll(1)
+            self._rset.register(fd, select.EPOLLIN)
+            self._wset = select.epoll(1)
+            self._wset.register(fd, select.EPOLLOUT)
+        self._rfd = self._rset.fileno() if self._rset is not None else fd
+        self._loop.add_reader(self._rfd, on_readable)
+        self.writing = False
+
+    def want_writable(self, on: bool) -> None:
+        """Start (True) or stop (False) calling ``on_writable`` while the socket can take data."""
+        if on == self.writing:
+            return
+        self.writing = on
+        if self._wset is None:
+            (self._loop.add_writer(self._fd, self._on_writable) if on else self._loop.remove_writer(self._fd))
+        elif on:
+            self._loop.add_reader(self._wset.fileno(), self._on_writable)
+        else:
+            self._loop.remove_reader(self._wset.fileno())
+
+    def close(self) -> None:
+        self.want_writable(False)
+        self._loop.remove_reader(self._rfd)
+        for s in (self._rset, self._wset):
+            if s is not None:
+                s.close()
+
+
 class Endpoint:
     """An LTP endpoint on one UDP socket. Create it with :func:`open_endpoint`."""
 
@@ -86,10 +133,9 @@ class Endpoint:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._pending: deque = deque()
-        self._writer = False
         self._closed = False
         self._family = sock.family
-        self._loop.add_reader(sock.fileno(), self._on_readable)
+        self._watch = _SocketWatch(self._loop, sock.fileno(), self._on_readable, self._on_writable)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -171,9 +217,7 @@ class Endpoint:
         self.engine.close(now=_now())
         self._flush()
         self._closed = True
-        self._loop.remove_reader(self._sock.fileno())
-        if self._writer:
-            self._loop.remove_writer(self._sock.fileno())
+        self._watch.close()
         if self._timer is not None:
             self._timer.cancel()
         self._sock.close()
@@ -263,12 +307,15 @@ class Endpoint:
             self._waiters.pop(handle, None)
 
     def _on_readable(self) -> None:
-        self._receive_pending()
+        self._receive_pending(woken=True)
         self._flush()
 
-    def _receive_pending(self) -> None:
+    def _receive_pending(self, woken: bool = False) -> None:
+        """Read what arrived; ``woken``: the loop said the socket is ready (an empty read then
+        means an error report is waiting, which is read at once so the watch stops firing)."""
         io = self._io
         eng = self.engine
+        empty = woken
         for _ in range(self.max_batches_per_wakeup):
             try:
                 n = io.recv_batch()
@@ -277,6 +324,7 @@ class Endpoint:
                 break
             if n == 0:
                 break
+            empty = False
             now = _now()
             buf, offs, lens = io.buffer, io.offsets, io.lengths
             times = None
@@ -295,7 +343,7 @@ class Endpoint:
             # an ICMP report also sets the socket error, which the receive above met and counted:
             # read the error queue only then (each read is a syscall), and every so often anyway
             now = _now()
-            if io.icmp_errors != self._icmp_seen or now >= self._errq_next:
+            if empty or io.icmp_errors != self._icmp_seen or now >= self._errq_next:
                 self._icmp_seen = io.icmp_errors
                 self._errq_next = now + _ERRQ_POLL_S
                 self._read_errors()
@@ -333,10 +381,12 @@ class Endpoint:
         self._flush()
 
     def _on_writable(self) -> None:
-        self._drain_pending()
-        if not self._pending and self._writer:
-            self._loop.remove_writer(self._sock.fileno())
-            self._writer = False
+        if self._closed:
+            return
+        if not self._drain_pending() and self._io.recverr_enabled:
+            self._read_errors()  # woken by an error report rather than room: read it, or the watch spins
+        if not self._pending and self._watch.writing:
+            self._watch.want_writable(False)
             self._flush()
 
     def _drain_pending(self) -> bool:
@@ -370,9 +420,8 @@ class Endpoint:
             sent = io.send(tx.addr, data, tx.segment_size)
             if sent < len(data):
                 self._pending.append((tx.addr, bytes(data[sent:]), tx.segment_size))
-        if self._pending and not self._writer:
-            self._loop.add_writer(self._sock.fileno(), self._on_writable)
-            self._writer = True
+        if self._pending and not self._watch.writing:
+            self._watch.want_writable(True)
         while True:
             ev = eng.next_event()
             if ev is None:

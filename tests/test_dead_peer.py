@@ -132,6 +132,42 @@ async def test_send_to_a_closed_endpoint_fails_fast_naming_peer_and_cause():
         await a.close()
 
 
+async def _icmp_then_receive():
+    """An ICMP report lands in the endpoint's error queue; afterwards a new peer must still reach it
+    (in both directions), the situation of a worker whose PS was killed and restarted."""
+    a = await ltp.open_endpoint(("127.0.0.1", 0))
+    b = await ltp.open_endpoint(("127.0.0.1", 0))
+    gone = b.local_addr
+    await b.close()
+    try:
+        with pytest.raises(PeerUnreachable):
+            await a.send(gone, np.ones(4000, np.float32), timeout=5)
+        await asyncio.sleep(0.2)  # the loop polls the socket while its error report is pending
+        c = await ltp.open_endpoint(("127.0.0.1", 0))
+        try:
+            for sender, receiver in ((c, a), (a, c)):
+                out = np.zeros(4000, np.float32)
+                await asyncio.wait_for(asyncio.gather(sender.send(receiver.local_addr, np.ones(4000, np.float32)),
+                                                      receiver.recv(out)), 10)
+                assert out.sum() == 4000
+        finally:
+            await c.close()
+    finally:
+        await a.close()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_an_icmp_report_does_not_stop_the_endpoint_reading(loop):
+    """Regression: libuv drops a watched descriptor that signals EPOLLERR, so under uvloop one ICMP
+    report silently stopped the endpoint from ever reading again (a restarted PS then found every
+    worker deaf: "registration unanswered")."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        uvloop.run(_icmp_then_receive())
+    else:
+        asyncio.run(_icmp_then_receive())
+
+
 _RECEIVER = r"""
 import asyncio, sys, numpy as np, ltp
 async def main():
