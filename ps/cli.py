@@ -337,7 +337,7 @@ def _passthrough(args, names) -> list[str]:
 
 COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "job", "secret-file", "num-servers", "mode",
           "compute-delay",
-          "batch-size", "seed", "store-timeout"]
+          "batch-size", "seed", "store-timeout", *schedule_cli.PASSTHROUGH]
 SERVER = ["epochs", "iterations", "aggregation", "optimizer", "lr", "momentum", "weight-decay", "clip-factor",
           "gather-timeout",
           "max-missed", "min-workers", "checkpoint-dir", "checkpoint-every", "metrics", "progress", "summary-json"]

@@ -49,7 +49,7 @@ import time
 import numpy as np
 
 from .errors import RemoteError, TrainingFailed, TransportTimeout
-from .schedules.driver import (DOWN, UP, ControlChannel, ControlDecodeError, ControllerDriver, GrantFollower,
+from .schedules.driver import (DOWN, T_LAG_S, UP, ControlChannel, ControlDecodeError, ControllerDriver, GrantFollower,
                                event_from_json, grant_uses_gradient, params_tag)
 from .schedules.executor import Slots
 from .schedules.partial import Partial
@@ -226,10 +226,12 @@ class _ServerRole:
         nodes = [worker_node(m.rank) for m in members]
         for n in nodes:
             self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP)
+        t_lag = getattr(ps.planner, "t_lag_s", None) or T_LAG_S
         self.driver = ControllerDriver(self.ctrl, ps.executor, ps._slots, _ServerHandlers(self), deliver=self.deliver,
-                                       on_grants=self.on_grants)
+                                       on_grants=self.on_grants, t_lag_s=t_lag)
         ps.log(f"[ps{ps.shard}] {ps.planner.name}: asynchronous updates through the controller "
-               f"(tau_max {self.tau_max}, {self.ctrl.k} aggregator(s) per batch), {self.total} gradients")
+               f"(tau_max {self.tau_max}, {self.ctrl.k} aggregator(s) per batch, batch window "
+               f"{self.ctrl.batch_window_s:g} s, t_lag {t_lag:g} s), {self.total} gradients")
         self.driver.start(nodes)
         listeners = [asyncio.ensure_future(self.listen(n)) for n in nodes]
         first = await asyncio.gather(*(self.send_params(n) for n in nodes), return_exceptions=True)

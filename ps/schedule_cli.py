@@ -29,15 +29,86 @@ SCHEDULE_NAMES = ("direct", "ring", "rsgcm", "mlfabric", "rat", "hoplite")
 PEER_POLL_S = 0.05  # seconds between looks at the store while peers join
 
 
+# MLfabric's knobs: (option, MLfabricSchedule keyword).  Defaults (None here) are the schedule's own:
+# tau_max 8 versions, 1 aggregator per batch, 0.1 s batch window, t_lag 1 s (docs/schedules.md, MLfabric).
+MLFABRIC_OPTIONS = (("tau-max", "tau_max"), ("aggregators", "k"), ("batch-window", "batch_window_s"),
+                    ("t-lag", "t_lag_s"))
+PASSTHROUGH = tuple(o for o, _ in MLFABRIC_OPTIONS)  # options ``ltp-ps launch`` hands to its children
+
+
+def _int_at_least(lo: int, what: str, fix: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; {what} ({fix})") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v} is below {lo}; {what} ({fix})")
+        return v
+    return parse
+
+
+def _seconds(lo: float, strict: bool, what: str, fix: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; {what} ({fix})") from None
+        if v != v or v in (float("inf"), float("-inf")) or v < lo or (strict and v == lo):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; {what} ({fix})")
+        return v
+    return parse
+
+
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="direct",
                    help=f"aggregation schedule: {' | '.join(SCHEDULE_NAMES)} (default direct; docs/schedules.md)")
     p.add_argument("--topology", default=None, help="topology JSON file the schedule plans for (docs/schedules.md)")
+    g = p.add_argument_group("mlfabric (--schedule mlfabric only; docs/schedules.md)")
+    g.add_argument("--tau-max", type=_int_at_least(1, "the staleness bound counts model versions and must be >= 1",
+                                                   "pass e.g. --tau-max 8"), default=None, metavar="N",
+                   help="delay bound tau_max in versions: an update that cannot be applied within it is dropped at "
+                        "its worker (default 8)")
+    g.add_argument("--aggregators", type=_int_at_least(0, "aggregators per batch must be >= 0 (0: all direct)",
+                                                       "pass e.g. --aggregators 1"), default=None, metavar="K",
+                   help="workers that aggregate others' updates in each batch, Alg 3's k (default 1; at most "
+                        "--workers)")
+    g.add_argument("--batch-window", type=_seconds(0.0, False, "the batch window is seconds >= 0",
+                                                   "pass e.g. --batch-window 0.1"), default=None, metavar="S",
+                   help="seconds the first update of a batch waits for others before the batch is planned "
+                        "(default 0.1, the paper's 100 ms)")
+    g.add_argument("--t-lag", type=_seconds(0.0, True, "t_lag is seconds > 0",
+                                            "pass e.g. --t-lag 1"), default=None, metavar="S",
+                   help="seconds between the link-rate refreshes handed to the planner, the paper's t_lag "
+                        "(default 1)")
+
+
+def schedule_options(args) -> dict:
+    """Keyword arguments for the schedule ``args`` names (``--tau-max`` etc. for mlfabric); validated.
+
+    An MLfabric option with another schedule, or more aggregators than workers, is a
+    :class:`ConfigError` that names the fix (never silently ignored).
+    """
+    name = getattr(args, "schedule", "direct") or "direct"
+    given = {kw: getattr(args, opt.replace("-", "_"), None) for opt, kw in MLFABRIC_OPTIONS}
+    given = {k: v for k, v in given.items() if v is not None}
+    if name != "mlfabric":
+        if given:
+            names = [f"--{o}" for o, kw in MLFABRIC_OPTIONS if kw in given]
+            raise ConfigError(f"{' '.join(names)} {'applies' if len(names) == 1 else 'apply'} only to --schedule mlfabric (this job runs --schedule "
+                              f"{name}); drop {'/'.join(names)} or pass --schedule mlfabric")
+        return {}
+    workers = getattr(args, "workers", None)
+    if "k" in given and workers is not None and given["k"] > workers:
+        raise ConfigError(f"--aggregators {given['k']} is more than the job's {workers} workers (aggregators are "
+                          f"workers); pass --aggregators between 0 and {workers}")
+    return given
 
 
 def schedule_class(args):
     from .schedules import schedule_class as cls_of
 
+    schedule_options(args)  # every role asks for the class first: bad options fail before anything starts
     return cls_of(getattr(args, "schedule", "direct") or "direct")
 
 
@@ -123,7 +194,7 @@ def server_planner(args, wl, plan, shard: int):
     from .schedules import create
     from .schedules.program import server
 
-    return create(args.schedule, _world(args, wl, plan.ranges, server(shard)))
+    return create(args.schedule, _world(args, wl, plan.ranges, server(shard)), **schedule_options(args))
 
 
 async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl, infos) -> None:
@@ -133,7 +204,8 @@ async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl
 
     if (args.schedule or "direct") == "direct":
         return
-    w.planner = create(args.schedule, _world(args, wl, [(i.lo, i.hi) for i in infos], worker(rank)))
+    w.planner = create(args.schedule, _world(args, wl, [(i.lo, i.hi) for i in infos], worker(rank)),
+                       **schedule_options(args))
     w.executor.addresses.update({server(i.shard): tuple(i.addr) for i in infos})
     store.set(f"tree/{rank}", _sign(secret, {"rank": rank, "addr": list(transport.local_addr)}))
     keys = [f"tree/{r}" for r in range(args.workers)]
@@ -268,7 +340,7 @@ def plan_main(args) -> int:
     shards = () if not cls.needs_servers else tuple(ShardPlan(n_elems, max(1, args.num_servers)).ranges)
     world = World(workers=range(args.workers), n_elems=n_elems, shards=shards, topology=load_topology(args))
     try:
-        sched = create(args.schedule, world)
+        sched = create(args.schedule, world, **schedule_options(args))
         plan = sched.plan(args.iteration)
         plan.check()
         predicted = sched.predict_s(int(args.bytes))

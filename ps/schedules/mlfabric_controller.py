@@ -66,6 +66,7 @@ BATCH_WINDOW_S = 0.1  # seconds: updates announced within this window are planne
 GRANT_TIMEOUT_MIN_S = 1.0  # seconds: shortest receive timeout granted
 GRANT_TIMEOUT_FACTOR = 3.0  # a receive times out after this many times its predicted duration (+ the minimum)
 DEFAULT_TAU_MAX = 8  # versions, when the world does not say
+DEFAULT_AGGREGATORS = 1  # aggregators per batch (Alg 3's k) of ``--schedule mlfabric``
 DEFAULT_GAMMA = 0.9  # momentum the divergence bound assumes when none is given
 REPLICA_CHUNK_BASE = 1 << 15  # tag chunk field of replica transfers: 2**15 + group (primary ones use the group)
 
@@ -430,14 +431,25 @@ class MLfabricSchedule(Schedule):
     name = "mlfabric"
 
     def __init__(self, world: World, *, rng: random.Random | None = None, tau_max: int | None = DEFAULT_TAU_MAX,
-                 k: int = 1, batch_window_s: float = BATCH_WINDOW_S):
+                 k: int = DEFAULT_AGGREGATORS, batch_window_s: float = BATCH_WINDOW_S, t_lag_s: float | None = None):
         super().__init__(world, rng=rng)
         if len(world.shards) != 1:
             raise ValueError(f"mlfabric plans for one PS shard (paper §5), the world has {len(world.shards)}; "
                              "launch it with one shard")
-        self.tau_max = tau_max
+        if tau_max is not None and int(tau_max) < 1:
+            raise ValueError(f"tau_max must be >= 1 version (eq 9 keeps one in hand) or None (Alg 1, no bound), "
+                             f"got {tau_max}")
+        if int(k) < 0:
+            raise ValueError(f"k (aggregators per batch) must be >= 0, got {k}")
+        if not batch_window_s >= 0:
+            raise ValueError(f"batch_window_s must be >= 0 seconds, got {batch_window_s}")
+        if t_lag_s is not None and not t_lag_s > 0:
+            raise ValueError(f"t_lag_s must be > 0 seconds (None: the driver's T_LAG_S), got {t_lag_s}")
+        self.tau_max = None if tau_max is None else int(tau_max)
         self.k = int(k)
-        self.batch_window_s = batch_window_s
+        self.batch_window_s = float(batch_window_s)
+        # the run-time driver's rate refresh period (None: ``schedules.driver.T_LAG_S``); the planner never reads it
+        self.t_lag_s = None if t_lag_s is None else float(t_lag_s)
 
     def network(self) -> FabricNetwork:
         """The world's topology as MLfabric's link model (node ids as hosts)."""
