@@ -25,11 +25,20 @@ barriers, parameter broadcasts and the DDP reducer's default all-reduce are
 never approximate.  Loss tolerance is opt-in for gradient reduction only,
 through the DDP communication hook :func:`ltp_ps.ddp.register`.
 
-The all-reduce algorithm (``direct`` via rank 0, PS-style, or ``ring``) is an
-option; ``auto`` (the default) picks per message size
-(:func:`ltp_ps.collectives.default_algorithm`).  Options come from
-:func:`configure` or the environment: ``LTP_BACKEND_TRANSPORT`` (``ltp`` |
-``tcp``), ``LTP_BACKEND_ALGORITHM`` (``auto`` | ``direct`` | ``ring``),
+The reduction *schedule* of a float32 sum/mean all-reduce (the gradients
+DDP reduces) is an option: ``direct`` (via rank 0, PS-style, the plans of
+:mod:`ltp_ps.collectives`), ``ring`` or ``rsgcm`` (schedule programs of
+:mod:`ltp_ps.schedules`, run by its :class:`~ltp_ps.schedules.executor.Executor`
+over this group's endpoint with every transfer reliable); ``auto`` (the
+default) applies :func:`ltp_ps.collectives.default_schedule` per call.  Other
+dtypes and ops, and the other collectives, run the plans of
+:mod:`ltp_ps.collectives` (``ring`` plans where a ring/rsgcm schedule was
+chosen).  Options come from ``init_process_group("ltp",
+pg_options=BackendOptions(...))``, :func:`configure` or the environment:
+``LTP_PG_SCHEDULE`` (``auto`` | ``direct`` | ``ring`` | ``rsgcm``),
+``LTP_BACKEND_TRANSPORT`` (``ltp`` | ``tcp``), ``LTP_BACKEND_ALGORITHM``
+(``auto`` | ``direct`` | ``ring``: the plans of the other collectives; an
+explicit value also decides the all-reduce while the schedule is ``auto``),
 ``LTP_BACKEND_HOST`` / ``LTP_PS_ADVERTISE`` (bind / advertised address).
 
 Failures: a transfer that does not finish within the group's timeout (the
@@ -45,9 +54,11 @@ import asyncio
 import dataclasses
 import datetime
 import os
+import random
 import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ReduceOp
@@ -74,6 +85,12 @@ OPEN_TIMEOUT_S = 60.0
 ENV_TRANSPORT = "LTP_BACKEND_TRANSPORT"
 ENV_ALGORITHM = "LTP_BACKEND_ALGORITHM"
 ENV_HOST = "LTP_BACKEND_HOST"
+ENV_SCHEDULE = "LTP_PG_SCHEDULE"
+#: the model size (float32 elements) the RSGCM planner prices its candidate rings with (the plan's rings do not
+#: depend on it on a uniform network; each call compiles the chosen plan for its own size)
+RSGCM_PLAN_ELEMS = 25_000_000
+#: seed of the RSGCM search: every rank runs the same search and derives the same plan
+RSGCM_SEED = 0
 
 
 class LtpBackendError(dist.DistBackendError):
@@ -170,19 +187,23 @@ class BackendOptions:
     """Options of the ``ltp`` backend (``configure()`` or the environment)."""
 
     transport: str = "ltp"  # "ltp" | "tcp"
-    algorithm: str = "auto"  # "auto" | "direct" | "ring"
+    algorithm: str = "auto"  # "auto" | "direct" | "ring"  (plans of the collectives)
     host: str = "127.0.0.1"
     advertise_host: str | None = None
+    schedule: str = "auto"  # "auto" | "direct" | "ring" | "rsgcm"  (float32 sum/mean all-reduce)
 
     @classmethod
     def from_env(cls) -> "BackendOptions":
         o = cls(transport=os.environ.get(ENV_TRANSPORT, "ltp"), algorithm=os.environ.get(ENV_ALGORITHM, "auto"),
                 host=os.environ.get(ENV_HOST, os.environ.get("LTP_PS_HOST", "127.0.0.1")),
-                advertise_host=os.environ.get("LTP_PS_ADVERTISE"))
+                advertise_host=os.environ.get("LTP_PS_ADVERTISE"), schedule=os.environ.get(ENV_SCHEDULE, "auto"))
         o.validate()
         return o
 
     def validate(self) -> None:
+        if self.schedule not in ("auto",) + C.SCHEDULES:
+            raise ConfigError(f"ltp backend: schedule {self.schedule!r} unknown; set {ENV_SCHEDULE} (or "
+                              f"BackendOptions.schedule) to one of auto, {', '.join(C.SCHEDULES)}")
         if self.transport not in ("ltp", "tcp"):
             raise ConfigError(f"ltp backend: transport {self.transport!r} unknown; set {ENV_TRANSPORT}=ltp or tcp")
         if self.algorithm not in ("auto",) + C.ALGORITHMS:
@@ -272,7 +293,7 @@ class LtpProcessGroup(dist.ProcessGroup):
         self._closed = False
         #: readable counters: collectives started/failed, bytes sent/received by this rank
         self.stats = {"collectives": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0, "send_retries": 0,
-                      "recv_retries": 0}
+                      "recv_retries": 0, "schedule_runs": 0}
         self._io = _Loop(f"ltp-backend-{rank}")
         # LTP authenticates registrations with a job key when one is set ($LTP_PS_SECRET, as for the DDP hook).
         key = os.environ.get("LTP_PS_SECRET", "").encode() or None
@@ -293,6 +314,14 @@ class LtpProcessGroup(dist.ProcessGroup):
         for r in range(world_size):
             h, _, p = store.get(f"ltp/addr/{r}").decode().rpartition(":")
             self.peers.append((h, int(p)))
+        from .schedules.program import worker
+
+        self._node = worker(rank)
+        self._nodes = {worker(r): p for r, p in enumerate(self.peers)}  # the executor's address book
+        self._rsgcm_plan = None
+        self.schedule = self.options.schedule
+        if self.schedule == "rsgcm":
+            self._ring_plan()  # plan now: a planning failure is a set-up error, not a failed collective
         engine = getattr(getattr(self._transport, "_ep", None), "engine", None)
         if key is not None and engine is not None:
             # REG MACs bind the source address; the endpoint does not tell its engine its own address
@@ -436,7 +465,95 @@ class LtpProcessGroup(dist.ProcessGroup):
                 work[lo:hi].copy_(acc)
 
     def _algo(self, nbytes: int) -> str:
-        return C.default_algorithm(self._world, nbytes) if self.algorithm == "auto" else self.algorithm
+        if self.algorithm != "auto":
+            return self.algorithm
+        if self.schedule in ("ring", "rsgcm") and self._world > 1:
+            return "ring"
+        if self.schedule == "direct":
+            return "direct"
+        return C.default_algorithm(self._world, nbytes)
+
+    def _allreduce_route(self, dtype, op, n: int, elem: int) -> str:
+        """``"direct"`` / ``"ring"`` (plans of :mod:`ltp_ps.collectives`) or ``"schedule:<name>"`` (executor)."""
+        s = self.schedule
+        if s == "auto":
+            if self.algorithm != "auto":
+                return self.algorithm  # an explicit algorithm keeps its meaning while the schedule is auto
+            s = C.default_schedule(self._world, n * elem)
+        if s == "direct" or self._world == 1 or n < self._world:
+            return "direct"  # (fewer elements than ranks: the schedules' chunks would be empty)
+        if dtype == torch.float32 and (op == ReduceOp.SUM or op == ReduceOp.AVG):
+            return f"schedule:{s}"
+        return "ring"  # schedule programs reduce float32 sums; other dtypes/ops take the ring plan
+
+    def _ring_plan(self):
+        """The RSGCM ring plan over this group's ranks (searched once, the same on every rank)."""
+        if self._rsgcm_plan is None:
+            from .schedules import rsgcm
+            from .schedules.base import World
+
+            try:
+                sched = rsgcm.RsgcmSchedule(World(workers=tuple(range(self._world)), n_elems=RSGCM_PLAN_ELEMS),
+                                            rng=random.Random(RSGCM_SEED))
+                self._rsgcm_plan = sched.current()
+            except Exception as exc:  # noqa: BLE001 - a planner failure names the fix
+                raise ConfigError(f"ltp backend rank {self._rank}: the rsgcm schedule could not plan "
+                                  f"{self._world} ranks ({type(exc).__name__}: {exc}); use schedule 'ring'") from exc
+        return self._rsgcm_plan
+
+    async def _run_schedule(self, seq: int, name: str, flat: torch.Tensor, schedule: str, deadline: float) -> None:
+        """All-reduce (sum) the float32 ``flat`` in place with a schedule program on the executor, exactly."""
+        from .schedules.executor import Executor, Slots
+        from .schedules.program import Program
+        from .schedules.tags import MAX_ITERATION
+
+        it = seq & MAX_ITERATION  # tags pack(it, phase >= 2, ...) >= 2**32: apart from this group's plan tags
+        prog = C.schedule_program(schedule, self._rank, self._world, flat.numel(), it,
+                                  ring_plan=self._ring_plan() if schedule == "rsgcm" else None)
+        ex = Executor(self._transport, self._node, self._nodes, timeout_s=self._left(deadline))
+        into = _ExactSum(flat.numpy(), self._world)
+        self.stats["schedule_runs"] += 1
+        slots = Slots()
+        steps = prog.steps()
+        what = f"{name} #{seq} ({schedule} schedule)"
+        done = 0
+        # One stage at a time, so the first failed transfer ends the collective (an exact all-reduce cannot go on
+        # without it) and every stage gets what is left of the collective's deadline.
+        for stage in prog.stages:
+            ex.timeout_s = self._left(deadline)
+            res = await ex.run(Program(prog.node, (stage,)), slots, into, iteration=it)
+            for k, (st, r) in enumerate(zip(stage, res.reports)):
+                cause = self._transfer_failure(st, r)
+                if cause is not None:
+                    raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: step {done + k + 1}/{len(steps)} "
+                                          f"({st.op} elements [{st.lo}, {st.hi}) "
+                                          f"{'from' if st.op == 'recv' else 'to'} rank {st.peer.partition(':')[2]}) "
+                                          f"failed: {cause}")
+                if st.op in ("send", "forward"):
+                    self.stats["bytes_sent"] += r.delivered_bytes
+                elif st.op == "recv":
+                    self.stats["bytes_received"] += r.received_bytes
+            done += len(stage)
+        if into.bad:
+            raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: {into.bad[0]}")
+
+    def _transfer_failure(self, st, r) -> str | None:
+        """Why the executor's report ``r`` of transfer step ``st`` is not a whole reliable transfer (else None)."""
+        if st.op not in ("send", "recv", "forward"):
+            return None
+        peer = st.peer.partition(":")[2]
+        if isinstance(r, BaseException):
+            return f"{type(r).__name__}: {r}"
+        if r is None:
+            return "the executor ran no transfer"
+        if st.op == "recv":
+            if r.received_bytes == 0 or r.received_bytes < r.total_bytes or r.bubbles:
+                return (f"received {r.received_bytes} of {r.total_bytes or '?'} bytes ({r.regime}); rank {peer} is "
+                        f"dead, stuck, or issued a different collective (group timeout {self._timeout_s:g} s)")
+            return None
+        if r.delivered_bytes < r.total_bytes:
+            return f"rank {peer} acknowledged {r.delivered_bytes} of {r.total_bytes} bytes ({r.close_reason})"
+        return None
 
     # -- collectives ------------------------------------------------------------------------------------------
 
@@ -460,12 +577,15 @@ class LtpProcessGroup(dist.ProcessGroup):
 
         async def go(seq, deadline):
             base = 0
-            for dtype, ts in groups.items():
+            for dtype, ts in groups.items():  # one group per dtype: at most one float32 group per call
                 flat = torch.cat([_flat(t) for t in ts]) if len(ts) > 1 else _flat(ts[0]).contiguous().clone()
-                steps = C.allreduce_plan(self._algo(flat.numel() * flat.element_size()), self._rank, self._world,
-                                         flat.numel())
-                await self._run(seq, name, flat, steps, deadline, fn, step_base=base)
-                base += len(steps)
+                route = self._allreduce_route(dtype, op, flat.numel(), flat.element_size())
+                if route.startswith("schedule:"):
+                    await self._run_schedule(seq, name, flat, route.partition(":")[2], deadline)
+                else:
+                    steps = C.allreduce_plan(route, self._rank, self._world, flat.numel())
+                    await self._run(seq, name, flat, steps, deadline, fn, step_base=base)
+                    base += len(steps)
                 if avg:
                     flat.div_(self._world)
                 off = 0
@@ -760,6 +880,35 @@ async def _all_or_first_error(coros) -> None:
             raise t.exception()
 
 
+class _ExactSum:
+    """The executor's handler for an exact all-reduce: the rank's tensor in, every rank's sum out (in place).
+
+    ``Compute`` puts this rank's values in as a partial; ``Adopt`` copies the
+    sum of a reduced piece back, but only if it holds all ``world``
+    contributions for every element (an exact collective never averages over
+    fewer); anything else is recorded in ``bad`` and fails the collective.
+    """
+
+    def __init__(self, buf: np.ndarray, world: int):
+        self.buf, self.world, self.bad = buf, world, []
+
+    def compute(self, step, slots):
+        from .schedules.partial import Partial
+
+        slots.put_partial(step.slot, Partial.of_gradient(self.buf))
+
+    def adopt(self, step, slots):
+        p = slots.partial(step.slot, step.lo, step.hi)
+        if p is None or p.contributors != self.world or (p.deficit is not None and p.deficit.any()):
+            got = "nothing" if p is None else f"{p.contributors} contributions (deficit {p.deficit_runs()[:3]})"
+            self.bad.append(f"elements [{step.lo}, {step.hi}) reduced to {got}, expected all {self.world} ranks")
+            return
+        self.buf[step.lo:step.hi] = p.sum
+
+    def apply(self, step, slots):
+        return None  # the caller owns the result (DDP's reducer, the user's tensor)
+
+
 def _chain(works, result) -> dist.Work:
     complete, fut = completion()
     out = LtpWork(fut)
@@ -784,15 +933,28 @@ def _check_cpu(tensors, name: str) -> None:
                               f"(use backend='cpu:ltp,cuda:nccl' to keep accelerators on their own backend)")
 
 
-def _create(store, rank: int, world_size: int, timeout: datetime.timedelta) -> LtpProcessGroup:
-    return LtpProcessGroup(store, rank, world_size, timeout)
+def _create(opts, pg_options=None) -> LtpProcessGroup:
+    """torch's extended creator API: ``opts`` carries store/rank/size/timeout; ``pg_options`` is what the user
+    passed as ``init_process_group(..., pg_options=)`` (a :class:`BackendOptions`, a dict of its fields, or None)."""
+    if pg_options is None:
+        options = None
+    elif isinstance(pg_options, BackendOptions):
+        options = pg_options
+    elif isinstance(pg_options, dict):
+        options = dataclasses.replace(_configured or BackendOptions.from_env(), **pg_options)
+    else:
+        raise ConfigError(f"ltp backend: pg_options must be ltp_ps.backend.BackendOptions or a dict of its fields, "
+                          f"got {type(pg_options).__name__}")
+    if options is not None:
+        options.validate()
+    return LtpProcessGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout, options)
 
 
 def register() -> None:
     """Register ``ltp`` with ``torch.distributed`` (idempotent; ``import ltp_ps`` does it)."""
     if BACKEND_NAME in dist.Backend.backend_list and dist.Backend._plugins.get(BACKEND_NAME.upper()) is not None:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
 
 
 __all__ = ["BackendOptions", "LtpBackendError", "LtpProcessGroup", "LtpWork", "completion", "configure", "register"]

@@ -36,6 +36,26 @@ large messages.  Rank ``r`` ends the reduce-scatter owning chunk ``r``.
 
 :func:`default_algorithm` picks ``direct`` below :data:`RING_MIN_BYTES` or for
 a single rank, ``ring`` otherwise.
+
+Schedules
+---------
+A float32 sum/mean all-reduce can also run as a *schedule program* of
+:mod:`ltp_ps.schedules` (the layer the PS-less trainers use), executed by
+:class:`ltp_ps.schedules.executor.Executor`: ``ring`` (the rank-order ring of
+:mod:`ltp_ps.schedules.ring`) or ``rsgcm`` (the RSGCM planner's ring set over
+the ranks).  :func:`schedule_program` builds this rank's program as plain data;
+``exact=True`` turns every loss-tolerant transfer into a reliable one (the
+backend's collectives), ``exact=False`` keeps the schedule's own modes (the
+DDP hook: a loss-tolerant reduce-scatter, a reliable all-gather).  Invariant 2
+holds for the schedule programs too: each chunk is reduced by its owner and
+copied to the others by a reliable all-gather.
+
+:func:`default_schedule` is the rule for ``schedule="auto"``: ``direct`` for
+one or two ranks (a two-rank ring moves the same bytes as the root does, in
+as many steps) and for messages below :data:`RING_MIN_BYTES` (2 steps beat
+``2 (world-1)``); ``ring`` otherwise.  ``rsgcm`` is never picked by default:
+without a topology its search returns one ring through all ranks (in another
+order), so it only pays where a topology is known.
 """
 
 from __future__ import annotations
@@ -45,6 +65,8 @@ import dataclasses
 REDUCE = "reduce"
 COPY = "copy"
 ALGORITHMS = ("direct", "ring")
+#: reduction schedules (``direct`` runs the plans here; the others run as schedule programs)
+SCHEDULES = ("direct", "ring", "rsgcm")
 #: messages at least this large use the ring by default (below it, 2 steps beat 2(world-1) steps)
 RING_MIN_BYTES = 256 * 1024  # bytes
 #: the root of the direct algorithm
@@ -83,6 +105,54 @@ def chunk_bounds(n: int, parts: int) -> list[int]:
 def default_algorithm(world: int, nbytes: int) -> str:
     """``direct`` for one rank or small messages, ``ring`` for large ones."""
     return "ring" if world > 1 and nbytes >= RING_MIN_BYTES else "direct"
+
+
+def default_schedule(world: int, nbytes: int) -> str:
+    """The ``auto`` rule: ``direct`` for <= 2 ranks or below :data:`RING_MIN_BYTES`, ``ring`` otherwise."""
+    return "ring" if world > 2 and nbytes >= RING_MIN_BYTES else "direct"
+
+
+def schedule_program(schedule: str, rank: int, world: int, n: int, iteration: int, *, ring_plan=None,
+                     exact: bool = True, critical=None):
+    """This rank's :class:`~ltp_ps.schedules.program.Program` for a ``schedule`` all-reduce of ``n`` elements.
+
+    ``schedule``: ``"ring"`` or ``"rsgcm"`` (``ring_plan``: the RSGCM
+    :class:`~ltp_ps.schedules.rsgcm.RingPlan` every rank derived).  Ranks are
+    the schedule's workers (node ``worker:<rank>``); tags carry
+    ``iteration`` (at most :data:`ltp_ps.schedules.tags.MAX_ITERATION`).
+    ``critical(lo, hi)``: element ranges of ``[lo, hi)`` a loss-tolerant send
+    must deliver.  ``exact``: every transfer reliable.
+    """
+    from .schedules.program import worker
+    from .schedules.ring import chunk_ranges, ring_programs
+
+    _check(rank, world)
+    crit = critical or (lambda lo, hi: ())
+    if schedule == "ring":
+        progs = ring_programs(list(range(world)), chunk_ranges(n, world), iteration, critical=crit)
+    elif schedule == "rsgcm":
+        from .schedules import rsgcm
+
+        if ring_plan is None:
+            raise ValueError("the rsgcm schedule needs the ring plan every rank derived (ring_plan=)")
+        progs = rsgcm.programs(ring_plan, n, iteration=iteration, critical=crit).programs
+    else:
+        raise ValueError(f"unknown reduction schedule {schedule!r}; schedule programs exist for 'ring' and 'rsgcm' "
+                         f"('direct' runs the plans of this module)")
+    prog = progs[worker(rank)]
+    return reliable_program(prog) if exact else prog
+
+
+def reliable_program(program):
+    """``program`` with every loss-tolerant Send/Recv/Forward made reliable (an exact collective)."""
+    from .schedules.program import RELIABLE, Program
+
+    def fix(step):
+        if step.op in ("send", "recv", "forward") and step.mode != RELIABLE:
+            return dataclasses.replace(step, mode=RELIABLE)
+        return step
+
+    return Program(program.node, tuple(tuple(fix(s) for s in st) for st in program.stages))
 
 
 def _check(rank: int, world: int) -> None:

@@ -17,11 +17,11 @@ from ltp_ps.errors import ConfigError
 pytestmark = pytest.mark.torch
 
 
-def make_groups(world, transport="ltp", algorithm="auto", timeout_s=20.0):
+def make_groups(world, transport="ltp", algorithm="auto", timeout_s=20.0, schedule="auto"):
     store = dist.HashStore()
     pgs = [None] * world
     errs = []
-    opts = B.BackendOptions(transport=transport, algorithm=algorithm)
+    opts = B.BackendOptions(transport=transport, algorithm=algorithm, schedule=schedule)
 
     def mk(r):
         try:
