@@ -299,6 +299,8 @@ class Endpoint:
             raise TransferTimeout(f"transfer did not finish within the caller's timeout of {timeout} s "
                                   f"(gave up after {_now() - started:.3f} s); it was cancelled") from None
         except asyncio.CancelledError:
+            self._waiters.pop(handle, None)  # as above: the caller is gone, nobody retrieves the engine's verdict
+            fut.cancel()
             if not self._closed:
                 self.engine.cancel(handle, now=_now())
                 self._flush()

@@ -129,10 +129,14 @@ class Aggregator:
         """Add one worker's gradient; ``lost`` are element ranges it did not deliver.
 
         Returns False (and counts it in ``rejected``) when a delivered element
-        is NaN or infinite: the contribution is left out whole.
+        is NaN or infinite: the contribution is left out whole. ``lost`` may
+        overlap itself (bubbles that overlap, a critical range reported inside
+        a bubble) and reach outside ``[0, n_elems)``: it is clipped and merged
+        first, so every element is counted as lost at most once.
         """
         if grad.shape != (self.n_elems,):
             raise ValueError(f"gradient has {grad.shape} elements, the aggregator {self.n_elems}")
+        lost = merge_ranges((max(0, s), min(self.n_elems, e)) for s, e in lost)
         if not _finite(grad, lost):
             self.rejected += 1
             return False

@@ -25,6 +25,18 @@ is therefore derived each round::
 * ``rtprop`` is the largest RTprop the transport reported (0 for TCP).
 
 ``--gather-timeout S`` replaces the rule with a fixed ``S`` seconds.
+
+The reliable parameter broadcast (PS -> ``n`` workers, ``B`` bytes each) is
+bounded the same way, without the compute term (the workers only receive)::
+
+    broadcast = max(BROADCAST_FLOOR_S,
+                    GATHER_BASE_S + TRANSFER_MARGIN * (n * B / rate + RTT_MULTIPLE * rtprop))
+
+from the same rate samples.  The floor keeps a small model's broadcast from
+being cut on a CPU-starved host (a failed broadcast drops that worker, so a
+false timeout costs a live worker); a large model on a slow link gets what its
+size needs (ResNet-50 size to 6 workers before any sample: ~200 s, where a
+fixed 30 s cut it).  ``ServerConfig.broadcast_timeout_s`` fixes it.
 The object takes samples and returns numbers; it never reads a clock.
 """
 
@@ -40,19 +52,25 @@ RTT_MULTIPLE = 4.0  # round trips of handshakes/loss recovery per transfer
 INITIAL_COMPUTE_S = 10.0  # seconds allowed for a first step before any compute time is known
 FLOOR_RATE_BPS = 100e6  # bit/s assumed before anything was measured (conservative)
 RATE_WINDOW = 8  # samples (rounds) remembered
+BROADCAST_FLOOR_S = 10.0  # seconds: the least a reliable parameter broadcast is given
 
 
 @dataclasses.dataclass
 class GatherDeadline:
-    """Per-round gather bound; ``fixed_s`` (``--gather-timeout``) overrides the derived rule."""
+    """Per-round gather and broadcast bounds; ``fixed_s`` (``--gather-timeout``) and
+    ``broadcast_fixed_s`` override the derived rules."""
 
     fixed_s: float | None = None
     window: int = RATE_WINDOW
+    broadcast_fixed_s: float | None = None
 
     def __post_init__(self):
         if self.fixed_s is not None and not self.fixed_s > 0:
             raise ValueError(f"gather timeout must be > 0 seconds, got {self.fixed_s}; "
                              f"omit --gather-timeout to derive it from the measured link rate")
+        if self.broadcast_fixed_s is not None and not self.broadcast_fixed_s > 0:
+            raise ValueError(f"broadcast timeout must be > 0 seconds, got {self.broadcast_fixed_s}; "
+                             f"leave broadcast_timeout_s at None to derive it from the measured link rate")
         self._rates: collections.deque = collections.deque(maxlen=self.window)  # bytes/s
         self._compute: collections.deque = collections.deque(maxlen=self.window)  # seconds
         self._rtprop: collections.deque = collections.deque(maxlen=self.window)  # seconds
@@ -90,6 +108,14 @@ class GatherDeadline:
         rtprop = max(self._rtprop) if self._rtprop else 0.0
         transfer = max(1, n_peers) * message_bytes / self.rate_bytes_per_s + RTT_MULTIPLE * rtprop
         return GATHER_BASE_S + COMPUTE_MARGIN * compute + TRANSFER_MARGIN * transfer
+
+    def broadcast_timeout(self, message_bytes: int, n_peers: int) -> float:
+        """Seconds a reliable broadcast of ``message_bytes`` to each of ``n_peers`` may take."""
+        if self.broadcast_fixed_s is not None:
+            return self.broadcast_fixed_s
+        rtprop = max(self._rtprop) if self._rtprop else 0.0
+        transfer = max(1, n_peers) * message_bytes / self.rate_bytes_per_s + RTT_MULTIPLE * rtprop
+        return max(BROADCAST_FLOOR_S, GATHER_BASE_S + TRANSFER_MARGIN * transfer)
 
     def explain(self, message_bytes: int, n_peers: int) -> str:
         """One line for logs: the bound and what it came from."""

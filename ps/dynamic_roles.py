@@ -171,14 +171,14 @@ class _ServerRole:
         slots.bind("params", msg[:HEADER_BYTES + ELEM * ps.n])
         slots.bind_critical("params", ())
         res = await ps.executor.run(Program(ps.node, ((Send(node, "params", 0, 0, params_tag(j), RELIABLE, "params",
-                                                            timeout_s=ps.cfg.broadcast_timeout_s),),)), slots)
+                                                            timeout_s=ps.broadcast_timeout(1)),),)), slots)
         r = res.reports[0]
         if isinstance(r, BaseException):
             raise r
         self.driver.monitor.observe(r, src=ps.node, dst=node)
 
     async def deliver(self, node: str, grant) -> None:
-        await self.channels[node].send({"grant": grant.to_json()}, timeout_s=self.ps.cfg.broadcast_timeout_s)
+        await self.channels[node].send({"grant": grant.to_json()}, timeout_s=self.ps.broadcast_timeout(1))
         if grant_uses_gradient(grant) and self.ps.version < self.total:
             await self.send_params(node)
 
@@ -251,6 +251,8 @@ class _ServerRole:
                     raise TrainingFailed(f"PS shard {ps.shard}: no update applied for {ps.cfg.join_timeout_s:.0f} s "
                                          f"at version {ps.version} ({len(live)} live workers); nothing is training")
                 await asyncio.sleep(POLL_S)
+            if self.failed is None:
+                ps._raise_verdict()  # a model at chance accuracy fails the job, before STOP (ltp_ps.verdict)
             if self.failed is not None:
                 raise self.failed
         except TrainingFailed as exc:

@@ -120,8 +120,9 @@ class NormGuard:
         if self.factor <= 0:
             return 1.0
         g = grad if mask is None else grad[mask]
-        norm = float(np.linalg.norm(g))
-        if not np.isfinite(norm):  # float32 overflow of the sum of squares: redo it in float64
+        with np.errstate(over="ignore"):  # float32 overflow of the sum of squares: redo it in float64
+            norm = float(np.linalg.norm(g))
+        if not np.isfinite(norm):
             norm = float(np.linalg.norm(g.astype(np.float64)))
         if not np.isfinite(norm) or norm == 0.0:
             return 1.0

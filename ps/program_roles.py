@@ -12,6 +12,17 @@ partials, so its round is simply its program, run end to end by the executor:
   partial's unbiased mean, applies the optimizer where anyone delivered
   (``counts > 0``; the divergence guard clips first) and bumps the version.
   STOP runs the same program's leading send-only stages with a STOP message.
+  Health, as the direct PS: the PS's own transfers to and from its tree
+  children feed ``Membership`` (a failed parameter send drops that child at
+  once; a child whose partial does not arrive is "missed" and dropped after
+  ``max_missed`` rounds in a row; dropped children are excluded from later
+  rounds, so their sends are skipped and their receives do not wait), and
+  every round goes through the PS's ``_check_health`` (non-finite loss or
+  parameters, ``max_missed`` rounds in a row without an applied update); no
+  live child left makes ``_run_bsp`` wait for rejoins and then fail, like the
+  direct PS.  Timeouts per round: parameters get the derived broadcast bound,
+  partials the broadcast bound plus the gather bound (they wait for the
+  parameters to go down the tree, the compute, and the partials to come up).
 * Worker ``w`` (:func:`worker_run`): each round binds every raw ``params``
   slot of its program to its receive buffer for the shard whose range the
   step names, runs the program; ``Compute`` reads the parameter messages (a
@@ -33,9 +44,11 @@ import time
 import numpy as np
 
 from .errors import RemoteError, TransportTimeout
+from .membership import State
 from .schedules.executor import STOP
 from .schedules.partial import Partial
-from .schedules.program import Program
+from .schedules.program import Program, parse_node, worker as worker_node
+from .transport.base import CANCELLED, TIMEOUT, RecvReport
 from .wire import ELEM, HEADER_BYTES, KIND_PARAMS, KIND_STOP, ParamsHeader, tag_of
 
 
@@ -43,6 +56,7 @@ class _ServerHandlers:
     def __init__(self, ps, it: int):
         self.ps, self.it = ps, it
         self.partial: Partial | None = None
+        self.applied = False  # an optimizer step was taken this round
 
     def apply(self, step, slots):
         ps = self.ps
@@ -59,6 +73,7 @@ class _ServerHandlers:
         ps._clip_scale = ps.guard.apply(grad, mask)
         ps.optimizer.step(grad, mask=mask)
         ps.version += 1
+        self.applied = True
         return None
 
 
@@ -81,10 +96,15 @@ async def server_round(ps) -> dict:
     ps._slots.bind("params", msg)
     ps._slots.clear_partials()
     prog = ps.planner.plan(it).program(ps.node)
+    bt = ps.deadline.broadcast_timeout(len(msg), len(members))
+    bound = bt + ps.deadline.timeout(len(msg), len(members))
+    ps.executor.payload_timeouts.update(params=bt, partial=bound)
+    dead = {worker_node(r) for r, m in ps.membership.members.items() if m.state is not State.ACTIVE}
     h = _ServerHandlers(ps, it)
     t0 = time.monotonic()
-    res = await ps.executor.run(prog, ps._slots, h, iteration=it)
+    res = await ps.executor.run(prog, ps._slots, h, iteration=it, exclude=dead)
     wall = time.monotonic() - t0
+    _observe_children(ps, it, prog, res, dead, wall, bound)
     p = h.partial
     contributors = p.contributors if p is not None else 0
     loss = p.loss_sum / contributors if contributors else float("nan")
@@ -95,19 +115,52 @@ async def server_round(ps) -> dict:
            "broadcast_s": 0.0, "round_s": wall, "delivered": {"all": frac}, "regime": {}, "bubbles": {},
            "lost_elements": {}, "missing_steps": len(res.missing), "loss": loss,
            "samples": p.samples if p is not None else 0, "schedule": ps.planner.name}
+    for ev in ps.membership.drain_events():
+        ps.metrics.write({"event": ev.kind, "t": time.time(), "rank": ev.rank, "reason": ev.reason, "iteration": it})
     ps.metrics.write(row)
-    ps._check_health(it, [loss] if contributors else [], contributors, len(members), ps.cfg.broadcast_timeout_s)
+    ps._check_health(it, [loss] if contributors else [], h.applied, len(members), bound)
     return row
+
+
+def _observe_children(ps, it: int, prog: Program, res, dead: set, wall: float, bound: float) -> None:
+    """Membership from the PS's own transfers with its tree children (as the direct PS does per worker)."""
+    seen: dict = {}  # rank -> delivered a partial this round (True) / failed (reason)
+    for step, rep in zip(prog.steps(), res.reports):
+        if step.op not in ("send", "recv") or step.peer in dead:
+            continue
+        role, rank = parse_node(step.peer)
+        if role != "worker":
+            continue
+        if step.op == "send" and isinstance(rep, BaseException):
+            why = f"parameters of round {it} failed after {wall:.2f} s: {type(rep).__name__}: {rep}"
+            ps.membership.failed(rank, why)
+            ps.log(f"[ps{ps.shard}] dropped worker {rank}: {why}")
+        elif step.op == "recv" and step.payload == "partial":
+            ok = isinstance(rep, RecvReport) and rep.received_bytes > 0
+            if ok or rep is None or getattr(rep, "regime", None) not in (TIMEOUT, CANCELLED):
+                seen.setdefault(rank, True)  # alive (it registered), even if Early Close left nothing usable
+            else:
+                elapsed = rep.duration_s if rep.duration_s > 0 else wall
+                seen[rank] = (f"no partial within {elapsed:.2f} s ({rep.regime}; bound {bound:.2f} s)"
+                              if rep.regime == TIMEOUT else
+                              f"its partial's transfer failed after {elapsed:.2f} s (peer closed or unreachable)")
+    for rank, v in seen.items():
+        if v is True:
+            ps.membership.delivered(rank)
+        elif ps.membership.missed(rank, v):
+            ps.log(f"[ps{ps.shard}] dropped worker {rank}: {v} {ps.cfg.max_missed} rounds in a row")
 
 
 async def server_stop(ps, timeout: float) -> None:
     """STOP down the schedule's parameter path (the leading send-only stages of the next round's program)."""
     members = ps.membership.active()
-    ps._address(members)
+    ps._address(ps.membership.members.values())
     ps._slots.bind("params", ps._params_message(KIND_STOP, {}))
     prog = _send_only_prefix(ps.planner.plan(ps.iteration).program(ps.node))
     prog = Program(prog.node, tuple(tuple(_with_timeout(s, timeout) for s in st) for st in prog.stages))
-    await ps.executor.run(prog, ps._slots, iteration=ps.iteration)
+    live = {worker_node(m.rank) for m in members}
+    dead = {s.peer for s in prog.steps() if s.op in ("send", "forward") and s.peer not in live}
+    await ps.executor.run(prog, ps._slots, iteration=ps.iteration, exclude=dead)
 
 
 def _with_timeout(step, timeout):

@@ -16,9 +16,16 @@ One round ``i`` of shard ``s``::
     optimizer step    in place on the broadcast buffer; version += 1
     metrics, checkpoint every ``checkpoint_every`` rounds (atomic)
     health            a non-finite loss or parameter, ``max_missed`` rounds in a row
-                      without one usable gradient, or no live worker left (none
+                      without one applied update, or no live worker left (none
                       rejoins within ``join_timeout_s``) raise TrainingFailed:
                       the job never reports success when nothing trained
+    verdict           after the last round, before STOP: a model that ends at
+                      chance accuracy (collapsed, or never trained) raises
+                      TrainingFailed too (``ltp_ps.verdict``)
+
+Timeouts: the gather bound and the reliable broadcast's bound are both derived
+each round from the message size and the measured link rate
+(``ltp_ps.deadlines``); ``gather_timeout_s`` / ``broadcast_timeout_s`` fix them.
 
 Workers run the mirror loop (``ltp_ps.worker``): pull(i) -> compute -> push(i).
 A worker that joins late, or restarts and rejoins, receives the current
@@ -52,6 +59,7 @@ from .schedules import World, create as create_schedule
 from .schedules.executor import Executor, Slots
 from .schedules.program import RELIABLE, Program, Send, server as server_node, worker as worker_node
 from .sharding import ShardPlan
+from .verdict import AccuracyVerdict
 from .transport.base import CANCELLED, TIMEOUT, Transport
 from .wire import (ELEM, HEADER_BYTES, KIND_GRAD, KIND_PARAMS, KIND_STOP, MAX_BUBBLES, READY_BYTES, ParamsHeader,
                    encode_bubbles, params_message_capacity, tag_of)
@@ -71,7 +79,7 @@ class ServerConfig:
     weight_decay: float = 0.0
     clip_factor: float = CLIP_FACTOR  # divergence guard: clip the aggregate's norm to this x its running mean (0: off)
     gather_timeout_s: float | None = None  # seconds; None: derived per round (ltp_ps.deadlines)
-    broadcast_timeout_s: float = 30.0  # seconds
+    broadcast_timeout_s: float | None = None  # seconds; None: derived per round (ltp_ps.deadlines)
     max_missed: int = 3
     min_workers: int | None = None  # BSP starts when this many joined (default: world_size)
     join_timeout_s: float = 120.0  # seconds to wait for workers to (re)join
@@ -108,9 +116,9 @@ class ParameterServer:
             workers=range(config.world_size), n_elems=workload.n_params, shards=tuple(self.plan.ranges),
             layout=tuple(workload.layout()), aggregation=config.aggregation))
         self.node = server_node(shard)
-        self.executor = Executor(transport, self.node, {}, timeout_s=config.broadcast_timeout_s,
-                                 payload_timeouts={"params": config.broadcast_timeout_s,
-                                                   "stop": config.broadcast_timeout_s})
+        self.deadline = GatherDeadline(config.gather_timeout_s, broadcast_fixed_s=config.broadcast_timeout_s)
+        bt = self.deadline.broadcast_timeout(params_message_capacity(self.n), config.world_size)
+        self.executor = Executor(transport, self.node, {}, timeout_s=bt, payload_timeouts={"params": bt, "stop": bt})
         self._slots = Slots()
         self._ready_wait: float | None = None
         self.rendezvous = rendezvous
@@ -137,7 +145,7 @@ class ParameterServer:
         self.epoch_lines: list[str] = []
         self._stopping = False
         self._ready_note = np.zeros(READY_BYTES, dtype=np.uint8)
-        self.deadline = GatherDeadline(config.gather_timeout_s)
+        self.verdict = AccuracyVerdict(getattr(workload, "chance_accuracy", None))
         self._empty_rounds = 0  # consecutive rounds without one usable gradient
         self._failed: TrainingFailed | None = None
         self._resume()
@@ -219,6 +227,7 @@ class ParameterServer:
                 await self._run_async()
             else:
                 await self._run_bsp()
+            self._raise_verdict()  # the modes ask before their STOP; this catches any path that did not
         except TrainingFailed as exc:
             self._failed = exc
             self.metrics.write({"event": "failed", "t": time.time(), "iteration": self.iteration,
@@ -256,6 +265,7 @@ class ParameterServer:
                 self.checkpoint()
         if bar is not None:
             bar.close()
+        self._raise_verdict()  # before STOP, so the workers read the failure too
         await self._stop_all()
 
     async def round(self) -> dict:
@@ -269,6 +279,7 @@ class ParameterServer:
         self.transport.discard_before(tag_of(it, 0))  # late gradients of earlier rounds
         msg = self._params_message(KIND_PARAMS, self._lost_prev)
         prog = self._bind_round(it, members, msg)
+        self.executor.payload_timeouts["params"] = self.deadline.broadcast_timeout(len(msg), len(members))
         t0 = time.monotonic()
         reps = (await self.executor.run(prog.head(1), self._slots, iteration=it)).reports
         t_b = time.monotonic() - t0
@@ -320,6 +331,7 @@ class ParameterServer:
             if c.lost:
                 lost[m.rank] = c.lost
         grad = self.schedule.combine(self.aggregator, contribs)
+        version = self.version
         uncovered = self._apply(grad, it)
         # error feedback: what each worker should re-send (unbiased mean: only what nobody delivered)
         self._lost_prev = {rank: fb for rank, v in lost.items()
@@ -344,7 +356,7 @@ class ParameterServer:
                                 "iteration": it})
         self.metrics.write(row)
         self._observe_round(greps, compute, t_g)
-        self._check_health(it, losses, row["contributors"], len(alive), gather_timeout)
+        self._check_health(it, losses, self.version > version, len(alive), gather_timeout)
         return row
 
     def _apply(self, grad: np.ndarray, it: int) -> list:
@@ -386,8 +398,13 @@ class ParameterServer:
         if greps and all(r.regime not in (TIMEOUT, CANCELLED) for r in greps):
             self.deadline.observe_transfer(sum(r.received_bytes for r in greps), t_g)
 
-    def _check_health(self, it: int, losses: list, contributors: int, n_alive: int, timeout_s: float) -> None:
-        """Raise TrainingFailed on a non-finite loss/parameter or ``max_missed`` empty rounds in a row."""
+    def _check_health(self, it: int, losses: list, applied: bool, n_alive: int, timeout_s: float) -> None:
+        """Raise TrainingFailed on a non-finite loss/parameter or ``max_missed`` rounds in a row without an update.
+
+        A round counts as empty when no update was applied: nobody delivered a
+        usable gradient, or every contribution was refused, or the aggregate
+        was not finite (skipped). Used by every BSP round, direct or program-driven.
+        """
         bad = [x for x in losses if not np.isfinite(x)]
         if bad:
             raise TrainingFailed(
@@ -397,12 +414,23 @@ class ParameterServer:
             raise TrainingFailed(
                 f"PS shard {self.shard}: round {it}: the parameters became non-finite after the optimizer step; "
                 f"training diverged: lower --lr")
-        self._empty_rounds = 0 if contributors else self._empty_rounds + 1
+        self._empty_rounds = 0 if applied else self._empty_rounds + 1
         if self._empty_rounds >= max(1, self.cfg.max_missed):
             raise TrainingFailed(
                 f"PS shard {self.shard}: no usable gradient from any of {n_alive} live workers in "
-                f"{self._empty_rounds} rounds in a row (last gather bound {timeout_s:.2f} s); nothing is training. "
+                f"{self._empty_rounds} rounds in a row (no update applied: nothing delivered, every contribution "
+                f"refused or the aggregate not finite; last gather bound {timeout_s:.2f} s); nothing is training. "
                 f"Check the workers' logs; for large models on slow links raise --gather-timeout")
+
+    def _raise_verdict(self) -> None:
+        """Raise TrainingFailed when the run ends at chance accuracy (``ltp_ps.verdict``)."""
+        why = self.verdict.failure()
+        if why is not None:
+            raise TrainingFailed(f"PS shard {self.shard}: {why}")
+
+    def broadcast_timeout(self, n_peers: int) -> float:
+        """Seconds a reliable parameter message to each of ``n_peers`` may take (derived per round)."""
+        return self.deadline.broadcast_timeout(HEADER_BYTES + ELEM * self.n, n_peers)
 
     async def _wait_rejoin(self) -> None:
         """Every worker is gone: wait ``join_timeout_s`` for one to (re)join, else fail the job."""
@@ -428,6 +456,7 @@ class ParameterServer:
                "iteration": self.iteration, "loss": float(np.mean(loss)), "sync_mean_s": float(np.mean(sync)),
                "delivered_mean": float(np.mean(fr)), "workers": len(self.membership.active()), **ev}
         self.metrics.write(row)
+        self.verdict.observe(epoch, ev)
         acc = f"acc {ev['accuracy']:.4f}  " if "accuracy" in ev else ""
         line = (f"[ps{self.shard}] epoch {epoch + 1:>3}/{self.epochs_total}  {acc}loss {row['loss']:.4f}  "
                 f"sync {row['sync_mean_s'] * 1e3:7.2f} ms  delivered {row['delivered_mean']:.4f}  "
@@ -440,7 +469,8 @@ class ParameterServer:
         # that is gone; the best-effort bound keeps dead ones from stalling the exit.
         members = list(self.membership.members.values()) if best_effort else self.membership.active()
         msg = self._params_message(KIND_STOP, {})
-        timeout = min(STOP_BEST_EFFORT_S, self.cfg.broadcast_timeout_s) if best_effort else self.cfg.broadcast_timeout_s
+        timeout = self.deadline.broadcast_timeout(HEADER_BYTES, len(members))
+        timeout = min(STOP_BEST_EFFORT_S, timeout) if best_effort else timeout
         try:
             if not hasattr(self.planner, "stop_program"):
                 from .program_roles import server_stop
@@ -516,7 +546,14 @@ class ParameterServer:
         own = np.zeros(params_message_capacity(self.n), dtype=np.uint8)
         buf = self._bufs[m.rank]
         while m.state.value == "active" and m is self.membership.members.get(m.rank):
+            if self._failed is not None:
+                return
             if self.version >= self._async_total:
+                why = self.verdict.failure()  # before STOP, so the workers read the failure too
+                if why is not None:
+                    self._failed = TrainingFailed(f"PS shard {self.shard}: {why}")
+                    self._done.set()
+                    return
                 hdr = ParamsHeader(KIND_STOP, self.shard, self.version, self.version, 0, 0)
                 hdr.pack_into(own)
                 try:

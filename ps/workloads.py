@@ -51,6 +51,7 @@ def flat_grad(module: nn.Module) -> np.ndarray:
 class Workload:
     name = "abstract"
     batch_size = 32
+    chance_accuracy: float | None = None  # test accuracy of always guessing the commonest label; None: not judged
 
     def build_model(self) -> nn.Module | None:
         return None
@@ -156,6 +157,7 @@ class DigitsWorkload(ModuleWorkload):
     def __init__(self, batch_size: int = 32, seed: int = 0, compute_delay_s: float = 0.0):
         self.batch_size = batch_size
         self.xtr, self.ytr, self.xte, self.yte = digits_data(seed)
+        self.chance_accuracy = float(torch.bincount(self.yte).max()) / len(self.yte)
         super().__init__("digits", DigitsCNN, nn.functional.cross_entropy, self._batches,
                          self._ipe, self._eval, compute_delay_s)
         self._eval_model = DigitsCNN()

@@ -16,6 +16,7 @@ from ltp_ps import cli
 from ltp_ps import deadlines as dl
 from ltp_ps.deadlines import GatherDeadline
 from ltp_ps.errors import ConfigError, TrainingFailed
+from ltp_ps.wire import KIND_PARAMS
 from ps_helpers import make_job, run_job, workload
 
 
@@ -68,6 +69,35 @@ def test_fixed_bound_overrides_and_bad_values_name_the_fix():
     d.observe_transfer(10, 0.0)  # degenerate samples are ignored
     d.observe_rate(-5)
     assert d.rate_bytes_per_s == dl.FLOOR_RATE_BPS / 8
+
+
+def test_broadcast_bound_is_derived_from_size_and_rate_with_a_floor():
+    d = GatherDeadline()
+    b, n = 102_400_000, 6  # ResNet-50-sized parameters to 6 workers, nothing measured yet: 100 Mbit/s assumed
+    want = dl.GATHER_BASE_S + dl.TRANSFER_MARGIN * n * b / (dl.FLOOR_RATE_BPS / 8)
+    assert d.broadcast_timeout(b, n) == pytest.approx(want) and want > 150  # a fixed 30 s cut it
+    assert d.broadcast_timeout(153_000, 4) == dl.BROADCAST_FLOOR_S  # a small model gets the floor
+    d.observe_rate(1e9)  # bytes/s
+    d.observe_rtprop(0.02)
+    assert d.broadcast_timeout(b, n) == pytest.approx(
+        max(dl.BROADCAST_FLOOR_S, dl.GATHER_BASE_S + dl.TRANSFER_MARGIN * (n * b / 1e9 + dl.RTT_MULTIPLE * 0.02)))
+    d.observe_rate(1e6)  # a slow sample: the lowest rate rules, as for the gather
+    assert d.broadcast_timeout(b, n) > 1000
+    assert GatherDeadline(broadcast_fixed_s=7.5).broadcast_timeout(b, n) == 7.5
+    for bad in (0, -2.0, float("nan")):
+        with pytest.raises(ValueError, match="broadcast_timeout_s at None"):
+            GatherDeadline(broadcast_fixed_s=bad)
+
+
+def test_server_broadcasts_under_the_derived_bound():
+    job = make_job(2, iterations=4, lr=0.1)
+    ps = job.servers[0]
+    asyncio.run(run_job(job))
+    msg_bytes = len(ps._params_message(KIND_PARAMS, {}))
+    assert ps.executor.payload_timeouts["params"] == pytest.approx(ps.deadline.broadcast_timeout(msg_bytes, 2))
+    fixed = make_job(2, iterations=2, lr=0.1, broadcast_timeout_s=4.0)
+    asyncio.run(run_job(fixed))
+    assert fixed.servers[0].executor.payload_timeouts["params"] == 4.0
 
 
 def test_server_derives_its_bound_and_learns_from_rounds():

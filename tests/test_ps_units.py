@@ -8,6 +8,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ltp_ps.aggregate import Aggregator, bubbles_to_elements, critical_ranges, limit_ranges, merge_ranges
 from ltp_ps.checkpoint import checkpoint_path, load_latest, save_checkpoint
@@ -58,6 +60,34 @@ def test_aggregator_ignores_garbage_inside_bubbles_and_zero_when_nobody_delivere
     np.testing.assert_array_equal(agg.result(), [1, 0, 3, 4])
     agg.reset()
     assert agg.contributors == 0 and not agg.result().any()
+
+
+_range = st.tuples(st.integers(-3, 40), st.integers(0, 3 * 17)).map(lambda t: (t[0], t[0] + t[1] // 3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_range, max_size=6), min_size=1, max_size=5), st.sampled_from(["unbiased", "zero_fill"]),
+       st.integers(0, 2**31))
+def test_property_overlapping_lost_ranges_count_each_element_once(workers_lost, mode, seed):
+    # Bubbles that overlap each other, a critical range reported inside a bubble, ranges past the ends:
+    # the counts must equal a per-element reference mask, and the mean must use exactly those counts.
+    n = 37
+    rng = np.random.default_rng(seed)
+    agg = Aggregator(n, mode)
+    delivered = np.zeros((len(workers_lost), n), dtype=bool)
+    grads = rng.standard_normal((len(workers_lost), n)).astype(np.float32)
+    for k, lost in enumerate(workers_lost):
+        delivered[k] = True
+        for a, b in lost:
+            delivered[k, max(0, a):max(0, min(n, b))] = False
+        assert agg.add(grads[k].copy(), lost)
+    want = delivered.sum(0)
+    np.testing.assert_array_equal(agg.counts(), want)
+    total = np.where(delivered, grads, 0).sum(0)
+    ref = total / len(workers_lost) if mode == "zero_fill" else np.where(want > 0, total / np.maximum(want, 1), 0)
+    np.testing.assert_allclose(agg.result(), ref, rtol=1e-5, atol=1e-6)
+    m = agg.applied_mask()
+    np.testing.assert_array_equal(np.ones(n, bool) if m is None else m, want > 0)
 
 
 def test_aggregator_rejects_bad_mode_and_shape():

@@ -1,0 +1,89 @@
+"""Whether a finished run trained anything, judged from its per-epoch test accuracy (sans-IO).
+
+Theory of operation
+-------------------
+A finite loss does not mean a job trained.  ``--lr 1e9`` with the norm guard
+on keeps every value finite while the model sits at chance accuracy, and a
+model that collapsed late (dead ReLUs after one oversized step, issue 7) also
+ends at chance; without this rule both printed a summary and exited 0.  The PS
+feeds every epoch's evaluation to :meth:`AccuracyVerdict.observe` and asks
+:meth:`AccuracyVerdict.failure` once, after the last round and *before* it
+sends STOP (so the workers read the failure too).  With ``level = chance +
+CHANCE_MARGIN`` (chance: the accuracy of always answering the most common
+test label, which the workload states as ``chance_accuracy``):
+
+1. **collapsed** -- the best epoch reached ``chance + LEARNED_MARGIN`` (the
+   model had clearly learned) but the last one is at or below ``level``: the
+   job ends with a model no better than guessing.
+2. **never trained** -- no epoch ever rose above ``level`` and at least
+   ``MIN_JUDGED_EPOCHS`` epochs were evaluated.  A run of one or two epochs of
+   a small model (or of a few ``--iterations``) may legitimately still be near
+   chance, so such short runs are not judged.
+
+A run that learned a little and ends near chance (best 0.17, last 0.14 on
+digits: 6 asynchronous workers, 2 epochs) is slow, not broken: neither rule
+fires.
+
+A run is not judged at all (``failure()`` is None) when the workload states no
+chance level or reports no ``accuracy`` (synthetic parameter sets), or when no
+epoch was evaluated (sharded runs, ``evaluate=False``).  The object only takes
+numbers and returns a message; it never reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+
+CHANCE_MARGIN = 0.05  # absolute accuracy: at most this far above chance counts as guessing
+LEARNED_MARGIN = 0.25  # absolute accuracy: a best epoch this far above chance had clearly learned
+MIN_JUDGED_EPOCHS = 3  # evaluated epochs before a run that never left chance is judged "trained nothing"
+
+
+class AccuracyVerdict:
+    """Collects ``(epoch, accuracy)`` and says whether the run failed to train."""
+
+    def __init__(self, chance: float | None, *, margin: float = CHANCE_MARGIN, learned: float = LEARNED_MARGIN,
+                 min_epochs: int = MIN_JUDGED_EPOCHS):
+        if chance is not None and not 0.0 <= chance < 1.0:
+            raise ValueError(f"chance accuracy must be in [0, 1), got {chance}; a workload that cannot state it "
+                             f"sets chance_accuracy = None")
+        if not 0 <= margin <= learned or min_epochs < 1:
+            raise ValueError("need 0 <= margin <= learned and min_epochs >= 1")
+        self.chance = chance
+        self.margin = margin
+        self.learned = learned
+        self.min_epochs = min_epochs
+        self.history: list[tuple[int, float]] = []  # (epoch, accuracy), in order observed
+
+    @property
+    def level(self) -> float | None:
+        """Accuracy at or below which a model counts as guessing (None: not judged)."""
+        return None if self.chance is None else self.chance + self.margin
+
+    def observe(self, epoch: int, evaluation: dict) -> None:
+        """One epoch's evaluation dict (``accuracy`` may be absent: nothing to judge)."""
+        acc = evaluation.get("accuracy")
+        if acc is None:
+            return
+        acc = float(acc)
+        self.history.append((int(epoch), acc if math.isfinite(acc) else 0.0))
+
+    def failure(self) -> str | None:
+        """Why the run counts as failed, or None (trained, or not judged)."""
+        level = self.level
+        if level is None or not self.history:
+            return None
+        last_epoch, last = self.history[-1]
+        best_epoch, best = max(self.history, key=lambda h: (h[1], -h[0]))
+        if last > level:
+            return None
+        tail = (f"test accuracy {last:.4f} at epoch {last_epoch + 1} is at chance ({self.chance:.4f} + margin "
+                f"{self.margin:g})")
+        if best >= self.chance + self.learned:
+            return (f"training collapsed: {tail}, down from {best:.4f} at epoch {best_epoch + 1}; lower --lr, keep "
+                    f"the divergence guard on (--clip-factor), or resume from an earlier --checkpoint-dir")
+        if best <= level and len(self.history) >= self.min_epochs:
+            return (f"nothing trained: {tail} and no epoch of {len(self.history)} ever rose above it "
+                    f"(best {best:.4f}); the loss may be finite but the model is guessing: lower --lr or check "
+                    f"that gradients reach the PS (delivered fraction, dropped workers)")
+        return None
