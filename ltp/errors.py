@@ -5,9 +5,16 @@ the API wrongly (the message says what to change); errors caused by the peer or
 the network are either dropped and counted (malformed datagrams, see
 :class:`WireError`) or surface as a failed transfer (:class:`TransferRefused`,
 :class:`TransferTimeout`).
+
+The four base classes (:class:`LTPError`, :class:`LocalProtocolError`,
+:class:`RemoteProtocolError`, :class:`WireError`) are defined in
+:mod:`ltp_ext.errors`, because the compiled codecs and their twins raise them
+and ``ltp_ext`` imports nothing from ``ltp``; they are re-exported here.
 """
 
 from __future__ import annotations
+
+from ltp_ext.errors import LocalProtocolError, LTPError, RemoteProtocolError, WireError
 
 __all__ = [
     "LTPError",
@@ -19,27 +26,6 @@ __all__ = [
     "TransferAborted",
     "PeerUnreachable",
 ]
-
-
-class LTPError(Exception):
-    """Base class of every LTP error."""
-
-
-class LocalProtocolError(LTPError, ValueError):
-    """The caller misused the API; the message names the fix."""
-
-
-class RemoteProtocolError(LTPError):
-    """The peer violated the protocol."""
-
-
-class WireError(RemoteProtocolError, ValueError):
-    """A datagram could not be decoded. ``reason`` is the drop-counter key."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
 
 _REFUSAL_HINTS = {
     "unauthenticated": "the job keys differ, or the peer sees this host at another address than the one it "

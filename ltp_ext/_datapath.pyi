@@ -10,7 +10,8 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import Buffer
 
-from ltp.errors import LocalProtocolError as LocalProtocolError
+from .constants import PACKET_REORDER_THRESHOLD as PACKET_REORDER_THRESHOLD
+from .errors import LocalProtocolError as LocalProtocolError
 
 SEG_PENDING: int
 SEG_INFLIGHT: int

@@ -33,7 +33,7 @@ How it is fast:
    generic path that converts each element the way the twin does
    (``int(x[k])``), so results stay the same.
 4. Misuse fails like the twin where the twin fails cleanly: the same
-   :class:`ltp.errors.LocalProtocolError` messages, a ``struct.error``
+   :class:`ltp_ext.errors.LocalProtocolError` messages, a ``struct.error``
    (raised by the twin's own ``pack_header_into``) when header fields do
    not fit or ``out`` is too short for a header, and ``ValueError`` when it
    is too short for a payload, after the same partial updates.  Where the
@@ -51,19 +51,20 @@ from libc.string cimport memcpy, memmove, memset
 import numpy as np
 cimport numpy as cnp
 
-# Defined before the imports below: importing ``ltp.errors`` runs ``ltp/__init__``,
-# which imports ``ltp.sender``, which loads this module and reads these constants
-# while it is still initialising (when this module is the first thing imported).
 SEG_PENDING = 0
 SEG_INFLIGHT = 1
 SEG_ACKED = 2
 SEG_LOST = 3
 
-from ltp.errors import LocalProtocolError
+from .constants import PACKET_REORDER_THRESHOLD
+from .errors import LocalProtocolError
 
 from ._wire_py import pack_header_into as _py_pack_header_into
 
 cnp.import_array()
+
+# the loss rule's threshold as a C int (named in ltp_ext/constants.py)
+cdef int _REORDER = PACKET_REORDER_THRESHOLD
 
 cdef extern from "Python.h":
     bint PyByteArray_CheckExact(object o)
@@ -493,7 +494,7 @@ cdef class SendWindow:
             prior = (self._snap_d[b], self._snap_dt[b], self._snap_fs[b], self._sent_time[b])
         else:
             prior = (-1, 0.0, 0.0, 0.0)
-        lost = self._detect(3, -1.0)
+        lost = self._detect(_REORDER, -1.0)
         return (acc.newly, acc.newly_bytes, delivered, delivered_time, acc.rtt) + prior + (lost,)
 
     def expire(self, double cutoff):

@@ -8,7 +8,7 @@ retransmitted), an 8-bit attempt counter (echoed by the receiver so an ACK
 names one exact transmission), its send time and the delivery-rate snapshot
 taken when it was sent. Every transmission is appended to the *send log* in
 the order packets actually left. Loss detection walks the log from its head
-(the oldest unresolved transmission): the head is lost when at least three
+(the oldest unresolved transmission): the head is lost when at least ``PACKET_REORDER_THRESHOLD`` (3)
 transmissions sent after it have been acknowledged (``acked_in_window`` counts
 the acknowledged entries between head and tail, so the test is O(1)); acked,
 stale (segment retransmitted since) and already-resolved entries are skipped.
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ltp.errors import LocalProtocolError
-
+from .constants import PACKET_REORDER_THRESHOLD
+from .errors import LocalProtocolError
 from ._wire_py import F_CRITICAL, F_KNOWN, HEADER_SIZE, T_DATA, VERSION, pack_header_into
 
 SEG_PENDING = 0
@@ -233,7 +233,7 @@ class SendWindow(_Geometry):
             sample_sent = float(self.sent_time[best_seq])
         else:
             prior_delivered, prior_time, first_sent, sample_sent = -1, 0.0, 0.0, 0.0
-        lost = self._detect(3, -1.0)
+        lost = self._detect(PACKET_REORDER_THRESHOLD, -1.0)
         return (newly, newly_bytes, delivered, delivered_time, rtt, prior_delivered, prior_time,
                 first_sent, sample_sent, lost)
 

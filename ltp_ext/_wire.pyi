@@ -6,7 +6,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import Buffer
 
-from ltp.errors import WireError as WireError
+from .errors import WireError as WireError
 
 VERSION: int
 HEADER_SIZE: int

@@ -6,7 +6,7 @@ Theory of operation
 Every datagram starts with a 16-byte big-endian header ``(version|type,
 flags, flow_id, token, word2, word3)``.  The functions here translate between
 bytes and integers and validate what needs no protocol state, raising
-:class:`ltp.errors.WireError` (imported from the same pure module as the
+:class:`ltp_ext.errors.WireError` (imported from the same pure module as the
 twin, so one ``except`` clause catches both) whose ``reason`` is the drop
 counter key.
 
@@ -461,7 +461,4 @@ def unpack_ack_entries(buf, word3, Py_ssize_t offset=0):
         PyBuffer_Release(&view)
 
 
-# Imported last on purpose: importing ``ltp.errors`` runs ``ltp/__init__``, which
-# imports the transport and, through ``ltp.wire``, this very module. By now every
-# name above exists, so that re-entrant import sees a complete module.
-from ltp.errors import WireError
+from .errors import WireError

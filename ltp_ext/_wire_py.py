@@ -3,7 +3,7 @@
 Theory of operation: every datagram starts with a 16-byte header
 ``(version|type, flags, flow_id, token, word2, word3)``. The functions here only
 translate between bytes and integers and validate what can be validated
-without protocol state; they raise :class:`ltp.errors.WireError` whose
+without protocol state; they raise :class:`ltp_ext.errors.WireError` whose
 ``reason`` is the drop counter key. Nothing here allocates more than the
 datagram it is given.
 """
@@ -14,7 +14,7 @@ import struct
 
 import numpy as np
 
-from ltp.errors import WireError
+from .errors import WireError
 
 VERSION = 1
 HEADER_SIZE = 16

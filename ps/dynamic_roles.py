@@ -21,9 +21,14 @@ in order (its own update's send; an aggregator's receives, combines and
 forward) and reports each receive to the PS as ``TransferDone``.
 
 PS: a listener per worker turns up-stream messages into controller events;
-a grant to a worker is delivered at its ``start_at`` (PS clock); right after a
-grant that consumed a worker's update the PS sends that worker the current
-parameters (so it computes while its update travels).  The PS's own grants
+a grant to a worker is delivered at its ``start_at`` (PS clock).  A worker
+gets its next parameters when its update's fate is final (the paper's async
+SGD: push, then pull the latest model): right after the ``Apply`` of the
+commit that carried it (whether or not its bytes arrived), or right after a
+grant that dropped it.  Sending them at grant time instead (the first
+version of this module) made every next gradient miss the worker's own
+previous update and lost ~40 % of the updates to the delay bound
+(docs/schedules.md, "Parameters after apply").  The PS's own grants
 (receive, then ``Apply``, per commit in order) run on its executor.  A worker
 whose stream closes, whose grant delivery fails, or that stays silent for
 ``--store-timeout`` is reported ``NodeFailed``; the controller writes off what
@@ -97,6 +102,7 @@ class _ServerRole:
         self.failed: TrainingFailed | None = None
         self.counters = {"undecodable": 0, "silent": 0, "closed": 0}
         self.driver: ControllerDriver | None = None
+        self._param_sends: set = set()  # parameter sends started by an Apply
 
     # -- plans ----------------------------------------------------------------------------------------------------
     def on_grants(self, grants) -> None:
@@ -114,6 +120,31 @@ class _ServerRole:
 
     # -- apply ----------------------------------------------------------------------------------------------------
     def apply(self, step, slots: Slots):
+        members = self.versions.get(step.slot, ([], []))[0]
+        try:
+            return self._apply(step, slots)
+        finally:
+            for m in members:  # their update's fate is final: they pull the latest model (paper §3, async SGD)
+                self._send_params_soon(m)
+
+    def _send_params_soon(self, node: str) -> None:
+        if self.driver is None or node in self.driver.failed or node not in self.channels:
+            return
+        if self.ps.version >= self.total:
+            return  # STOP follows
+        t = asyncio.ensure_future(self.send_params(node))
+        self._param_sends.add(t)
+        t.add_done_callback(lambda t, node=node: self._param_sent(t, node))
+
+    def _param_sent(self, t: asyncio.Task, node: str) -> None:
+        self._param_sends.discard(t)
+        if t.cancelled():
+            return
+        exc = t.exception()
+        if exc is not None:
+            self._fail(node, parse_node(node)[1], f"parameters failed: {type(exc).__name__}: {exc}")
+
+    def _apply(self, step, slots: Slots):
         ps = self.ps
         p = slots.partial(step.slot, step.lo, step.hi)
         members, versions = self.versions.pop(step.slot, ([], []))
@@ -179,8 +210,8 @@ class _ServerRole:
 
     async def deliver(self, node: str, grant) -> None:
         await self.channels[node].send({"grant": grant.to_json()}, timeout_s=self.ps.broadcast_timeout(1))
-        if grant_uses_gradient(grant) and self.ps.version < self.total:
-            await self.send_params(node)
+        if grant_uses_gradient(grant) and grant.drop and self.ps.version < self.total:
+            await self.send_params(node)  # dropped: compute again at once (applied ones: after their Apply)
 
     async def listen(self, node: str) -> None:
         """Turn ``node``'s up-stream messages into controller events until it fails or the run ends."""
@@ -261,9 +292,9 @@ class _ServerRole:
             raise
         finally:
             await self.driver.close()
-            for t in listeners:
+            for t in listeners + list(self._param_sends):
                 t.cancel()
-            await asyncio.gather(*listeners, return_exceptions=True)
+            await asyncio.gather(*listeners, *self._param_sends, return_exceptions=True)
             ps.mlfabric_stats = self.stats()
             await self.stop_all()
 

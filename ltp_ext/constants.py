@@ -1,0 +1,14 @@
+"""Protocol thresholds the data-path kernels share, named once.
+
+Both ``ltp_ext._datapath`` and its twin ``ltp_ext._datapath_py`` read them
+from here (the compiled module copies them into C variables at import).
+"""
+
+from __future__ import annotations
+
+__all__ = ["PACKET_REORDER_THRESHOLD"]
+
+#: packet-reordering threshold (packets): a transmission is declared lost once this many
+#: transmissions sent after it have been acknowledged (the "3 out of order" rule of TCP/QUIC).
+#: LTP's paths do not reorder, so 3 only absorbs the rare reordering of a multi-queue NIC.
+PACKET_REORDER_THRESHOLD = 3
