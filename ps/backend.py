@@ -54,7 +54,6 @@ import asyncio
 import dataclasses
 import datetime
 import os
-import random
 import threading
 import time
 
@@ -86,11 +85,6 @@ ENV_TRANSPORT = "LTP_BACKEND_TRANSPORT"
 ENV_ALGORITHM = "LTP_BACKEND_ALGORITHM"
 ENV_HOST = "LTP_BACKEND_HOST"
 ENV_SCHEDULE = "LTP_PG_SCHEDULE"
-#: the model size (float32 elements) the RSGCM planner prices its candidate rings with (the plan's rings do not
-#: depend on it on a uniform network; each call compiles the chosen plan for its own size)
-RSGCM_PLAN_ELEMS = 25_000_000
-#: seed of the RSGCM search: every rank runs the same search and derives the same plan
-RSGCM_SEED = 0
 
 
 class LtpBackendError(dist.DistBackendError):
@@ -489,13 +483,8 @@ class LtpProcessGroup(dist.ProcessGroup):
     def _ring_plan(self):
         """The RSGCM ring plan over this group's ranks (searched once, the same on every rank)."""
         if self._rsgcm_plan is None:
-            from .schedules import rsgcm
-            from .schedules.base import World
-
             try:
-                sched = rsgcm.RsgcmSchedule(World(workers=tuple(range(self._world)), n_elems=RSGCM_PLAN_ELEMS),
-                                            rng=random.Random(RSGCM_SEED))
-                self._rsgcm_plan = sched.current()
+                self._rsgcm_plan = C.rsgcm_ring_plan(self._world)
             except Exception as exc:  # noqa: BLE001 - a planner failure names the fix
                 raise ConfigError(f"ltp backend rank {self._rank}: the rsgcm schedule could not plan "
                                   f"{self._world} ranks ({type(exc).__name__}: {exc}); use schedule 'ring'") from exc

@@ -143,6 +143,25 @@ def schedule_program(schedule: str, rank: int, world: int, n: int, iteration: in
     return reliable_program(prog) if exact else prog
 
 
+#: the model size (float32 elements) the RSGCM planner prices candidate rings with; on a uniform network the rings
+#: it picks do not depend on it, and each call compiles the chosen plan for its own size
+RSGCM_PLAN_ELEMS = 25_000_000
+#: seed of the RSGCM search: every rank runs the same search and so derives the same plan
+RSGCM_SEED = 0
+
+
+def rsgcm_ring_plan(world: int):
+    """The RSGCM ring plan over ranks ``0..world-1`` on a uniform network (deterministic: the same on every rank)."""
+    import random
+
+    from .schedules import rsgcm
+    from .schedules.base import World
+
+    sched = rsgcm.RsgcmSchedule(World(workers=tuple(range(world)), n_elems=RSGCM_PLAN_ELEMS),
+                                rng=random.Random(RSGCM_SEED))
+    return sched.current()
+
+
 def reliable_program(program):
     """``program`` with every loss-tolerant Send/Recv/Forward made reliable (an exact collective)."""
     from .schedules.program import RELIABLE, Program

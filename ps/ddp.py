@@ -662,11 +662,30 @@ ltp_hook.__annotations__.update(bucket=dist.GradBucket, state=LtpHookState,
                                 **{"return": torch.futures.Future[torch.Tensor]})
 
 
+#: reduction schedules of the hook: ``direct`` = the bucket server on rank 0, the others PS-less (ddp_schedules)
+SCHEDULES = ("direct", "ring", "rsgcm")
+ENV_SCHEDULE = "LTP_DDP_SCHEDULE"
+
+
+def default_schedule(world: int) -> str:
+    """The ``auto`` rule: the bucket server (``direct``) for <= 2 ranks, a ``ring`` from 3 ranks on.
+
+    With two ranks rank 0 receives one bucket per round either way; from three
+    on, one process receiving ``world`` buckets is the bottleneck a ring does
+    not have (each rank moves ``2 (world-1)/world`` of a bucket).
+    """
+    return "ring" if world > 2 else "direct"
+
+
 def register(ddp_model, *, transport: str | None = None, cc: str = "cubic", min_fraction: float = MIN_FRACTION,
              host: str | None = None, timeout_s: float = 120.0, process_group=None,
-             aggregation: str | None = None) -> LtpHookState:
-    """Route ``ddp_model``'s gradient buckets through an LTP parameter server; returns the hook state.
+             aggregation: str | None = None, schedule: str | None = None) -> LtpHookState:
+    """Route ``ddp_model``'s gradient buckets over LTP; returns the hook state.
 
+    ``schedule``: ``"direct"`` (a bucket server on rank 0, the round protocol
+    above), ``"ring"`` or ``"rsgcm"`` (no server: a loss-tolerant ring
+    all-reduce per bucket, :mod:`ltp_ps.ddp_schedules`), or ``"auto"`` / None
+    (``$LTP_DDP_SCHEDULE``, else :func:`default_schedule`).
     ``min_fraction``: a lossy contribution that delivered less is resent
     reliably (1.0 = every bucket exact).  ``timeout_s``: how long a round may
     take before every rank's hook fails with a named cause.  ``aggregation``
@@ -681,12 +700,30 @@ def register(ddp_model, *, transport: str | None = None, cc: str = "cubic", min_
     RoundPolicy(min_fraction)  # validate early
     pg = process_group or dist.group.WORLD
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    schedule = schedule or os.environ.get(ENV_SCHEDULE, "auto")
+    if schedule == "auto":
+        schedule = default_schedule(world)
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"ltp_ps.ddp.register: schedule={schedule!r} is unknown; use one of auto, "
+                          f"{', '.join(SCHEDULES)} (or set {ENV_SCHEDULE})")
     kind = resolve_kind(transport or os.environ.get("LTP_PS_TRANSPORT", "auto"))
     host = host or os.environ.get("LTP_PS_HOST", "127.0.0.1")
     secret = os.environ.get("LTP_PS_SECRET", "").encode() or None
     store = dist.PrefixStore("ltp_ps_ddp/", dist.distributed_c10d._get_default_store())
     max_elems = sum(p.numel() for p in ddp_model.parameters() if p.requires_grad)
-    state = LtpHookState(rank, world, kind, max_elems, timeout_s, runner=_LoopThread(f"ltp-ddp-{rank}"))
+    if schedule != "direct":
+        from . import collectives as C
+        from .ddp_schedules import ScheduleHookState
+
+        try:
+            ring_plan = C.rsgcm_ring_plan(world) if schedule == "rsgcm" else None
+        except Exception as exc:  # noqa: BLE001 - a planner failure names the fix
+            raise ConfigError(f"ltp_ps.ddp.register: the rsgcm schedule could not plan {world} ranks "
+                              f"({type(exc).__name__}: {exc}); use schedule='ring'") from exc
+        state = ScheduleHookState(rank, world, kind, max_elems, timeout_s, runner=_LoopThread(f"ltp-ddp-{rank}"),
+                                  schedule=schedule, min_fraction=min_fraction, ring_plan=ring_plan)
+    else:
+        state = LtpHookState(rank, world, kind, max_elems, timeout_s, runner=_LoopThread(f"ltp-ddp-{rank}"))
 
     async def open_ep():
         return await open_tolerant_transport(kind, host, cc=cc if kind == "tcp" else None, job_key=secret,
@@ -694,6 +731,19 @@ def register(ddp_model, *, transport: str | None = None, cc: str = "cubic", min_
 
     state.transport = state.runner.call(open_ep(), 30)
     store.set(f"addr/{rank}", f"{state.transport.local_addr[0]}:{state.transport.local_addr[1]}")
+    if schedule != "direct":
+        from .schedules.program import worker
+
+        store.wait([f"addr/{r}" for r in range(world)])
+        for r in range(world):
+            h, _, p = store.get(f"addr/{r}").decode().rpartition(":")
+            state.nodes[worker(r)] = (h, int(p))
+        if rank == 0:
+            print(f"ltp_ps.ddp: gradient buckets of {world} ranks all-reduced by a {schedule} schedule over {kind}"
+                  f"{'/' + cc if kind == 'tcp' else ''} (loss-tolerant reduce-scatter; rounds below "
+                  f"{min_fraction:.0%} are reduced again reliably)", flush=True)
+        ddp_model.register_comm_hook(state, ltp_hook)
+        return state
     if rank == 0:
         ps_t = state.runner.call(open_ep(), 30)
         store.wait([f"addr/{r}" for r in range(world)])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -132,11 +133,43 @@ def check_collectives(rank: int, world: int) -> dict:
     return res
 
 
+def runloop_threads() -> int:
+    """How many of gloo's worker threads (``pt_gloo_runloop``) this process still runs (Linux; -1 elsewhere)."""
+    try:
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return -1
+    return sum(n == "pt_gloo_runloop" for n in names)
+
+
+def teardown() -> None:
+    """Destroy the process group so that its threads are joined *now*, not at interpreter exit.
+
+    ``destroy_process_group`` only drops the registry's reference.  DDP (and its
+    reducer, inside reference cycles) keeps the C++ group alive until the
+    interpreter's final garbage collection; gloo's worker threads then still
+    run while Python finalizes, and one that releases a finished work (its
+    tensors need the GIL) is killed by the finalizing interpreter inside a C++
+    destructor: ``terminate called without an active exception`` (SIGABRT)
+    after a successful run.  The caller drops its DDP model first; the
+    collection here frees the group, whose destructor joins its threads with
+    the GIL released.
+    """
+    dist.destroy_process_group()
+    gc.collect()
+    left = runloop_threads()
+    if left > 0:
+        print(f"warning: {left} gloo worker threads still run after destroy_process_group; something still "
+              f"holds the process group", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="ltp")
     ap.add_argument("--hook", action="store_true", help="register the LTP DDP communication hook")
     ap.add_argument("--hook-transport", default=None, help="ltp | tcp (default $LTP_PS_TRANSPORT or auto)")
+    ap.add_argument("--hook-schedule", default=None, help="direct | ring | rsgcm | auto (default $LTP_DDP_SCHEDULE "
+                    "or auto: direct for <= 2 ranks, ring from 3)")
     ap.add_argument("--hook-min-fraction", type=float, default=None,
                     help="lossy buckets delivering less are resent reliably (1.0 = exact buckets)")
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps (epochs are cycled)")
@@ -183,7 +216,8 @@ def main(argv=None) -> int:
         import ltp_ps.ddp
 
         kw = {} if args.hook_min_fraction is None else {"min_fraction": args.hook_min_fraction}
-        hook_state = ltp_ps.ddp.register(model, transport=args.hook_transport, timeout_s=args.timeout, **kw)
+        hook_state = ltp_ps.ddp.register(model, transport=args.hook_transport, timeout_s=args.timeout,
+                                         schedule=args.hook_schedule, **kw)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     losses, step, epoch, micro = [], 0, 0, 0
     t0 = time.monotonic()
@@ -235,7 +269,8 @@ def main(argv=None) -> int:
           f"in {step} steps, {result['seconds']:.1f} s", flush=True)
     if hook_state is not None:
         hook_state.close()
-    dist.destroy_process_group()
+    del model, opt, net, out, loss  # DDP and the autograd graph (hooks -> reducer) hold the process group
+    teardown()
     if not ok:
         print(f"rank {rank}: training failed (mean loss curve {curve})", file=sys.stderr, flush=True)
         return 1
