@@ -207,3 +207,23 @@ def test_torchrun_mlfabric_trains_digits():
     acc = [float(a) for a in re.findall(r"acc (\d\.\d+)", p.stdout)]
     assert len(acc) == 10 and max(acc) >= 0.8, p.stdout[-2000:]
     print("torchrun acc", acc)
+
+
+async def test_next_gradient_sees_the_workers_own_applied_update():
+    """Paper §3 async SGD (push, then pull the latest model): a worker's parameters come after its update's Apply.
+
+    Per worker, every applied update j + 1 was computed on a version at least the PS version right after update
+    j was applied.  Sent at grant time instead (the first version), update j + 1 missed update j: this fails.
+    """
+    ps, workers = make_mlf_job(4, k=1, seed=3, epochs=1, lr=0.05, momentum=0.0)
+    summary, *outs = await asyncio.gather(ps.run(), *(w.run() for w in workers))
+    rows = [r for r in ps.metrics.rows if r["event"] == "iteration"]
+    seen: dict = {}  # worker -> [(computed on, PS version after its apply)]
+    for r in rows:
+        for m, s in zip(r["members"], r["staleness_all"]):
+            seen.setdefault(m, []).append((r["iteration"] - s, r["version"]))
+    assert len(seen) == 4 and all(len(v) >= 5 for v in seen.values()), seen
+    for m, v in seen.items():
+        for (_, after), (computed_next, _) in zip(v, v[1:]):
+            assert computed_next >= after, (m, v)
+    assert ps.mlfabric_stats["beyond_tau"] == 0
