@@ -80,12 +80,15 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
+from .regimes import Regime
+
 __all__ = ["LinkThresholds", "FlowProgress", "decide", "stall_window", "COMPLETE", "EARLY", "DEADLINE",
            "STALL_MIN_S", "STALL_RTPROPS", "STALL_GAPS", "HARD_STRETCH", "STRETCH_MAX_LOSS"]
 
-COMPLETE = "complete"
-EARLY = "early"
-DEADLINE = "deadline"
+#: the regimes :func:`decide` returns (members of :class:`ltp.regimes.Regime`)
+COMPLETE = Regime.COMPLETE
+EARLY = Regime.EARLY
+DEADLINE = Regime.DEADLINE
 
 #: a flow that received nothing for this long has stopped advancing (seconds; floor of the stall window:
 #: a few scheduler time slices of a loaded host, so a descheduled sender is not taken for a stalled flow)

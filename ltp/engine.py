@@ -66,6 +66,7 @@ from .early_close import HARD_STRETCH, STRETCH_MAX_LOSS, FlowProgress, LinkThres
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
                      TransferTimeout, WireError)
 from .path import Path, Transmit
+from .regimes import CloseReason, Regime, stop_reason
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .reports import EndpointStats, RecvReport, SendReport
 from .sender import OPEN, FlowSender
@@ -252,7 +253,7 @@ class Engine:
         if group is not None and not group.done:
             for slot in group.slots:
                 if slot.flow is not None and slot.flow.regime is None:
-                    self._close_rx(slot.flow, now, "cancelled")
+                    self._close_rx(slot.flow, now, Regime.CANCELLED)
                 elif slot.report is None:
                     slot.error = TransferAborted("receive cancelled")
             self._finish_group(group, now, TransferAborted("receive cancelled"))
@@ -356,7 +357,7 @@ class Engine:
             if lost.shape[0]:
                 flow.requeue_lost(lost)
             if flow.all_acked():
-                flow.finish(now, "acked")
+                flow.finish(now, CloseReason.ACKED)
                 self._end_send(flow, now)
         elif ptype == wire.T_STOP:
             flow = self._tx.get(key)
@@ -384,7 +385,7 @@ class Engine:
                 return
             rflow = self._rx.get(key)
             if rflow is not None and rflow.token == token:
-                self._close_rx(rflow, now, "cancelled", send_stop=False)
+                self._close_rx(rflow, now, Regime.CANCELLED, send_stop=False)
                 return
             pend = self._pending.get(key)
             if pend is not None and pend.token == token:
@@ -479,8 +480,8 @@ class Engine:
         expired = self._expired_tags.get((addr, tag))
         if expired is not None and expired > now:
             # the receive this message was meant for already passed its deadline
-            self._remember_closed(key, token, wire.STOP_CODES["deadline"], 0, now)
-            self._ctrl.append((self._stop_datagram(fid, token, wire.STOP_CODES["deadline"], 0), addr))
+            self._remember_closed(key, token, wire.STOP_CODES[CloseReason.DEADLINE], 0, now)
+            self._ctrl.append((self._stop_datagram(fid, token, wire.STOP_CODES[CloseReason.DEADLINE], 0), addr))
             return
         slot = self._waiting_slot(addr, tag)
         if slot is not None and total > len(slot.dest):
@@ -521,7 +522,7 @@ class Engine:
         slot.error = LTPError(f"a {total}-byte message from {addr} does not fit the {len(slot.dest)}-byte "
                               "receive buffer; post a buffer as large as the message")
         self._waiting.remove(slot)
-        slot.report = self._empty_report(slot, "cancelled")
+        slot.report = self._empty_report(slot, Regime.CANCELLED)
         self._check_group(slot.group, now)
 
     def _uncount(self, addr) -> None:
@@ -560,7 +561,7 @@ class Engine:
         slot = self._waiting_slot(addr, pend.tag)
         if slot is not None and total > len(slot.dest):
             self._uncount(addr)
-            self._remember_closed(pend.key, token, wire.STOP_CODES["cancelled"], 0, now)
+            self._remember_closed(pend.key, token, wire.STOP_CODES[CloseReason.CANCELLED], 0, now)
             self._refuse_too_small(slot, addr, fid, token, total, now)
             return None
         internal = slot is None
@@ -568,7 +569,7 @@ class Engine:
         if self._memory + need > cfg.max_receive_memory or \
                 self._host_memory.get(addr[0], 0) + need > cfg.host_memory_cap:
             self._uncount(addr)
-            self._remember_closed(pend.key, token, wire.STOP_CODES["cancelled"], 0, now)
+            self._remember_closed(pend.key, token, wire.STOP_CODES[CloseReason.CANCELLED], 0, now)
             self._refuse(addr, fid, token, "out_of_memory")
             return None
         dest = bytearray(total) if internal else slot.dest
@@ -662,7 +663,7 @@ class Engine:
         if flow.regime is not None:
             return
         if flow.complete:
-            self._close_rx(flow, now, "complete")
+            self._close_rx(flow, now, Regime.COMPLETE)
             return
         lt = self._lt_for(flow, now)
         flow.lt = lt
@@ -706,13 +707,13 @@ class Engine:
                 hard = min(hard, flow.slot.group.timeout_at)
         return loss_rate > STRETCH_MAX_LOSS, first_pass, stall_at, hard
 
-    def _close_rx(self, flow: FlowReceiver, now: float, regime: str, send_stop: bool = True,
+    def _close_rx(self, flow: FlowReceiver, now: float, regime: Regime, send_stop: bool = True,
                   cause: str = "") -> None:
         self._flush_acks(flow, now)
         report = flow.close(now, regime)
         if cause:
             report = flow.report = dataclasses.replace(report, cause=cause)
-        code = wire.STOP_CODES.get(regime, wire.STOP_CODES["deadline"])
+        code = wire.STOP_CODES[stop_reason(regime)]
         if send_stop:
             self._ctrl.append((self._stop_datagram(flow.flow_id, flow.token, code, flow.window.received), flow.peer))
         self._rx.pop(flow.key, None)
@@ -722,9 +723,9 @@ class Engine:
         self._uncount(flow.peer)
         self._release_memory(flow.peer, flow.seg_count)
         self._remember_closed(flow.key, flow.token, code, flow.window.received, now)
-        if regime == "complete":
+        if regime == Regime.COMPLETE:
             self._thresholds.record_full(flow.peer, flow.total, flow.last_arrival - flow.anchor)
-        elif regime in ("early", "deadline") and flow.window.received_bytes > 0:
+        elif regime in (Regime.EARLY, Regime.DEADLINE) and flow.window.received_bytes > 0:
             # a cut flow still says how long all of it would have taken at the rate it arrived
             frac = flow.window.received_bytes / flow.total
             self._thresholds.record_full(flow.peer, flow.total,
@@ -742,7 +743,7 @@ class Engine:
         while len(self._closed) > self.config.max_closed_flows:
             self._closed.popitem(last=False)
 
-    def _empty_report(self, slot: RecvSlot, regime: str, cause: str = "", now: float | None = None) -> RecvReport:
+    def _empty_report(self, slot: RecvSlot, regime: Regime, cause: str = "", now: float | None = None) -> RecvReport:
         n = len(slot.dest)
         waited = 0.0 if now is None else now - slot.group.posted
         return RecvReport(peer=slot.peer, tag=slot.tag, total_bytes=n, received_bytes=0, delivered_fraction=0.0,
@@ -769,9 +770,9 @@ class Engine:
         if group.timeout_at is not None and now >= group.timeout_at:
             for s in group.slots:
                 if s.flow is not None and s.flow.regime is None:
-                    self._close_rx(s.flow, now, "timeout")
+                    self._close_rx(s.flow, now, Regime.TIMEOUT)
                 elif s.report is None and s.flow is None:
-                    self._expire_slot(s, now, "timeout")
+                    self._expire_slot(s, now, Regime.TIMEOUT)
             self._check_group(group, now)
             return None
         if group.t0 is not None:
@@ -783,13 +784,13 @@ class Engine:
                     if deadline is not None:
                         if now >= deadline:
                             for s in unregistered:
-                                self._expire_slot(s, now, "timeout")
+                                self._expire_slot(s, now, Regime.TIMEOUT)
                             self._check_group(group, now)
                         else:
                             wake = deadline if wake is None else min(wake, deadline)
         return wake
 
-    def _expire_slot(self, slot: RecvSlot, now: float, regime: str, cause: str = "") -> None:
+    def _expire_slot(self, slot: RecvSlot, now: float, regime: Regime, cause: str = "") -> None:
         slot.dest[:] = bytes(len(slot.dest))
         slot.report = self._empty_report(slot, regime, cause or self._expiry_cause(slot, now), now)
         if slot in self._waiting:
@@ -977,7 +978,7 @@ class Engine:
         """Close receive flows whose sender has been silent for ``idle_timeout_s`` (regime ``timeout``)."""
         limit = self.config.idle_timeout_s
         for flow in [f for f in self._rx.values() if f.regime is None and f.last_arrival + limit <= now]:
-            self._close_rx(flow, now, "timeout", cause=(
+            self._close_rx(flow, now, Regime.TIMEOUT, cause=(
                 f"sender {flow.peer} sent nothing for {now - flow.last_arrival:.3f} s (idle_timeout_s={limit} s); "
                 f"{flow.window.received}/{flow.seg_count} segments had arrived in {now - flow.start:.3f} s"))
         self._rx_idle_next = now + limit * _RX_IDLE_SCAN_FRACTION
@@ -1001,13 +1002,13 @@ class Engine:
                     n += 1
         if self._rx_per_peer.get(peer):
             for flow in [f for f in self._rx.values() if f.peer == peer and f.regime is None]:
-                self._close_rx(flow, now, "timeout", send_stop=False,
+                self._close_rx(flow, now, Regime.TIMEOUT, send_stop=False,
                                cause=f"sender {peer} unreachable: {cause} ({now - flow.start:.3f} s after it registered)")
                 n += 1
             for pend in [p for p in self._pending.values() if p.peer == peer]:
                 self._drop_pending(pend)
         for slot in [s for s in self._waiting if s.peer == peer]:
-            self._expire_slot(slot, now, "timeout", cause=f"peer {peer} unreachable: {cause}")
+            self._expire_slot(slot, now, Regime.TIMEOUT, cause=f"peer {peer} unreachable: {cause}")
             self._check_group(slot.group, now)
             n += 1
         return n

@@ -22,6 +22,7 @@ from ltp_ext import load as _load
 
 from . import wire
 from .bubbles import bubble_byte_ranges
+from .regimes import Regime
 from .reports import RecvReport
 
 _dp = _load("datapath")
@@ -94,7 +95,7 @@ class FlowReceiver:
         self.ack_since: float | None = None
         self.rtprop_us, self.btlbw = est
         self.padding = padding
-        self.regime: str | None = None
+        self.regime: Regime | None = None
         self.closed_at: float | None = None
         self.report: RecvReport | None = None
         self.lt: float | None = None
@@ -130,7 +131,7 @@ class FlowReceiver:
             if rt and bw:
                 self.rtprop_us, self.btlbw = rt, bw
 
-    def close(self, now: float, regime: str) -> RecvReport:
+    def close(self, now: float, regime: Regime) -> RecvReport:
         """Zero-fill what is missing and build the report."""
         self.regime = regime
         self.closed_at = now
@@ -143,7 +144,7 @@ class FlowReceiver:
             delivered_fraction=w.received_bytes / self.total,
             bubbles=bubble_byte_ranges(runs, self.seg_size, self.total),
             critical_complete=self.critical_ok, regime=regime,
-            duration_s=(self.last_arrival if regime == "complete" else now) - self.start,
+            duration_s=(self.last_arrival if regime == Regime.COMPLETE else now) - self.start,
             duplicates=w.duplicates, rtprop_s=self.rtprop_us / 1e6, btlbw_bps=float(self.btlbw),
             lt_threshold_s=self.lt, deadline_s=None if self.deadline is None else self.deadline - self.anchor,
             reliable=self.reliable, padding_bytes_per_packet=self.padding)

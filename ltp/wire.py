@@ -5,6 +5,8 @@ See docs/protocol.md for the byte layout and ``ltp_ext/_wire_py.py`` for the API
 
 from ltp_ext import load as _load
 
+from .regimes import CloseReason
+
 _impl = _load("wire")
 
 VERSION = _impl.VERSION
@@ -34,7 +36,7 @@ pack_ack = _impl.pack_ack
 unpack_ack_entries = _impl.unpack_ack_entries
 
 #: STOP close reasons (word 3 high byte).
-STOP_REASONS = {1: "complete", 2: "early", 3: "deadline", 4: "cancelled"}
+STOP_REASONS = {1: CloseReason.COMPLETE, 2: CloseReason.EARLY, 3: CloseReason.DEADLINE, 4: CloseReason.CANCELLED}
 STOP_CODES = {v: k for k, v in STOP_REASONS.items()}
 #: RESET reasons (word 2).
 RESET_REASONS = {1: "too_large", 2: "too_many_flows", 3: "out_of_memory", 4: "unauthenticated",

@@ -43,7 +43,7 @@ import json
 import struct
 from typing import Any, Awaitable, Callable, Mapping
 
-from ..transport.base import RecvReport, SendReport
+from ..transport.base import CANCELLED, RecvReport, SendReport
 from ..wire import KIND_GRANT, KIND_PARAMS
 from . import tags as _tags
 from .executor import Executor, Slots
@@ -392,7 +392,7 @@ class ControlChannel:
                                                                        timeout_s=timeout_s),),)), self.slots)
         r = res.reports[0]
         if not isinstance(r, RecvReport) or r.received_bytes == 0:
-            if getattr(r, "regime", None) == "cancelled":
+            if getattr(r, "regime", None) == CANCELLED:
                 raise ConnectionError(f"{self.peer} closed the control stream")
             return None
         self.in_seq += 1

@@ -31,15 +31,17 @@ import abc
 import dataclasses
 from typing import Sequence, Union
 
+from ltp.regimes import CloseReason, Regime
+
 Address = tuple  # (host: str, port: int)
 ByteRange = tuple  # (start, end), half-open, bytes
 
-# Regimes (same words as ltp.RecvReport.regime).
-COMPLETE = "complete"
-EARLY = "early"
-DEADLINE = "deadline"
-CANCELLED = "cancelled"
-TIMEOUT = "timeout"
+# Regimes: the members of ltp.regimes.Regime (ltp.RecvReport.regime), named once for ltp and the PS.
+COMPLETE = Regime.COMPLETE
+EARLY = Regime.EARLY
+DEADLINE = Regime.DEADLINE
+CANCELLED = Regime.CANCELLED
+TIMEOUT = Regime.TIMEOUT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +75,7 @@ class SendReport:
     delivered_bytes: int
     delivered_fraction: float
     duration_s: float = 0.0  # seconds
-    close_reason: str = "complete"
+    close_reason: str = CloseReason.COMPLETE
     reliable: bool = True
     raw: object = dataclasses.field(default=None, compare=False, repr=False)
 

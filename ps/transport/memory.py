@@ -18,7 +18,8 @@ import time
 from typing import Sequence
 
 from ..errors import TransportError, TransportTimeout
-from .base import COMPLETE, EARLY, Address, RecvReport, SendReport, Transport, as_bytes_view, gather_by_recv
+from .base import (COMPLETE, EARLY, Address, CloseReason, RecvReport, SendReport, Transport, as_bytes_view,
+                   gather_by_recv)
 from .mailbox import Mailbox
 
 
@@ -102,7 +103,8 @@ class MemoryTransport(Transport):
         n = view.nbytes
         frac = (n - lost) / n if n else 1.0
         return SendReport(peer=peer, tag=tag, total_bytes=n, delivered_bytes=n - lost,
-                          delivered_fraction=frac, close_reason="complete" if not lost else "early",
+                          delivered_fraction=frac,
+                          close_reason=CloseReason.COMPLETE if not lost else CloseReason.EARLY,
                           reliable=reliable)
 
     async def recv(self, into, *, peer=None, tag=None, timeout=None):

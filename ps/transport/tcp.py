@@ -23,7 +23,7 @@ import time
 from typing import Sequence
 
 from ..errors import ConfigError, TransportError, TransportTimeout
-from .base import COMPLETE, Address, RecvReport, SendReport, Transport, as_bytes_view, gather_by_recv
+from .base import COMPLETE, Address, CloseReason, RecvReport, SendReport, Transport, as_bytes_view, gather_by_recv
 from .mailbox import Mailbox, PeerClosed
 
 _FRAME = struct.Struct("!4sQQ")
@@ -210,7 +210,7 @@ class TcpTransport(Transport):
             raise TransportError(f"send to {peer} failed: {exc}") from exc
         return SendReport(peer=peer, tag=tag, total_bytes=view.nbytes, delivered_bytes=view.nbytes,
                           delivered_fraction=1.0, duration_s=time.monotonic() - t0,
-                          close_reason="complete", reliable=True)
+                          close_reason=CloseReason.COMPLETE, reliable=True)
 
     def _drop_conn(self, peer):
         conn = self._out.pop(peer, None)
