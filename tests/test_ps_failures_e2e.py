@@ -156,3 +156,18 @@ def test_worker_under_a_failed_ps_exits_non_zero(tmp_path):
         stop(server)
         stop(worker)
         del store
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ltp"])
+def test_launch_at_chance_accuracy_with_a_finite_loss_exits_3_naming_why(tmp_path, transport):
+    """``--lr 1e9`` with the norm guard on: every loss finite, the model guessing; PS, workers and launch fail."""
+    job = Launch(tmp_path, "--transport", transport, "--workers", 2, "--epochs", 3, "--lr", "1e9",
+                 "--batch-size", 256)  # 3 rounds an epoch: the verdict needs 3 epochs, not many rounds
+    rc = job.wait(180)
+    out = job.text()
+    assert rc == 3, out
+    assert re.search(r"ltp-ps: training failed: PS shard 0: nothing trained: test accuracy 0\.\d+ at epoch 3 is at "
+                     r"chance", out), out
+    assert re.search(r"\[launch\] FAILED: .*ps0 \(pid \d+\) exited with code 3", out), out
+    assert out.count("PS shard 0 stopped the job") == 2, out  # both workers read the verdict, before STOP
+    assert "final / best accuracy" not in out
