@@ -82,8 +82,10 @@ import numpy as np
 
 from .regimes import Regime
 
-__all__ = ["LinkThresholds", "FlowProgress", "decide", "stall_window", "COMPLETE", "EARLY", "DEADLINE",
-           "STALL_MIN_S", "STALL_RTPROPS", "STALL_GAPS", "HARD_STRETCH", "STRETCH_MAX_LOSS"]
+__all__ = ["EarlyClose", "LinkThresholds", "FlowProgress", "decide", "stall_window", "group_deadline",
+           "hard_deadline", "projected_full_duration", "COMPLETE", "EARLY", "DEADLINE", "STALL_MIN_S",
+           "STALL_RTPROPS", "STALL_GAPS", "HARD_STRETCH", "STRETCH_MAX_LOSS", "HISTORY_RTPROP_MARGIN",
+           "INITIAL_RTPROPS"]
 
 #: the regimes :func:`decide` returns (members of :class:`ltp.regimes.Regime`)
 COMPLETE = Regime.COMPLETE
@@ -102,6 +104,10 @@ HARD_STRETCH = 3.0
 #: ... unless its observed loss rate (gaps / segments up to the highest received) exceeds this: random
 #: loss up to 10% stretches, a congested queue (the simulator's 8-way incast loses ~27%) does not
 STRETCH_MAX_LOSS = 0.15
+#: the initial LT threshold allows this many RTprops on top of size/BtlBw (the paper's 1.5)
+INITIAL_RTPROPS = 1.5
+#: a measured LT threshold (shortest recent full delivery) gets this many RTprops of margin
+HISTORY_RTPROP_MARGIN = 0.5
 
 
 class LinkThresholds:
@@ -115,16 +121,35 @@ class LinkThresholds:
     @staticmethod
     def initial(rtprop_s: float, size: int, btlbw_bps: float) -> float:
         """The paper's initial LT threshold: ``1.5·RTprop + size/BtlBw``."""
-        return 1.5 * rtprop_s + size / btlbw_bps
+        return INITIAL_RTPROPS * rtprop_s + size / btlbw_bps
 
     def threshold(self, link, size: int, rtprop_s: float = 0.0, btlbw_bps: float = 0.0) -> float | None:
-        """LT threshold in seconds for a flow starting now, or None when nothing is known yet."""
+        """LT threshold in seconds for a flow starting now, or None when nothing is known yet.
+
+        The same computation as :meth:`flow_threshold` (which the engine runs) for a
+        flow that has received nothing and fixed no anchor yet."""
+        return self.flow_threshold(link, size, rtprop_s, btlbw_bps)[0]
+
+    def flow_threshold(self, link, size: int, rtprop_s: float = 0.0, btlbw_bps: float = 0.0, *,
+                       elapsed_s: float = 0.0, remaining: int | None = None,
+                       anchor: float | None = None) -> tuple:
+        """LT threshold of one live flow: ``(lt, anchor)``, seconds after the flow's Early Close start.
+
+        With a measured history for ``(link, size)``: the shortest recent full
+        delivery plus ``HISTORY_RTPROP_MARGIN·RTprop``. Otherwise the initial
+        formula, fixed (*anchored*) the first time valid estimates are seen:
+        ``elapsed_s + 1.5·RTprop + remaining/BtlBw`` (``remaining``: bytes not yet
+        received, default ``size``) — at registration exactly the paper's
+        formula. ``anchor`` is the value fixed by an earlier call for this flow
+        (None before); the caller keeps the returned ``anchor`` and passes it
+        back. ``lt`` is None while nothing is known.
+        """
         hist = self.history(link, size)
         if hist is not None:
-            return hist + 0.5 * rtprop_s
-        if rtprop_s > 0 and btlbw_bps > 0:
-            return self.initial(rtprop_s, size, btlbw_bps)
-        return None
+            return hist + HISTORY_RTPROP_MARGIN * rtprop_s, anchor
+        if anchor is None and rtprop_s > 0 and btlbw_bps > 0:
+            anchor = elapsed_s + self.initial(rtprop_s, size if remaining is None else remaining, btlbw_bps)
+        return anchor, anchor
 
     def history(self, link, size: int) -> float | None:
         """Only the measured part: the shortest recent full delivery, or None."""
@@ -143,6 +168,52 @@ class LinkThresholds:
             while len(self._full) > self.max_links:
                 self._full.popitem(last=False)
         hist.append(duration_s)
+
+    def record_closed(self, link, size: int, regime, *, anchor: float, start: float, last_arrival: float,
+                      received_bytes: int) -> None:
+        """Record what a closed flow says about its link's full-delivery time.
+
+        ``anchor``: the flow's Early Close start (its group's first registration);
+        ``start``: its own registration; ``last_arrival``: its last DATA (all on
+        the engine's clock). A complete flow records what it took; a flow cut by
+        Early Close (``early``/``deadline``) that received anything records its
+        projected full-delivery time (:func:`projected_full_duration`). Other
+        regimes say nothing about the link.
+        """
+        if regime == Regime.COMPLETE:
+            self.record_full(link, size, last_arrival - anchor)
+        elif regime in (Regime.EARLY, Regime.DEADLINE) and received_bytes > 0:
+            self.record_full(link, size, projected_full_duration(start - anchor, last_arrival - start,
+                                                                 received_bytes / size))
+
+
+def projected_full_duration(start_offset_s: float, arrival_span_s: float, fraction: float) -> float:
+    """How long all of a cut flow would have taken at the rate it arrived (seconds after its start).
+
+    ``fraction`` (> 0) of it arrived within ``arrival_span_s`` of its registration,
+    which came ``start_offset_s`` after its Early Close start."""
+    return start_offset_s + arrival_span_s / fraction
+
+
+def group_deadline(t0: float, thresholds, slack_s: float) -> float | None:
+    """The receive group's Early Close deadline ``t0 + max(LT) + C``, or None if an LT is unknown.
+
+    ``thresholds`` is an iterable of the LT thresholds of the group's links (a
+    lazy one stops at the first None). An empty group of thresholds gives
+    ``t0 + C``."""
+    worst = 0.0
+    for lt in thresholds:
+        if lt is None:
+            return None
+        worst = max(worst, lt)
+    return t0 + worst + slack_s
+
+
+def hard_deadline(start: float, deadline: float, timeout_at: float | None = None) -> float:
+    """The latest a flow still in its first pass may stay open: ``start + HARD_STRETCH·(deadline − start)``,
+    and never after the caller's timeout ``timeout_at``."""
+    hard = start + HARD_STRETCH * max(0.0, deadline - start)
+    return hard if timeout_at is None else min(hard, timeout_at)
 
 
 def stall_window(rtprop_s: float, mean_gap_s: float | None, slack_s: float = 0.0) -> float:
@@ -257,3 +328,101 @@ def decide(now: float, *, start: float, lt: float | None, deadline: float | None
         else:
             wake = _earliest(wake, lt_at)
     return None, wake
+
+
+class EarlyClose:
+    """The Early Close policy applied to live receive flows (sans-IO; the engine owns the flows).
+
+    Theory of operation: for each flow the engine asks :meth:`check` after new
+    data or when the flow's wake-up time passes. :meth:`check` computes the
+    flow's LT threshold (:meth:`LinkThresholds.flow_threshold`, anchoring the
+    initial formula on the flow), its group's deadline (:func:`group_deadline`
+    over the LT thresholds of every unreliable link of the group; a slot not yet
+    registered contributes its link's measured history, or makes the deadline
+    unknown), gathers progress evidence once the LT threshold or the deadline
+    has passed (:class:`FlowProgress`, :func:`stall_window`,
+    :func:`hard_deadline`) and returns :func:`decide`'s ``(regime, wake)``. It
+    writes ``flow.lt``, ``flow.lt_anchor`` and ``flow.deadline`` (reported in the
+    flow's :class:`~ltp.reports.RecvReport`) and the group's ``wake`` (the
+    deadline at which its unregistered slots expire). :meth:`on_close` feeds a
+    closed flow's delivery time back into the thresholds.
+
+    A *flow* here is any object with the attributes of
+    :class:`ltp.receiver.FlowReceiver` (``peer``, ``total``, ``anchor``,
+    ``start``, ``last_arrival``, ``window``, ``slot``, ...).
+    """
+
+    def __init__(self, *, slack_s: float, lt_fraction: float, window: int = 32, max_links: int = 4096) -> None:
+        """``slack_s``: the deadline slack C (seconds); ``lt_fraction``: the fraction a flow needs
+        to close early; ``window``/``max_links``: see :class:`LinkThresholds`."""
+        self.slack_s = slack_s
+        self.lt_fraction = lt_fraction
+        self.thresholds = LinkThresholds(window, max_links)
+        self._progress: dict = {}  # flow key -> FlowProgress, made once a flow passes its LT threshold
+
+    def lt_for(self, flow, now: float) -> float | None:
+        """LT threshold of ``flow`` (seconds after its Early Close start), or None while unknown."""
+        flow.update_estimates()
+        lt, flow.lt_anchor = self.thresholds.flow_threshold(
+            flow.peer, flow.total, flow.rtprop_us / 1e6, flow.btlbw, elapsed_s=now - flow.anchor,
+            remaining=flow.total - flow.window.received_bytes, anchor=flow.lt_anchor)
+        return lt
+
+    def deadline_for(self, flow, lt: float | None, now: float) -> float | None:
+        """The deadline of ``flow``'s receive group (its own, received alone), or None while unknown."""
+        slot = flow.slot
+        if slot is None or len(slot.group.slots) == 1:
+            return group_deadline(flow.anchor, (lt,), self.slack_s)
+        return group_deadline(slot.group.t0, self._group_thresholds(slot.group, flow, lt, now), self.slack_s)
+
+    def _group_thresholds(self, group, flow, lt: float | None, now: float):
+        for s in group.slots:
+            f = s.flow
+            if f is not None:
+                if f.reliable:
+                    continue
+                yield lt if f is flow else (f.lt if f.lt is not None else self.lt_for(f, now))
+            elif s.report is None:
+                yield None if s.peer is None else self.thresholds.history(s.peer, len(s.dest))
+
+    def check(self, flow, now: float) -> tuple:
+        """``(regime, wake)`` for an open, incomplete ``flow`` at ``now`` (see :func:`decide`)."""
+        lt = flow.lt = self.lt_for(flow, now)
+        deadline = flow.deadline = self.deadline_for(flow, lt, now)
+        if deadline is not None and flow.slot is not None:
+            # unregistered slots of the group expire at the same deadline
+            flow.slot.group.wake = deadline
+        lossy, first_pass, stall_at, hard = self._evidence(flow, lt, deadline, now)
+        return decide(now, start=flow.anchor, lt=lt, deadline=deadline, fraction=flow.fraction,
+                      complete=False, critical_ok=flow.critical_ok, lt_fraction=self.lt_fraction,
+                      reliable=flow.reliable, lossy=lossy, first_pass_done=first_pass, stall_at=stall_at,
+                      hard_deadline=hard)
+
+    def _evidence(self, flow, lt: float | None, deadline: float | None, now: float) -> tuple:
+        """Progress evidence for :func:`decide`: ``(lossy, first_pass_done, stall_at, hard_deadline)``.
+
+        Before the LT threshold (and the deadline) only time can close the
+        flow, so the bitmap is not inspected and the paper's defaults go in.
+        """
+        if flow.reliable or (lt is None and deadline is None) or (
+                (lt is None or now < flow.anchor + lt) and (deadline is None or now < deadline)):
+            return True, True, None, None
+        prog = self._progress.get(flow.key)
+        if prog is None:
+            prog = self._progress[flow.key] = FlowProgress(flow.seg_count, flow.window.critical)
+        loss_rate, first_pass = prog.observe(flow.window.bitmap, flow.window.received)
+        got = flow.window.received
+        mean_gap = (flow.last_arrival - flow.start) / got if got else None
+        stall_at = flow.last_arrival + stall_window(flow.rtprop_us / 1e6, mean_gap, self.slack_s)
+        hard = None
+        if deadline is not None:
+            slot = flow.slot
+            hard = hard_deadline(flow.anchor, deadline, None if slot is None else slot.group.timeout_at)
+        return loss_rate > STRETCH_MAX_LOSS, first_pass, stall_at, hard
+
+    def on_close(self, flow, regime) -> None:
+        """``flow`` closed with ``regime``: forget its progress and record its delivery time."""
+        self._progress.pop(flow.key, None)
+        self.thresholds.record_closed(flow.peer, flow.total, regime, anchor=flow.anchor, start=flow.start,
+                                      last_arrival=flow.last_arrival,
+                                      received_bytes=flow.window.received_bytes)

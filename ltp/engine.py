@@ -62,7 +62,7 @@ import numpy as np
 from . import wire
 from .admission import PendingRegistration, ReplayCache, pending_lifetime, reg_mac
 from .config import Config
-from .early_close import HARD_STRETCH, STRETCH_MAX_LOSS, FlowProgress, LinkThresholds, decide, stall_window
+from .early_close import EarlyClose
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
                      TransferTimeout, WireError)
 from .path import Path, Transmit
@@ -149,7 +149,9 @@ class Engine:
         self._groups: dict = {}
         self._waiting: list = []  # RecvSlots without a flow, FIFO
         self._unexpected: deque = deque()  # FlowReceivers with internal buffers, FIFO
-        self._thresholds = LinkThresholds(self.config.lt_window, self.config.max_peers)
+        self._early = EarlyClose(slack_s=self.config.deadline_slack_s, lt_fraction=self.config.lt_fraction,
+                                 window=self.config.lt_window, max_links=self.config.max_peers)
+        self._thresholds = self._early.thresholds  # LT history per (link, size)
         self._ctrl: deque = deque()
         self._ack_dirty: dict = {}
         self._events: deque = deque()
@@ -157,7 +159,6 @@ class Engine:
         self._next_handle = 1
         self._closed_engine = False
         self._wakes: dict = {}
-        self._progress: dict = {}  # (peer, fid) -> FlowProgress, made once a flow passes its LT threshold
 
     # ------------------------------------------------------------------ commands
     def send(self, peer, data, *, now: float, reliable: bool = False, critical=(), element_size: int | None = None,
@@ -623,89 +624,19 @@ class Engine:
         self._check_flow(flow, now)
 
     # ------------------------------------------------------------------ early close
-    def _lt_for(self, flow: FlowReceiver, now: float) -> float | None:
-        """LT threshold of ``flow`` (seconds after its registration), or None while unknown."""
-        flow.update_estimates()
-        rtprop = flow.rtprop_us / 1e6
-        measured = self._thresholds.history(flow.peer, flow.total)
-        if measured is not None:
-            return measured + 0.5 * rtprop
-        if flow.lt_anchor is None and rtprop > 0 and flow.btlbw > 0:
-            # the paper's 1.5·RTprop + size/BtlBw, anchored when valid estimates first arrive:
-            # at registration it is exactly that formula; later it counts only what is left
-            remaining = flow.total - flow.window.received_bytes
-            flow.lt_anchor = (now - flow.anchor) + LinkThresholds.initial(rtprop, remaining, flow.btlbw)
-        return flow.lt_anchor
-
-    def _deadline_for(self, flow: FlowReceiver, lt: float | None, now: float) -> float | None:
-        slack = self.config.deadline_slack_s
-        slot = flow.slot
-        if slot is None or len(slot.group.slots) == 1:
-            return None if lt is None else flow.anchor + lt + slack
-        group = slot.group
-        worst = 0.0
-        for s in group.slots:
-            f = s.flow
-            if f is not None:
-                if f.reliable:
-                    continue
-                v = lt if f is flow else (f.lt if f.lt is not None else self._lt_for(f, now))
-            elif s.report is not None:
-                continue
-            else:
-                v = None if s.peer is None else self._thresholds.history(s.peer, len(s.dest))
-            if v is None:
-                return None
-            worst = max(worst, v)
-        return group.t0 + worst + slack
-
     def _check_flow(self, flow: FlowReceiver, now: float) -> None:
         if flow.regime is not None:
             return
         if flow.complete:
             self._close_rx(flow, now, Regime.COMPLETE)
             return
-        lt = self._lt_for(flow, now)
-        flow.lt = lt
-        deadline = self._deadline_for(flow, lt, now)
-        flow.deadline = deadline
-        if deadline is not None and flow.slot is not None:
-            # unregistered slots of the group expire at the same deadline
-            flow.slot.group.wake = deadline
-        lossy, first_pass, stall_at, hard = self._progress_for(flow, lt, deadline, now)
-        regime, wake = decide(now, start=flow.anchor, lt=lt, deadline=deadline, fraction=flow.fraction,
-                              complete=False, critical_ok=flow.critical_ok,
-                              lt_fraction=self.config.lt_fraction, reliable=flow.reliable,
-                              lossy=lossy, first_pass_done=first_pass, stall_at=stall_at, hard_deadline=hard)
+        regime, wake = self._early.check(flow, now)
         if regime is not None:
             self._close_rx(flow, now, regime)
         elif wake is not None:
             self._wakes[flow.key] = wake
         else:
             self._wakes.pop(flow.key, None)
-
-    def _progress_for(self, flow: FlowReceiver, lt: float | None, deadline: float | None, now: float) -> tuple:
-        """Progress evidence for :func:`decide`: ``(lossy, first_pass_done, stall_at, hard_deadline)``.
-
-        Before the LT threshold (and the deadline) only time can close the
-        flow, so the bitmap is not inspected and the paper's defaults go in.
-        """
-        if flow.reliable or (lt is None and deadline is None) or (
-                (lt is None or now < flow.anchor + lt) and (deadline is None or now < deadline)):
-            return True, True, None, None
-        prog = self._progress.get(flow.key)
-        if prog is None:
-            prog = self._progress[flow.key] = FlowProgress(flow.seg_count, flow.window.critical)
-        loss_rate, first_pass = prog.observe(flow.window.bitmap, flow.window.received)
-        got = flow.window.received
-        mean_gap = (flow.last_arrival - flow.start) / got if got else None
-        stall_at = flow.last_arrival + stall_window(flow.rtprop_us / 1e6, mean_gap, self.config.deadline_slack_s)
-        hard = None
-        if deadline is not None:
-            hard = flow.anchor + HARD_STRETCH * max(0.0, deadline - flow.anchor)
-            if flow.slot is not None and flow.slot.group.timeout_at is not None:
-                hard = min(hard, flow.slot.group.timeout_at)
-        return loss_rate > STRETCH_MAX_LOSS, first_pass, stall_at, hard
 
     def _close_rx(self, flow: FlowReceiver, now: float, regime: Regime, send_stop: bool = True,
                   cause: str = "") -> None:
@@ -719,17 +650,10 @@ class Engine:
         self._rx.pop(flow.key, None)
         self._wakes.pop(flow.key, None)
         self._ack_dirty.pop(flow.key, None)
-        self._progress.pop(flow.key, None)
         self._uncount(flow.peer)
         self._release_memory(flow.peer, flow.seg_count)
         self._remember_closed(flow.key, flow.token, code, flow.window.received, now)
-        if regime == Regime.COMPLETE:
-            self._thresholds.record_full(flow.peer, flow.total, flow.last_arrival - flow.anchor)
-        elif regime in (Regime.EARLY, Regime.DEADLINE) and flow.window.received_bytes > 0:
-            # a cut flow still says how long all of it would have taken at the rate it arrived
-            frac = flow.window.received_bytes / flow.total
-            self._thresholds.record_full(flow.peer, flow.total,
-                                         (flow.start - flow.anchor) + (flow.last_arrival - flow.start) / frac)
+        self._early.on_close(flow, regime)
         if flow.slot is not None:
             if flow.internal:
                 self._deliver_internal(flow, now)
@@ -780,7 +704,7 @@ class Engine:
             if unregistered:
                 probe = next((s.flow for s in group.slots if s.flow is not None and not s.flow.reliable), None)
                 if probe is not None:
-                    deadline = self._deadline_for(probe, probe.lt, now)
+                    deadline = self._early.deadline_for(probe, probe.lt, now)
                     if deadline is not None:
                         if now >= deadline:
                             for s in unregistered:
