@@ -51,7 +51,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import hmac as _hmac
 import random
 from collections import OrderedDict, deque
@@ -70,6 +69,7 @@ from .regimes import CloseReason, Regime, stop_reason
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .reports import EndpointStats, RecvReport, SendReport
 from .sender import OPEN, FlowSender
+from .timers import DeadlineHeap, Timer, TimerTable
 
 __all__ = ["Engine", "SendDone", "ReceiveDone"]
 
@@ -130,8 +130,7 @@ class Engine:
         self.wall_offset = wall_offset
         self._sources: dict = {}  # peer -> our address as that peer sees it
         self._pending: dict = {}  # (peer, fid) -> PendingRegistration
-        self._pending_heap: list = []  # (expires, seq, key), lazily cleaned
-        self._pending_seq = 0
+        self._pending_heap = DeadlineHeap()  # pending registrations by expiry, lazily cleaned
         self._per_host: dict = {}  # source host -> open + pending receive flows
         self._host_memory: dict = {}  # source host -> receive memory held for it
         self._replay = ReplayCache(self.config.replay_cache_entries, self.config.reg_freshness_s)
@@ -499,8 +498,7 @@ class Engine:
                                    ranges=ranges, est=wire.split_estimates(w3), registered=now,
                                    expires=now + pending_lifetime(self._rtt_hint(addr, w3)))
         self._pending[key] = pend
-        self._pending_seq += 1
-        heapq.heappush(self._pending_heap, (pend.expires, self._pending_seq, key))
+        self._pending_heap.push(pend.expires, key)
         self._rx_per_peer[addr] = self._rx_per_peer.get(addr, 0) + 1
         self._per_host[host] = self._per_host.get(host, 0) + 1
         self._ctrl.append((wire.pack_ack(fid, token, 0, 0, ()), addr))
@@ -802,40 +800,38 @@ class Engine:
     # ------------------------------------------------------------------ timers
     def get_timer(self) -> float | None:
         """The earliest time :meth:`handle_timer` must run, or None."""
-        best = None
+        return self.timers().next_deadline()
 
-        def take(t):
-            nonlocal best
-            if t is not None and (best is None or t < best):
-                best = t
-
+    def timers(self) -> TimerTable:
+        """Every armed timer, by kind (:class:`~ltp.timers.Timer`); the next deadline is their minimum."""
+        table = TimerTable()
+        arm = table.arm
         for path in self._paths.values():
             if not path.flows:
                 continue
-            take(path.wake)
+            arm(Timer.PACING, path.wake)
             pto = path.pto()
             for flow in path.flows:
                 if not flow.reg_confirmed:
-                    take(flow.reg_next)
+                    arm(Timer.REG_REPEAT, flow.reg_next)
                 oldest = flow.window.oldest_inflight_time() if flow.window.inflight_count else -1.0
                 if oldest >= 0:
-                    # tail-loss timer: re-armed by every ACK, so it only fires when ACKs stop
-                    take(max(oldest, flow.last_heard) + pto)
-                take(max(flow.last_heard, path.last_heard) + self.silence_limit(path))
+                    # re-armed by every ACK, so it only fires when ACKs stop
+                    arm(Timer.TAIL_LOSS, max(oldest, flow.last_heard) + pto)
+                arm(Timer.PEER_SILENCE, max(flow.last_heard, path.last_heard) + self.silence_limit(path))
         for t in self._wakes.values():
-            take(t)
+            arm(Timer.EARLY_CLOSE, t)
         for flow in self._ack_dirty.values():
             if flow.ack_since is not None:
-                take(flow.ack_since + self.config.ack_delay_s)
+                arm(Timer.ACK_DELAY, flow.ack_since + self.config.ack_delay_s)
         for group in self._groups.values():
             if not group.done:
-                take(group.wake)
-                take(group.timeout_at)
-        if self._pending_heap:
-            take(self._pending_heap[0][0])
+                arm(Timer.RECEIVE_GROUP, group.wake)
+                arm(Timer.RECEIVE_GROUP, group.timeout_at)
+        arm(Timer.REGISTRATION_EXPIRY, self._pending_heap.next_time())
         if self._rx:
-            take(self._rx_idle_next)
-        return best
+            arm(Timer.IDLE_SCAN, self._rx_idle_next)
+        return table
 
     def silence_limit(self, path: Path) -> float:
         """Seconds of silence after which a peer counts as dead (the dead-peer rule)."""
@@ -873,14 +869,12 @@ class Engine:
             if not group.done:
                 group.wake = self._group_timers(group, now)
         heap = self._pending_heap
-        while heap and heap[0][0] <= now:
-            _, _, key = heapq.heappop(heap)
+        while (key := heap.pop_due(now)) is not None:
             pend = self._pending.get(key)
             if pend is None:
                 continue
             if pend.expires > now:  # extended by a repeated REG
-                self._pending_seq += 1
-                heapq.heappush(heap, (pend.expires, self._pending_seq, key))
+                heap.push(pend.expires, key)
                 continue
             self._drop_pending(pend)
             self.stats.drop("registration_expired")

@@ -1,0 +1,134 @@
+"""The engine's timers, named once: what can wake it, and the table that picks the next deadline.
+
+Theory of operation. The sans-IO :class:`~ltp.engine.Engine` never sleeps; the
+adapter asks :meth:`Engine.get_timer` for the earliest time anything can
+change without new input and calls :meth:`Engine.handle_timer` then. That
+time is the minimum over a fixed set of timer kinds (:class:`Timer`), each
+armed from the state it belongs to:
+
+* per path — ``PACING`` (the pacer's next send time);
+* per send flow — ``REG_REPEAT`` (an unconfirmed REG is sent again),
+  ``TAIL_LOSS`` (the probe timeout: in-flight data and no ACK for a PTO) and
+  ``PEER_SILENCE`` (the dead-peer rule);
+* per receive flow — ``EARLY_CLOSE`` (its Early Close decision can change with
+  no new data) and ``ACK_DELAY`` (its oldest unacknowledged DATA waited
+  ``ack_delay_s``);
+* per receive group — ``RECEIVE_GROUP`` (its deadline for slots nobody
+  registered for, and the caller's timeout);
+* per endpoint — ``REGISTRATION_EXPIRY`` (the oldest pending registration,
+  kept in a :class:`DeadlineHeap`) and ``IDLE_SCAN`` (the next scan of receive
+  flows for silent senders).
+
+:class:`TimerTable` keeps the earliest deadline of each kind, so the next
+deadline is their minimum and a test can ask which kind is due
+(:meth:`Engine.timers`). Timers are level-triggered: :meth:`Engine.handle_timer`
+re-checks every due condition, so a timer that fires early or twice is
+harmless, and one that is re-armed later (an ACK moving the tail-loss timer)
+needs no cancellation.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+
+__all__ = ["Timer", "TimerTable", "DeadlineHeap"]
+
+
+class Timer(enum.IntEnum):
+    """The kinds of timer an engine arms (see the module comment)."""
+
+    #: a path's pacer allows its next DATA batch
+    PACING = 0
+    #: an unconfirmed registration (REG) is repeated
+    REG_REPEAT = 1
+    #: tail-loss probe: in-flight DATA and no ACK for a PTO
+    TAIL_LOSS = 2
+    #: dead-peer rule: a send fails after its peer's silence limit
+    PEER_SILENCE = 3
+    #: a receive flow's Early Close decision can change without new data
+    EARLY_CLOSE = 4
+    #: a receive flow's batched ACK has waited ack_delay_s
+    ACK_DELAY = 5
+    #: a receive group's deadline (unregistered slots expire) or the caller's timeout
+    RECEIVE_GROUP = 6
+    #: the oldest pending registration expires without DATA
+    REGISTRATION_EXPIRY = 7
+    #: next scan of receive flows for senders silent for idle_timeout_s
+    IDLE_SCAN = 8
+
+
+class TimerTable:
+    """The earliest armed deadline of each :class:`Timer` kind (seconds, the engine's clock)."""
+
+    __slots__ = ("_at",)
+
+    def __init__(self) -> None:
+        self._at: list = [None] * len(Timer)
+
+    def arm(self, kind: Timer, at: float | None) -> None:
+        """Arm ``kind`` at ``at`` unless it is already armed earlier; None arms nothing."""
+        if at is not None:
+            cur = self._at[kind]
+            if cur is None or at < cur:
+                self._at[kind] = at
+
+    def get(self, kind: Timer) -> float | None:
+        """The earliest deadline armed for ``kind``, or None."""
+        return self._at[kind]
+
+    def next_deadline(self) -> float | None:
+        """The minimum over every kind, or None when nothing is armed."""
+        best = None
+        for t in self._at:
+            if t is not None and (best is None or t < best):
+                best = t
+        return best
+
+    def due(self, now: float) -> list:
+        """The kinds armed at or before ``now``, earliest first."""
+        armed = [(t, k) for k, t in zip(Timer, self._at) if t is not None and t <= now]
+        return [k for _, k in sorted(armed)]
+
+    def as_dict(self) -> dict:
+        """``{Timer: deadline}`` for every armed kind."""
+        return {k: t for k, t in zip(Timer, self._at) if t is not None}
+
+
+class DeadlineHeap:
+    """Keys ordered by deadline (a min-heap), cleaned lazily.
+
+    The owner keeps the authoritative deadline of each key elsewhere: an entry
+    popped by :meth:`pop_due` may be stale (the key was removed, or its deadline
+    was extended); the owner skips it or pushes the key again. Ties pop in push
+    order.
+    """
+
+    __slots__ = ("_heap", "_seq")
+
+    def __init__(self) -> None:
+        self._heap: list = []  # (deadline, seq, key)
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, at: float, key) -> None:
+        """Schedule ``key`` at ``at`` (seconds)."""
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self._seq, key))
+
+    def next_time(self) -> float | None:
+        """The earliest scheduled deadline, or None when empty."""
+        return self._heap[0][0] if self._heap else None
+
+    def pop_due(self, now: float):
+        """Remove and return the earliest key scheduled at or before ``now``, or None."""
+        heap = self._heap
+        if heap and heap[0][0] <= now:
+            return heapq.heappop(heap)[2]
+        return None
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        self._heap.clear()
