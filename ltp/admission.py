@@ -26,6 +26,30 @@ wall clock in seconds since the Unix epoch, derived from ``now``):
 
 Without a job key, layers 1-2 are off (anyone can register: there is no secret
 to tell a peer from an attacker) and layer 3 still bounds what a REG can cost.
+
+:class:`Admission` applies the three layers for an engine and keeps every
+count they need: pending registrations (and their expiry heap), open + pending
+flows per source address and per source host, receive memory in total and per
+source host, the replay cache, the rate budget of RESET ``unregistered``
+answers, and what this host says to DATA that arrives too late:
+
+* a *closed flow* (token, STOP code, segments received) is remembered for
+  ``Config.closed_flow_ttl_s``; its DATA and repeated REGs are answered with
+  the same STOP again (at most once per :data:`STOP_REPEAT_S`), never by
+  re-opening the flow;
+* an *expired tag* (a posted receive for ``(peer, tag)`` that passed its
+  deadline or timeout with nothing registered) is remembered as long: a REG for
+  it is answered with STOP ``deadline`` at once, so the sender stops instead of
+  sending a message nobody will read;
+* DATA of a flow this host holds nothing for is answered with RESET
+  ``unregistered`` (at most :data:`UNREGISTERED_RESETS_PER_S`), so a sender
+  whose REG was lost or expired registers again.
+
+It writes its answers (ACK, RESET, STOP datagrams) to the engine's control
+queue and its counts to the engine's :class:`~ltp.reports.EndpointStats`;
+the engine owns the flows and receive slots and tells it what it needs to
+know about them (an open flow with the same key, the waiting slot a REG would
+fill, a flow's memory when it closes).
 """
 
 from __future__ import annotations
@@ -36,8 +60,13 @@ import ipaddress
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["reg_mac", "address_bytes", "ReplayCache", "PendingRegistration", "pending_lifetime",
-           "PENDING_RTTS", "PENDING_MIN_S", "PENDING_MAX_S"]
+from . import wire
+from .regimes import CloseReason
+from .timers import DeadlineHeap
+
+__all__ = ["Admission", "reg_mac", "address_bytes", "ReplayCache", "PendingRegistration", "pending_lifetime",
+           "stop_datagram", "PENDING_RTTS", "PENDING_MIN_S", "PENDING_MAX_S", "STOP_REPEAT_S",
+           "UNREGISTERED_RESETS_PER_S"]
 
 _MAC_LABEL = b"LTP1-REG"
 MAC_SIZE = 16
@@ -48,6 +77,10 @@ PENDING_RTTS = 8
 PENDING_MIN_S = 0.05
 #: ... nor more than this (seconds)
 PENDING_MAX_S = 1.0
+#: DATA of a closed flow is answered with its STOP again at most once per this interval (seconds)
+STOP_REPEAT_S = 0.002
+#: RESET ``unregistered`` answers to DATA of unknown flows: at most this many per second (and burst)
+UNREGISTERED_RESETS_PER_S = 1000.0
 
 
 def address_bytes(addr) -> bytes:
@@ -132,3 +165,282 @@ class PendingRegistration:
 def pending_lifetime(rtt_s: float) -> float:
     """How long a registration may wait for its first DATA, from a round-trip estimate (seconds)."""
     return min(PENDING_MAX_S, max(PENDING_MIN_S, PENDING_RTTS * rtt_s))
+
+
+def stop_datagram(fid: int, token: int, code: int, count: int) -> bytes:
+    """A STOP for flow ``fid``: ``code`` is the wire STOP code, ``count`` the segments received."""
+    return wire.pack_header(wire.T_STOP, 0, fid, token, count & 0xFFFFFFFF, code << 24)
+
+
+class Admission:
+    """Who may make this host commit receive memory, and the counts that bound it (see the module comment).
+
+    Sans-IO: every method takes ``now`` (the engine's clock, seconds) and,
+    for freshness, ``wall`` (seconds since the epoch). Answers go to ``ctrl``
+    (a deque of ``(datagram, addr)``), counts to ``stats``.
+    """
+
+    def __init__(self, config, stats, ctrl, *, srtt=None) -> None:
+        """``config``: the engine's :class:`~ltp.config.Config`; ``stats``: its
+        :class:`~ltp.reports.EndpointStats`; ``ctrl``: its control-datagram queue;
+        ``srtt``: ``addr -> smoothed RTT (seconds) or None``, this host's own estimate
+        of a peer (a registration's lifetime takes the larger of it and the sender's)."""
+        self.config = config
+        self.stats = stats
+        self.ctrl = ctrl
+        self._srtt = srtt if srtt is not None else (lambda addr: None)
+        self.pending: dict = {}  # (peer, fid) -> PendingRegistration
+        self.expiries = DeadlineHeap()  # pending registrations by expiry, lazily cleaned
+        self.per_peer: dict = {}  # source address -> open + pending receive flows
+        self.per_host: dict = {}  # source host -> open + pending receive flows
+        self.memory = 0  # bytes allocated on peers' behalf (bitmaps and internal buffers)
+        self.host_memory: dict = {}  # source host -> receive memory held for it
+        self.replay = ReplayCache(config.replay_cache_entries, config.reg_freshness_s)
+        self._unreg_budget = UNREGISTERED_RESETS_PER_S
+        self._unreg_at: float | None = None
+        self.closed: OrderedDict = OrderedDict()  # (peer, fid) -> [token, code, count, expiry, last_stop]
+        self.expired_tags: OrderedDict = OrderedDict()  # (peer, tag) -> expiry
+
+    # ------------------------------------------------------------------ registrations
+    def refuse(self, addr, fid: int, token: int, reason: str, code: str | None = None) -> None:
+        """Count a refused registration by ``reason`` and RESET the sender (``code``: the wire reason)."""
+        self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+        self.ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES[code or reason], 0), addr))
+
+    def on_reg(self, data, addr, flags: int, fid: int, token: int, w3: int, now: float, wall: float, *,
+               existing=None, find_slot=None):
+        """Admit, repeat-answer or refuse one REG from ``addr`` (layers 1-3).
+
+        ``existing``: the open receive flow with this ``(addr, fid)``, if any;
+        ``find_slot(addr, tag)``: the posted receive slot the message would fill,
+        or None. Returns None, or ``(slot, total)`` when the ``total``-byte message
+        does not fit the slot: the sender was refused (``too_large``) and the
+        caller fails the slot.
+        """
+        cfg = self.config
+        key = (addr, fid)
+        has_mac = bool(flags & wire.F_MAC)
+        (total, seg, elem, count, tag, mode, ranges, mac, mac_end, stamp) = wire.unpack_reg_body(
+            data, wire.HEADER_SIZE, has_mac)
+        if cfg.job_key is not None:
+            good = has_mac and hmac.compare_digest(mac, reg_mac(cfg.job_key, addr, bytes(data[:mac_end])))
+            if not good:
+                self.stats.drop("unauthenticated")
+                self.refuse(addr, fid, token, "unauthenticated")
+                return None
+            why = self.replay.check(mac, stamp / 1e6, wall)
+            if why is not None:
+                self.stats.drop(why)
+                self.stats.refused[why] = self.stats.refused.get(why, 0) + 1
+                if why == "stale":  # a live sender whose clock is off learns why; a replay gets nothing
+                    self.ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES["stale"], 0),
+                                      addr))
+                return None
+        pend = self.pending.get(key)
+        if existing is not None or pend is not None:
+            if (existing or pend).token == token:
+                received = existing.window.received if existing is not None else 0
+                self.ctrl.append((wire.pack_ack(fid, token, received, 0, ()), addr))
+                self.stats.drop("duplicate_reg")
+                if pend is not None:
+                    pend.expires = max(pend.expires, now + pending_lifetime(self._rtt_hint(addr, w3)))
+            else:
+                self.stats.drop("flow_id_collision")
+            return None
+        rec = self.closed.get(key)
+        if rec is not None and rec[0] == token:
+            self.stats.drop("duplicate_reg")
+            self.ctrl.append((stop_datagram(fid, token, rec[1], rec[2]), addr))
+            return None
+        if total > cfg.max_flow_bytes:
+            self.refuse(addr, fid, token, "too_large")
+            return None
+        if seg < cfg.min_segment_size and count > 1:
+            self.refuse(addr, fid, token, "bad_registration")
+            return None
+        host = addr[0]
+        if self.per_peer.get(addr, 0) >= cfg.max_flows_per_peer or (
+                addr not in self.per_peer and len(self.per_peer) >= cfg.max_peers):
+            self.refuse(addr, fid, token, "too_many_flows")
+            return None
+        if self.per_host.get(host, 0) >= cfg.max_flows_per_host:
+            self.refuse(addr, fid, token, "too_many_host_flows", "too_many_flows")
+            return None
+        if len(self.pending) >= cfg.max_pending_registrations:
+            self.refuse(addr, fid, token, "too_many_pending", "too_many_flows")
+            return None
+        expired = self.expired_tags.get((addr, tag))
+        if expired is not None and expired > now:
+            # the receive this message was meant for already passed its deadline
+            deadline = wire.STOP_CODES[CloseReason.DEADLINE]
+            self.remember_closed(key, token, deadline, 0, now)
+            self.ctrl.append((stop_datagram(fid, token, deadline, 0), addr))
+            return None
+        slot = find_slot(addr, tag) if find_slot is not None else None
+        if slot is not None and total > len(slot.dest):
+            self.refuse(addr, fid, token, "too_large")
+            return slot, total
+        need = count + (total if slot is None else 0)
+        if not self.fits(host, need):
+            # what it would cost does not fit now: say so early (memory is still only taken on DATA)
+            self.refuse(addr, fid, token, "out_of_memory")
+            return None
+        pend = PendingRegistration(key=key, peer=addr, flow_id=fid, token=token, total=total, seg_size=seg,
+                                   element_size=elem, seg_count=count, tag=tag, reliable=bool(mode),
+                                   ranges=ranges, est=wire.split_estimates(w3), registered=now,
+                                   expires=now + pending_lifetime(self._rtt_hint(addr, w3)))
+        self.pending[key] = pend
+        self.expiries.push(pend.expires, key)
+        self.per_peer[addr] = self.per_peer.get(addr, 0) + 1
+        self.per_host[host] = self.per_host.get(host, 0) + 1
+        self.ctrl.append((wire.pack_ack(fid, token, 0, 0, ()), addr))
+        return None
+
+    def _rtt_hint(self, addr, w3: int) -> float:
+        """Round-trip estimate for a registration: the sender's advertised RTprop or our own srtt."""
+        rt_us = wire.split_estimates(w3)[0]
+        ours = self._srtt(addr) or 0.0
+        return max(rt_us / 1e6, ours) or self.config.initial_rtt_s
+
+    def pending_for(self, key, token: int):
+        """The pending registration ``key`` if ``token`` is its token (a first DATA), else None."""
+        pend = self.pending.get(key)
+        return pend if pend is not None and pend.token == token else None
+
+    def commit(self, pend: PendingRegistration, slot, now: float) -> int | None:
+        """The first DATA of ``pend`` arrived: take its memory, or refuse it.
+
+        ``slot``: the posted receive it fills (None: an internal buffer is
+        needed). Returns the bytes committed (the caller allocates the flow and
+        gives them back with :meth:`release` when the flow is gone), or None when
+        the flow was refused: if the slot is too small the caller fails the slot
+        with :meth:`refuse` already counted; if memory does not fit the sender
+        got RESET ``out_of_memory``. Either way the flow is remembered as
+        closed (STOP ``cancelled`` answers its DATA).
+        """
+        self.pending.pop(pend.key)
+        addr, fid, token, total = pend.peer, pend.flow_id, pend.token, pend.total
+        if slot is not None and total > len(slot.dest):
+            self.uncount(addr)
+            self.remember_closed(pend.key, token, wire.STOP_CODES[CloseReason.CANCELLED], 0, now)
+            self.refuse(addr, fid, token, "too_large")
+            return None
+        need = pend.seg_count + (total if slot is None else 0)
+        if not self.fits(addr[0], need):
+            self.uncount(addr)
+            self.remember_closed(pend.key, token, wire.STOP_CODES[CloseReason.CANCELLED], 0, now)
+            self.refuse(addr, fid, token, "out_of_memory")
+            return None
+        self.take(addr, need)
+        return need
+
+    def drop_pending(self, pend: PendingRegistration) -> None:
+        """Forget a pending registration (RESET by its sender, expiry, unreachable peer)."""
+        if self.pending.pop(pend.key, None) is not None:
+            self.uncount(pend.peer)
+
+    def drop_peer(self, peer) -> None:
+        """Forget every pending registration from ``peer``."""
+        for pend in [p for p in self.pending.values() if p.peer == peer]:
+            self.drop_pending(pend)
+
+    def expire_pending(self, now: float) -> None:
+        """Drop the pending registrations that waited their lifetime for DATA (``registration_expired``)."""
+        heap = self.expiries
+        while (key := heap.pop_due(now)) is not None:
+            pend = self.pending.get(key)
+            if pend is None:
+                continue
+            if pend.expires > now:  # extended by a repeated REG
+                heap.push(pend.expires, key)
+                continue
+            self.drop_pending(pend)
+            self.stats.drop("registration_expired")
+
+    def clear_pending(self) -> None:
+        """Forget every pending registration (the engine is closing)."""
+        self.pending.clear()
+        self.expiries.clear()
+
+    # ------------------------------------------------------------------ counts
+    def uncount(self, addr) -> None:
+        """A receive flow (open or pending) from ``addr`` is gone."""
+        left = self.per_peer.get(addr, 1) - 1
+        if left:
+            self.per_peer[addr] = left
+        else:
+            self.per_peer.pop(addr, None)
+        left = self.per_host.get(addr[0], 1) - 1
+        if left:
+            self.per_host[addr[0]] = left
+        else:
+            self.per_host.pop(addr[0], None)
+
+    def fits(self, host, n: int) -> bool:
+        """Whether ``n`` more bytes for ``host`` stay within the total and per-host memory caps."""
+        cfg = self.config
+        return self.memory + n <= cfg.max_receive_memory and self.host_memory.get(host, 0) + n <= cfg.host_memory_cap
+
+    def take(self, addr, n: int) -> None:
+        """Account ``n`` bytes of receive memory to ``addr``'s host."""
+        self.memory += n
+        self.host_memory[addr[0]] = self.host_memory.get(addr[0], 0) + n
+
+    def release(self, addr, n: int) -> None:
+        """Give back ``n`` bytes of receive memory held for ``addr``'s host."""
+        self.memory -= n
+        left = self.host_memory.get(addr[0], 0) - n
+        if left > 0:
+            self.host_memory[addr[0]] = left
+        else:
+            self.host_memory.pop(addr[0], None)
+
+    # ------------------------------------------------------------------ late DATA
+    def remember_closed(self, key, token: int, code: int, count: int, now: float) -> None:
+        """Remember a closed flow so its late DATA and REGs get STOP ``code`` again."""
+        self.closed[key] = [token, code, count, now + self.config.closed_flow_ttl_s, -1.0]
+        self.closed.move_to_end(key)
+        while len(self.closed) > self.config.max_closed_flows:
+            self.closed.popitem(last=False)
+
+    def expire_tag(self, peer, tag: int, now: float) -> None:
+        """A posted receive for ``(peer, tag)`` expired unfilled: its REG gets STOP ``deadline``."""
+        self.expired_tags[(peer, tag)] = now + self.config.closed_flow_ttl_s
+        while len(self.expired_tags) > self.config.max_closed_flows:
+            self.expired_tags.popitem(last=False)
+
+    def on_unknown_data(self, key, token: int, now: float, *, open_flow: bool) -> None:
+        """DATA for ``key`` with no open flow of that token (``open_flow``: one with another token is open)."""
+        rec = self.closed.get(key)
+        if rec is not None and rec[0] == token:
+            self.stats.drop("closed_flow")
+            if now - rec[4] >= STOP_REPEAT_S:
+                rec[4] = now
+                self.ctrl.append((stop_datagram(key[1], token, rec[1], rec[2]), key[0]))
+            return
+        if rec is not None or open_flow or key in self.pending:
+            self.stats.drop("bad_token")
+            return
+        self.stats.drop("unknown_flow")
+        # tell the sender we hold no registration (it expired, or REG was lost): it registers again
+        if self._unreg_at is not None:
+            self._unreg_budget = min(UNREGISTERED_RESETS_PER_S,
+                                     self._unreg_budget + (now - self._unreg_at) * UNREGISTERED_RESETS_PER_S)
+        self._unreg_at = now
+        if self._unreg_budget >= 1.0:
+            self._unreg_budget -= 1.0
+            self.ctrl.append((wire.pack_header(wire.T_RESET, 0, key[1], token, wire.RESET_CODES["unregistered"], 0),
+                              key[0]))
+
+    def purge(self, now: float) -> None:
+        """Forget closed flows and expired tags older than ``closed_flow_ttl_s``."""
+        while self.closed:
+            key, rec = next(iter(self.closed.items()))
+            if rec[3] > now:
+                break
+            self.closed.popitem(last=False)
+        while self.expired_tags:
+            key, exp = next(iter(self.expired_tags.items()))
+            if exp > now:
+                break
+            self.expired_tags.popitem(last=False)

@@ -51,15 +51,14 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import hmac as _hmac
 import random
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import wire
-from .admission import PendingRegistration, ReplayCache, pending_lifetime, reg_mac
+from .admission import Admission, PendingRegistration, stop_datagram
 from .config import Config
 from .early_close import EarlyClose
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
@@ -69,17 +68,14 @@ from .regimes import CloseReason, Regime, stop_reason
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .reports import EndpointStats, RecvReport, SendReport
 from .sender import OPEN, FlowSender
-from .timers import DeadlineHeap, Timer, TimerTable
+from .timers import Timer, TimerTable
 
 __all__ = ["Engine", "SendDone", "ReceiveDone"]
 
 _DATA_B0 = (wire.VERSION << 4) | wire.T_DATA
 _ONE = np.zeros(1, np.int64)
-_STOP_REPEAT_S = 0.002
 #: dead-peer rule: a send fails after this many smoothed RTTs of silence (floored, see Config)
 PEER_SILENCE_RTTS = 64
-#: RESET ``unregistered`` answers to DATA of unknown flows: at most this many per second (and burst)
-UNREGISTERED_RESETS_PER_S = 1000.0
 #: how often receive flows are scanned for the idle rule, as a fraction of idle_timeout_s
 _RX_IDLE_SCAN_FRACTION = 0.25
 
@@ -129,32 +125,25 @@ class Engine:
         self.local_addr = local_addr
         self.wall_offset = wall_offset
         self._sources: dict = {}  # peer -> our address as that peer sees it
-        self._pending: dict = {}  # (peer, fid) -> PendingRegistration
-        self._pending_heap = DeadlineHeap()  # pending registrations by expiry, lazily cleaned
-        self._per_host: dict = {}  # source host -> open + pending receive flows
-        self._host_memory: dict = {}  # source host -> receive memory held for it
-        self._replay = ReplayCache(self.config.replay_cache_entries, self.config.reg_freshness_s)
-        self._unreg_budget = UNREGISTERED_RESETS_PER_S
-        self._unreg_at = None
         self._rx_idle_next: float | None = None
         self.stats = EndpointStats()
+        self._ctrl: deque = deque()
+        self._admission = Admission(self.config, self.stats, self._ctrl, srtt=self._srtt_of)
+        self._pending = self._admission.pending  # (peer, fid) -> PendingRegistration
+        self._rx_per_peer = self._admission.per_peer  # source address -> open + pending receive flows
+        self._per_host = self._admission.per_host  # source host -> open + pending receive flows
         self._paths: dict = {}
         self._tx: dict = {}  # (peer, fid) -> FlowSender
         self._tx_by_handle: dict = {}
         self._rx: dict = {}  # (peer, fid) -> FlowReceiver
-        self._rx_per_peer: dict = {}
-        self._closed: OrderedDict = OrderedDict()  # (peer, fid) -> [token, code, count, expiry, last_stop]
-        self._expired_tags: OrderedDict = OrderedDict()  # (peer, tag) -> expiry
         self._groups: dict = {}
         self._waiting: list = []  # RecvSlots without a flow, FIFO
         self._unexpected: deque = deque()  # FlowReceivers with internal buffers, FIFO
         self._early = EarlyClose(slack_s=self.config.deadline_slack_s, lt_fraction=self.config.lt_fraction,
                                  window=self.config.lt_window, max_links=self.config.max_peers)
         self._thresholds = self._early.thresholds  # LT history per (link, size)
-        self._ctrl: deque = deque()
         self._ack_dirty: dict = {}
         self._events: deque = deque()
-        self._memory = 0
         self._next_handle = 1
         self._closed_engine = False
         self._wakes: dict = {}
@@ -275,8 +264,7 @@ class Engine:
             if not group.done:
                 self._finish_group(group, now, TransferAborted("endpoint closed"))
         self._rx.clear()
-        self._pending.clear()
-        self._pending_heap.clear()
+        self._admission.clear_pending()
         self._closed_engine = True
 
     # ------------------------------------------------------------------ input
@@ -338,12 +326,15 @@ class Engine:
         if ptype == wire.T_DATA:
             flow = self._rx.get(key)
             if flow is None or flow.token != token:
-                self._on_unknown_data(key, token, now)
+                self._admission.on_unknown_data(key, token, now, open_flow=key in self._rx)
                 return
             # reaching here means the kernel refused it (bad flags are caught above)
             self.stats.drop("bad_data")
         elif ptype == wire.T_REG:
-            self._on_reg(data, addr, flags, fid, token, w3, now)
+            too_small = self._admission.on_reg(data, addr, flags, fid, token, w3, now, now + self.wall_offset,
+                                               existing=self._rx.get(key), find_slot=self._waiting_slot)
+            if too_small is not None:
+                self._fail_too_small(*too_small, addr, now)
         elif ptype == wire.T_ACK:
             flow = self._tx.get(key)
             if flow is None or flow.token != token:
@@ -389,126 +380,14 @@ class Engine:
                 return
             pend = self._pending.get(key)
             if pend is not None and pend.token == token:
-                self._drop_pending(pend)
+                self._admission.drop_pending(pend)
                 return
             self.stats.drop("unknown_flow")
 
-    def _on_unknown_data(self, key, token: int, now: float) -> None:
-        rec = self._closed.get(key)
-        if rec is not None and rec[0] == token:
-            self.stats.drop("closed_flow")
-            if now - rec[4] >= _STOP_REPEAT_S:
-                rec[4] = now
-                self._ctrl.append((self._stop_datagram(key[1], token, rec[1], rec[2]), key[0]))
-            return
-        if rec is not None or key in self._rx or key in self._pending:
-            self.stats.drop("bad_token")
-            return
-        self.stats.drop("unknown_flow")
-        # tell the sender we hold no registration (it expired, or REG was lost): it registers again
-        if self._unreg_at is not None:
-            self._unreg_budget = min(UNREGISTERED_RESETS_PER_S,
-                                     self._unreg_budget + (now - self._unreg_at) * UNREGISTERED_RESETS_PER_S)
-        self._unreg_at = now
-        if self._unreg_budget >= 1.0:
-            self._unreg_budget -= 1.0
-            self._ctrl.append((wire.pack_header(wire.T_RESET, 0, key[1], token, wire.RESET_CODES["unregistered"], 0),
-                               key[0]))
-
-    def _stop_datagram(self, fid: int, token: int, code: int, count: int) -> bytes:
-        return wire.pack_header(wire.T_STOP, 0, fid, token, count & 0xFFFFFFFF, code << 24)
-
-    def _refuse(self, addr, fid: int, token: int, reason: str, code: str | None = None) -> None:
-        """Count a refused registration by ``reason`` and RESET the sender (``code``: the wire reason)."""
-        self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
-        self._ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES[code or reason], 0), addr))
-
-    def _on_reg(self, data: memoryview, addr, flags: int, fid: int, token: int, w3: int, now: float) -> None:
-        cfg = self.config
-        key = (addr, fid)
-        has_mac = bool(flags & wire.F_MAC)
-        (total, seg, elem, count, tag, mode, ranges, mac, mac_end, stamp) = wire.unpack_reg_body(
-            data, wire.HEADER_SIZE, has_mac)
-        if cfg.job_key is not None:
-            good = has_mac and _hmac.compare_digest(mac, reg_mac(cfg.job_key, addr, bytes(data[:mac_end])))
-            if not good:
-                self.stats.drop("unauthenticated")
-                self._refuse(addr, fid, token, "unauthenticated")
-                return
-            why = self._replay.check(mac, stamp / 1e6, now + self.wall_offset)
-            if why is not None:
-                self.stats.drop(why)
-                self.stats.refused[why] = self.stats.refused.get(why, 0) + 1
-                if why == "stale":  # a live sender whose clock is off learns why; a replay gets nothing
-                    self._ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES["stale"], 0),
-                                       addr))
-                return
-        existing = self._rx.get(key)
-        pend = self._pending.get(key)
-        if existing is not None or pend is not None:
-            if (existing or pend).token == token:
-                received = existing.window.received if existing is not None else 0
-                self._ctrl.append((wire.pack_ack(fid, token, received, 0, ()), addr))
-                self.stats.drop("duplicate_reg")
-                if pend is not None:
-                    pend.expires = max(pend.expires, now + pending_lifetime(self._rtt_hint(addr, w3)))
-            else:
-                self.stats.drop("flow_id_collision")
-            return
-        rec = self._closed.get(key)
-        if rec is not None and rec[0] == token:
-            self.stats.drop("duplicate_reg")
-            self._ctrl.append((self._stop_datagram(fid, token, rec[1], rec[2]), addr))
-            return
-        if total > cfg.max_flow_bytes:
-            self._refuse(addr, fid, token, "too_large")
-            return
-        if seg < cfg.min_segment_size and count > 1:
-            self._refuse(addr, fid, token, "bad_registration")
-            return
-        host = addr[0]
-        if self._rx_per_peer.get(addr, 0) >= cfg.max_flows_per_peer or (
-                addr not in self._rx_per_peer and len(self._rx_per_peer) >= cfg.max_peers):
-            self._refuse(addr, fid, token, "too_many_flows")
-            return
-        if self._per_host.get(host, 0) >= cfg.max_flows_per_host:
-            self._refuse(addr, fid, token, "too_many_host_flows", "too_many_flows")
-            return
-        if len(self._pending) >= cfg.max_pending_registrations:
-            self._refuse(addr, fid, token, "too_many_pending", "too_many_flows")
-            return
-        expired = self._expired_tags.get((addr, tag))
-        if expired is not None and expired > now:
-            # the receive this message was meant for already passed its deadline
-            self._remember_closed(key, token, wire.STOP_CODES[CloseReason.DEADLINE], 0, now)
-            self._ctrl.append((self._stop_datagram(fid, token, wire.STOP_CODES[CloseReason.DEADLINE], 0), addr))
-            return
-        slot = self._waiting_slot(addr, tag)
-        if slot is not None and total > len(slot.dest):
-            self._refuse_too_small(slot, addr, fid, token, total, now)
-            return
-        need = count + (total if slot is None else 0)
-        if self._memory + need > cfg.max_receive_memory or \
-                self._host_memory.get(host, 0) + need > cfg.host_memory_cap:
-            # what it would cost does not fit now: say so early (memory is still only taken on DATA)
-            self._refuse(addr, fid, token, "out_of_memory")
-            return
-        pend = PendingRegistration(key=key, peer=addr, flow_id=fid, token=token, total=total, seg_size=seg,
-                                   element_size=elem, seg_count=count, tag=tag, reliable=bool(mode),
-                                   ranges=ranges, est=wire.split_estimates(w3), registered=now,
-                                   expires=now + pending_lifetime(self._rtt_hint(addr, w3)))
-        self._pending[key] = pend
-        self._pending_heap.push(pend.expires, key)
-        self._rx_per_peer[addr] = self._rx_per_peer.get(addr, 0) + 1
-        self._per_host[host] = self._per_host.get(host, 0) + 1
-        self._ctrl.append((wire.pack_ack(fid, token, 0, 0, ()), addr))
-
-    def _rtt_hint(self, addr, w3: int) -> float:
-        """Round-trip estimate for a registration: the sender's advertised RTprop or our own srtt."""
-        rt_us = wire.split_estimates(w3)[0]
+    def _srtt_of(self, addr) -> float | None:
+        """This host's smoothed RTT to ``addr`` (seconds), or None."""
         path = self._paths.get(addr)
-        ours = path.srtt if path is not None and path.srtt is not None else 0.0
-        return max(rt_us / 1e6, ours) or self.config.initial_rtt_s
+        return path.srtt if path is not None else None
 
     def _waiting_slot(self, addr, tag: int):
         for s in self._waiting:
@@ -516,69 +395,32 @@ class Engine:
                 return s
         return None
 
-    def _refuse_too_small(self, slot: RecvSlot, addr, fid: int, token: int, total: int, now: float) -> None:
-        self._refuse(addr, fid, token, "too_large")
+    def _fail_too_small(self, slot: RecvSlot, total: int, addr, now: float) -> None:
+        """A ``total``-byte message from ``addr`` does not fit ``slot`` (its sender was refused)."""
         slot.error = LTPError(f"a {total}-byte message from {addr} does not fit the {len(slot.dest)}-byte "
                               "receive buffer; post a buffer as large as the message")
         self._waiting.remove(slot)
         slot.report = self._empty_report(slot, Regime.CANCELLED)
         self._check_group(slot.group, now)
 
-    def _uncount(self, addr) -> None:
-        left = self._rx_per_peer.get(addr, 1) - 1
-        if left:
-            self._rx_per_peer[addr] = left
-        else:
-            self._rx_per_peer.pop(addr, None)
-        left = self._per_host.get(addr[0], 1) - 1
-        if left:
-            self._per_host[addr[0]] = left
-        else:
-            self._per_host.pop(addr[0], None)
-
-    def _take_memory(self, addr, n: int) -> None:
-        self._memory += n
-        self._host_memory[addr[0]] = self._host_memory.get(addr[0], 0) + n
-
-    def _release_memory(self, addr, n: int) -> None:
-        self._memory -= n
-        left = self._host_memory.get(addr[0], 0) - n
-        if left > 0:
-            self._host_memory[addr[0]] = left
-        else:
-            self._host_memory.pop(addr[0], None)
-
-    def _drop_pending(self, pend: PendingRegistration) -> None:
-        if self._pending.pop(pend.key, None) is not None:
-            self._uncount(pend.peer)
-
     def _admit(self, pend: PendingRegistration, now: float) -> FlowReceiver | None:
         """The first DATA of a pending registration arrived: allocate the flow (or refuse it)."""
         cfg = self.config
-        self._pending.pop(pend.key)
-        addr, fid, token, total = pend.peer, pend.flow_id, pend.token, pend.total
+        addr, total = pend.peer, pend.total
         slot = self._waiting_slot(addr, pend.tag)
-        if slot is not None and total > len(slot.dest):
-            self._uncount(addr)
-            self._remember_closed(pend.key, token, wire.STOP_CODES[CloseReason.CANCELLED], 0, now)
-            self._refuse_too_small(slot, addr, fid, token, total, now)
+        need = self._admission.commit(pend, slot, now)
+        if need is None:
+            if slot is not None and total > len(slot.dest):
+                self._fail_too_small(slot, total, addr, now)
             return None
         internal = slot is None
-        need = pend.seg_count + (total if internal else 0)
-        if self._memory + need > cfg.max_receive_memory or \
-                self._host_memory.get(addr[0], 0) + need > cfg.host_memory_cap:
-            self._uncount(addr)
-            self._remember_closed(pend.key, token, wire.STOP_CODES[CloseReason.CANCELLED], 0, now)
-            self._refuse(addr, fid, token, "out_of_memory")
-            return None
         dest = bytearray(total) if internal else slot.dest
         padding = (cfg.segment_size if cfg.segment_size is not None else cfg.mtu - 44) - pend.seg_size
         # the flow's clock starts at its registration, as if it had been allocated then
-        flow = FlowReceiver(key=pend.key, peer=addr, flow_id=fid, token=token, total=total, seg_size=pend.seg_size,
-                            element_size=pend.element_size, tag=pend.tag, reliable=pend.reliable,
+        flow = FlowReceiver(key=pend.key, peer=addr, flow_id=pend.flow_id, token=pend.token, total=total,
+                            seg_size=pend.seg_size, element_size=pend.element_size, tag=pend.tag, reliable=pend.reliable,
                             critical_runs=pend.ranges, dest=dest, internal=internal, now=pend.registered,
                             est=pend.est, padding=max(0, padding))
-        self._take_memory(addr, need)
         self._rx[pend.key] = flow
         self.stats.flows_received += 1
         if slot is not None:
@@ -610,7 +452,7 @@ class Engine:
         slot = flow.slot
         slot.dest[:flow.total] = flow.dest[:flow.total]
         slot.report = flow.report
-        self._release_memory(flow.peer, flow.total)
+        self._admission.release(flow.peer, flow.total)
         self._unexpected.remove(flow)
         self._check_group(slot.group, now)
 
@@ -644,13 +486,14 @@ class Engine:
             report = flow.report = dataclasses.replace(report, cause=cause)
         code = wire.STOP_CODES[stop_reason(regime)]
         if send_stop:
-            self._ctrl.append((self._stop_datagram(flow.flow_id, flow.token, code, flow.window.received), flow.peer))
+            self._ctrl.append((stop_datagram(flow.flow_id, flow.token, code, flow.window.received), flow.peer))
         self._rx.pop(flow.key, None)
         self._wakes.pop(flow.key, None)
         self._ack_dirty.pop(flow.key, None)
-        self._uncount(flow.peer)
-        self._release_memory(flow.peer, flow.seg_count)
-        self._remember_closed(flow.key, flow.token, code, flow.window.received, now)
+        adm = self._admission
+        adm.uncount(flow.peer)
+        adm.release(flow.peer, flow.seg_count)
+        adm.remember_closed(flow.key, flow.token, code, flow.window.received, now)
         self._early.on_close(flow, regime)
         if flow.slot is not None:
             if flow.internal:
@@ -658,12 +501,6 @@ class Engine:
             else:
                 flow.slot.report = report
                 self._check_group(flow.slot.group, now)
-
-    def _remember_closed(self, key, token: int, code: int, count: int, now: float) -> None:
-        self._closed[key] = [token, code, count, now + self.config.closed_flow_ttl_s, -1.0]
-        self._closed.move_to_end(key)
-        while len(self._closed) > self.config.max_closed_flows:
-            self._closed.popitem(last=False)
 
     def _empty_report(self, slot: RecvSlot, regime: Regime, cause: str = "", now: float | None = None) -> RecvReport:
         n = len(slot.dest)
@@ -718,9 +555,7 @@ class Engine:
         if slot in self._waiting:
             self._waiting.remove(slot)
         if slot.peer is not None and slot.tag is not None:
-            self._expired_tags[(slot.peer, slot.tag)] = now + self.config.closed_flow_ttl_s
-            while len(self._expired_tags) > self.config.max_closed_flows:
-                self._expired_tags.popitem(last=False)
+            self._admission.expire_tag(slot.peer, slot.tag, now)
 
     def _expiry_cause(self, slot: RecvSlot, now: float) -> str:
         group = slot.group
@@ -828,7 +663,7 @@ class Engine:
             if not group.done:
                 arm(Timer.RECEIVE_GROUP, group.wake)
                 arm(Timer.RECEIVE_GROUP, group.timeout_at)
-        arm(Timer.REGISTRATION_EXPIRY, self._pending_heap.next_time())
+        arm(Timer.REGISTRATION_EXPIRY, self._admission.expiries.next_time())
         if self._rx:
             arm(Timer.IDLE_SCAN, self._rx_idle_next)
         return table
@@ -868,16 +703,7 @@ class Engine:
         for group in list(self._groups.values()):
             if not group.done:
                 group.wake = self._group_timers(group, now)
-        heap = self._pending_heap
-        while (key := heap.pop_due(now)) is not None:
-            pend = self._pending.get(key)
-            if pend is None:
-                continue
-            if pend.expires > now:  # extended by a repeated REG
-                heap.push(pend.expires, key)
-                continue
-            self._drop_pending(pend)
-            self.stats.drop("registration_expired")
+        self._admission.expire_pending(now)
         if self._rx and (self._rx_idle_next is None or self._rx_idle_next <= now):
             self._expire_idle_receives(now)
         self._purge(now)
@@ -923,8 +749,7 @@ class Engine:
                 self._close_rx(flow, now, Regime.TIMEOUT, send_stop=False,
                                cause=f"sender {peer} unreachable: {cause} ({now - flow.start:.3f} s after it registered)")
                 n += 1
-            for pend in [p for p in self._pending.values() if p.peer == peer]:
-                self._drop_pending(pend)
+            self._admission.drop_peer(peer)
         for slot in [s for s in self._waiting if s.peer == peer]:
             self._expire_slot(slot, now, Regime.TIMEOUT, cause=f"peer {peer} unreachable: {cause}")
             self._check_group(slot.group, now)
@@ -932,21 +757,12 @@ class Engine:
         return n
 
     def _purge(self, now: float) -> None:
-        while self._closed:
-            key, rec = next(iter(self._closed.items()))
-            if rec[3] > now:
-                break
-            self._closed.popitem(last=False)
-        while self._expired_tags:
-            key, exp = next(iter(self._expired_tags.items()))
-            if exp > now:
-                break
-            self._expired_tags.popitem(last=False)
+        self._admission.purge(now)
         ttl = self.config.closed_flow_ttl_s
         while self._unexpected and self._unexpected[0].report is not None and \
                 self._unexpected[0].slot is None and self._unexpected[0].closed_at + ttl <= now:
             flow = self._unexpected.popleft()
-            self._release_memory(flow.peer, flow.total)
+            self._admission.release(flow.peer, flow.total)
             self.stats.drop("unclaimed_message")
 
     def next_event(self):
@@ -973,4 +789,4 @@ class Engine:
     @property
     def receive_memory(self) -> int:
         """Bytes currently allocated on peers' behalf (bitmaps and buffered messages)."""
-        return self._memory
+        return self._admission.memory
