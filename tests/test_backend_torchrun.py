@@ -58,11 +58,11 @@ VARIANT = ["--steps", "8", "--find-unused", "--accumulate", "2", "--samples", "2
 def runs(tmp_path_factory):
     cache = {}
 
-    def get(backend: str, nproc: int, *extra: str):
-        key = (backend, nproc, extra)
+    def get(backend: str, nproc: int, *extra: str, env: dict | None = None):
+        key = (backend, nproc, extra, tuple(sorted((env or {}).items())))
         if key not in cache:
             out = str(tmp_path_factory.mktemp(f"{backend}{nproc}"))
-            torchrun(nproc, out, "--backend", backend, *extra)
+            torchrun(nproc, out, "--backend", backend, *extra, env=_env(**env) if env else None)
             cache[key] = load(out, nproc)
         return cache[key]
 
@@ -102,6 +102,24 @@ def test_hook_on_ltp_backend_matches_gloo(runs):
         assert same_state(h_states[0], h_states[r])
     for k in g_states[0]:
         torch.testing.assert_close(h_states[0][k], g_states[0][k], rtol=1e-5, atol=1e-6)
+
+
+def test_schedules_under_torchrun_match_gloo(runs):
+    """4 ranks: the backend with every float32 all-reduce on the RSGCM schedule program (DDP's buckets included),
+    and gloo + the PS-less ring hook (min_fraction=1: exact buckets), against gloo."""
+    args = ("--check-collectives", "--bucket-cap-mb", "0.05", *VARIANT)
+    g_states, g_colls = runs("gloo", 4, *args)
+    s_states, s_colls = runs("ltp", 4, *args, env={"LTP_PG_SCHEDULE": "rsgcm"})
+    for r in range(4):
+        for k in g_colls[r]:
+            assert torch.equal(s_colls[r][k], g_colls[r][k]), f"rank {r} {k}"
+    h_states, _ = runs("gloo", 4, "--hook", "--hook-transport", "ltp", "--hook-schedule", "ring",
+                       "--hook-min-fraction", "1.0", *args)
+    for states in (s_states, h_states):
+        for r in range(1, 4):
+            assert same_state(states[0], states[r]), f"replica {r} differs from replica 0"
+        for k in g_states[0]:
+            torch.testing.assert_close(states[0][k], g_states[0][k], rtol=1e-5, atol=1e-6)
 
 
 def _free_port() -> int:

@@ -4,10 +4,13 @@ Under torchrun (or with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set)::
 
     torchrun --nproc-per-node 4 -m ltp_ps.examples.bench_allreduce --backend ltp --mb 100 --reps 3
     torchrun --nproc-per-node 4 -m ltp_ps.examples.bench_allreduce --backend gloo --ddp --hook --mb 100
+    torchrun --nproc-per-node 4 -m ltp_ps.examples.bench_allreduce --backend ltp --schedule direct --mb 100
 
 ``--ddp`` times whole DDP steps of a one-layer model with ``--mb`` MB of
 parameters in one bucket (``--hook`` routes the bucket through the LTP hook,
-loss-tolerant).  Rank 0 prints one line ``RESULT {json}`` with every
+loss-tolerant; ``--hook-schedule`` picks its reduction: ``direct`` = bucket
+server on rank 0, ``ring``/``rsgcm`` = PS-less).  ``--schedule`` is the ``ltp``
+backend's all-reduce schedule (``LTP_PG_SCHEDULE``).  Rank 0 prints one line ``RESULT {json}`` with every
 repetition's seconds (the slowest rank's) and checks the all-reduce result
 exactly; the exit status is non-zero if it is wrong.
 """
@@ -21,9 +24,11 @@ import sys
 import time
 
 import torch
+import torch._dynamo  # noqa: F401  (before init_process_group: see ddp_backend.teardown)
 import torch.distributed as dist
 
 import ltp_ps  # noqa: F401  (registers the "ltp" backend)
+import ltp_ps.backend
 
 
 def main(argv=None) -> int:
@@ -35,7 +40,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ddp", action="store_true", help="time DDP steps instead of a bare all_reduce")
     ap.add_argument("--hook", action="store_true", help="with --ddp: the LTP gradient hook")
     ap.add_argument("--hook-min-fraction", type=float, default=None)
+    ap.add_argument("--hook-schedule", default=None, help="direct | ring | rsgcm | auto (the hook's reduction)")
+    ap.add_argument("--schedule", default=None, help="auto | direct | ring | rsgcm (the ltp backend's all-reduce)")
     args = ap.parse_args(argv)
+    if args.schedule is not None:
+        ltp_ps.backend.configure(schedule=args.schedule)
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
@@ -62,7 +71,8 @@ def main(argv=None) -> int:
             import ltp_ps.ddp
 
             kw = {} if args.hook_min_fraction is None else {"min_fraction": args.hook_min_fraction}
-            state = ltp_ps.ddp.register(ddp, timeout_s=args.timeout, **kw)
+            state = ltp_ps.ddp.register(ddp, timeout_s=args.timeout, schedule=args.hook_schedule, **kw)
+            extra["hook_schedule"] = "direct" if type(state).__name__ == "LtpHookState" else state.schedule
         xb = torch.randn(1, side)
         for i in range(args.reps + 1):
             dist.barrier()
@@ -76,6 +86,11 @@ def main(argv=None) -> int:
         if state is not None:
             extra["hook_stats"] = state.stats.as_dict()
             state.close()
+        del ddp, model, xb
+    pg = dist.group.WORLD
+    if isinstance(pg, ltp_ps.backend.LtpProcessGroup):
+        extra["schedule"] = pg.schedule
+    del pg
     if rank == 0:
         print("RESULT " + json.dumps({"backend": args.backend, "ddp": args.ddp, "hook": args.hook, "world": world,
                                       "mb": args.mb, "seconds": times, "correct": ok, **extra}), flush=True)

@@ -37,6 +37,7 @@ import sys
 import time
 
 import torch
+import torch._dynamo  # noqa: F401  (before init_process_group: see teardown())
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -145,15 +146,17 @@ def runloop_threads() -> int:
 def teardown() -> None:
     """Destroy the process group so that its threads are joined *now*, not at interpreter exit.
 
-    ``destroy_process_group`` only drops the registry's reference.  DDP (and its
-    reducer, inside reference cycles) keeps the C++ group alive until the
-    interpreter's final garbage collection; gloo's worker threads then still
-    run while Python finalizes, and one that releases a finished work (its
-    tensors need the GIL) is killed by the finalizing interpreter inside a C++
-    destructor: ``terminate called without an active exception`` (SIGABRT)
-    after a successful run.  The caller drops its DDP model first; the
-    collection here frees the group, whose destructor joins its threads with
-    the GIL released.
+    ``destroy_process_group`` only drops torch's registry reference; gloo's
+    worker threads stop when the C++ group is freed.  If anything still holds
+    the group, they run on into interpreter finalization, and a thread that
+    releases a finished work (its tensors need the GIL) is killed by the
+    finalizing interpreter inside a C++ destructor: ``terminate called without
+    an active exception`` (SIGABRT) after a successful run.  Two holders:
+    the DDP model (the caller deletes it, and the autograd graph of its last
+    output, first) and ``torch._dynamo`` (DDP's constructor imports it; imported
+    *after* ``init_process_group`` it keeps the default group alive for good
+    in torch 2.13, so this script imports it at the top).  The collection here
+    then frees the group, whose destructor joins its threads.
     """
     dist.destroy_process_group()
     gc.collect()

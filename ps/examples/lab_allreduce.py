@@ -2,12 +2,16 @@
 
     sudo python -m ltp_ps.examples.lab_allreduce --ranks 4 --loss 0.01 --mb 100 --reps 3
     sudo python -m ltp_ps.examples.lab_allreduce --ranks 4 --loss 0.01 --mb 100 --ddp --modes gloo,ltp-hook
+    sudo python -m ltp_ps.examples.lab_allreduce --ranks 4 --loss 0.01 --mb 100 --ddp --modes gloo,gloo-hook \
+        --hook-schedule ring --pyspy /tmp/prof
 
 Each rank runs in its own namespace of an ``ltp_tools.netlab.Lab`` whose
 hosts drop ``--loss`` of their incoming data packets (and, with ``--rate``,
 are rate-limited).  Modes: ``gloo`` and ``ltp`` (the backend, exact), and,
 with ``--ddp``, ``gloo-hook`` (gloo backend + LTP gradient hook) and
-``ltp-hook``.  Prints one ``RESULT`` JSON line per mode (rank 0's); exits
+``ltp-hook``; ``--schedule`` / ``--hook-schedule`` choose the backend's and
+the hook's reduction schedules.  ``--pyspy DIR`` samples rank 0 with py-spy
+(collapsed stacks in ``DIR/<mode>.txt``).  Prints one ``RESULT`` JSON line per mode (rank 0's); exits
 non-zero if any run failed or returned a wrong all-reduce.
 """
 
@@ -38,6 +42,14 @@ def run_mode(lab: Lab, mode: str, args) -> dict:
             argv.append("--ddp")
         if hook:
             argv.append("--hook")
+        if args.schedule:
+            argv += ["--schedule", args.schedule]
+        if args.hook_schedule:
+            argv += ["--hook-schedule", args.hook_schedule]
+        if args.pyspy and r == 0:
+            os.makedirs(args.pyspy, exist_ok=True)
+            argv = ["py-spy", "record", "-r", "100", "-f", "raw", "-o", os.path.join(args.pyspy, f"{mode}.txt"),
+                    "--"] + argv
         procs.append(lab.popen(h, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
     if any(p.returncode for p in procs):
@@ -58,6 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ddp", action="store_true")
     ap.add_argument("--modes", default="gloo,ltp")
+    ap.add_argument("--schedule", default=None, help="the ltp backend's all-reduce schedule (auto|direct|ring|rsgcm)")
+    ap.add_argument("--hook-schedule", default=None, help="the hook's schedule (auto|direct|ring|rsgcm)")
+    ap.add_argument("--pyspy", default=None, help="directory for py-spy profiles of rank 0 (collapsed stacks)")
     args = ap.parse_args(argv)
     reason = check_support()
     if reason:
