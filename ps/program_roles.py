@@ -118,7 +118,7 @@ async def server_round(ps) -> dict:
     for ev in ps.membership.drain_events():
         ps.metrics.write({"event": ev.kind, "t": time.time(), "rank": ev.rank, "reason": ev.reason, "iteration": it})
     ps.metrics.write(row)
-    ps._check_health(it, [loss] if contributors else [], h.applied, len(members), bound)
+    ps._check_health(it, [loss] if contributors else [], h.applied, len(ps.membership.active()), bound)
     return row
 
 

@@ -147,6 +147,7 @@ class ParameterServer:
         self._ready_note = np.zeros(READY_BYTES, dtype=np.uint8)
         self.verdict = AccuracyVerdict(getattr(workload, "chance_accuracy", None))
         self._empty_rounds = 0  # consecutive rounds without one usable gradient
+        self._last_applied = True  # the latest round applied an update (checked at the end of a BSP run)
         self._failed: TrainingFailed | None = None
         self._resume()
 
@@ -265,6 +266,12 @@ class ParameterServer:
                 self.checkpoint()
         if bar is not None:
             bar.close()
+        if not self._last_applied:  # every worker lost in the last round(s): the run did not finish its training
+            dropped = [f"worker {e.rank}: {e.reason}" for e in self.membership.events_log if e.kind == "dropped"]
+            raise TrainingFailed(
+                f"PS shard {self.shard}: the last round ({self.iteration - 1}) applied no update: no usable gradient "
+                f"from any of {len(self.membership.active())} live workers "
+                f"({'; '.join(dropped[-8:]) or 'none dropped'}); the job did not finish its training")
         self._raise_verdict()  # before STOP, so the workers read the failure too
         await self._stop_all()
 
@@ -414,6 +421,9 @@ class ParameterServer:
             raise TrainingFailed(
                 f"PS shard {self.shard}: round {it}: the parameters became non-finite after the optimizer step; "
                 f"training diverged: lower --lr")
+        self._last_applied = applied
+        if n_alive == 0:
+            return  # every worker was dropped during this round: _run_bsp waits for rejoins (or fails) next
         self._empty_rounds = 0 if applied else self._empty_rounds + 1
         if self._empty_rounds >= max(1, self.cfg.max_missed):
             raise TrainingFailed(

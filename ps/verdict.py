@@ -84,6 +84,7 @@ class AccuracyVerdict:
                     f"the divergence guard on (--clip-factor), or resume from an earlier --checkpoint-dir")
         if best <= level and len(self.history) >= self.min_epochs:
             return (f"nothing trained: {tail} and no epoch of {len(self.history)} ever rose above it "
-                    f"(best {best:.4f}); the loss may be finite but the model is guessing: lower --lr or check "
-                    f"that gradients reach the PS (delivered fraction, dropped workers)")
+                    f"(best {best:.4f}); the loss may be finite but the model is guessing. Check --lr (too large "
+                    f"and the model diverges, too small and it barely moves: train more epochs) and that gradients "
+                    f"reach the PS (delivered fraction, dropped workers)")
         return None

@@ -187,6 +187,47 @@ def test_no_live_worker_and_none_rejoins_fails_naming_the_drop_reasons():
     assert "failed after" in msg  # the real elapsed time, not a configured constant
 
 
+def _kill_at(job, round_index, ranks):
+    ps = job.servers[0]
+
+    async def killer():
+        while ps.iteration < round_index:
+            await asyncio.sleep(0.002)
+        for r in ranks:
+            job.net.kill(job.worker_transports[r].local_addr)
+    return killer()
+
+
+def test_the_only_worker_killed_mid_round_waits_for_a_rejoin_not_an_empty_round_count():
+    # Killed while round 5 is in flight: missed once, then its broadcast fails and it is dropped. That
+    # round had nobody to ask, so it is not a second "empty round": the PS waits for a rejoin and then
+    # fails naming why, instead of "no usable gradient from any of 0 live workers".
+    job = make_job(1, epochs=3, lr=0.1, gather_timeout_s=0.3, max_missed=2, join_timeout_s=0.5,
+                   worker_kw={"pull_timeout_s": 3.0})
+
+    async def go():
+        return await asyncio.gather(run_job_allow_fail(job), _kill_at(job, 5, [0]))
+
+    (res, _) = asyncio.run(asyncio.wait_for(go(), 60))
+    assert isinstance(res[0], TrainingFailed), res[0]
+    assert "no live worker at round" in str(res[0]) and "none rejoined within" in str(res[0]), res[0]
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_every_worker_killed_in_the_last_round_fails_the_job(n):
+    # Nobody delivered the last round: the job did not finish its training, even though fewer than
+    # --max-missed rounds were missed and the model of the round before is fine.
+    job = make_job(n, iterations=12, lr=0.1, gather_timeout_s=0.3, max_missed=3, join_timeout_s=0.5,
+                   worker_kw={"pull_timeout_s": 3.0})
+
+    async def go():
+        return await asyncio.gather(run_job_allow_fail(job), _kill_at(job, 11, range(n)))
+
+    (res, _) = asyncio.run(asyncio.wait_for(go(), 60))
+    assert isinstance(res[0], TrainingFailed), res[0]
+    assert "the last round (11) applied no update" in str(res[0]), res[0]
+
+
 def test_async_mode_non_finite_loss_fails():
     job = make_job(2, wl=_NanAfter(workload(), 5), iterations=200, lr=0.05, mode="async", momentum=0.0)
     res = asyncio.run(asyncio.wait_for(run_job_allow_fail(job), 60))

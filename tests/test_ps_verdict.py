@@ -94,7 +94,7 @@ def test_absurd_learning_rate_with_finite_loss_fails_the_job_and_tells_the_worke
     res = asyncio.run(asyncio.wait_for(_run(job), 90))
     err = res[0]
     assert isinstance(err, TrainingFailed), err
-    assert "at chance" in str(err) and "lower --lr" in str(err)
+    assert "at chance" in str(err) and "Check --lr" in str(err)
     ps = job.servers[0]
     assert any(r["event"] == "failed" for r in ps.metrics.rows)
     assert all(isinstance(r, dict) and r["stopped"] for r in res[1:])  # nobody left waiting
