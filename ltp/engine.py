@@ -61,12 +61,13 @@ from . import wire
 from .admission import Admission, PendingRegistration, stop_datagram
 from .config import Config
 from .early_close import EarlyClose
+from .matching import ReceiveMatcher
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
                      TransferTimeout, WireError)
 from .path import Path, Transmit
 from .regimes import CloseReason, Regime, stop_reason
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
-from .reports import EndpointStats, RecvReport, SendReport
+from .reports import EndpointStats, SendReport
 from .sender import OPEN, FlowSender
 from .timers import Timer, TimerTable
 
@@ -136,9 +137,7 @@ class Engine:
         self._tx: dict = {}  # (peer, fid) -> FlowSender
         self._tx_by_handle: dict = {}
         self._rx: dict = {}  # (peer, fid) -> FlowReceiver
-        self._groups: dict = {}
-        self._waiting: list = []  # RecvSlots without a flow, FIFO
-        self._unexpected: deque = deque()  # FlowReceivers with internal buffers, FIFO
+        self._matcher = ReceiveMatcher()  # posted receive groups, waiting slots, unexpected messages
         self._early = EarlyClose(slack_s=self.config.deadline_slack_s, lt_fraction=self.config.lt_fraction,
                                  window=self.config.lt_window, max_links=self.config.max_peers)
         self._thresholds = self._early.thresholds  # LT history per (link, size)
@@ -222,10 +221,10 @@ class Engine:
                 raise LocalProtocolError("receive buffer is empty; size it to the expected message")
             slot = RecvSlot(group, i, None if peer is None else self._norm_addr(peer), tag, dest)
             group.slots.append(slot)
-        self._groups[handle] = group
+        self._matcher.add(group)
         for slot in group.slots:
             if not self._match_unexpected(slot, now):
-                self._waiting.append(slot)
+                self._matcher.wait(slot)
         self._check_group(group, now)
         return handle
 
@@ -238,7 +237,7 @@ class Engine:
             flow.fail(now, TransferAborted("send cancelled"))
             self._end_send(flow, now)
             return
-        group = self._groups.get(handle)
+        group = self._matcher.groups.get(handle)
         if group is not None and not group.done:
             for slot in group.slots:
                 if slot.flow is not None and slot.flow.regime is None:
@@ -260,7 +259,7 @@ class Engine:
         for flow in list(self._rx.values()):
             self._ctrl.append((wire.pack_header(wire.T_RESET, 0, flow.flow_id, flow.token,
                                                 wire.RESET_CODES["shutdown"], 0), flow.peer))
-        for group in list(self._groups.values()):
+        for group in list(self._matcher.groups.values()):
             if not group.done:
                 self._finish_group(group, now, TransferAborted("endpoint closed"))
         self._rx.clear()
@@ -332,7 +331,7 @@ class Engine:
             self.stats.drop("bad_data")
         elif ptype == wire.T_REG:
             too_small = self._admission.on_reg(data, addr, flags, fid, token, w3, now, now + self.wall_offset,
-                                               existing=self._rx.get(key), find_slot=self._waiting_slot)
+                                               existing=self._rx.get(key), find_slot=self._matcher.waiting_slot)
             if too_small is not None:
                 self._fail_too_small(*too_small, addr, now)
         elif ptype == wire.T_ACK:
@@ -389,25 +388,18 @@ class Engine:
         path = self._paths.get(addr)
         return path.srtt if path is not None else None
 
-    def _waiting_slot(self, addr, tag: int):
-        for s in self._waiting:
-            if s.matches(addr, tag):
-                return s
-        return None
-
     def _fail_too_small(self, slot: RecvSlot, total: int, addr, now: float) -> None:
         """A ``total``-byte message from ``addr`` does not fit ``slot`` (its sender was refused)."""
-        slot.error = LTPError(f"a {total}-byte message from {addr} does not fit the {len(slot.dest)}-byte "
-                              "receive buffer; post a buffer as large as the message")
-        self._waiting.remove(slot)
-        slot.report = self._empty_report(slot, Regime.CANCELLED)
+        self._matcher.fail(slot, LTPError(f"a {total}-byte message from {addr} does not fit the "
+                                          f"{len(slot.dest)}-byte receive buffer; post a buffer as large as the "
+                                          "message"))
         self._check_group(slot.group, now)
 
     def _admit(self, pend: PendingRegistration, now: float) -> FlowReceiver | None:
         """The first DATA of a pending registration arrived: allocate the flow (or refuse it)."""
         cfg = self.config
         addr, total = pend.peer, pend.total
-        slot = self._waiting_slot(addr, pend.tag)
+        slot = self._matcher.waiting_slot(addr, pend.tag)
         need = self._admission.commit(pend, slot, now)
         if need is None:
             if slot is not None and total > len(slot.dest):
@@ -424,37 +416,27 @@ class Engine:
         self._rx[pend.key] = flow
         self.stats.flows_received += 1
         if slot is not None:
-            self._waiting.remove(slot)
-            self._bind(slot, flow, now)
+            self._matcher.unwait(slot)
+            self._matcher.bind(slot, flow)
         else:
-            self._unexpected.append(flow)
+            self._matcher.add_unexpected(flow)
         return flow
 
-    def _bind(self, slot: RecvSlot, flow: FlowReceiver, now: float) -> None:
-        slot.flow = flow
-        flow.slot = slot
-        group = slot.group
-        if group.t0 is None or flow.start < group.t0:
-            group.t0 = flow.start
-
     def _match_unexpected(self, slot: RecvSlot, now: float) -> bool:
-        for flow in self._unexpected:
-            if flow.slot is None and slot.matches(flow.peer, flow.tag):
-                if flow.total > len(slot.dest):
-                    continue
-                self._bind(slot, flow, now)
-                if flow.report is not None:
-                    self._deliver_internal(flow, now)
-                return True
-        return False
+        """Bind a newly posted ``slot`` to the oldest unexpected message it can hold (delivered at
+        once if that message is complete or closed)."""
+        flow = self._matcher.find_unexpected(slot)
+        if flow is None:
+            return False
+        self._matcher.bind(slot, flow)
+        if flow.report is not None:
+            self._deliver_internal(flow, now)
+        return True
 
     def _deliver_internal(self, flow: FlowReceiver, now: float) -> None:
-        slot = flow.slot
-        slot.dest[:flow.total] = flow.dest[:flow.total]
-        slot.report = flow.report
+        self._matcher.claim(flow)
         self._admission.release(flow.peer, flow.total)
-        self._unexpected.remove(flow)
-        self._check_group(slot.group, now)
+        self._check_group(flow.slot.group, now)
 
     def _after_ingest(self, flow: FlowReceiver, now: float) -> None:
         flow.last_arrival = now
@@ -502,26 +484,13 @@ class Engine:
                 flow.slot.report = report
                 self._check_group(flow.slot.group, now)
 
-    def _empty_report(self, slot: RecvSlot, regime: Regime, cause: str = "", now: float | None = None) -> RecvReport:
-        n = len(slot.dest)
-        waited = 0.0 if now is None else now - slot.group.posted
-        return RecvReport(peer=slot.peer, tag=slot.tag, total_bytes=n, received_bytes=0, delivered_fraction=0.0,
-                          bubbles=[(0, n)], critical_complete=False, regime=regime, duration_s=waited,
-                          duplicates=0, rtprop_s=0.0, btlbw_bps=0.0, lt_threshold_s=None, deadline_s=None,
-                          cause=cause)
-
     def _check_group(self, group: RecvGroup, now: float) -> None:
-        if not group.done and all(s.report is not None or s.error is not None for s in group.slots):
+        if self._matcher.settled(group):
             errors = [s.error for s in group.slots if s.error is not None]
             self._finish_group(group, now, errors[0] if errors else None)
 
     def _finish_group(self, group: RecvGroup, now: float, error: Exception | None) -> None:
-        group.done = True
-        for s in group.slots:
-            if s in self._waiting:
-                self._waiting.remove(s)
-        self._groups.pop(group.handle, None)
-        self._events.append(ReceiveDone(group.handle, [s.report for s in group.slots], error))
+        self._events.append(ReceiveDone(group.handle, self._matcher.finish(group), error))
 
     def _group_timers(self, group: RecvGroup, now: float) -> float | None:
         """Close unregistered slots at the deadline and everything at the caller's timeout."""
@@ -550,22 +519,9 @@ class Engine:
         return wake
 
     def _expire_slot(self, slot: RecvSlot, now: float, regime: Regime, cause: str = "") -> None:
-        slot.dest[:] = bytes(len(slot.dest))
-        slot.report = self._empty_report(slot, regime, cause or self._expiry_cause(slot, now), now)
-        if slot in self._waiting:
-            self._waiting.remove(slot)
+        self._matcher.expire(slot, now, regime, cause)
         if slot.peer is not None and slot.tag is not None:
             self._admission.expire_tag(slot.peer, slot.tag, now)
-
-    def _expiry_cause(self, slot: RecvSlot, now: float) -> str:
-        group = slot.group
-        who = "any peer" if slot.peer is None else f"peer {slot.peer}"
-        waited = now - group.posted
-        if group.timeout_at is not None and now >= group.timeout_at:
-            return f"no message from {who} within the {group.timeout_at - group.posted:g} s timeout " \
-                   f"(waited {waited:.3f} s)"
-        return f"no message from {who} registered before the gather's Early Close deadline " \
-               f"(waited {waited:.3f} s)"
 
     # ------------------------------------------------------------------ sending side
     def _end_send(self, flow: FlowSender, now: float) -> None:
@@ -659,7 +615,7 @@ class Engine:
         for flow in self._ack_dirty.values():
             if flow.ack_since is not None:
                 arm(Timer.ACK_DELAY, flow.ack_since + self.config.ack_delay_s)
-        for group in self._groups.values():
+        for group in self._matcher.groups.values():
             if not group.done:
                 arm(Timer.RECEIVE_GROUP, group.wake)
                 arm(Timer.RECEIVE_GROUP, group.timeout_at)
@@ -700,7 +656,7 @@ class Engine:
                 self._wakes.pop(key, None)
                 if flow is not None:
                     self._check_flow(flow, now)
-        for group in list(self._groups.values()):
+        for group in list(self._matcher.groups.values()):
             if not group.done:
                 group.wake = self._group_timers(group, now)
         self._admission.expire_pending(now)
@@ -750,7 +706,7 @@ class Engine:
                                cause=f"sender {peer} unreachable: {cause} ({now - flow.start:.3f} s after it registered)")
                 n += 1
             self._admission.drop_peer(peer)
-        for slot in [s for s in self._waiting if s.peer == peer]:
+        for slot in self._matcher.waiting_for(peer):
             self._expire_slot(slot, now, Regime.TIMEOUT, cause=f"peer {peer} unreachable: {cause}")
             self._check_group(slot.group, now)
             n += 1
@@ -759,9 +715,7 @@ class Engine:
     def _purge(self, now: float) -> None:
         self._admission.purge(now)
         ttl = self.config.closed_flow_ttl_s
-        while self._unexpected and self._unexpected[0].report is not None and \
-                self._unexpected[0].slot is None and self._unexpected[0].closed_at + ttl <= now:
-            flow = self._unexpected.popleft()
+        while (flow := self._matcher.pop_unclaimed(now, ttl)) is not None:
             self._admission.release(flow.peer, flow.total)
             self.stats.drop("unclaimed_message")
 
