@@ -1,0 +1,129 @@
+"""ltp.admission.Admission on its own: caps, memory accounting and the answers to late DATA/REGs."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import numpy as np
+import pytest
+
+from ltp import wire
+from ltp.admission import STOP_REPEAT_S, UNREGISTERED_RESETS_PER_S, Admission
+from ltp.config import Config
+from ltp.engine import Engine
+from ltp.regimes import CloseReason
+from ltp.reports import EndpointStats
+
+A = ("10.0.0.1", 7447)
+B = ("10.0.0.2", 7447)
+
+
+def _admission(**cfg):
+    ctrl = deque()
+    return Admission(Config(**cfg), EndpointStats(), ctrl), ctrl
+
+
+def _reg(tag=5, n=1000, seed=1):
+    """One REG datagram from A (made by a real sender) and its header fields."""
+    eng = Engine(Config(), rng=random.Random(seed), local_addr=A)
+    eng.send(B, np.zeros(n, np.float32), now=0.0, tag=tag)
+    tx = eng.datagrams_to_send(0.0)[0]
+    data = memoryview(bytes(tx.data[:tx.nbytes]))
+    ptype, flags, fid, token, _w2, w3 = wire.unpack_header(data)
+    assert ptype == wire.T_REG
+    return data, flags, fid, token, w3
+
+
+def _types(ctrl):
+    return [wire.unpack_header(d)[0] for d, _ in ctrl]
+
+
+def test_reg_becomes_pending_counted_and_acked_and_expires():
+    adm, ctrl = _admission()
+    data, flags, fid, token, w3 = _reg()
+    assert adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0) is None
+    assert list(adm.pending) == [(A, fid)] and adm.per_peer == {A: 1} and adm.per_host == {A[0]: 1}
+    assert _types(ctrl) == [wire.T_ACK] and adm.memory == 0  # nothing committed on a REG
+    assert adm.pending_for((A, fid), token) is not None and adm.pending_for((A, fid), token ^ 1) is None
+    expiry = adm.expiries.next_time()
+    adm.expire_pending(expiry - 1e-6)
+    assert adm.pending
+    adm.expire_pending(expiry)
+    assert not adm.pending and adm.per_peer == {} and adm.per_host == {}
+    assert adm.stats.dropped == {"registration_expired": 1}
+
+
+def test_commit_takes_memory_within_caps_and_release_gives_it_back():
+    adm, ctrl = _admission(max_receive_memory=10_000)
+    data, flags, fid, token, w3 = _reg(n=1000)  # 4000 bytes, 3 segments
+    adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0)
+    pend = adm.pending[(A, fid)]
+    need = adm.commit(pend, None, 0.001)  # no slot: bitmap + internal buffer
+    assert need == pend.seg_count + 4000 and adm.memory == need and adm.host_memory == {A[0]: need}
+    assert not adm.pending and adm.per_peer == {A: 1}  # still counted: the flow is open now
+    assert not adm.fits(A[0], 10_000 - need + 1) and adm.fits(A[0], 10_000 - need)
+    adm.release(A, need)
+    adm.uncount(A)
+    assert adm.memory == 0 and adm.host_memory == {} and adm.per_peer == {}
+
+
+def test_commit_refuses_what_does_not_fit_and_remembers_the_flow_as_cancelled():
+    adm, ctrl = _admission(max_receive_memory=3000)
+    data, flags, fid, token, w3 = _reg(n=1000)
+    adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0)
+    assert adm.stats.refused == {"out_of_memory": 1}  # said early, on the REG
+    adm2, ctrl2 = _admission(max_receive_memory=5000)
+    adm2.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0)
+    adm2.take(B, 2000)  # someone else took memory meanwhile
+    assert adm2.commit(adm2.pending[(A, fid)], None, 0.001) is None
+    assert adm2.stats.refused == {"out_of_memory": 1} and adm2.per_peer == {}
+    assert adm2.closed[(A, fid)][:2] == [token, wire.STOP_CODES[CloseReason.CANCELLED]]
+
+
+def test_late_data_of_a_closed_flow_gets_its_stop_again_at_most_once_per_interval():
+    adm, ctrl = _admission()
+    adm.remember_closed((A, 9), 77, wire.STOP_CODES[CloseReason.EARLY], 12, now=0.0)
+    for t in (0.0, 0.0001, STOP_REPEAT_S, STOP_REPEAT_S * 1.5, STOP_REPEAT_S * 2.01):
+        adm.on_unknown_data((A, 9), 77, t, open_flow=False)
+    assert _types(ctrl) == [wire.T_STOP] * 3 and adm.stats.dropped == {"closed_flow": 5}
+    _, _, fid, token, count, w3 = wire.unpack_header(ctrl[0][0])
+    assert (fid, token, count, w3 >> 24) == (9, 77, 12, wire.STOP_CODES[CloseReason.EARLY])
+    adm.on_unknown_data((A, 9), 78, 1.0, open_flow=False)  # another token: not ours
+    assert adm.stats.dropped["bad_token"] == 1
+    adm.purge(adm.config.closed_flow_ttl_s)
+    assert not adm.closed
+
+
+def test_unknown_data_reset_is_rate_limited():
+    adm, ctrl = _admission()
+    n = int(UNREGISTERED_RESETS_PER_S) + 500
+    for i in range(n):
+        adm.on_unknown_data((A, i % 65536), 1, 0.0, open_flow=False)
+    assert len(ctrl) == int(UNREGISTERED_RESETS_PER_S) and adm.stats.dropped == {"unknown_flow": n}
+    adm.on_unknown_data((A, 1), 1, 0.01, open_flow=False)  # 10 ms refill 10 answers
+    assert len(ctrl) == int(UNREGISTERED_RESETS_PER_S) + 1
+    code = wire.unpack_header(ctrl[-1][0])[4]
+    assert wire.RESET_REASONS[code] == "unregistered"
+
+
+def test_reg_for_an_expired_tag_is_stopped_with_deadline():
+    adm, ctrl = _admission()
+    adm.expire_tag(A, 5, now=0.0)
+    data, flags, fid, token, w3 = _reg(tag=5)
+    adm.on_reg(data, A, flags, fid, token, w3, 0.001, 0.0)
+    assert not adm.pending and _types(ctrl) == [wire.T_STOP]
+    assert ctrl[0][0][12] == wire.STOP_CODES[CloseReason.DEADLINE]
+    assert adm.closed[(A, fid)][1] == wire.STOP_CODES[CloseReason.DEADLINE]
+    adm.purge(adm.config.closed_flow_ttl_s)
+    assert not adm.expired_tags
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_per_address_cap_refuses_with_reset(cap):
+    adm, ctrl = _admission(max_flows_per_peer=cap)
+    for seed in range(cap + 2):
+        data, flags, fid, token, w3 = _reg(seed=seed)
+        adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0)
+    assert len(adm.pending) == cap and adm.stats.refused == {"too_many_flows": 2}
+    assert _types(ctrl).count(wire.T_RESET) == 2

@@ -1,0 +1,122 @@
+"""Early Close maths lives in ltp.early_close only, and the engine runs that code.
+
+The unit tests of ``LinkThresholds.threshold`` (tests/test_cc.py) and of
+``decide`` (tests/test_early_close.py) cover the production path because the
+engine computes every LT threshold with ``LinkThresholds.flow_threshold`` (which
+``threshold`` shares) and every decision with :class:`EarlyClose`; these tests
+pin that down and check the deadline helpers.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ltp.engine
+from ltp.config import Config
+from ltp.early_close import (HARD_STRETCH, EarlyClose, LinkThresholds, group_deadline, hard_deadline,
+                             projected_full_duration)
+from ltp.regimes import Regime
+
+GBIT = 125e6
+LINK = ("10.0.0.1", 7447)
+
+
+def test_engine_has_no_early_close_maths_of_its_own():
+    src = inspect.getsource(ltp.engine)
+    for name in ("_lt_for", "_deadline_for", "_progress_for", "HARD_STRETCH", "STRETCH_MAX_LOSS", "record_full",
+                 "initial(", "stall_window", "FlowProgress", "decide("):
+        assert name not in src, f"ltp/engine.py still has {name}: Early Close belongs in ltp/early_close.py"
+
+
+@settings(max_examples=200, deadline=None)
+@given(hist=st.lists(st.floats(1e-4, 1.0), max_size=4), rt=st.sampled_from([0.0, 1e-4, 2e-3]),
+       bw=st.sampled_from([0.0, 1e6, 1.25e8]), size=st.integers(1, 10**7))
+def test_threshold_is_flow_threshold_of_a_fresh_flow(hist, rt, bw, size):
+    t = LinkThresholds(window=8)
+    for d in hist:
+        t.record_full(LINK, size, d)
+    lt, anchor = t.flow_threshold(LINK, size, rt, bw)
+    assert t.threshold(LINK, size, rt, bw) == lt
+    if hist:
+        assert lt == min(hist) + 0.5 * rt and anchor is None
+    elif rt > 0 and bw > 0:
+        assert lt == anchor == pytest.approx(1.5 * rt + size / bw)
+    else:
+        assert lt is None and anchor is None
+
+
+def test_initial_threshold_is_anchored_once_and_counts_only_what_is_left():
+    t = LinkThresholds()
+    lt, anchor = t.flow_threshold(LINK, 1_000_000, 0.001, 1e8, elapsed_s=0.004, remaining=600_000)
+    assert lt == anchor == pytest.approx(0.004 + 1.5e-3 + 0.006)
+    # later calls keep the anchor whatever the estimates do, until the link has a history
+    assert t.flow_threshold(LINK, 1_000_000, 0.5, 1e3, elapsed_s=9.0, remaining=1, anchor=anchor) == (anchor, anchor)
+    t.record_full(LINK, 1_000_000, 0.02)
+    assert t.flow_threshold(LINK, 1_000_000, 0.002, 1e8, anchor=anchor) == (pytest.approx(0.021), anchor)
+
+
+def test_deadline_helpers():
+    assert group_deadline(1.0, [], 0.03) == pytest.approx(1.03)
+    assert group_deadline(1.0, [0.2, 0.5, 0.1], 0.03) == pytest.approx(1.53)
+    assert group_deadline(1.0, [0.2, None, 0.1], 0.03) is None
+
+    def lazy():
+        yield None
+        raise AssertionError("group_deadline must stop at the first unknown threshold")
+
+    assert group_deadline(0.0, lazy(), 0.0) is None
+    assert hard_deadline(1.0, 1.5) == pytest.approx(1.0 + HARD_STRETCH * 0.5)
+    assert hard_deadline(1.0, 1.5, timeout_at=1.2) == 1.2
+    assert hard_deadline(1.0, 0.5) == 1.0  # a deadline before the start stretches nothing
+    assert projected_full_duration(0.01, 0.08, 0.8) == pytest.approx(0.11)
+
+
+def test_record_closed_by_regime():
+    t = LinkThresholds()
+    kw = dict(anchor=1.0, start=1.01, last_arrival=1.09)
+    t.record_closed(LINK, 1000, Regime.COMPLETE, received_bytes=1000, **kw)
+    assert t.history(LINK, 1000) == pytest.approx(0.09)
+    t.record_closed(LINK, 2000, Regime.EARLY, received_bytes=1600, **kw)
+    assert t.history(LINK, 2000) == pytest.approx(0.01 + 0.08 / 0.8)
+    for regime in (Regime.TIMEOUT, Regime.CANCELLED):
+        t.record_closed(LINK, 3000, regime, received_bytes=3000, **kw)
+    t.record_closed(LINK, 3000, Regime.DEADLINE, received_bytes=0, **kw)
+    assert t.history(LINK, 3000) is None
+
+
+def test_engine_thresholds_come_from_flow_threshold(harness, floats, monkeypatch):
+    calls = []
+    real = LinkThresholds.flow_threshold
+
+    def spy(self, *a, **kw):
+        out = real(self, *a, **kw)
+        calls.append(out)
+        return out
+
+    monkeypatch.setattr(LinkThresholds, "flow_threshold", spy)
+    h = harness(seed=31, config=Config(deadline_slack_s=0.01))
+    h.links(rate=GBIT, delay_s=0.0005)
+    a, b = h.engines
+    assert isinstance(b._early, EarlyClose) and b._thresholds is b._early.thresholds
+    data = floats(200_000)
+    reps = []
+    for tag in range(3):
+        out = np.zeros_like(data)
+        hs = a.send(h.addrs[1], data, now=h.now, tag=tag)
+        hr = b.post_receive([(h.addrs[0], tag, out)], now=h.now)
+        _, recv = h.wait([(0, hs), (1, hr)])
+        reps.append(recv.reports[0])
+    assert calls, "the engine never asked LinkThresholds.flow_threshold"
+    last = reps[-1]
+    assert last.regime == Regime.COMPLETE and last.lt_threshold_s is not None
+    # the last flow's threshold is what LinkThresholds says for this link now (measured history + margin),
+    # i.e. exactly what the unit-tested threshold() returns
+    history = b._thresholds.history(h.addrs[0], data.nbytes)
+    assert history is not None
+    assert last.deadline_s == pytest.approx(last.lt_threshold_s + 0.01)
+    assert any(lt == last.lt_threshold_s for lt, _ in calls)
