@@ -595,34 +595,43 @@ class Engine:
 
     def timers(self) -> TimerTable:
         """Every armed timer, by kind (:class:`~ltp.timers.Timer`); the next deadline is their minimum."""
-        table = TimerTable()
-        arm = table.arm
+        # plain local minima: get_timer runs once per event-loop turn, over every open flow
+        pacing = reg = tail = silence = None
         for path in self._paths.values():
             if not path.flows:
                 continue
-            arm(Timer.PACING, path.wake)
+            t = path.wake
+            if t is not None and (pacing is None or t < pacing):
+                pacing = t
             pto = path.pto()
+            limit = self.silence_limit(path)
             for flow in path.flows:
                 if not flow.reg_confirmed:
-                    arm(Timer.REG_REPEAT, flow.reg_next)
-                oldest = flow.window.oldest_inflight_time() if flow.window.inflight_count else -1.0
-                if oldest >= 0:
-                    # re-armed by every ACK, so it only fires when ACKs stop
-                    arm(Timer.TAIL_LOSS, max(oldest, flow.last_heard) + pto)
-                arm(Timer.PEER_SILENCE, max(flow.last_heard, path.last_heard) + self.silence_limit(path))
-        for t in self._wakes.values():
-            arm(Timer.EARLY_CLOSE, t)
-        for flow in self._ack_dirty.values():
-            if flow.ack_since is not None:
-                arm(Timer.ACK_DELAY, flow.ack_since + self.config.ack_delay_s)
+                    t = flow.reg_next
+                    if t is not None and (reg is None or t < reg):
+                        reg = t
+                w = flow.window
+                if w.inflight_count:
+                    oldest = w.oldest_inflight_time()
+                    if oldest >= 0:
+                        # re-armed by every ACK, so it only fires when ACKs stop
+                        t = max(oldest, flow.last_heard) + pto
+                        if tail is None or t < tail:
+                            tail = t
+                t = max(flow.last_heard, path.last_heard) + limit
+                if silence is None or t < silence:
+                    silence = t
+        early = min(self._wakes.values(), default=None)
+        delay = self.config.ack_delay_s
+        ack = min((f.ack_since + delay for f in self._ack_dirty.values() if f.ack_since is not None), default=None)
+        group_at = None
         for group in self._matcher.groups.values():
             if not group.done:
-                arm(Timer.RECEIVE_GROUP, group.wake)
-                arm(Timer.RECEIVE_GROUP, group.timeout_at)
-        arm(Timer.REGISTRATION_EXPIRY, self._admission.expiries.next_time())
-        if self._rx:
-            arm(Timer.IDLE_SCAN, self._rx_idle_next)
-        return table
+                for t in (group.wake, group.timeout_at):
+                    if t is not None and (group_at is None or t < group_at):
+                        group_at = t
+        return TimerTable((pacing, reg, tail, silence, early, ack, group_at, self._admission.expiries.next_time(),
+                           self._rx_idle_next if self._rx else None))
 
     def silence_limit(self, path: Path) -> float:
         """Seconds of silence after which a peer counts as dead (the dead-peer rule)."""

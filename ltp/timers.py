@@ -63,8 +63,14 @@ class TimerTable:
 
     __slots__ = ("_at",)
 
-    def __init__(self) -> None:
-        self._at: list = [None] * len(Timer)
+    def __init__(self, at=None) -> None:
+        """``at``: the deadline (or None) of every kind, in :class:`Timer` order; default none armed."""
+        if at is None:
+            self._at: list = [None] * len(Timer)
+        else:
+            self._at = list(at)
+            if len(self._at) != len(Timer):
+                raise ValueError(f"TimerTable needs {len(Timer)} deadlines (one per Timer kind), got {len(self._at)}")
 
     def arm(self, kind: Timer, at: float | None) -> None:
         """Arm ``kind`` at ``at`` unless it is already armed earlier; None arms nothing."""
