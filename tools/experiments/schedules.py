@@ -52,8 +52,10 @@ import tempfile
 import time
 
 from . import _common as C
+from . import schedules_training as T
 
 NAME = "schedules"
+EXPERIMENTS = ("rsgcm", "mlfabric", "accuracy")  # --experiment: this module's rows, then schedules_training's
 SCHEDULES = ("ring", "rsgcm", "direct", "rsgcm+block")
 RACKS = (3, 3)
 INTERLEAVE = (0, 3, 1, 4, 2, 5)  # rank r runs on host INTERLEAVE[r]
@@ -457,7 +459,25 @@ def register(subparsers) -> None:
     """Add ``ltp-lab schedules``."""
     p = subparsers.add_parser(NAME, help="aggregation schedules in the lab vs the fluid simulator (issues 9, 11)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma list of {','.join(SCHEDULES)}")
+    p.add_argument("--experiment", choices=EXPERIMENTS, default="rsgcm",
+                   help="rsgcm: round times of ring/rsgcm/direct (+ a blocked pair); mlfabric: time to accuracy of "
+                        "mlfabric vs async direct vs ring under redrawn N3 rates; accuracy: every schedule over LTP "
+                        "and TCP at 0 and 1 %% loss (issue 9 §4; module docstrings of schedules*.py)")
+    p.add_argument("--schedules", default=None,
+                   help=f"comma list of rows (rsgcm: {','.join(SCHEDULES)}; mlfabric: {','.join(T.TTA_SCHEDULES)}; "
+                        f"accuracy: {','.join(T.ACCURACY_SCHEDULES)}; default all)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help=f"mlfabric/accuracy: training epochs (default {T.TTA_EPOCHS}/{T.ACC_EPOCHS}; --quick "
+                        f"{T.QUICK_TTA_EPOCHS}/{T.QUICK_ACC_EPOCHS})")
+    p.add_argument("--tau-max", type=int, default=8, help="mlfabric: the delay bound of the mlfabric row (default 8)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="mlfabric: learning rate of the two asynchronous rows (default ltp-ps's 0.1)")
+    p.add_argument("--redraw-period", type=float, default=None,
+                   help=f"mlfabric: seconds between rate redraws (default {T.REDRAW_PERIOD_S:g}; --quick "
+                        f"{T.QUICK_REDRAW_PERIOD_S:g})")
+    p.add_argument("--losses", default=",".join(f"{x:g}" for x in T.ACC_LOSSES),
+                   help="accuracy: comma list of loss rates at every host's ingress (default 0,0.01)")
+    p.add_argument("--transports", default="ltp,tcp", help="accuracy: comma list of transports (default ltp,tcp)")
     p.add_argument("--model-bytes", type=int, default=None, help="model size (default 4000000; --quick 1000000)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per job (default 12; --quick 6)")
     p.add_argument("--block-at", type=int, default=None, help="rsgcm+block: block after this many rounds")
@@ -471,7 +491,18 @@ def register(subparsers) -> None:
 
 
 def _cli(args) -> int:
-    res = run(schedules=C.parse_list(args.schedules, str), model_bytes=args.model_bytes, rounds=args.rounds,
+    rows = C.parse_list(args.schedules, str) if args.schedules else None
+    if args.experiment == "mlfabric":
+        res = T.run_tta(rows=rows or T.TTA_SCHEDULES, epochs=args.epochs, repeats=args.repeats, seed=args.seed,
+                        quick=args.quick, transport=args.transport, tau_max=args.tau_max, lr=args.lr,
+                        redraw_period_s=args.redraw_period, out=args.out, progress=not args.no_progress)
+        return 1 if any(r["error"] for r in res["runs"]) else 0
+    if args.experiment == "accuracy":
+        res = T.run_accuracy(rows=rows or T.ACCURACY_SCHEDULES, transports=C.parse_list(args.transports, str),
+                             losses=C.parse_list(args.losses, float), epochs=args.epochs, seed=args.seed,
+                             quick=args.quick, out=args.out, progress=not args.no_progress)
+        return 1 if any(r["error"] for r in res["runs"]) else 0
+    res = run(schedules=rows or SCHEDULES, model_bytes=args.model_bytes, rounds=args.rounds,
               rate_bps=args.rate, uplink_bps=args.uplink_rate, block_at=args.block_at, transport=args.transport,
               repeats=args.repeats, seed=args.seed, quick=args.quick, out=args.out, progress=not args.no_progress,
               fluid=not args.no_fluid)
