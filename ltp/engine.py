@@ -16,6 +16,24 @@ RESET — then paced DATA from each path) and :meth:`next_event` returns
 sleeps, touches a socket or imports asyncio; randomness (flow ids, tokens,
 BBR's probe phase) comes from the injected ``random.Random``.
 
+One concern per module: the engine owns the flows (send flows per
+:class:`~ltp.path.Path`, receive flows by ``(peer, flow id)``) and routes
+each input to the object that decides —
+
+* :class:`~ltp.admission.Admission`: whether a REG may cost this host memory
+  (MAC, freshness, replay, caps), pending registrations, receive-memory
+  accounting, and the answers to late DATA/REGs (STOP again, STOP ``deadline``
+  for an expired tag, rate-limited RESET ``unregistered``);
+* :class:`~ltp.matching.ReceiveMatcher`: which posted receive slot a message
+  fills, unexpected messages, slot expiry and when a group is done;
+* :class:`~ltp.early_close.EarlyClose`: when a receive flow closes (LT
+  threshold, group deadline, progress evidence) and what it teaches the LT
+  thresholds;
+* :mod:`ltp.timers`: the named timer kinds; :meth:`timers` reports the
+  earliest deadline of each and :meth:`get_timer` is their minimum;
+* :mod:`ltp.regimes`: how transfers end (:class:`~ltp.regimes.Regime`,
+  :class:`~ltp.regimes.CloseReason`).
+
 Invariants:
 
 1. Nothing a peer sends can raise out of :meth:`receive_datagram` /
@@ -61,12 +79,12 @@ from . import wire
 from .admission import Admission, PendingRegistration, stop_datagram
 from .config import Config
 from .early_close import EarlyClose
-from .matching import ReceiveMatcher
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
                      TransferTimeout, WireError)
+from .matching import ReceiveMatcher
 from .path import Path, Transmit
-from .regimes import CloseReason, Regime, stop_reason
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
+from .regimes import CloseReason, Regime, stop_reason
 from .reports import EndpointStats, SendReport
 from .sender import OPEN, FlowSender
 from .timers import Timer, TimerTable
@@ -383,6 +401,7 @@ class Engine:
                 return
             self.stats.drop("unknown_flow")
 
+    # ------------------------------------------------------------------ registration and matching
     def _srtt_of(self, addr) -> float | None:
         """This host's smoothed RTT to ``addr`` (seconds), or None."""
         path = self._paths.get(addr)
@@ -410,9 +429,9 @@ class Engine:
         padding = (cfg.segment_size if cfg.segment_size is not None else cfg.mtu - 44) - pend.seg_size
         # the flow's clock starts at its registration, as if it had been allocated then
         flow = FlowReceiver(key=pend.key, peer=addr, flow_id=pend.flow_id, token=pend.token, total=total,
-                            seg_size=pend.seg_size, element_size=pend.element_size, tag=pend.tag, reliable=pend.reliable,
-                            critical_runs=pend.ranges, dest=dest, internal=internal, now=pend.registered,
-                            est=pend.est, padding=max(0, padding))
+                            seg_size=pend.seg_size, element_size=pend.element_size, tag=pend.tag,
+                            reliable=pend.reliable, critical_runs=pend.ranges, dest=dest, internal=internal,
+                            now=pend.registered, est=pend.est, padding=max(0, padding))
         self._rx[pend.key] = flow
         self.stats.flows_received += 1
         if slot is not None:
@@ -706,13 +725,15 @@ class Engine:
         if path is not None:
             for flow in list(path.flows):
                 if flow.state == OPEN:
-                    flow.fail(now, PeerUnreachable(peer, f"{cause}; {now - flow.started:.3f} s after this send started"))
+                    flow.fail(now, PeerUnreachable(peer, f"{cause}; {now - flow.started:.3f} s after this send "
+                                                         "started"))
                     self._end_send(flow, now)
                     n += 1
         if self._rx_per_peer.get(peer):
             for flow in [f for f in self._rx.values() if f.peer == peer and f.regime is None]:
                 self._close_rx(flow, now, Regime.TIMEOUT, send_stop=False,
-                               cause=f"sender {peer} unreachable: {cause} ({now - flow.start:.3f} s after it registered)")
+                               cause=f"sender {peer} unreachable: {cause} "
+                                     f"({now - flow.start:.3f} s after it registered)")
                 n += 1
             self._admission.drop_peer(peer)
         for slot in self._matcher.waiting_for(peer):
