@@ -442,17 +442,21 @@ class ParameterServer:
         """Seconds a reliable parameter message to each of ``n_peers`` may take (derived per round)."""
         return self.deadline.broadcast_timeout(HEADER_BYTES + ELEM * self.n, n_peers)
 
-    async def _wait_rejoin(self) -> None:
-        """Every worker is gone: wait ``join_timeout_s`` for one to (re)join, else fail the job."""
+    async def _wait_rejoin(self, where: str | None = None) -> None:
+        """Every worker is gone: wait ``join_timeout_s`` for one to (re)join, else fail the job.
+
+        ``where`` names the progress in the message (default: ``round i of n``).
+        """
+        where = where or f"round {self.iteration} of {self.total}"
         dropped = [f"worker {e.rank}: {e.reason}" for e in self.membership.events_log if e.kind == "dropped"]
-        self.log(f"[ps{self.shard}] no live worker at round {self.iteration}; waiting up to "
+        self.log(f"[ps{self.shard}] no live worker at {where}; waiting up to "
                  f"{self.cfg.join_timeout_s:.0f} s for workers to rejoin")
         t0 = time.monotonic()
         try:
             await self._wait_workers(1)
         except RendezvousError:
             raise TrainingFailed(
-                f"PS shard {self.shard}: no live worker at round {self.iteration} of {self.total} and none "
+                f"PS shard {self.shard}: no live worker at {where} and none "
                 f"rejoined within {time.monotonic() - t0:.1f} s ({'; '.join(dropped[-8:]) or 'all dropped'}); "
                 f"the job stops without finishing") from None
 
@@ -541,7 +545,7 @@ class ParameterServer:
                     t.generation = m.generation
                     tasks[m.rank] = t
             if not self.membership.active() and not any(not t.done() for t in tasks.values()):
-                await self._wait_workers(1)
+                await self._wait_rejoin(f"version {self.version} of {total_updates}")  # TrainingFailed if none
             try:
                 await asyncio.wait_for(self._done.wait(), 0.05)
             except asyncio.TimeoutError:

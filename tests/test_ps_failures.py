@@ -228,6 +228,27 @@ def test_every_worker_killed_in_the_last_round_fails_the_job(n):
     assert "the last round (11) applied no update" in str(res[0]), res[0]
 
 
+def test_async_mode_every_worker_killed_fails_as_training_failed_naming_the_drops():
+    # Was a RendezvousError "only 0 of 1 workers joined ... start the workers" (exit 2, no "failed" row).
+    job = make_job(3, epochs=3, lr=0.1, mode="async", momentum=0.0, gather_timeout_s=0.3, max_missed=2,
+                   join_timeout_s=0.5, worker_kw={"pull_timeout_s": 3.0})
+    ps = job.servers[0]
+
+    async def killer():
+        while ps.version < 30:
+            await asyncio.sleep(0.002)
+        for t in job.worker_transports:
+            job.net.kill(t.local_addr)
+
+    async def go():
+        return await asyncio.gather(run_job_allow_fail(job), killer())
+
+    (res, _) = asyncio.run(asyncio.wait_for(go(), 60))
+    assert isinstance(res[0], TrainingFailed), res[0]
+    assert re.search(r"no live worker at version \d+ of 135 and none rejoined", str(res[0])), res[0]
+    assert any(r["event"] == "failed" for r in ps.metrics.rows)
+
+
 def test_async_mode_non_finite_loss_fails():
     job = make_job(2, wl=_NanAfter(workload(), 5), iterations=200, lr=0.05, mode="async", momentum=0.0)
     res = asyncio.run(asyncio.wait_for(run_job_allow_fail(job), 60))
