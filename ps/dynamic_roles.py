@@ -27,7 +27,7 @@ SGD: push, then pull the latest model): right after the ``Apply`` of the
 commit that carried it (whether or not its bytes arrived), or right after a
 grant that dropped it.  Sending them at grant time instead (the first
 version of this module) made every next gradient miss the worker's own
-previous update and lost ~40 % of the updates to the delay bound
+previous update and lost a third of the updates to the delay bound
 (docs/schedules.md, "Parameters after apply").  The PS's own grants
 (receive, then ``Apply``, per commit in order) run on its executor.  A worker
 whose stream closes, whose grant delivery fails, or that stays silent for
