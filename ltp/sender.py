@@ -109,6 +109,7 @@ class FlowSender:
         self.reg_confirmed = False
         self.reg_attempts = 0
         self.reg_next: float = now
+        self.hold_data = False  # the receiver answered DATA with RESET unregistered: wait for a REG's answer
 
     # -- registration ---------------------------------------------------
     def reg_datagram(self, now: float, est_word: int, rto: float, wall_us: int) -> bytes:
@@ -126,10 +127,19 @@ class FlowSender:
     def reregister(self, now: float, min_interval: float) -> bool:
         """The receiver says it holds no registration of ours: send REG again now.
 
-        Ignored while a REG is outstanding or one went out less than
-        ``min_interval`` ago (DATA that overtook that REG draws such answers).
+        While our REG is unanswered the answer means that REG was lost (a
+        full queue drops it like any datagram) or overtaken by DATA: DATA is
+        held until a REG is answered — every DATA datagram would only draw
+        another RESET, and the tail-loss timer would send it all again into
+        the same full queue — and REG goes out again now rather than at the
+        back-off's next step, at most once per ``min_interval``.
         False once the receiver forgot us more than MAX_REREGISTRATIONS times."""
-        if not self.reg_confirmed or now - self.reg_sent_at < min_interval:
+        if not self.reg_confirmed:
+            self.hold_data = True
+            if now - self.reg_sent_at >= min_interval:
+                self.reg_next = min(self.reg_next, now)
+            return True
+        if now - self.reg_sent_at < min_interval:
             return True
         self.reregistrations += 1
         if self.reregistrations > MAX_REREGISTRATIONS:
@@ -141,7 +151,7 @@ class FlowSender:
     # -- sending --------------------------------------------------------
     def has_sendable(self) -> bool:
         """True when a segment is waiting in CQ, NQ or RQ."""
-        if self.state != OPEN:
+        if self.state != OPEN or self.hold_data:
             return False
         return bool(self.cq) or self.nq_pos < self.normal.shape[0] or bool(self.rq)
 
@@ -193,6 +203,7 @@ class FlowSender:
         """Any valid datagram of this flow arrived."""
         self.last_heard = now
         self.reg_confirmed = True
+        self.hold_data = False
 
     def all_acked(self) -> bool:
         """True when every segment has been acknowledged."""
