@@ -68,10 +68,10 @@ def main(argv=None) -> int:
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.mb * 1.1)
         state = None
         if args.hook:
-            import ltp_ps.ddp
+            from ltp_ps import ddp as ltp_ddp
 
             kw = {} if args.hook_min_fraction is None else {"min_fraction": args.hook_min_fraction}
-            state = ltp_ps.ddp.register(ddp, timeout_s=args.timeout, schedule=args.hook_schedule, **kw)
+            state = ltp_ddp.register(ddp, timeout_s=args.timeout, schedule=args.hook_schedule, **kw)
             extra["hook_schedule"] = "direct" if type(state).__name__ == "LtpHookState" else state.schedule
         xb = torch.randn(1, side)
         for i in range(args.reps + 1):

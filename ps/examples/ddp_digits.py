@@ -12,12 +12,21 @@ bucket to a parameter server (started on rank 0) over LTP and returns the
 averaged bucket.  Delete both lines and the script trains with gloo's
 allreduce instead; ``--backend ltp`` moves the process group's own
 collectives (parameter broadcast, barriers) onto LTP's reliable mode too.
-See ``docs/ddp.md``.
+``--no-hook`` leaves the gradient all-reduce to the process group (with
+``--backend ltp``: the ``ltp`` backend, exact); ``--hook-schedule`` picks the
+hook's reduction (``direct`` = server on rank 0, ``ring``/``rsgcm`` = PS-less).
+Rank 0 ends with one line ``RESULT {json}``: per-epoch accuracy and seconds,
+and the seconds to reach ``--target`` test accuracy (null if never).  See
+``docs/ddp.md``.
 """
 
 import argparse
+import json
+import sys
+import time
 
 import torch
+import torch._dynamo  # noqa: F401  (before init_process_group: see ddp_backend.teardown)
 import torch.distributed as dist
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -48,6 +57,9 @@ def main():
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--backend", default="gloo", help="process-group backend: gloo or ltp")
+    ap.add_argument("--no-hook", action="store_true", help="no LTP hook: the process group reduces gradients")
+    ap.add_argument("--hook-schedule", default=None, help="direct | ring | rsgcm | auto")
+    ap.add_argument("--target", type=float, default=0.95, help="test accuracy whose time is reported")
     args = ap.parse_args()
 
     dist.init_process_group(args.backend)
@@ -64,9 +76,12 @@ def main():
     loader = DataLoader(train, batch_size=32, sampler=sampler)
 
     model = DDP(Net())
-    ltp_ps.ddp.register(model)  # <- LTP: average gradient buckets through a parameter server over LTP
+    hook = None
+    if not args.no_hook:
+        hook = ltp_ps.ddp.register(model, schedule=args.hook_schedule)  # <- LTP: average gradient buckets over LTP
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
+    t0, accs, secs, reached = time.monotonic(), [], [], None
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         model.train()
@@ -78,9 +93,24 @@ def main():
         model.eval()
         with torch.no_grad():
             acc = (model(xte).argmax(1) == yte).float().mean().item()
+        accs.append(acc)
+        secs.append(time.monotonic() - t0)
+        if reached is None and acc >= args.target:
+            reached = secs[-1]
         if rank == 0:
             print(f"epoch {epoch + 1} loss {loss.item():.4f} test accuracy {acc:.4f}", flush=True)
+    if rank == 0:
+        print("RESULT " + json.dumps({"backend": args.backend, "hook": hook is not None, "world": dist.get_world_size(),
+                                      "accuracy": accs, "seconds": secs, "target": args.target,
+                                      "seconds_to_target": reached,
+                                      "hook_stats": hook.stats.as_dict() if hook is not None else None}), flush=True)
+    if hook is not None:
+        hook.close()
+    del model, opt, loss
     dist.destroy_process_group()
+    if not accs or accs[-1] != accs[-1] or accs[-1] < 0.5:
+        print(f"rank {rank}: training failed (test accuracy {accs})", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

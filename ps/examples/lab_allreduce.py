@@ -9,7 +9,10 @@ Each rank runs in its own namespace of an ``ltp_tools.netlab.Lab`` whose
 hosts drop ``--loss`` of their incoming data packets (and, with ``--rate``,
 are rate-limited).  Modes: ``gloo`` and ``ltp`` (the backend, exact), and,
 with ``--ddp``, ``gloo-hook`` (gloo backend + LTP gradient hook) and
-``ltp-hook``; ``--schedule`` / ``--hook-schedule`` choose the backend's and
+``ltp-hook``; a mode may end in ``@LOSS`` to run at that loss instead of
+``--loss`` (``gloo@0,ltp@0.01``).  ``--digits`` runs the DDP tutorial
+(``ddp_digits``, ``--epochs``) instead of the benchmark and reports rank 0's
+seconds to ``--target`` test accuracy.  ``--schedule`` / ``--hook-schedule`` choose the backend's and
 the hook's reduction schedules.  ``--pyspy DIR`` samples rank 0 with py-spy
 (collapsed stacks in ``DIR/<mode>.txt``).  Prints one ``RESULT`` JSON line per mode (rank 0's); exits
 non-zero if any run failed or returned a wrong all-reduce.
@@ -30,18 +33,28 @@ MASTER_PORT = 29511
 
 
 def run_mode(lab: Lab, mode: str, args) -> dict:
-    backend, _, hook = mode.partition("-")
+    name, _, at = mode.partition("@")
+    loss = float(at) if at else args.loss
+    for h in lab.hosts:
+        lab.impair(h, "ingress", loss=loss, rate_bps=args.rate)
+    backend, _, hook = name.partition("-")
     procs = []
     for r, h in enumerate(lab.hosts[:args.ranks]):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.ranks),
                    MASTER_ADDR=lab.hosts[0].addr, MASTER_PORT=str(MASTER_PORT), OMP_NUM_THREADS="1",
                    LTP_BACKEND_HOST=h.addr, LTP_PS_HOST=h.addr, GLOO_SOCKET_IFNAME=h.ifname, LTP_PS_TRANSPORT="ltp")
-        argv = [sys.executable, "-m", "ltp_ps.examples.bench_allreduce", "--backend", backend, "--mb", str(args.mb),
-                "--reps", str(args.reps)]
-        if args.ddp:
-            argv.append("--ddp")
-        if hook:
-            argv.append("--hook")
+        if args.digits:
+            argv = [sys.executable, "-m", "ltp_ps.examples.ddp_digits", "--backend", backend, "--epochs",
+                    str(args.epochs), "--target", str(args.target)]
+            if not hook:
+                argv.append("--no-hook")
+        else:
+            argv = [sys.executable, "-m", "ltp_ps.examples.bench_allreduce", "--backend", backend, "--mb",
+                    str(args.mb), "--reps", str(args.reps), "--timeout", str(args.timeout)]
+            if args.ddp:
+                argv.append("--ddp")
+            if hook:
+                argv.append("--hook")
         if args.schedule:
             argv += ["--schedule", args.schedule]
         if args.hook_schedule:
@@ -57,7 +70,7 @@ def run_mode(lab: Lab, mode: str, args) -> dict:
         return {"mode": mode, "error": bad}
     line = [ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")]
     res = json.loads(line[-1][7:])
-    res["mode"] = mode
+    res.update(mode=mode, loss=loss, rate_bps=args.rate)
     return res
 
 
@@ -72,6 +85,10 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="gloo,ltp")
     ap.add_argument("--schedule", default=None, help="the ltp backend's all-reduce schedule (auto|direct|ring|rsgcm)")
     ap.add_argument("--hook-schedule", default=None, help="the hook's schedule (auto|direct|ring|rsgcm)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="process group / hook timeout, seconds")
+    ap.add_argument("--digits", action="store_true", help="run the DDP digits tutorial instead of the benchmark")
+    ap.add_argument("--epochs", type=int, default=10, help="with --digits")
+    ap.add_argument("--target", type=float, default=0.95, help="with --digits: test accuracy to time")
     ap.add_argument("--pyspy", default=None, help="directory for py-spy profiles of rank 0 (collapsed stacks)")
     args = ap.parse_args(argv)
     reason = check_support()
@@ -80,11 +97,8 @@ def main(argv=None) -> int:
         return 2
     failed = False
     with Lab(n_hosts=args.ranks) as lab:
-        for h in lab.hosts:
-            lab.impair(h, "ingress", loss=args.loss, rate_bps=args.rate)
         for mode in args.modes.split(","):
             res = run_mode(lab, mode, args)
-            res.update(loss=args.loss, rate_bps=args.rate)
             print("RESULT " + json.dumps(res), flush=True)
             failed = failed or "error" in res or not res.get("correct", True)
     return 1 if failed else 0
