@@ -29,6 +29,8 @@ each input to the object that decides —
 * :class:`~ltp.early_close.EarlyClose`: when a receive flow closes (LT
   threshold, group deadline, progress evidence) and what it teaches the LT
   thresholds;
+* :mod:`ltp.liveness`: the dead-peer and idle-sender rules (limits and the
+  errors' wording);
 * :mod:`ltp.timers`: the named timer kinds; :meth:`timers` reports the
   earliest deadline of each and :meth:`get_timer` is their minimum;
 * :mod:`ltp.regimes`: how transfers end (:class:`~ltp.regimes.Regime`,
@@ -75,28 +77,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import wire
+from . import liveness, wire
 from .admission import Admission, PendingRegistration, stop_datagram
 from .config import Config
 from .early_close import EarlyClose
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
                      TransferTimeout, WireError)
+from .liveness import PEER_SILENCE_RTTS  # noqa: F401  (re-exported: the dead-peer rule's constant)
 from .matching import ReceiveMatcher
 from .path import Path, Transmit
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .regimes import CloseReason, Regime, stop_reason
 from .reports import EndpointStats, SendReport
 from .sender import OPEN, FlowSender
-from .timers import Timer, TimerTable
+from .timers import TimerTable
 
 __all__ = ["Engine", "SendDone", "ReceiveDone"]
 
 _DATA_B0 = (wire.VERSION << 4) | wire.T_DATA
 _ONE = np.zeros(1, np.int64)
-#: dead-peer rule: a send fails after this many smoothed RTTs of silence (floored, see Config)
-PEER_SILENCE_RTTS = 64
-#: how often receive flows are scanned for the idle rule, as a fraction of idle_timeout_s
-_RX_IDLE_SCAN_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -653,10 +652,8 @@ class Engine:
                            self._rx_idle_next if self._rx else None))
 
     def silence_limit(self, path: Path) -> float:
-        """Seconds of silence after which a peer counts as dead (the dead-peer rule)."""
-        cfg = self.config
-        rtt = path.srtt if path.srtt is not None else 0.0
-        return min(cfg.idle_timeout_s, max(cfg.peer_silence_min_s, PEER_SILENCE_RTTS * rtt))
+        """Seconds of silence after which a peer counts as dead (the dead-peer rule, :mod:`ltp.liveness`)."""
+        return liveness.silence_limit(self.config, path.srtt)
 
     def handle_timer(self, now: float) -> None:
         """Run every timer due at ``now`` (REG repeat, tail-loss probe, idle, Early Close)."""
@@ -693,23 +690,19 @@ class Engine:
         self._purge(now)
 
     def _silence_message(self, flow: FlowSender, path: Path, silent: float, limit: float, now: float) -> str:
-        cfg = self.config
-        rtt = f"{path.srtt * 1e3:.2f} ms" if path.srtt is not None else "not measured"
         what = "registration unanswered" if not flow.reg_confirmed else \
             f"{flow.window.acked_count}/{flow.seg_count} segments acknowledged"
-        return (f"peer {flow.peer} sent nothing for {silent:.3f} s, the dead-peer limit "
-                f"(max({cfg.peer_silence_min_s} s, {PEER_SILENCE_RTTS} x RTT {rtt}), at most idle_timeout_s="
-                f"{cfg.idle_timeout_s} s, = {limit:.3f} s); the send ran {now - flow.started:.3f} s ({what}). "
-                "The peer process probably died or the path is down")
+        return liveness.silence_message(self.config, peer=flow.peer, srtt_s=path.srtt, silent_s=silent, limit_s=limit,
+                               ran_s=now - flow.started, progress=what)
 
     def _expire_idle_receives(self, now: float) -> None:
         """Close receive flows whose sender has been silent for ``idle_timeout_s`` (regime ``timeout``)."""
         limit = self.config.idle_timeout_s
         for flow in [f for f in self._rx.values() if f.regime is None and f.last_arrival + limit <= now]:
-            self._close_rx(flow, now, Regime.TIMEOUT, cause=(
-                f"sender {flow.peer} sent nothing for {now - flow.last_arrival:.3f} s (idle_timeout_s={limit} s); "
-                f"{flow.window.received}/{flow.seg_count} segments had arrived in {now - flow.start:.3f} s"))
-        self._rx_idle_next = now + limit * _RX_IDLE_SCAN_FRACTION
+            self._close_rx(flow, now, Regime.TIMEOUT, cause=liveness.idle_cause(
+                flow.peer, silent_s=now - flow.last_arrival, idle_timeout_s=limit, received=flow.window.received,
+                seg_count=flow.seg_count, ran_s=now - flow.start))
+        self._rx_idle_next = now + limit * liveness.IDLE_SCAN_FRACTION
 
     # ------------------------------------------------------------------ network reports
     def peer_unreachable(self, peer, *, now: float, cause: str) -> int:

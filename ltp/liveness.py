@@ -1,0 +1,53 @@
+"""Liveness: when a silent peer counts as dead, and what the resulting error says.
+
+Theory of operation. Two rules end transfers whose peer went quiet, both
+measured on the engine's clock from the last datagram heard:
+
+* **dead peer** (sending side): a send fails with ``TransferTimeout`` once its
+  peer has sent nothing — on any flow, so a flow queued behind another to the
+  same peer is not declared dead — for :func:`silence_limit`:
+  ``max(Config.peer_silence_min_s, PEER_SILENCE_RTTS × srtt)``, at most
+  ``Config.idle_timeout_s``. 64 RTTs leave room for BBR's PROBE_RTT and
+  pacing gaps on a WAN; the floor absorbs CPU starvation of a live peer. (An
+  ICMP unreachable report ends the send sooner: ``Engine.peer_unreachable``.)
+* **idle sender** (receiving side): a receive flow whose sender has sent
+  nothing for ``idle_timeout_s`` closes with regime ``timeout``. The engine
+  scans for such flows every ``IDLE_SCAN_FRACTION × idle_timeout_s``.
+
+Every error states the peer, the elapsed time, the limit and how far the
+transfer got. Pure functions: the engine passes in what they need.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PEER_SILENCE_RTTS", "IDLE_SCAN_FRACTION", "silence_limit", "silence_message", "idle_cause"]
+
+#: dead-peer rule: a send fails after this many smoothed RTTs of silence (floored, see Config)
+PEER_SILENCE_RTTS = 64
+#: how often receive flows are scanned for the idle rule, as a fraction of idle_timeout_s
+IDLE_SCAN_FRACTION = 0.25
+
+
+def silence_limit(config, srtt_s: float | None) -> float:
+    """Seconds of silence after which a peer counts as dead, from its smoothed RTT (None: not measured)."""
+    rtt = srtt_s if srtt_s is not None else 0.0
+    return min(config.idle_timeout_s, max(config.peer_silence_min_s, PEER_SILENCE_RTTS * rtt))
+
+
+def silence_message(config, *, peer, srtt_s: float | None, silent_s: float, limit_s: float, ran_s: float,
+                    progress: str) -> str:
+    """The ``TransferTimeout`` message of a send whose peer was silent for ``silent_s`` (>= ``limit_s``).
+
+    ``ran_s``: how long the send ran; ``progress``: how far it got, in words."""
+    rtt = f"{srtt_s * 1e3:.2f} ms" if srtt_s is not None else "not measured"
+    return (f"peer {peer} sent nothing for {silent_s:.3f} s, the dead-peer limit "
+            f"(max({config.peer_silence_min_s} s, {PEER_SILENCE_RTTS} x RTT {rtt}), at most idle_timeout_s="
+            f"{config.idle_timeout_s} s, = {limit_s:.3f} s); the send ran {ran_s:.3f} s ({progress}). "
+            "The peer process probably died or the path is down")
+
+
+def idle_cause(peer, *, silent_s: float, idle_timeout_s: float, received: int, seg_count: int,
+               ran_s: float) -> str:
+    """The report cause of a receive closed because its sender was silent for ``silent_s``."""
+    return (f"sender {peer} sent nothing for {silent_s:.3f} s (idle_timeout_s={idle_timeout_s} s); "
+            f"{received}/{seg_count} segments had arrived in {ran_s:.3f} s")
