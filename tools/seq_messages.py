@@ -31,8 +31,8 @@ import sys
 import time
 
 PORT = 9400
-#: the host processes start at once; the first exchange waits this long for every peer to bind
-START_GRACE_S = 1.0
+#: every host waits (at most this long) for the driver's go, sent once all have opened their endpoints
+STARTUP_TIMEOUT_S = 60.0
 #: one step's exchange may take at most this long before the run is declared failed
 STEP_TIMEOUT_S = 30.0
 
@@ -75,9 +75,17 @@ async def _host(args) -> int:
     ep = await open_endpoint((args.addrs[me], PORT), config=Config(**_overrides(args.set)))
     data = np.full(args.size // 4, me + 1, np.float32)
     into = np.zeros(args.size // 4, np.float32)
-    await asyncio.sleep(START_GRACE_S)
+    # start barrier: the driver says go once every host's endpoint is open (processes import at
+    # different speeds; DATA to a port nobody listens on yet would fail the send with ICMP unreachable)
+    print(json.dumps(dict(host=me, ready=True)), flush=True)
+    line = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline),
+                                  STARTUP_TIMEOUT_S)
+    if line.strip() != "go":
+        print(json.dumps(dict(host=me, error=f"driver did not say go: {line!r}")), flush=True)
+        await ep.close()
+        return 1
     ok = True
-    for step in range(args.steps + 1):  # step 0: warm-up (peers start at slightly different times)
+    for step in range(args.steps + 1):  # step 0: warm-up (its time is not counted)
         if args.mode == "ring":
             reliable = (step % (2 * (n - 1))) >= n - 1
         else:
@@ -178,7 +186,14 @@ def _drive(args) -> int:
             argv = [sys.executable, "-m", "ltp_tools.seq_messages", "--host", str(rank), "--addrs", ",".join(addrs),
                     "--size", str(args.size), "--steps", str(args.steps), "--mode", args.mode,
                     "--gap", str(args.gap)] + [a for kv in args.set or () for a in ("--set", kv)]
-            procs.append(lab.popen(lab.hosts[i], argv, stdout=subprocess.PIPE, text=True))
+            procs.append(lab.popen(lab.hosts[i], argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for p in procs:  # every endpoint is open...
+            first = p.stdout.readline()
+            if not first.strip() or not json.loads(first).get("ready"):
+                raise RuntimeError(f"a host process failed to start: {first!r}")
+        for p in procs:  # ...so all may start
+            p.stdin.write("go\n")
+            p.stdin.flush()
         outs = [p.communicate(timeout=STEP_TIMEOUT_S * (args.steps + 2))[0] for p in procs]
         rcs = [p.returncode for p in procs]
         drops = _qdisc_drops(lab)
