@@ -121,3 +121,18 @@ def test_lab_mlfabric_row_under_redrawn_rates(tmp_path):
     assert run["beyond_tau"] == 0 and run["updates"] > 0 and run["rate_draws"] >= 2
     assert run["target_kind"] == "best common" or run["best_accuracy"] >= 0.95
     assert run["time_to_target_s"] is not None and not run["redraw_errors"]
+
+
+def test_the_recorded_command_reproduces_the_mlfabric_options():
+    p = dict(quick=False, epochs=3, repeats=1, seed=1, transport="tcp", tau_max=4, redraw_period_s=5.0, lr=0.05,
+             batch_window_s=0.0, aggregators=2)
+    cmd = T._tta_command(p).split()
+    for opt, val in (("--tau-max", "4"), ("--lr", "0.05"), ("--batch-window", "0"), ("--aggregators", "2"),
+                     ("--transport", "tcp"), ("--redraw-period", "5")):
+        assert cmd[cmd.index(opt) + 1] == val
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    S.register(ap.add_subparsers())
+    a = ap.parse_args(cmd[1:])  # what the command line records parses back to the same options
+    assert (a.tau_max, a.lr, a.batch_window, a.aggregators, a.experiment) == (4, 0.05, 0.0, 2, "mlfabric")

@@ -475,6 +475,10 @@ def register(subparsers) -> None:
     p.add_argument("--redraw-period", type=float, default=None,
                    help=f"mlfabric: seconds between rate redraws (default {T.REDRAW_PERIOD_S:g}; --quick "
                         f"{T.QUICK_REDRAW_PERIOD_S:g})")
+    p.add_argument("--batch-window", type=float, default=None,
+                   help="mlfabric: the mlfabric row's --batch-window (default ltp-ps's 0.1 s)")
+    p.add_argument("--aggregators", type=int, default=None,
+                   help="mlfabric: the mlfabric row's --aggregators (default ltp-ps's 1)")
     p.add_argument("--losses", default=",".join(f"{x:g}" for x in T.ACC_LOSSES),
                    help="accuracy: comma list of loss rates at every host's ingress (default 0,0.01)")
     p.add_argument("--transports", default="ltp,tcp", help="accuracy: comma list of transports (default ltp,tcp)")
@@ -495,7 +499,8 @@ def _cli(args) -> int:
     if args.experiment == "mlfabric":
         res = T.run_tta(rows=rows or T.TTA_SCHEDULES, epochs=args.epochs, repeats=args.repeats, seed=args.seed,
                         quick=args.quick, transport=args.transport, tau_max=args.tau_max, lr=args.lr,
-                        redraw_period_s=args.redraw_period, out=args.out, progress=not args.no_progress)
+                        redraw_period_s=args.redraw_period, batch_window_s=args.batch_window,
+                        aggregators=args.aggregators, out=args.out, progress=not args.no_progress)
         return 1 if any(r["error"] for r in res["runs"]) else 0
     if args.experiment == "accuracy":
         res = T.run_accuracy(rows=rows or T.ACCURACY_SCHEDULES, transports=C.parse_list(args.transports, str),

@@ -303,7 +303,8 @@ def _curve(job: Job) -> list:
 
 def run_tta(*, rows=TTA_SCHEDULES, epochs: int | None = None, repeats: int | None = None, seed: int = 1,
             quick: bool = False, transport: str = "ltp", tau_max: int = 8, lr: float | None = None,
-            redraw_period_s: float | None = None, out: str | None = None, progress: bool = True,
+            redraw_period_s: float | None = None, batch_window_s: float | None = None,
+            aggregators: int | None = None, out: str | None = None, progress: bool = True,
             verbose: bool = True) -> dict:
     """MLfabric vs async direct vs sync ring under N3 rates (see the module docstring); returns the results."""
     import random
@@ -322,6 +323,7 @@ def run_tta(*, rows=TTA_SCHEDULES, epochs: int | None = None, repeats: int | Non
     os.makedirs(out, exist_ok=True)
     params = dict(experiment="mlfabric", rows=list(rows), workers=MLF_WORKERS, epochs=epochs, repeats=repeats,
                   seed=seed, quick=quick, transport=transport, tau_max=tau_max, lr=lr, redraw_period_s=period,
+                  batch_window_s=batch_window_s, aggregators=aggregators,
                   profile_bps=[list(p) for p in N3_PROFILE_BPS], train_args={r: TRAIN_ARGS[r] for r in rows})
     runs = []
     order_rng = random.Random(seed)
@@ -338,6 +340,10 @@ def run_tta(*, rows=TTA_SCHEDULES, epochs: int | None = None, repeats: int | Non
                     extra = []
                     if row == "mlfabric":
                         extra += ["--tau-max", str(tau_max)]
+                        if batch_window_s is not None:
+                            extra += ["--batch-window", str(batch_window_s)]
+                        if aggregators is not None:
+                            extra += ["--aggregators", str(aggregators)]
                     if lr is not None and row != "ring":
                         extra += ["--lr", str(lr)]
                     try:
@@ -438,6 +444,10 @@ def _tta_command(p: dict) -> str:
             p["transport"], "--tau-max", str(p["tau_max"]), "--redraw-period", f"{p['redraw_period_s']:g}"]
     if p["lr"] is not None:
         cmd += ["--lr", f"{p['lr']:g}"]
+    if p.get("batch_window_s") is not None:
+        cmd += ["--batch-window", f"{p['batch_window_s']:g}"]
+    if p.get("aggregators") is not None:
+        cmd += ["--aggregators", str(p["aggregators"])]
     return " ".join(cmd)
 
 
