@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 
 import numpy as np
 import pytest
@@ -26,9 +27,11 @@ async def test_cancelled_send_and_receive_log_no_unretrieved_exception(timeout):
     loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx))
     a = await ltp.open_endpoint(("127.0.0.1", 0))
     b = await ltp.open_endpoint(("127.0.0.1", 0))
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound, never answers: the send stays in flight
+    sink.bind(("127.0.0.1", 0))
     try:
-        big = np.ones(8_000_000, np.uint8)  # still in flight when cancelled
-        send = asyncio.ensure_future(a.send(b.local_addr, big, reliable=True, timeout=timeout))
+        big = np.ones(1_000_000, np.uint8)
+        send = asyncio.ensure_future(a.send(sink.getsockname(), big, reliable=True, timeout=timeout))
         recv = asyncio.ensure_future(b.recv(np.zeros(16, np.uint8), peer=a.local_addr, tag=99, timeout=timeout))
         await asyncio.sleep(0.05)
         send.cancel()
@@ -42,6 +45,7 @@ async def test_cancelled_send_and_receive_log_no_unretrieved_exception(timeout):
     finally:
         await a.close()
         await b.close()
+        sink.close()
     gc.collect()
     await asyncio.sleep(0)
     assert not [c for c in seen if "never retrieved" in str(c.get("message", ""))], seen
