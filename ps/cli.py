@@ -63,6 +63,9 @@ def _server_opts(p):
     p.add_argument("--gather-timeout", type=float, default=None,
                    help="seconds before a gather gives up on a worker (default: derived each round from the "
                         "message size, the workers' compute time and the measured link rate; docs/ps.md)")
+    p.add_argument("--broadcast-timeout", type=float, default=None,
+                   help="seconds a reliable parameter broadcast may take before the worker is dropped (default: "
+                        "derived each round from the message size and the measured link rate, at least 10 s)")
     p.add_argument("--max-missed", type=int, default=3, help="missed rounds before a worker is dropped")
     p.add_argument("--min-workers", type=int, default=None, help="start when this many joined (default: all)")
     p.add_argument("--checkpoint-dir", default=None)
@@ -159,7 +162,8 @@ async def serve(args, store=None) -> dict:
         cfg = ServerConfig(world_size=args.workers, epochs=args.epochs, iterations=args.iterations, mode=args.mode,
                            aggregation=args.aggregation, optimizer=args.optimizer, lr=args.lr,
                            momentum=args.momentum, weight_decay=args.weight_decay, clip_factor=args.clip_factor,
-                           gather_timeout_s=args.gather_timeout, max_missed=args.max_missed,
+                           gather_timeout_s=args.gather_timeout, broadcast_timeout_s=args.broadcast_timeout,
+                           max_missed=args.max_missed,
                            min_workers=args.min_workers, join_timeout_s=args.store_timeout,
                            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                            metrics_path=args.metrics, progress=args.progress, seed=args.seed)
@@ -339,7 +343,7 @@ COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "job", 
           "compute-delay",
           "batch-size", "seed", "store-timeout", *schedule_cli.PASSTHROUGH]
 SERVER = ["epochs", "iterations", "aggregation", "optimizer", "lr", "momentum", "weight-decay", "clip-factor",
-          "gather-timeout",
+          "gather-timeout", "broadcast-timeout",
           "max-missed", "min-workers", "checkpoint-dir", "checkpoint-every", "metrics", "progress", "summary-json"]
 WORKER = ["error-feedback", "pull-timeout", "rejoin"]
 

@@ -45,6 +45,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from .errors import ConfigError
+
 GATHER_BASE_S = 2.0  # seconds: scheduling noise on a loaded host (GC, thread hand-offs)
 COMPUTE_MARGIN = 2.0  # x the slowest reported compute time
 TRANSFER_MARGIN = 4.0  # x the transfer time at the lowest measured rate
@@ -66,11 +68,12 @@ class GatherDeadline:
 
     def __post_init__(self):
         if self.fixed_s is not None and not self.fixed_s > 0:
-            raise ValueError(f"gather timeout must be > 0 seconds, got {self.fixed_s}; "
+            raise ConfigError(f"gather timeout must be > 0 seconds, got {self.fixed_s}; "
                              f"omit --gather-timeout to derive it from the measured link rate")
         if self.broadcast_fixed_s is not None and not self.broadcast_fixed_s > 0:
-            raise ValueError(f"broadcast timeout must be > 0 seconds, got {self.broadcast_fixed_s}; "
-                             f"leave broadcast_timeout_s at None to derive it from the measured link rate")
+            raise ConfigError(f"broadcast timeout must be > 0 seconds, got {self.broadcast_fixed_s}; omit "
+                              f"--broadcast-timeout (broadcast_timeout_s at None) to derive it from the measured "
+                              f"link rate")
         self._rates: collections.deque = collections.deque(maxlen=self.window)  # bytes/s
         self._compute: collections.deque = collections.deque(maxlen=self.window)  # seconds
         self._rtprop: collections.deque = collections.deque(maxlen=self.window)  # seconds

@@ -115,8 +115,7 @@ async def server_round(ps) -> dict:
            "broadcast_s": 0.0, "round_s": wall, "delivered": {"all": frac}, "regime": {}, "bubbles": {},
            "lost_elements": {}, "missing_steps": len(res.missing), "loss": loss,
            "samples": p.samples if p is not None else 0, "schedule": ps.planner.name}
-    for ev in ps.membership.drain_events():
-        ps.metrics.write({"event": ev.kind, "t": time.time(), "rank": ev.rank, "reason": ev.reason, "iteration": it})
+    ps._write_member_events(it)
     ps.metrics.write(row)
     ps._check_health(it, [loss] if contributors else [], h.applied, len(ps.membership.active()), bound)
     return row

@@ -358,9 +358,7 @@ class ParameterServer:
                "feedback_elements": {str(k): int(sum(e - s for s, e in v)) for k, v in self._lost_prev.items()},
                "clip_scale": self._clip_scale,
                "loss": float(np.mean(losses)) if losses else float("nan"), "samples": samples}
-        for ev in self.membership.drain_events():
-            self.metrics.write({"event": ev.kind, "t": time.time(), "rank": ev.rank, "reason": ev.reason,
-                                "iteration": it})
+        self._write_member_events(it)
         self.metrics.write(row)
         self._observe_round(greps, compute, t_g)
         self._check_health(it, losses, self.version > version, len(alive), gather_timeout)
@@ -431,6 +429,12 @@ class ParameterServer:
                 f"{self._empty_rounds} rounds in a row (no update applied: nothing delivered, every contribution "
                 f"refused or the aggregate not finite; last gather bound {timeout_s:.2f} s); nothing is training. "
                 f"Check the workers' logs; for large models on slow links raise --gather-timeout")
+
+    def _write_member_events(self, iteration: int) -> None:
+        """Joined / rejoined / dropped events since the last call, as metrics rows."""
+        for ev in self.membership.drain_events():
+            self.metrics.write({"event": ev.kind, "t": time.time(), "rank": ev.rank, "reason": ev.reason,
+                                "iteration": iteration})
 
     def _raise_verdict(self) -> None:
         """Raise TrainingFailed when the run ends at chance accuracy (``ltp_ps.verdict``)."""
@@ -536,6 +540,7 @@ class ParameterServer:
         self._async_rows: list[dict] = []
         while not self._done.is_set():
             self._poll()
+            self._write_member_events(self.version)
             for m in self.membership.active():
                 t = tasks.get(m.rank)
                 if t is None or t.done() or getattr(t, "generation", -1) != m.generation:
@@ -551,6 +556,7 @@ class ParameterServer:
             except asyncio.TimeoutError:
                 pass
         await asyncio.gather(*tasks.values(), return_exceptions=True)
+        self._write_member_events(self.version)
         if bar is not None:
             bar.close()
         if self._failed is not None:

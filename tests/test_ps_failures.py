@@ -100,6 +100,17 @@ def test_server_broadcasts_under_the_derived_bound():
     assert fixed.servers[0].executor.payload_timeouts["params"] == 4.0
 
 
+def test_broadcast_timeout_option_reaches_the_server_and_bad_values_name_the_fix():
+    args = cli.build_parser().parse_args(["launch", "--broadcast-timeout", "4"])
+    argv = cli._passthrough(args, cli.SERVER)
+    assert argv[argv.index("--broadcast-timeout") + 1] == "4.0"
+    assert "--broadcast-timeout" not in cli._passthrough(cli.build_parser().parse_args(["launch"]), cli.SERVER)
+    with pytest.raises(ConfigError, match="omit --broadcast-timeout"):
+        make_job(1, iterations=1, broadcast_timeout_s=0.0)
+    with pytest.raises(ConfigError, match="omit --gather-timeout"):
+        make_job(1, iterations=1, gather_timeout_s=-1.0)
+
+
 def test_server_derives_its_bound_and_learns_from_rounds():
     job = make_job(2, iterations=6, lr=0.1)
     asyncio.run(run_job(job))
@@ -247,6 +258,7 @@ def test_async_mode_every_worker_killed_fails_as_training_failed_naming_the_drop
     assert isinstance(res[0], TrainingFailed), res[0]
     assert re.search(r"no live worker at version \d+ of 135 and none rejoined", str(res[0])), res[0]
     assert any(r["event"] == "failed" for r in ps.metrics.rows)
+    assert sorted(r["rank"] for r in ps.metrics.rows if r["event"] == "dropped") == [0, 1, 2]  # async rows too
 
 
 def test_async_mode_non_finite_loss_fails():
