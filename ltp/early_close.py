@@ -195,18 +195,10 @@ def projected_full_duration(start_offset_s: float, arrival_span_s: float, fracti
     return start_offset_s + arrival_span_s / fraction
 
 
-def group_deadline(t0: float, thresholds, slack_s: float) -> float | None:
-    """The receive group's Early Close deadline ``t0 + max(LT) + C``, or None if an LT is unknown.
-
-    ``thresholds`` is an iterable of the LT thresholds of the group's links (a
-    lazy one stops at the first None). An empty group of thresholds gives
-    ``t0 + C``."""
-    worst = 0.0
-    for lt in thresholds:
-        if lt is None:
-            return None
-        worst = max(worst, lt)
-    return t0 + worst + slack_s
+def group_deadline(t0: float, worst_lt: float | None, slack_s: float) -> float | None:
+    """The receive group's Early Close deadline ``t0 + max(LT) + C`` from the largest LT threshold of
+    its links (``worst_lt``; 0.0 when no link counts), or None while an LT is unknown (None)."""
+    return None if worst_lt is None else t0 + worst_lt + slack_s
 
 
 def hard_deadline(start: float, deadline: float, timeout_at: float | None = None) -> float:
@@ -363,27 +355,40 @@ class EarlyClose:
     def lt_for(self, flow, now: float) -> float | None:
         """LT threshold of ``flow`` (seconds after its Early Close start), or None while unknown."""
         flow.update_estimates()
-        lt, flow.lt_anchor = self.thresholds.flow_threshold(
-            flow.peer, flow.total, flow.rtprop_us / 1e6, flow.btlbw, elapsed_s=now - flow.anchor,
-            remaining=flow.total - flow.window.received_bytes, anchor=flow.lt_anchor)
+        rtprop = flow.rtprop_us / 1e6
+        if flow.lt_anchor is None:  # the initial formula may be anchored now: say how far the flow got
+            lt, flow.lt_anchor = self.thresholds.flow_threshold(
+                flow.peer, flow.total, rtprop, flow.btlbw, elapsed_s=now - flow.anchor,
+                remaining=flow.total - flow.window.received_bytes)
+        else:
+            lt, _ = self.thresholds.flow_threshold(flow.peer, flow.total, rtprop, flow.btlbw, anchor=flow.lt_anchor)
         return lt
 
     def deadline_for(self, flow, lt: float | None, now: float) -> float | None:
         """The deadline of ``flow``'s receive group (its own, received alone), or None while unknown."""
         slot = flow.slot
         if slot is None or len(slot.group.slots) == 1:
-            return group_deadline(flow.anchor, (lt,), self.slack_s)
-        return group_deadline(slot.group.t0, self._group_thresholds(slot.group, flow, lt, now), self.slack_s)
+            return group_deadline(flow.anchor, lt, self.slack_s)
+        return group_deadline(slot.group.t0, self._worst_threshold(slot.group, flow, lt, now), self.slack_s)
 
-    def _group_thresholds(self, group, flow, lt: float | None, now: float):
+    def _worst_threshold(self, group, flow, lt: float | None, now: float) -> float | None:
+        """The largest LT threshold among the group's unreliable links (0.0: none), or None if one is
+        unknown; a slot nobody registered for yet counts with its link's measured history."""
+        worst = 0.0
         for s in group.slots:
             f = s.flow
             if f is not None:
                 if f.reliable:
                     continue
-                yield lt if f is flow else (f.lt if f.lt is not None else self.lt_for(f, now))
-            elif s.report is None:
-                yield None if s.peer is None else self.thresholds.history(s.peer, len(s.dest))
+                v = lt if f is flow else (f.lt if f.lt is not None else self.lt_for(f, now))
+            elif s.report is not None:
+                continue
+            else:
+                v = None if s.peer is None else self.thresholds.history(s.peer, len(s.dest))
+            if v is None:
+                return None
+            worst = max(worst, v)
+        return worst
 
     def check(self, flow, now: float) -> tuple:
         """``(regime, wake)`` for an open, incomplete ``flow`` at ``now`` (see :func:`decide`)."""

@@ -608,11 +608,19 @@ class Engine:
 
     # ------------------------------------------------------------------ timers
     def get_timer(self) -> float | None:
-        """The earliest time :meth:`handle_timer` must run, or None."""
-        return self.timers().next_deadline()
+        """The earliest time :meth:`handle_timer` must run, or None (the minimum of :meth:`timers`)."""
+        best = None
+        for t in self._deadlines():
+            if t is not None and (best is None or t < best):
+                best = t
+        return best
 
     def timers(self) -> TimerTable:
         """Every armed timer, by kind (:class:`~ltp.timers.Timer`); the next deadline is their minimum."""
+        return TimerTable(self._deadlines())
+
+    def _deadlines(self) -> tuple:
+        """The earliest deadline of each timer kind (None: not armed), in :class:`~ltp.timers.Timer` order."""
         # plain local minima: get_timer runs once per event-loop turn, over every open flow
         pacing = reg = tail = silence = None
         for path in self._paths.values():
@@ -639,17 +647,26 @@ class Engine:
                 t = max(flow.last_heard, path.last_heard) + limit
                 if silence is None or t < silence:
                     silence = t
-        early = min(self._wakes.values(), default=None)
-        delay = self.config.ack_delay_s
-        ack = min((f.ack_since + delay for f in self._ack_dirty.values() if f.ack_since is not None), default=None)
+        early = min(self._wakes.values()) if self._wakes else None
+        ack = None
+        if self._ack_dirty:
+            delay = self.config.ack_delay_s
+            for f in self._ack_dirty.values():
+                if f.ack_since is not None:
+                    t = f.ack_since + delay
+                    if ack is None or t < ack:
+                        ack = t
         group_at = None
         for group in self._matcher.groups.values():
             if not group.done:
-                for t in (group.wake, group.timeout_at):
-                    if t is not None and (group_at is None or t < group_at):
-                        group_at = t
-        return TimerTable((pacing, reg, tail, silence, early, ack, group_at, self._admission.expiries.next_time(),
-                           self._rx_idle_next if self._rx else None))
+                t = group.wake
+                if t is not None and (group_at is None or t < group_at):
+                    group_at = t
+                t = group.timeout_at
+                if t is not None and (group_at is None or t < group_at):
+                    group_at = t
+        return (pacing, reg, tail, silence, early, ack, group_at, self._admission.expiries.next_time(),
+                self._rx_idle_next if self._rx else None)
 
     def silence_limit(self, path: Path) -> float:
         """Seconds of silence after which a peer counts as dead (the dead-peer rule, :mod:`ltp.liveness`)."""
