@@ -162,7 +162,7 @@ class Engine:
         self._events: deque = deque()
         self._next_handle = 1
         self._closed_engine = False
-        self._wakes: dict = {}
+        self._wakes: dict = {}  # (peer, fid) -> when its Early Close decision can change (Timer.EARLY_CLOSE)
 
     # ------------------------------------------------------------------ commands
     def send(self, peer, data, *, now: float, reliable: bool = False, critical=(), element_size: int | None = None,
