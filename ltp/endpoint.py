@@ -48,6 +48,7 @@ from ltp_ext import load as _load
 from .config import Config
 from .engine import Engine, ReceiveDone, SendDone
 from .path import SegmentTransmit
+from .regimes import Regime
 from .errors import LocalProtocolError, TransferTimeout
 
 _udpio = _load("udpio")
@@ -179,7 +180,7 @@ class Endpoint:
         handle = self.engine.post_receive([(peer, tag, into)], now=_now(), timeout=timeout)
         reports = await self._wait(handle, None)
         rep = reports[0]
-        if rep.regime == "timeout" and rep.received_bytes == 0:
+        if rep.regime == Regime.TIMEOUT and rep.received_bytes == 0:
             raise TransferTimeout(rep.cause or f"no message from {peer or 'any peer'} after {rep.duration_s:.3f} s")
         return rep
 

@@ -49,7 +49,7 @@ def test_ps_transport_constants_are_the_enum_members():
 
 _LITERAL = re.compile(r"""(?<!`)(regime|close_reason)\s*(==|!=|=|in)\s*\(?\s*"""
                       r"""["'](complete|early|deadline|cancelled|timeout|acked)["']""")
-_MODULES = ["ltp/engine.py", "ltp/receiver.py", "ltp/early_close.py", "ltp/admission.py", "ltp/matching.py",
+_MODULES = ["ltp/engine.py", "ltp/endpoint.py", "ltp/receiver.py", "ltp/early_close.py", "ltp/admission.py", "ltp/matching.py",
             "ltp/timers.py", "ps/transport/base.py", "ps/transport/tcp.py", "ps/transport/memory.py",
             "ps/transport/ltp.py", "ps/schedules/driver.py", "ps/server.py", "ps/schedule.py", "ps/worker.py"]
 
