@@ -36,8 +36,8 @@ Theory of operation
     momentum, as ``docs/schedules.md`` explains).
 
     Files in ``--out`` (``mlfabric-tta/`` or ``accuracy/``): ``results.json`` (parameters,
-    environment, every job with its epoch curve and exit codes, summary, checks) and a
-    ``runs.csv``.  Exit status 1 when a job failed (a target missed is reported, not hidden).
+    environment, every job with its epoch curve and exit codes, summary, checks), a
+    ``runs.csv`` and ``failed-logs/`` (every process log of a failed job).  Exit status 1 when a job failed (a target missed is reported, not hidden).
 """
 from __future__ import annotations
 
@@ -180,8 +180,11 @@ class Job:
 
 
 def run_job(lab, row: str, *, workers: int, epochs: int, transport: str, workdir: str, seed: int = 1,
-            extra: tuple = (), timeout_s: float = JOB_TIMEOUT_S) -> Job:
-    """Train ``row`` once in ``lab`` (store + PS on host 0, worker r on host r + 1); returns the :class:`Job`."""
+            extra: tuple = (), timeout_s: float = JOB_TIMEOUT_S, keep_logs: str | None = None) -> Job:
+    """Train ``row`` once in ``lab`` (store + PS on host 0, worker r on host r + 1); returns the :class:`Job`.
+
+    A failed job's logs are copied to ``keep_logs`` (``workdir`` is usually temporary) and the error names them.
+    """
     from ltp_ps import rendezvous as rdv
 
     peer = runs_without_ps(row)
@@ -245,6 +248,13 @@ def run_job(lab, row: str, *, workers: int, epochs: int, transport: str, workdir
                     p.wait()
         for log in logs:
             log.close()
+    if error is not None and keep_logs:
+        import shutil
+
+        os.makedirs(keep_logs, exist_ok=True)
+        for log in logs:
+            shutil.copy(log.name, keep_logs)
+        error = error.replace(f"logs in {workdir}", f"logs in {keep_logs}")
     s = {}
     if os.path.exists(summary):
         with open(summary) as f:
@@ -348,7 +358,8 @@ def run_tta(*, rows=TTA_SCHEDULES, epochs: int | None = None, repeats: int | Non
                         extra += ["--lr", str(lr)]
                     try:
                         job = run_job(lab, row, workers=MLF_WORKERS, epochs=epochs, transport=transport,
-                                      workdir=work, seed=seed + rep, extra=tuple(extra))
+                                      workdir=work, seed=seed + rep, extra=tuple(extra),
+                                      keep_logs=os.path.join(out, "failed-logs"))
                     finally:
                         for r in rd:
                             r.stop()
@@ -501,7 +512,7 @@ def run_accuracy(*, rows=ACCURACY_SCHEDULES, transports=("ltp", "tcp"), losses=A
                 for h in lab.hosts:
                     lab.impair(h, direction="ingress", loss=loss)
                 job = run_job(lab, row, workers=ACC_WORKERS, epochs=epochs, transport=transport, workdir=work,
-                              seed=seed)
+                              seed=seed, keep_logs=os.path.join(out, "failed-logs"))
                 st = staleness_of(job)
                 runs.append({"experiment": "accuracy", "repeat": 0, "row": row, "transport": transport, "loss": loss,
                              "exit": job.error is None, "epochs_done": len(job.epochs), "final_accuracy": final(job),
