@@ -610,6 +610,8 @@ class ParameterServer:
                     f"version {self.version}; training diverged: lower --lr")
                 self._done.set()
                 return
+            if self.version >= self._async_total:
+                continue  # the run's updates are all applied: a late gradient is not (STOP follows at the loop top)
             st = self.staleness.record(c.header.model_version, self.version)
             grad = self.schedule.combine(self.aggregator, [c])
             if not self.aggregator.contributors or not np.isfinite(grad.sum(dtype=np.float32)):

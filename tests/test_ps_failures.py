@@ -261,6 +261,15 @@ def test_async_mode_every_worker_killed_fails_as_training_failed_naming_the_drop
     assert sorted(r["rank"] for r in ps.metrics.rows if r["event"] == "dropped") == [0, 1, 2]  # async rows too
 
 
+def test_async_mode_applies_exactly_its_update_budget():
+    # Gradients in flight when the last update lands were applied too (152 updates for a budget of 147 with
+    # 7 workers); the summary then claimed more training than the run was asked for.
+    job = make_job(7, epochs=2, lr=0.1, mode="async", momentum=0.0)
+    asyncio.run(asyncio.wait_for(run_job(job), 60))
+    ps = job.servers[0]
+    assert ps.version == ps.total * 7 == ps.staleness.count
+
+
 def test_async_mode_non_finite_loss_fails():
     job = make_job(2, wl=_NanAfter(workload(), 5), iterations=200, lr=0.05, mode="async", momentum=0.0)
     res = asyncio.run(asyncio.wait_for(run_job_allow_fail(job), 60))
