@@ -224,6 +224,10 @@ class ParameterServer:
 
             if runs_async_controller(self.planner):  # mlfabric: asynchronous updates through its controller
                 await server_run(self)
+            elif getattr(self.planner, "name", None) == "hoplite":  # BSP rounds through Hoplite's directory
+                from .hoplite_roles import server_run as hoplite_server_run
+
+                await hoplite_server_run(self)
             elif self.cfg.mode == "async":
                 await self._run_async()
             else:

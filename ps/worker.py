@@ -152,6 +152,10 @@ class Worker:
 
         if runs_async_controller(self.planner):  # mlfabric: the PS's controller grants every transfer
             return await controller_worker_run(self)
+        if getattr(self.planner, "name", None) == "hoplite":  # the PS's Hoplite directory grants every transfer
+            from .hoplite_roles import worker_run as hoplite_worker_run
+
+            return await hoplite_worker_run(self)
         if not hasattr(self.planner, "worker_program"):  # trees etc.: run the schedule's whole round program
             from .program_roles import worker_run
 

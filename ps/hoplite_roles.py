@@ -1,0 +1,395 @@
+"""PS and worker roles for ``--schedule hoplite`` (BSP rounds driven by :class:`HopliteController`).
+
+Theory of operation
+-------------------
+The PS (one shard, ``server:0``) holds Hoplite's object directory: it hosts the
+schedule's controller in a :class:`~ltp_ps.schedules.driver.ControllerDriver`
+and is the only node that decides anything.  Per worker it keeps the ordered
+reliable control streams of ``ControlChannel`` (down: round notes, grants,
+stop; up: events).
+
+Round ``i``::
+
+    PS -> every live worker   {"round": i, "version": v}
+    PS                        controller.start(i, live workers): every worker asks for the parameters
+    broadcast                 grants: the PS (complete copy) or a worker holding a partial copy sends
+                              chunks (256 KiB) into the receiver's chunk slots, which are bound to the
+                              worker's flat parameter vector; each receive is reported as
+                              ChunkArrived then TransferDone, so the directory knows who holds what
+    compute                   a worker holding every chunk computes its gradient ("grad") and reports
+                              NodeReady(i); the controller chains it into the reduce
+    reduce                    grants: Combine(acc <- grad), then the tail sends acc to the newest ready
+                              worker (or, last, to the PS), which combines it
+    apply                     the PS's Combine + Apply: one optimizer step with the mean of the
+                              partial's contributors (unbiased per element), version += 1
+
+A worker's grants run strictly in the order issued, one stage each, so a
+partial copy forwards once its own receive stage ended (store-and-forward per
+grant; chunks within a grant are one stage).  Faults: a worker whose control
+stream closes, whose grant delivery fails, or that stays silent for
+``--join-timeout`` is reported ``NodeFailed``; the controller re-routes the
+broadcast and the chain (``ltp_ps.schedules.hoplite``) and the round closes
+with the contributions of the live workers (``contributors`` in the metrics
+row).  A round that does not close within ``--join-timeout`` or loses every
+worker fails the job with :class:`TrainingFailed` (never a hang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from .errors import ConfigError, RemoteError, TrainingFailed, TransportTimeout
+from .schedules.driver import (DOWN, UP, ControlChannel, ControlDecodeError, ControllerDriver, event_from_json,
+                               event_to_json, transfer_events)
+from .schedules.executor import Slots
+from .schedules.hoplite import chunk_slot, parse_chunk_slot
+from .schedules.partial import Partial
+from .schedules.program import (SLOT_ACC, SLOT_GRAD, ChunkArrived, Grant, NodeFailed, NodeReady, Program,
+                                parse_node, server as server_node, worker as worker_node)
+from .transport.base import RecvReport
+
+STOP_TIMEOUT_S = 5.0  # seconds to tell one worker to stop
+POLL_S = 0.01  # seconds between the PS's looks at a round's progress
+QUIESCE_S = 2.0  # seconds the PS waits, after a round closed, for grants still being delivered
+PROCESS_STALL_TIMEOUT_S = 5.0  # seconds without a chunk before a broadcast receiver re-queries (real processes:
+#                               a grant's chunks arrive as one stage, so progress is coarser than in memory)
+
+
+def runs_hoplite(planner) -> bool:
+    """True for the planner the roles here drive."""
+    return getattr(planner, "name", None) == "hoplite"
+
+
+def chunk_ranges(lo: int, hi: int, chunk_bytes: int, elem_bytes: int = 4) -> list:
+    """Element ranges of the broadcast chunks of shard ``[lo, hi)`` (the controller's layout)."""
+    per = max(1, chunk_bytes // elem_bytes)
+    n = max(1, -(-(hi - lo) // per))
+    return [(lo + i * per, min(hi, lo + (i + 1) * per)) for i in range(n)]
+
+
+class _Handlers:
+    def __init__(self, role: "_ServerRole"):
+        self.role = role
+
+    def apply(self, step, slots: Slots):
+        return self.role.apply(step, slots)
+
+
+class _ServerRole:
+    def __init__(self, ps):
+        if ps.plan.n_shards != 1:
+            raise ConfigError(f"--schedule hoplite runs with one PS shard (the directory and reduce receiver); "
+                              f"the job has {ps.plan.n_shards}: pass --num-servers 1")
+        self.ps = ps
+        self.ctrl = ps.planner.controller()
+        self.ctrl.stall_timeout_s = max(self.ctrl.stall_timeout_s, PROCESS_STALL_TIMEOUT_S)
+        self.channels: dict = {}
+        self.failed: set = set()
+        self.driver: ControllerDriver | None = None
+        self.counters = {"undecodable": 0, "silent": 0, "closed": 0, "rounds": 0}
+        self.applied: dict | None = None
+        self.error: TrainingFailed | None = None
+        self._t_bcast: float | None = None
+        self._t_ready: float | None = None
+        self._live: list = []
+        for k, (a, b) in enumerate(chunk_ranges(ps.lo, ps.hi, self.ctrl.chunk_bytes, self.ctrl.elem_bytes)):
+            ps._slots.bind(chunk_slot(ps.shard, k), ps.params[a - ps.lo:b - ps.lo].view(np.uint8))
+
+    # -- apply ----------------------------------------------------------------------------------------------------
+    def apply(self, step, slots: Slots):
+        ps = self.ps
+        p = slots.partial(step.slot, step.lo, step.hi)
+        slots.clear_partials()  # the round's sum and the hops' inputs are used once
+        if p is None or p.contributors == 0:
+            self.applied = {"contributors": 0}
+            return None
+        c = p.contributors
+        loss = p.loss_sum / c
+        if not np.isfinite(loss):
+            self.error = TrainingFailed(f"PS shard {ps.shard}: round {ps.iteration}: the reduce of {c} gradients "
+                                        f"reported a non-finite loss ({loss}); training diverged: lower --lr")
+            self.applied = {"contributors": c}
+            return None
+        grad = p.mean(ps.cfg.aggregation)
+        counts = p.counts()
+        mask = None if (counts > 0).all() else counts > 0
+        ps._clip_scale = 1.0
+        if np.isfinite(grad.sum(dtype=np.float32)):
+            ps._clip_scale = ps.guard.apply(grad, mask)
+            ps.optimizer.step(grad, mask=mask)
+            ps.version += 1
+        else:
+            ps.log(f"[ps{ps.shard}] round {ps.iteration}: the aggregated gradient is not finite; update skipped")
+        self.applied = {"contributors": c, "loss": float(loss), "samples": p.samples,
+                        "delivered": float((counts > 0).mean()) if counts.size else 0.0, "t": time.monotonic()}
+        return None
+
+    # -- messages -------------------------------------------------------------------------------------------------
+    async def deliver(self, node: str, grant: Grant) -> None:
+        await self.channels[node].send({"grant": grant.to_json()}, timeout_s=self.ps.broadcast_timeout(1))
+
+    async def listen(self, node: str) -> None:
+        """Turn ``node``'s up-stream messages into controller events until it fails or the run ends."""
+        ch = self.channels[node]
+        rank = parse_node(node)[1]
+        while True:
+            try:
+                msg = await ch.recv(self.ps.cfg.join_timeout_s)
+            except ControlDecodeError:
+                self.counters["undecodable"] += 1
+                continue
+            except ConnectionError as exc:
+                self.counters["closed"] += 1
+                self._fail(node, rank, f"its control stream closed ({exc})")
+                return
+            if msg is None:
+                self.counters["silent"] += 1
+                self._fail(node, rank, f"silent for {self.ps.cfg.join_timeout_s:.0f} s")
+                return
+            try:
+                ev = event_from_json(msg, node)
+            except ControlDecodeError:
+                self.counters["undecodable"] += 1
+                continue
+            if self.driver is None:
+                continue
+            if isinstance(ev, NodeReady):
+                if ev.iteration != self.ps.iteration:
+                    continue
+                self.ps.membership.delivered(rank)
+            self.driver.feed(ev)
+            now = time.monotonic()
+            if isinstance(ev, NodeReady) and self._t_ready is None and set(self.ctrl.reduce.ready_nodes) >= {
+                    n for n in self._live if n not in self.failed}:
+                self._t_ready = now
+            if isinstance(ev, ChunkArrived) and self._t_bcast is None and all(
+                    b.complete(n) for b in self.ctrl.broadcasts for n in self._live if n not in self.failed):
+                self._t_bcast = now
+
+    def _fail(self, node: str, rank: int, why: str) -> None:
+        if node in self.failed:
+            return
+        self.failed.add(node)
+        self.ps.membership.failed(rank, why)
+        self.ps.log(f"[ps{self.ps.shard}] dropped worker {rank}: {why}")
+        if self.driver is not None:
+            self.driver.feed(NodeFailed(node, why))
+
+    # -- rounds ---------------------------------------------------------------------------------------------------
+    async def _note_round(self, node: str, it: int) -> None:
+        try:
+            await self.channels[node].send({"round": it, "version": self.ps.version},
+                                           timeout_s=self.ps.broadcast_timeout(1))
+        except Exception as exc:
+            self._fail(node, parse_node(node)[1], f"round note failed: {type(exc).__name__}: {exc}")
+
+    async def round(self, it: int, nodes: list) -> dict:
+        ps = self.ps
+        t0 = time.monotonic()
+        self.applied, self._t_bcast, self._t_ready = None, None, None
+        await asyncio.gather(*(self._note_round(n, it) for n in nodes))
+        live = [n for n in nodes if n not in self.failed]
+        self._live = live
+        if not live:
+            raise TrainingFailed(self._all_lost(it))
+        driver = ControllerDriver(self.ctrl, ps.executor, ps._slots, _Handlers(self), deliver=self.deliver,
+                                  iteration=it)
+        self.driver = driver
+        driver.start(live)
+        try:
+            while self.applied is None:
+                if driver.errors:
+                    raise TrainingFailed(f"PS shard {ps.shard}: round {it}: the PS's own grant failed: "
+                                         f"{type(driver.errors[0]).__name__}: {driver.errors[0]}")
+                if not [n for n in live if n not in self.failed]:
+                    raise TrainingFailed(self._all_lost(it))
+                if self.ctrl.done() and not self.ctrl.contributions():
+                    raise TrainingFailed(f"PS shard {ps.shard}: round {it} closed with no contribution (every "
+                                         f"chained worker was lost); the job stops without finishing")
+                if time.monotonic() - t0 > ps.cfg.join_timeout_s:
+                    raise TrainingFailed(
+                        f"PS shard {ps.shard}: hoplite round {it} did not close within {ps.cfg.join_timeout_s:.0f} s "
+                        f"(--join-timeout; ready: {sorted(self.ctrl.reduce.ready_nodes)}, failed: "
+                        f"{sorted(self.failed)}); nothing is training")
+                await asyncio.sleep(POLL_S)
+            t_end = self.applied.get("t", time.monotonic())
+            deadline = time.monotonic() + QUIESCE_S  # let queued deliveries finish: a cancelled send breaks a stream
+            while time.monotonic() < deadline and (
+                    driver.busy() or any(ch._lock.locked() for ch in self.channels.values())):
+                await asyncio.sleep(POLL_S)
+        finally:
+            await driver.close()
+            self.driver = None
+        if self.error is not None:
+            raise self.error
+        a = self.applied
+        contributors = sorted(self.ctrl.contributions())
+        ps.iteration += 1
+        self.counters["rounds"] += 1
+        t_b = (self._t_bcast or t_end) - t0
+        t_g = max(0.0, t_end - (self._t_ready or t_end))
+        row = {"event": "iteration", "t": time.time(), "shard": ps.shard, "iteration": it, "epoch": it // ps.ipe,
+               "workers": len([n for n in live if n not in self.failed]), "contributors": a["contributors"],
+               "members": contributors, "gather_s": t_g, "broadcast_s": t_b, "round_s": t_end - t0,
+               "delivered": {"all": a.get("delivered", 0.0)}, "regime": {}, "clip_scale": ps._clip_scale,
+               "loss": a.get("loss", float("nan")), "samples": a.get("samples", 0), "schedule": "hoplite",
+               "grants": driver.counters["grants"]}
+        ps._write_member_events(it)
+        ps.metrics.write(row)
+        ps._check_health(it, [row["loss"]] if a["contributors"] else [], a["contributors"] > 0, len(live), 0.0)
+        return row
+
+    def _all_lost(self, it: int) -> str:
+        dropped = [f"{e.rank}: {e.reason}" for e in self.ps.membership.events_log if e.kind == "dropped"]
+        return (f"PS shard {self.ps.shard}: every worker was lost at round {it} of {self.ps.total} "
+                f"({'; '.join(dropped[-8:])}); the job stops without finishing")
+
+    async def run(self) -> None:
+        ps = self.ps
+        await ps._wait_workers(ps.cfg.min_workers or ps.cfg.world_size)
+        members = ps.membership.active()
+        ps._address(members)
+        nodes = [worker_node(m.rank) for m in members]
+        for n in nodes:
+            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP)
+        ps.log(f"[ps{ps.shard}] hoplite: receiver-driven broadcast and reduce chains through the PS's directory, "
+               f"{len(nodes)} workers, {ps.total} rounds")
+        listeners = [asyncio.ensure_future(self.listen(n)) for n in nodes]
+        try:
+            rows: list = []
+            while ps.iteration < ps.total:
+                rows.append(await self.round(ps.iteration, [n for n in nodes if n not in self.failed]))
+                if ps.iteration % ps.ipe == 0 or ps.iteration == ps.total:
+                    ps._end_epoch(rows)
+                    rows = []
+                if ps.cfg.checkpoint_every and ps.iteration % ps.cfg.checkpoint_every == 0:
+                    ps.checkpoint()
+            ps._raise_verdict()  # a model at chance accuracy fails the job, before STOP
+        except TrainingFailed as exc:
+            if ps.rendezvous is not None:  # before STOP, so no worker reads "done" and exits 0
+                ps.rendezvous.mark_failed(str(exc))
+            raise
+        finally:
+            for t in listeners:
+                t.cancel()
+            await asyncio.gather(*listeners, return_exceptions=True)
+            ps.hoplite_stats = {**self.counters, "failed_workers": sorted(self.failed)}
+            await self.stop_all()
+
+    async def stop_all(self) -> None:
+        async def one(n):
+            try:
+                await asyncio.wait_for(self.channels[n].send({"stop": True}, timeout_s=STOP_TIMEOUT_S),
+                                       STOP_TIMEOUT_S)
+            except Exception:
+                pass  # a dead worker: nothing to tell
+
+        await asyncio.gather(*(one(n) for n in self.channels if n not in self.failed))
+
+
+async def server_run(ps) -> None:
+    """BSP training at PS shard ``ps`` through Hoplite's controller (raises TrainingFailed)."""
+    await _ServerRole(ps).run()
+
+
+# -- worker ---------------------------------------------------------------------------------------------------------
+
+async def worker_run(w) -> dict:
+    """Train worker ``w`` under the PS's Hoplite controller until STOP; returns its stats."""
+    from .workloads import set_flat
+
+    if w._batches is None:
+        w._batches = w.workload.batches(w.cfg.rank, w.cfg.world_size, w.cfg.seed)
+    if len(w.shards) != 1:
+        raise RemoteError(f"worker {w.cfg.rank}: hoplite serves one PS shard, the job has {len(w.shards)}")
+    s0 = w.shards[0]
+    ps = server_node(s0.shard)
+    ch = ControlChannel(w.executor, ps, out_dir=UP, in_dir=DOWN)
+    ctrl = w.planner.controller()
+    chunks = chunk_ranges(s0.lo, s0.hi, ctrl.chunk_bytes, ctrl.elem_bytes)
+    for k, (a, b) in enumerate(chunks):
+        w.slots.bind(chunk_slot(s0.shard, k), w.flat[a:b].view(np.uint8))
+    stats = {"grants": 0, "rounds": 0, "undecodable": 0}
+    state = {"round": None, "version": 0, "have": set(), "computing": None}
+
+    async def compute(it: int, version: int) -> None:
+        if w.model is not None:
+            set_flat(w.model, w.flat)
+        batch = next(w._batches)
+        grad, loss, samples = await asyncio.to_thread(w.workload.compute, w.model, batch)
+        if state["round"] != it:
+            return  # the round closed without us (we were written off): drop it
+        grad = np.asarray(grad, np.float32)
+        w.slots.put_partial(SLOT_GRAD, Partial.of_gradient(grad, samples=samples, loss=loss))
+        w.last_loss = loss
+        w.iterations += 1
+        await ch.send(event_to_json(NodeReady(w.node, it, 0, version, float(np.linalg.norm(grad)))))
+
+    async def follow() -> dict:
+        while True:
+            try:
+                msg = await ch.recv(w.cfg.pull_timeout_s)
+            except ControlDecodeError:
+                stats["undecodable"] += 1
+                continue
+            if msg is None:
+                raise TransportTimeout(f"worker {w.cfg.rank}: no control message from the PS within "
+                                       f"{w.cfg.pull_timeout_s:g} s (--pull-timeout); the PS may have dropped this "
+                                       f"worker or exited")
+            if "stop" in msg:
+                return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True, **stats}
+            if "round" in msg:
+                state.update(round=int(msg["round"]), version=int(msg.get("version", 0)), have=set())
+                w.slots.clear_partials()
+                stats["rounds"] += 1
+                continue
+            try:
+                g = Grant.from_json(msg["grant"])
+            except (KeyError, TypeError, ValueError):
+                stats["undecodable"] += 1
+                continue
+            stats["grants"] += 1
+            if not g.steps or g.drop:
+                continue
+            res = await w.executor.run(Program(w.node, (tuple(g.steps),)), w.slots, None)
+            events = []
+            for s, r in zip(g.steps, res.reports):
+                if s.op == "recv" and s.payload == "params" and isinstance(r, RecvReport) and r.received_bytes > 0:
+                    kc = parse_chunk_slot(s.slot)
+                    if kc is None:
+                        continue
+                    state["have"].add(kc[1])
+                    events.append(ChunkArrived(w.node, f"params:{kc[0]}", s.lo, s.hi,
+                                               len(state["have"]) == len(chunks)))
+            events += transfer_events(w.node, g.steps, res.reports)
+            for ev in events:  # chunks first: the directory learns what we hold before the transfer ends
+                await ch.send(event_to_json(ev))
+            if len(state["have"]) == len(chunks) and state["computing"] != state["round"]:
+                state["computing"] = state["round"]
+                t = asyncio.ensure_future(compute(state["round"], state["version"]))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+                t.add_done_callback(_raise_later)
+
+    tasks: set = set()
+    failure: list = []
+
+    def _raise_later(t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            failure.append(t.exception())
+            fol.cancel()
+
+    fol = asyncio.ensure_future(follow())
+    try:
+        return await fol
+    except asyncio.CancelledError:
+        if failure:
+            raise failure[0] from None
+        raise
+    finally:
+        for t in list(tasks):
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
