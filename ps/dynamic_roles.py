@@ -103,6 +103,7 @@ class _ServerRole:
         self.counters = {"undecodable": 0, "silent": 0, "closed": 0}
         self.driver: ControllerDriver | None = None
         self._param_sends: set = set()  # parameter sends started by an Apply
+        self._closing = False  # the run ended: a parameter send cut short now is no worker failure
 
     # -- plans ----------------------------------------------------------------------------------------------------
     def on_grants(self, grants) -> None:
@@ -141,7 +142,7 @@ class _ServerRole:
         if t.cancelled():
             return
         exc = t.exception()
-        if exc is not None:
+        if exc is not None and not self._closing:  # a worker marked failed would get no STOP
             self._fail(node, parse_node(node)[1], f"parameters failed: {type(exc).__name__}: {exc}")
 
     def _apply(self, step, slots: Slots):
@@ -291,6 +292,9 @@ class _ServerRole:
                 ps.rendezvous.mark_failed(str(exc))
             raise
         finally:
+            self._closing = True
+            for t in list(self._param_sends):
+                t.cancel()
             await self.driver.close()
             for t in listeners + list(self._param_sends):
                 t.cancel()
