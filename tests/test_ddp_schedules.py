@@ -158,3 +158,35 @@ def test_silent_rank_ends_the_round_with_a_named_error():
         assert f"rank {r}: bucket 0 round 0" in msg and "dead or stuck" in msg, msg
         assert states[r].stats.errors == 1
     assert "rank 2" in str(res[0][0]) + str(res[0][1])
+
+
+def test_register_picks_the_schedule_and_refuses_unknown_ones(monkeypatch):
+    """One rank under DDP: register(schedule=...) validates, the env sets the default, a ring of one reduces."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ltp_ps.errors import ConfigError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=20))
+    try:
+        net = torch.nn.Linear(8, 3)
+        model = DDP(net)
+        with pytest.raises(ConfigError, match="schedule='tree' is unknown"):
+            D.register(model, schedule="tree", transport="tcp")
+        monkeypatch.setenv(D.ENV_SCHEDULE, "ring")
+        state = D.register(model, transport="tcp", timeout_s=10.0)
+        try:
+            assert isinstance(state, S.ScheduleHookState) and state.schedule == "ring"
+            x = torch.randn(5, 8)
+            model(x).sum().backward()
+            want = torch.autograd.grad(net(x).sum(), net.weight)[0]
+            torch.testing.assert_close(net.weight.grad, want)
+            assert state.stats.rounds >= 1 and state.stats.full_rounds == state.stats.rounds
+        finally:
+            state.close()
+    finally:
+        dist.destroy_process_group()
