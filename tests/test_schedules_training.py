@@ -115,7 +115,7 @@ def test_lab_accuracy_row_reference_job(tmp_path):
 def test_lab_mlfabric_row_under_redrawn_rates(tmp_path):
     """mlfabric alone, one epoch, rates redrawn every second: trains, nothing beyond tau_max, rates were redrawn.
 
-    Over TCP: two of eight LTP lab jobs of the full row had a worker exit 2 after training ended (unexplained,
+    Over TCP: two of ten LTP lab mlfabric jobs this session had a worker exit 2 after training ended (unexplained,
     docs/experiments.md); this test checks the experiment's plumbing and must not inherit that flake.
     """
     res = T.run_tta(rows=("mlfabric",), epochs=1, repeats=1, quick=True, redraw_period_s=1.0, out=str(tmp_path),
