@@ -140,3 +140,10 @@ def test_the_recorded_command_reproduces_the_mlfabric_options():
     S.register(ap.add_subparsers())
     a = ap.parse_args(cmd[1:])  # what the command line records parses back to the same options
     assert (a.tau_max, a.lr, a.batch_window, a.aggregators, a.experiment) == (4, 0.05, 0.0, 2, "mlfabric")
+
+
+def test_accuracy_rows_sort_with_the_reference_added_to_what_was_asked():
+    runs = [{"row": r, "transport": t, "loss": l} for r, t, l in
+            [("hoplite", "tcp", 0.01), ("direct", "tcp", 0.0), ("hoplite", "ltp", 0.0), ("ring", "ltp", 0.01)]]
+    assert [(r["row"], r["transport"]) for r in T.order_runs(runs)] == [
+        ("direct", "tcp"), ("ring", "ltp"), ("hoplite", "ltp"), ("hoplite", "tcp")]

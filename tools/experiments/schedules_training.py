@@ -529,7 +529,7 @@ def run_accuracy(*, rows=ACCURACY_SCHEDULES, transports=("ltp", "tcp"), losses=A
     for r in runs:
         r["gap_points"] = (None if ref is None or r["final_accuracy"] is None
                            else 100.0 * (r["final_accuracy"] - ref))
-    runs.sort(key=lambda r: (list(rows).index(r["row"]), r["transport"], r["loss"]))
+    runs = order_runs(runs)
     checks = [{"target": f"{r['row']} {r['transport']} loss {r['loss']:g}: final accuracy - direct/tcp/0 (points)",
                "value": r["gap_points"], "limit": TARGET_ACC_GAP_POINTS,
                "passed": r["gap_points"] is not None and abs(r["gap_points"]) <= TARGET_ACC_GAP_POINTS,
@@ -541,6 +541,12 @@ def run_accuracy(*, rows=ACCURACY_SCHEDULES, transports=("ltp", "tcp"), losses=A
     if verbose:
         print(format_accuracy(res), flush=True)
     return res
+
+
+def order_runs(runs: list[dict]) -> list[dict]:
+    """Rows in :data:`ACCURACY_SCHEDULES` order (the reference ``direct`` included when not asked for), then
+    transport and loss."""
+    return sorted(runs, key=lambda r: (ACCURACY_SCHEDULES.index(r["row"]), r["transport"], r["loss"]))
 
 
 def _acc_command(p: dict) -> str:
