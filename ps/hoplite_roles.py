@@ -53,6 +53,7 @@ from .transport.base import RecvReport
 
 STOP_TIMEOUT_S = 5.0  # seconds to tell one worker to stop
 POLL_S = 0.01  # seconds between the PS's looks at a round's progress
+HEARTBEAT_S = 0.5  # seconds between a worker's "alive" notes (a worker blocked on a dead peer is not silent)
 QUIESCE_S = 2.0  # seconds the PS waits, after a round closed, for grants still being delivered
 PROCESS_STALL_TIMEOUT_S = 5.0  # seconds without a chunk before a broadcast receiver re-queries (real processes:
 #                               a grant's chunks arrive as one stage, so progress is coarser than in memory)
@@ -95,6 +96,8 @@ class _ServerRole:
         self._t_bcast: float | None = None
         self._t_ready: float | None = None
         self._live: list = []
+        self._notes: set = set()
+        self._progress = 0.0  # monotonic seconds of the last event or failure (a round's stall bound counts from it)
         for k, (a, b) in enumerate(chunk_ranges(ps.lo, ps.hi, self.ctrl.chunk_bytes, self.ctrl.elem_bytes)):
             ps._slots.bind(chunk_slot(ps.shard, k), ps.params[a - ps.lo:b - ps.lo].view(np.uint8))
 
@@ -149,6 +152,8 @@ class _ServerRole:
                 self.counters["silent"] += 1
                 self._fail(node, rank, f"silent for {self.ps.cfg.join_timeout_s:.0f} s")
                 return
+            if "alive" in msg:
+                continue
             try:
                 ev = event_from_json(msg, node)
             except ControlDecodeError:
@@ -161,7 +166,7 @@ class _ServerRole:
                     continue
                 self.ps.membership.delivered(rank)
             self.driver.feed(ev)
-            now = time.monotonic()
+            now = self._progress = time.monotonic()
             if isinstance(ev, NodeReady) and self._t_ready is None and set(self.ctrl.reduce.ready_nodes) >= {
                     n for n in self._live if n not in self.failed}:
                 self._t_ready = now
@@ -175,8 +180,20 @@ class _ServerRole:
         self.failed.add(node)
         self.ps.membership.failed(rank, why)
         self.ps.log(f"[ps{self.ps.shard}] dropped worker {rank}: {why}")
+        for n, ch in self.channels.items():  # abort their transfers with it (grants behind them would wait)
+            if n not in self.failed:
+                t = asyncio.ensure_future(self._note_failed(ch, node))
+                self._notes.add(t)
+                t.add_done_callback(self._notes.discard)
         if self.driver is not None:
             self.driver.feed(NodeFailed(node, why))
+        self._progress = time.monotonic()
+
+    async def _note_failed(self, ch: ControlChannel, node: str) -> None:
+        try:
+            await ch.send({"failed": node}, timeout_s=self.ps.broadcast_timeout(1))
+        except Exception:
+            pass  # that worker's own failure is detected by its listener
 
     # -- rounds ---------------------------------------------------------------------------------------------------
     async def _note_round(self, node: str, it: int) -> None:
@@ -209,9 +226,9 @@ class _ServerRole:
                 if self.ctrl.done() and not self.ctrl.contributions():
                     raise TrainingFailed(f"PS shard {ps.shard}: round {it} closed with no contribution (every "
                                          f"chained worker was lost); the job stops without finishing")
-                if time.monotonic() - t0 > ps.cfg.join_timeout_s:
+                if time.monotonic() - max(t0, self._progress) > ps.cfg.join_timeout_s:
                     raise TrainingFailed(
-                        f"PS shard {ps.shard}: hoplite round {it} did not close within {ps.cfg.join_timeout_s:.0f} s "
+                        f"PS shard {ps.shard}: hoplite round {it} made no progress for {ps.cfg.join_timeout_s:.0f} s "
                         f"(--join-timeout; ready: {sorted(self.ctrl.reduce.ready_nodes)}, failed: "
                         f"{sorted(self.failed)}); nothing is training")
                 await asyncio.sleep(POLL_S)
@@ -273,9 +290,9 @@ class _ServerRole:
                 ps.rendezvous.mark_failed(str(exc))
             raise
         finally:
-            for t in listeners:
+            for t in listeners + list(self._notes):
                 t.cancel()
-            await asyncio.gather(*listeners, return_exceptions=True)
+            await asyncio.gather(*listeners, *self._notes, return_exceptions=True)
             ps.hoplite_stats = {**self.counters, "failed_workers": sorted(self.failed)}
             await self.stop_all()
 
@@ -328,7 +345,11 @@ async def worker_run(w) -> dict:
         w.iterations += 1
         await ch.send(event_to_json(NodeReady(w.node, it, 0, version, float(np.linalg.norm(grad)))))
 
-    async def follow() -> dict:
+    inbox: asyncio.Queue = asyncio.Queue()
+    current: dict = {"grant": None, "task": None}
+
+    async def read() -> dict:
+        """Control messages in order; "failed" aborts a running transfer with the dead node at once."""
         while True:
             try:
                 msg = await ch.recv(w.cfg.pull_timeout_s)
@@ -341,6 +362,23 @@ async def worker_run(w) -> dict:
                                        f"worker or exited")
             if "stop" in msg:
                 return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True, **stats}
+            if "failed" in msg:
+                g, t = current["grant"], current["task"]
+                if g is not None and t is not None and any(getattr(s, "peer", None) == msg["failed"]
+                                                           for s in g.steps):
+                    t.cancel()
+                    stats["aborted"] = stats.get("aborted", 0) + 1
+                continue
+            inbox.put_nowait(msg)
+
+    async def heartbeat() -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            await ch.send({"alive": True})
+
+    async def follow() -> None:
+        while True:
+            msg = await inbox.get()
             if "round" in msg:
                 state.update(round=int(msg["round"]), version=int(msg.get("version", 0)), have=set())
                 w.slots.clear_partials()
@@ -354,9 +392,18 @@ async def worker_run(w) -> dict:
             stats["grants"] += 1
             if not g.steps or g.drop:
                 continue
-            res = await w.executor.run(Program(w.node, (tuple(g.steps),)), w.slots, None)
+            t = asyncio.ensure_future(w.executor.run(Program(w.node, (tuple(g.steps),)), w.slots, None))
+            current.update(grant=g, task=t)
+            try:
+                reports = (await t).reports
+            except asyncio.CancelledError:
+                if not t.cancelled():
+                    raise  # we are cancelled ourselves
+                reports = [None] * len(g.steps)  # aborted: a peer died; every receive counts as failed
+            finally:
+                current.update(grant=None, task=None)
             events = []
-            for s, r in zip(g.steps, res.reports):
+            for s, r in zip(g.steps, reports):
                 if s.op == "recv" and s.payload == "params" and isinstance(r, RecvReport) and r.received_bytes > 0:
                     kc = parse_chunk_slot(s.slot)
                     if kc is None:
@@ -364,7 +411,7 @@ async def worker_run(w) -> dict:
                     state["have"].add(kc[1])
                     events.append(ChunkArrived(w.node, f"params:{kc[0]}", s.lo, s.hi,
                                                len(state["have"]) == len(chunks)))
-            events += transfer_events(w.node, g.steps, res.reports)
+            events += transfer_events(w.node, g.steps, reports)
             for ev in events:  # chunks first: the directory learns what we hold before the transfer ends
                 await ch.send(event_to_json(ev))
             if len(state["have"]) == len(chunks) and state["computing"] != state["round"]:
@@ -380,16 +427,20 @@ async def worker_run(w) -> dict:
     def _raise_later(t: asyncio.Task) -> None:
         if not t.cancelled() and t.exception() is not None:
             failure.append(t.exception())
-            fol.cancel()
+            reader.cancel()
 
+    reader = asyncio.ensure_future(read())
     fol = asyncio.ensure_future(follow())
+    beat = asyncio.ensure_future(heartbeat())
+    for t in (fol, beat):
+        t.add_done_callback(_raise_later)
     try:
-        return await fol
+        return await reader
     except asyncio.CancelledError:
         if failure:
             raise failure[0] from None
         raise
     finally:
-        for t in list(tasks):
+        for t in [fol, beat, *tasks]:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(fol, beat, *tasks, return_exceptions=True)
