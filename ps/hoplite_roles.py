@@ -25,12 +25,15 @@ Round ``i``::
 
 A worker's grants run strictly in the order issued, one stage each, so a
 partial copy forwards once its own receive stage ended (store-and-forward per
-grant; chunks within a grant are one stage).  Faults: a worker whose control
-stream closes, whose grant delivery fails, or that stays silent for
-``--join-timeout`` is reported ``NodeFailed``; the controller re-routes the
+grant; chunks within a grant are one stage).  Faults: workers send an
+``{"alive": true}`` note every ``HEARTBEAT_S``; a worker whose control stream
+closes, whose grant delivery fails, or that stays silent for
+``--join-timeout`` is reported ``NodeFailed`` and every other worker is told
+``{"failed": node}`` (a stage with that peer is aborted at once: the
+re-routed grants queue behind it); the controller re-routes the
 broadcast and the chain (``ltp_ps.schedules.hoplite``) and the round closes
 with the contributions of the live workers (``contributors`` in the metrics
-row).  A round that does not close within ``--join-timeout`` or loses every
+row).  A round with no progress for ``--join-timeout``, or that loses every
 worker fails the job with :class:`TrainingFailed` (never a hang).
 """
 
@@ -47,7 +50,7 @@ from .schedules.driver import (DOWN, UP, ControlChannel, ControlDecodeError, Con
 from .schedules.executor import Slots
 from .schedules.hoplite import chunk_slot, parse_chunk_slot
 from .schedules.partial import Partial
-from .schedules.program import (SLOT_ACC, SLOT_GRAD, ChunkArrived, Grant, NodeFailed, NodeReady, Program,
+from .schedules.program import (SLOT_GRAD, ChunkArrived, Grant, NodeFailed, NodeReady, Program,
                                 parse_node, server as server_node, worker as worker_node)
 from .transport.base import RecvReport
 
