@@ -137,3 +137,17 @@ def test_launch_hoplite_killed_worker_does_not_hang(tmp_path):
     assert "final / best accuracy" in text  # the PS finished with the two others
     its = [r for r in map(json.loads, open(metrics)) if r.get("event") == "iteration"]
     assert its[0]["contributors"] == 3 and its[-1]["contributors"] == 2
+
+
+def test_hoplite_cli_accepts_one_bsp_shard_and_names_the_fix_otherwise():
+    import argparse
+
+    from ltp_ps import schedule_cli
+    from ltp_ps.errors import ConfigError
+
+    ok = argparse.Namespace(schedule="hoplite", mode="bsp", num_servers=1, workers=3)
+    schedule_cli.check_server_schedule(ok)
+    with pytest.raises(ConfigError, match="--num-servers 1"):
+        schedule_cli.check_server_schedule(argparse.Namespace(**{**vars(ok), "num_servers": 2}))
+    with pytest.raises(ConfigError, match="--mode bsp"):
+        schedule_cli.check_server_schedule(argparse.Namespace(**{**vars(ok), "mode": "async"}))
