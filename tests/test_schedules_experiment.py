@@ -127,3 +127,18 @@ def test_fluid_only_rows_name_the_unmeasured_targets():
     rows = S.fluid_only_rows()
     assert len(rows) == 5 and all(r["predicted"] > 0 for r in rows)
     assert any(r["row"].startswith("RAT / direct") for r in rows)
+
+
+def test_rat_and_hoplite_rows_are_predicted_and_checked():
+    """Issue 11's lab rows: RAT and Hoplite run as PS jobs in the same lab; predictions exist and the
+    checks compare them with direct and ring (pass and fail both reachable)."""
+    topo = _racks_topology(uplink=50e6)
+    for s in ("rat", "hoplite"):
+        assert s in S.SCHEDULES and s in S.PS_SCHEDULES
+        assert S.predict(s, topo, 6, 4_000_000) > 0
+    summary = [{"schedule": "direct", "round_s_median": 4.0}, {"schedule": "ring", "round_s_median": 2.0},
+               {"schedule": "rat", "round_s_median": 1.5}, {"schedule": "hoplite", "round_s_median": 2.0}]
+    got = {c["target"]: c["passed"] for c in S.check(summary, [])}
+    assert got["rat round / direct BST (issue 11)"] is True
+    assert got["rat round / ring all-reduce (issue 11)"] is True
+    assert got["hoplite round / direct BST (issue 11)"] is False  # 0.5 > 0.4

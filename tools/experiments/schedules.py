@@ -56,7 +56,8 @@ from . import schedules_training as T
 
 NAME = "schedules"
 EXPERIMENTS = ("rsgcm", "mlfabric", "accuracy")  # --experiment: this module's rows, then schedules_training's
-SCHEDULES = ("ring", "rsgcm", "direct", "rsgcm+block")
+SCHEDULES = ("ring", "rsgcm", "direct", "rsgcm+block", "rat", "hoplite")
+PS_SCHEDULES = ("direct", "rat", "hoplite")  # rows that run one `ltp-ps server` (colocated with rank 0)
 RACKS = (3, 3)
 INTERLEAVE = (0, 3, 1, 4, 2, 5)  # rank r runs on host INTERLEAVE[r]
 WARMUP_ROUNDS = 2  # rounds left out of the median (endpoint set-up, RSGCM's first measurements)
@@ -69,6 +70,9 @@ TARGET_RING_RATIO = 0.5
 TARGET_DIRECT_RATIO = 0.5
 TARGET_REPLAN_ROUNDS = 5
 TARGET_AFTER_RATIO = 1.3
+TARGET_RAT_DIRECT = 0.5  # issue 11: RAT <= 0.5 x direct
+TARGET_RAT_RING = 1.0  # issue 11: RAT <= 1.0 x ring
+TARGET_HOPLITE_DIRECT = 0.4  # issue 11: Hoplite BST <= 0.4 x direct
 PREDICTION_TOLERANCE = 1.3  # measured / predicted beyond this (or below 1/this) needs an explanation
 
 RUN_COLUMNS = ["repeat", "schedule", "transport", "rounds", "completed", "round_s_median", "predicted_s",
@@ -98,13 +102,14 @@ def _topology(lab, order, failed=()):
 
 
 def predict(schedule: str, topo, n_workers: int, model_bytes: int) -> float | None:
-    """The fluid simulator's round time for ``schedule`` on ``topo`` (PS colocated with rank 0 for direct)."""
+    """The fluid simulator's round time for ``schedule`` on ``topo`` (one PS colocated with rank 0 for the
+    PS schedules: direct, rat, hoplite)."""
     from ltp_ps.schedules import World, create
     from ltp_ps.schedules.program import server, worker
 
     n = max(1, int(model_bytes) // 4)
     names = topo.names
-    if schedule == "direct":
+    if schedule in PS_SCHEDULES:
         placement = {server(0): names[0], **{worker(r): names[r] for r in range(n_workers)}}
         w = World(workers=range(n_workers), n_elems=n, shards=((0, n),), topology=topo, placement=placement)
     else:
@@ -162,13 +167,13 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
     res = {"rows": [], "block_pair": None, "error": None}
     try:
         spawn(hosts[0], py + ["store", "--store", store], "store")
-        if base == "direct":
+        if base in PS_SCHEDULES:
             spawn(hosts[0], py + ["server", "--shard", "0", "--store", store, "--metrics", metrics, "--host",
                                   "0.0.0.0", "--advertise", hosts[0].addr] + common, "ps")
         for r in range(n):
             argv = py + ["worker", "--rank", str(r), "--store", store, "--pull-timeout", str(pull), "--host",
                          "0.0.0.0", "--advertise", hosts[r].addr] + common
-            if base != "direct" and r == 0:
+            if base not in PS_SCHEDULES and r == 0:
                 argv += ["--metrics", metrics]
             spawn(hosts[r], argv, f"w{r}")
         t_end = time.monotonic() + timeout_s
@@ -388,6 +393,16 @@ def check(summary: list[dict], runs: list[dict]) -> list[dict]:
     if m("rsgcm") and m("direct"):
         v = m("rsgcm") / m("direct")
         add("rsgcm all-reduce / direct BST", v, TARGET_DIRECT_RATIO, v <= TARGET_DIRECT_RATIO)
+    if m("rat") and m("direct"):
+        v = m("rat") / m("direct")
+        add("rat round / direct BST (issue 11)", v, TARGET_RAT_DIRECT, v <= TARGET_RAT_DIRECT,
+            "one PS shard colocated with rank 0, not K = 6")
+    if m("rat") and m("ring"):
+        v = m("rat") / m("ring")
+        add("rat round / ring all-reduce (issue 11)", v, TARGET_RAT_RING, v <= TARGET_RAT_RING)
+    if m("hoplite") and m("direct"):
+        v = m("hoplite") / m("direct")
+        add("hoplite round / direct BST (issue 11)", v, TARGET_HOPLITE_DIRECT, v <= TARGET_HOPLITE_DIRECT)
     b = by.get("rsgcm+block")
     if b and b["n"]:
         att = b.get("replanned_after_attempts")
