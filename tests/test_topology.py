@@ -82,3 +82,9 @@ def test_world_maps_nodes_to_hosts_in_launch_order():
     assert ring.host_of("worker:0") == "h0"
     with pytest.raises(KeyError, match="placement"):
         World(workers=range(7), n_elems=1, topology=t).host_of("worker:6")
+    # one host per worker and a PS: colocated, shard k on worker k's host (what the lab's PS rows run)
+    co = World(workers=range(6), n_elems=12, shards=((0, 6), (6, 12)), topology=t)
+    assert [co.host_of(f"worker:{r}") for r in range(6)] == t.names
+    assert co.host_of("server:0") == co.host_of("worker:0") and co.host_of("server:1") == co.host_of("worker:1")
+    assert co.effective_topology().transfer_time("server:0", "worker:0", 1e6) < \
+        co.effective_topology().transfer_time("server:0", "worker:3", 1e6)

@@ -80,7 +80,9 @@ class World:
         """The topology host of ``node``: explicit placement, a host named like the node, or launch order.
 
         Launch order is ``ltp-ps launch``'s: PS shards on the first hosts,
-        then workers by rank.
+        then workers by rank.  A topology with exactly one host per worker
+        (no room for the PS) colocates: worker r on host r, shard k on worker
+        k's host.
         """
         if node in self.placement:
             return self.placement[node]
@@ -90,6 +92,13 @@ class World:
         if node in names:
             return node
         order = self.server_nodes + self.worker_nodes
+        if len(names) == len(self.workers) < len(order):
+            # one host per worker and no room for the PS: the shards are colocated, shard k on
+            # worker k's host (issue 11's --colocate choice; what `ltp-lab schedules` runs)
+            if node in self.worker_nodes:
+                return names[self.worker_nodes.index(node)]
+            if node in self.server_nodes:
+                return names[self.server_nodes.index(node) % len(names)]
         i = order.index(node) if node in order else -1
         if 0 <= i < len(names):
             return names[i]
