@@ -55,7 +55,7 @@ import numpy as np
 
 from .errors import RemoteError, TrainingFailed, TransportTimeout
 from .schedules.driver import (DOWN, T_LAG_S, UP, ControlChannel, ControlDecodeError, ControllerDriver, GrantFollower,
-                               event_from_json, grant_uses_gradient, params_tag)
+                               event_from_json, grant_uses_gradient, next_control_message, params_tag, stop_workers)
 from .schedules.executor import Slots
 from .schedules.partial import Partial
 from .schedules.program import (RELIABLE, SLOT_GRAD, NodeFailed, NodeReady, Program, Recv, Send, parse_node,
@@ -64,7 +64,6 @@ from .transport.base import RecvReport
 from .wire import ELEM, HEADER_BYTES, KIND_PARAMS, ParamsHeader, params_message_capacity
 
 ASYNC_CONTROLLER_SCHEDULES = ("mlfabric",)  # schedules whose controller serves asynchronous updates
-STOP_TIMEOUT_S = 5.0  # seconds to tell one worker to stop
 POLL_S = 0.05  # seconds between the PS's looks at its progress
 
 
@@ -219,18 +218,9 @@ class _ServerRole:
         ch = self.channels[node]
         rank = parse_node(node)[1]
         while True:
-            try:
-                msg = await ch.recv(self.ps.cfg.join_timeout_s)
-            except ControlDecodeError:
-                self.counters["undecodable"] += 1
-                continue
-            except ConnectionError as exc:
-                self.counters["closed"] += 1
-                self._fail(node, rank, f"its control stream closed ({exc})")
-                return
+            msg = await next_control_message(ch, self.ps.cfg.join_timeout_s, self.counters,
+                                             lambda why: self._fail(node, rank, why))
             if msg is None:
-                self.counters["silent"] += 1
-                self._fail(node, rank, f"silent for {self.ps.cfg.join_timeout_s:.0f} s")
                 return
             try:
                 ev = event_from_json(msg, node)
@@ -303,14 +293,7 @@ class _ServerRole:
             await self.stop_all()
 
     async def stop_all(self) -> None:
-        async def one(n):
-            try:
-                await asyncio.wait_for(self.channels[n].send({"stop": True}, timeout_s=STOP_TIMEOUT_S),
-                                       STOP_TIMEOUT_S)
-            except Exception:
-                pass  # a dead worker: nothing to tell
-
-        await asyncio.gather(*(one(n) for n in self.channels if n not in self.driver.failed))
+        await stop_workers(self.channels, self.driver.failed)
 
     def stats(self) -> dict:
         c = self.ctrl

@@ -46,7 +46,7 @@ import numpy as np
 
 from .errors import ConfigError, RemoteError, TrainingFailed, TransportTimeout
 from .schedules.driver import (DOWN, UP, ControlChannel, ControlDecodeError, ControllerDriver, event_from_json,
-                               event_to_json, transfer_events)
+                               event_to_json, next_control_message, stop_workers, transfer_events)
 from .schedules.executor import Slots
 from .schedules.hoplite import chunk_slot, parse_chunk_slot
 from .schedules.partial import Partial
@@ -54,7 +54,6 @@ from .schedules.program import (SLOT_GRAD, ChunkArrived, Grant, NodeFailed, Node
                                 parse_node, server as server_node, worker as worker_node)
 from .transport.base import RecvReport
 
-STOP_TIMEOUT_S = 5.0  # seconds to tell one worker to stop
 POLL_S = 0.01  # seconds between the PS's looks at a round's progress
 HEARTBEAT_S = 0.5  # seconds between a worker's "alive" notes (a worker blocked on a dead peer is not silent)
 QUIESCE_S = 2.0  # seconds the PS waits, after a round closed, for grants still being delivered
@@ -142,18 +141,9 @@ class _ServerRole:
         ch = self.channels[node]
         rank = parse_node(node)[1]
         while True:
-            try:
-                msg = await ch.recv(self.ps.cfg.join_timeout_s)
-            except ControlDecodeError:
-                self.counters["undecodable"] += 1
-                continue
-            except ConnectionError as exc:
-                self.counters["closed"] += 1
-                self._fail(node, rank, f"its control stream closed ({exc})")
-                return
+            msg = await next_control_message(ch, self.ps.cfg.join_timeout_s, self.counters,
+                                             lambda why: self._fail(node, rank, why))
             if msg is None:
-                self.counters["silent"] += 1
-                self._fail(node, rank, f"silent for {self.ps.cfg.join_timeout_s:.0f} s")
                 return
             if "alive" in msg:
                 continue
@@ -300,14 +290,7 @@ class _ServerRole:
             await self.stop_all()
 
     async def stop_all(self) -> None:
-        async def one(n):
-            try:
-                await asyncio.wait_for(self.channels[n].send({"stop": True}, timeout_s=STOP_TIMEOUT_S),
-                                       STOP_TIMEOUT_S)
-            except Exception:
-                pass  # a dead worker: nothing to tell
-
-        await asyncio.gather(*(one(n) for n in self.channels if n not in self.failed))
+        await stop_workers(self.channels, self.failed)
 
 
 async def server_run(ps) -> None:

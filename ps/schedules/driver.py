@@ -399,6 +399,44 @@ class ControlChannel:
         return decode_message(self._inbuf, r.received_bytes)
 
 
+
+STOP_TIMEOUT_S = 5.0  # seconds to tell one worker to stop
+
+
+async def next_control_message(ch: ControlChannel, timeout_s: float, counters: dict, fail) -> dict | None:
+    """The next decodable message on a PS's up-stream ``ch``, or None after ``fail(why)``.
+
+    What every PS-side controller role (MLfabric's async PS, Hoplite's BSP PS) does with a
+    worker's control stream: an undecodable message is counted and skipped; a closed stream or
+    ``timeout_s`` of silence is counted (``closed`` / ``silent``) and reported through ``fail``.
+    """
+    while True:
+        try:
+            msg = await ch.recv(timeout_s)
+        except ControlDecodeError:
+            counters["undecodable"] += 1
+            continue
+        except ConnectionError as exc:
+            counters["closed"] += 1
+            fail(f"its control stream closed ({exc})")
+            return None
+        if msg is None:
+            counters["silent"] += 1
+            fail(f"silent for {timeout_s:.0f} s")
+            return None
+        return msg
+
+
+async def stop_workers(channels: Mapping, failed) -> None:
+    """Tell every worker not in ``failed`` to stop, each within :data:`STOP_TIMEOUT_S`; dead ones are skipped."""
+    async def one(n):
+        try:
+            await asyncio.wait_for(channels[n].send({"stop": True}, timeout_s=STOP_TIMEOUT_S), STOP_TIMEOUT_S)
+        except Exception:
+            pass  # a dead worker: nothing to tell
+
+    await asyncio.gather(*(one(n) for n in channels if n not in failed))
+
 class GrantFollower:
     """A node's side of a controller: run each grant from the host in order, report its receives.
 
