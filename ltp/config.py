@@ -72,6 +72,11 @@ class Config:
     #: closed receive flows are remembered (to repeat STOP) this long, and at most this many
     closed_flow_ttl_s: float = 10.0
     max_closed_flows: int = 8192
+    #: a complete message nobody has posted a receive for yet is kept this long (its memory counts
+    #: against the receive caps), then discarded and counted (``unclaimed_message``). The sender saw
+    #: it acknowledged, so this must outlast any plausible delay before the application posts the
+    #: receive (a process still importing torch or building its model on a loaded host).
+    unclaimed_ttl_s: float = 120.0
     #: BBR: how often RTprop must be refreshed before PROBE_RTT, and how long that lasts
     probe_rtt_interval_s: float = 10.0
     probe_rtt_duration_s: float = 0.2
@@ -98,7 +103,7 @@ class Config:
         for name in ("max_flow_bytes", "max_flows_per_peer", "max_receive_memory", "lt_window",
                      "initial_cwnd_packets", "min_burst_packets", "io_batch", "max_closed_flows", "ack_every",
                      "max_flows_per_host", "max_pending_registrations", "replay_cache_entries",
-                     "reg_freshness_s", "peer_silence_min_s", "idle_timeout_s"):
+                     "reg_freshness_s", "peer_silence_min_s", "idle_timeout_s", "unclaimed_ttl_s"):
             if getattr(self, name) <= 0:
                 raise LocalProtocolError(f"{name} must be positive")
 

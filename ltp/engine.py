@@ -754,7 +754,7 @@ class Engine:
 
     def _purge(self, now: float) -> None:
         self._admission.purge(now)
-        ttl = self.config.closed_flow_ttl_s
+        ttl = self.config.unclaimed_ttl_s
         while (flow := self._matcher.pop_unclaimed(now, ttl)) is not None:
             self._admission.release(flow.peer, flow.total)
             self.stats.drop("unclaimed_message")

@@ -240,6 +240,36 @@ def test_unexpected_message_is_buffered_then_delivered(harness, floats):
     assert h.engines[1].receive_memory == 0
 
 
+def test_unexpected_message_outlasts_a_slow_receiver_then_is_discarded_and_counted(harness, floats):
+    """An acknowledged message waits for a receive posted long after (a peer still starting up), and
+    only after ``unclaimed_ttl_s`` is it discarded, counted, and its memory given back."""
+    h = harness(seed=26)
+    h.links(rate=GBIT, delay_s=0.0002)
+    rx = h.engines[1]
+    ttl = rx.config.unclaimed_ttl_s
+    assert ttl >= 60.0  # far beyond a torch import or model build on a loaded host
+    first, second = floats(10_000, 1), floats(10_000, 2)
+    for tag, data in ((7, first), (8, second)):
+        (sent,) = h.wait([(0, h.engines[0].send(h.addrs[1], data, now=h.now, tag=tag))])
+        assert sent.report.close_reason == "acked"
+    t0 = h.now
+    rx.handle_timer(t0 + 30.0)  # a receive posted 30 s late still finds the message
+    out = np.zeros_like(first)
+    hr = rx.post_receive([(h.addrs[0], 7, out)], now=t0 + 30.0)
+    ev = rx.next_event()
+    assert ev is not None and ev.handle == hr and ev.reports[0].regime == "complete"
+    assert np.array_equal(out, first) and rx.receive_memory >= second.nbytes
+    rx.handle_timer(t0 + ttl - 1.0)
+    assert rx.receive_memory >= second.nbytes and "unclaimed_message" not in rx.stats.dropped
+    rx.handle_timer(t0 + ttl + 1.0)
+    assert rx.receive_memory == 0 and rx.stats.dropped["unclaimed_message"] == 1
+
+
+def test_unclaimed_ttl_must_be_positive():
+    with pytest.raises(LocalProtocolError, match="unclaimed_ttl_s"):
+        Config(unclaimed_ttl_s=0)
+
+
 def test_caps_refuse_oversized_and_out_of_memory_registrations(harness, floats):
     h = harness(seed=24, configs=[Config(), Config(max_flow_bytes=130_000, max_receive_memory=200_000)])
     h.links(rate=GBIT, delay_s=0.0002)

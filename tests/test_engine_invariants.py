@@ -78,7 +78,7 @@ def test_receiver_bookkeeping_holds_under_random_traffic(seed, loss, n_senders, 
         for e in engs:
             while e.next_event() is not None:
                 pass
-    end = net.now + 40.0  # every timer, idle rule and TTL has passed by then
+    end = net.now + max(40.0, cfg.unclaimed_ttl_s + 1.0)  # every timer, idle rule and TTL has passed by then
     net.run(until=end)  # (the simulator's clock stops at its last event when none is left)
     _check(rx)
     # unclaimed messages are purged lazily, on the next timer run (they arm no timer of their own)
