@@ -180,15 +180,18 @@ class Admission:
     (a deque of ``(datagram, addr)``), counts to ``stats``.
     """
 
-    def __init__(self, config, stats, ctrl, *, srtt=None) -> None:
+    def __init__(self, config, stats, ctrl, *, srtt=None, make_room=None) -> None:
         """``config``: the engine's :class:`~ltp.config.Config`; ``stats``: its
         :class:`~ltp.reports.EndpointStats`; ``ctrl``: its control-datagram queue;
         ``srtt``: ``addr -> smoothed RTT (seconds) or None``, this host's own estimate
-        of a peer (a registration's lifetime takes the larger of it and the sender's)."""
+        of a peer (a registration's lifetime takes the larger of it and the sender's);
+        ``make_room``: ``(host, bytes, now) -> None``, asked to free memory (stale
+        unclaimed messages) before a registration or first DATA is refused for memory."""
         self.config = config
         self.stats = stats
         self.ctrl = ctrl
         self._srtt = srtt if srtt is not None else (lambda addr: None)
+        self._make_room = make_room if make_room is not None else (lambda host, n, now: None)
         self.pending: dict = {}  # (peer, fid) -> PendingRegistration
         self.expiries = DeadlineHeap()  # pending registrations by expiry, lazily cleaned
         self.per_peer: dict = {}  # source address -> open + pending receive flows
@@ -281,7 +284,7 @@ class Admission:
             self.refuse(addr, fid, token, "too_large")
             return slot, total
         need = count + (total if slot is None else 0)
-        if not self.fits(host, need):
+        if not self.fits_after_room(host, need, now):
             # what it would cost does not fit now: say so early (memory is still only taken on DATA)
             self.refuse(addr, fid, token, "out_of_memory")
             return None
@@ -326,7 +329,7 @@ class Admission:
             self.refuse(addr, fid, token, "too_large")
             return None
         need = pend.seg_count + (total if slot is None else 0)
-        if not self.fits(addr[0], need):
+        if not self.fits_after_room(addr[0], need, now):
             self.uncount(addr)
             self.remember_closed(pend.key, token, wire.STOP_CODES[CloseReason.CANCELLED], 0, now)
             self.refuse(addr, fid, token, "out_of_memory")
@@ -380,6 +383,13 @@ class Admission:
         """Whether ``n`` more bytes for ``host`` stay within the total and per-host memory caps."""
         cfg = self.config
         return self.memory + n <= cfg.max_receive_memory and self.host_memory.get(host, 0) + n <= cfg.host_memory_cap
+
+    def fits_after_room(self, host, n: int, now: float) -> bool:
+        """:meth:`fits`, after asking the owner to free what it may (see ``make_room``)."""
+        if self.fits(host, n):
+            return True
+        self._make_room(host, n, now)
+        return self.fits(host, n)
 
     def take(self, addr, n: int) -> None:
         """Account ``n`` bytes of receive memory to ``addr``'s host."""

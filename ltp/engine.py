@@ -146,7 +146,8 @@ class Engine:
         self._rx_idle_next: float | None = None
         self.stats = EndpointStats()
         self._ctrl: deque = deque()
-        self._admission = Admission(self.config, self.stats, self._ctrl, srtt=self._srtt_of)
+        self._admission = Admission(self.config, self.stats, self._ctrl, srtt=self._srtt_of,
+                                    make_room=self._evict_stale_unclaimed)
         self._pending = self._admission.pending  # (peer, fid) -> PendingRegistration
         self._rx_per_peer = self._admission.per_peer  # source address -> open + pending receive flows
         self._per_host = self._admission.per_host  # source host -> open + pending receive flows
@@ -751,6 +752,25 @@ class Engine:
             self._check_group(slot.group, now)
             n += 1
         return n
+
+    def _evict_stale_unclaimed(self, host, need: int, now: float) -> None:
+        """Memory for a new transfer from ``host`` does not fit: discard unclaimed messages that
+        waited at least ``closed_flow_ttl_s`` (oldest first, ``host``'s own first), counted as
+        ``unclaimed_evicted``, until it fits. Younger ones are never evicted: the new transfer is
+        refused instead (its sender hears ``out_of_memory``; an evicted message's sender would not)."""
+        adm, cfg = self._admission, self.config
+        cutoff = now - cfg.closed_flow_ttl_s
+        stale = [f for f in self._matcher.unexpected
+                 if f.report is not None and f.slot is None and f.closed_at <= cutoff]
+        stale.sort(key=lambda f: f.peer[0] != host)  # stable: oldest first within each half
+        for flow in stale:
+            if adm.fits(host, need):
+                return
+            if flow.peer[0] != host and adm.host_memory.get(host, 0) + need > cfg.host_memory_cap:
+                return  # only the host's own messages could help, and none is left
+            self._matcher.unexpected.remove(flow)
+            adm.release(flow.peer, flow.total)
+            self.stats.drop("unclaimed_evicted")
 
     def _purge(self, now: float) -> None:
         self._admission.purge(now)

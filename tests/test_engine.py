@@ -265,6 +265,24 @@ def test_unexpected_message_outlasts_a_slow_receiver_then_is_discarded_and_count
     assert rx.receive_memory == 0 and rx.stats.dropped["unclaimed_message"] == 1
 
 
+def test_a_stale_unclaimed_message_makes_room_for_a_new_transfer_but_a_young_one_does_not(harness, floats):
+    cfg = Config(max_receive_memory=200_000)
+    h = harness(seed=27, configs=[Config(), cfg])
+    h.links(rate=GBIT, delay_s=0.0002)
+    a, rx = h.engines[0], h.engines[1]
+    (ev,) = h.wait([(0, a.send(h.addrs[1], floats(30_000), now=h.now, tag=1))])  # 120 kB, nobody receives it
+    assert ev.error is None
+    (ev,) = h.wait([(0, a.send(h.addrs[1], floats(20_000), now=h.now, tag=2))])  # young: refused, not evicted
+    assert isinstance(ev.error, TransferRefused) and ev.error.reason == "out_of_memory"
+    h.net.now += cfg.closed_flow_ttl_s + 0.1  # idle network: nothing else happens meanwhile
+    data = floats(20_000, 3)
+    (ev,) = h.wait([(0, a.send(h.addrs[1], data, now=h.now, tag=3))])
+    assert ev.error is None and rx.stats.dropped["unclaimed_evicted"] == 1
+    out = np.zeros_like(data)
+    (recv,) = h.wait([(1, rx.post_receive([(h.addrs[0], 3, out)], now=h.now))])
+    assert np.array_equal(out, data) and rx.receive_memory == 0
+
+
 def test_unclaimed_ttl_must_be_positive():
     with pytest.raises(LocalProtocolError, match="unclaimed_ttl_s"):
         Config(unclaimed_ttl_s=0)
