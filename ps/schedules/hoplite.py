@@ -297,6 +297,17 @@ class Broadcast:
                 out += self._try(dst, now)
         return out + self._serve_waiting(now)
 
+    def retire(self, node) -> None:
+        """``node`` stops serving this object (its copy is about to be overwritten by a newer version, the
+        asynchronous mode): it leaves the directory for good; a transfer it is already serving finishes (its
+        grants run in issue order, before the overwrite)."""
+        self.suspect.add(node)
+        self.dir.forget(self.key, node)
+
+    def done(self) -> bool:
+        """Every receiver that asked holds the object or died, and nothing is in flight."""
+        return not self.active and all(self.complete(n) or n in self.dead for n in self.have)
+
     def _serve_waiting(self, now) -> list[Fetch]:
         out = []
         for r in self.dir.waiting(self.key):
@@ -360,6 +371,7 @@ class ReduceChain:
         self.outgoing: dict = {}  # src -> Hop it is sending (not yet done)
         self.dead: set = set()
         self.missed: set = set()
+        self.excused: set = set()  # inputs let go before they were ready (asynchronous mode: a later reduce)
         self.ready_nodes: list = []
         self.deferred: dict = {}  # src -> hops granted once its incoming hop is done
         self.closed = False
@@ -405,8 +417,22 @@ class ReduceChain:
         """``node``'s input is ready; the hops to start now."""
         return self._release(self._ready(node))
 
+    def excuse(self, node, *, now: float = 0.0) -> list[Hop]:
+        """``node`` (an input not ready yet) will not contribute to this reduce: it is accounted like a missed
+        input but is not lost (the asynchronous mode chains it into a later reduce).  The hops to start now."""
+        if (self.closed or node in self.dead or node not in self._leaf_chain or node in self.ready_nodes
+                or node in self.excused):
+            return []
+        self.excused.add(node)
+        return self._release(self._miss(self._leaf_chain[node], node))
+
+    def pending(self) -> list:
+        """Inputs neither ready, excused, missed nor dead (the ones this reduce still waits for)."""
+        return [n for n in self.inputs if n not in self.ready_nodes and n not in self.excused
+                and n not in self.missed and n not in self.dead]
+
     def _ready(self, node) -> list[Hop]:
-        if self.closed or node in self.dead:
+        if self.closed or node in self.dead or node in self.excused:
             return []
         if node == self.receiver:
             self.receiver_ready = True
@@ -577,7 +603,7 @@ class ReduceChain:
     def lost(self) -> set:
         """Inputs that will not reach the receiver: missed before they were ready, or held only by a node
         that died (after close: every input not in :meth:`contributions`)."""
-        return set(self.inputs) - self.contributions()
+        return set(self.inputs) - self.contributions() - self.excused
 
     def contributions(self) -> set:
         """Inputs included in the receiver's result (after close)."""
@@ -617,7 +643,8 @@ class HopliteController(Controller):
 
     def __init__(self, shards: Sequence[tuple[int, int]], *, elem_bytes: int = 4, bandwidth_bps: float = 10e9,
                  latency_s: float = PAPER_LATENCY_S, rng: random.Random | None = None,
-                 chunk_bytes: int = CHUNK_BYTES, stall_timeout_s: float = STALL_TIMEOUT_S, auto_get: bool = True):
+                 chunk_bytes: int = CHUNK_BYTES, stall_timeout_s: float = STALL_TIMEOUT_S, auto_get: bool = True,
+                 suffix: str = ""):
         if not shards:
             raise ValueError("Hoplite needs at least one PS shard (the reduce receiver)")
         self.shards = [tuple(s) for s in shards]
@@ -627,6 +654,11 @@ class HopliteController(Controller):
         self.chunk_bytes = max(elem_bytes, chunk_bytes - chunk_bytes % elem_bytes)
         self.stall_timeout_s = stall_timeout_s
         self.auto_get = auto_get
+        # ``suffix`` names this controller's slots apart from those of others running at once (the
+        # asynchronous mode runs one per update): the accumulator and hop inputs, and the PS's source
+        # chunk slots (a snapshot of that version's parameters).  "" in BSP rounds.
+        self.suffix = suffix
+        self.acc_slot = SLOT_ACC + suffix
         self.iteration = 0
         self.broadcasts: list[Broadcast] = []
         self.reduce: ReduceChain | None = None
@@ -743,7 +775,7 @@ class HopliteController(Controller):
                 tag = self._tag(PHASE_PULL, f.seq, i, KIND_PARAMS)
                 slot = chunk_slot(k, i)
                 if f.src == server(k):
-                    sends.append(Send(f.dst, slot, a, b, tag, RELIABLE, "params"))
+                    sends.append(Send(f.dst, slot + self.suffix, a, b, tag, RELIABLE, "params"))
                 else:
                     sends.append(Forward(f.dst, slot, a, b, tag, RELIABLE, "params"))
                 recvs.append(Recv(f.src, slot, a, b, tag, RELIABLE, "params"))
@@ -762,7 +794,7 @@ class HopliteController(Controller):
         for h in hops:
             self._attempt += 1
             a = self._attempt
-            slot = f"in:{h.src}:{a}"
+            slot = f"in{self.suffix}:{h.src}:{a}"
             self._hop_slot[h.seq] = slot
             self._hop_pending[h.seq] = set(range(len(self.shards)))
             sends, recvs = [], []
@@ -770,7 +802,7 @@ class HopliteController(Controller):
                 tag = self._tag(PHASE_PUSH, a, k, KIND_PARTIAL)
                 self._tags[tag] = ("reduce", h, k)
                 dst = server(k) if h.final else h.dst
-                sends.append(Send(dst, SLOT_ACC, lo, hi, tag, TOLERANT, "partial"))
+                sends.append(Send(dst, self.acc_slot, lo, hi, tag, TOLERANT, "partial"))
                 r = Recv(h.src, slot, lo, hi, tag, TOLERANT, "partial")
                 if h.final:
                     out.append(Grant(server(k), (r,), reason=f"hoplite reduce <- {h.src}"))
@@ -785,14 +817,14 @@ class HopliteController(Controller):
     def _combine_grants(self, h: Hop) -> list[Grant]:
         slot = self._hop_slot.pop(h.seq)
         if h.final:
-            return [Grant(server(k), (Combine(SLOT_ACC, slot, lo, hi), Apply(SLOT_ACC, lo, hi)),
+            return [Grant(server(k), (Combine(self.acc_slot, slot, lo, hi), Apply(self.acc_slot, lo, hi)),
                           reason="hoplite apply") for k, (lo, hi) in enumerate(self.shards)]
-        return [Grant(h.dst, tuple(Combine(SLOT_ACC, slot, lo, hi) for lo, hi in self.shards),
+        return [Grant(h.dst, tuple(Combine(self.acc_slot, slot, lo, hi) for lo, hi in self.shards),
                       reason="hoplite combine")]
 
     def ready_grants(self, node: str) -> list[Grant]:
         """A worker's first reduce grant once its gradient is computed: its sum starts as its gradient."""
-        return [Grant(node, tuple(Combine(SLOT_ACC, SLOT_GRAD, lo, hi) for lo, hi in self.shards),
+        return [Grant(node, tuple(Combine(self.acc_slot, SLOT_GRAD, lo, hi) for lo, hi in self.shards),
                       reason="hoplite own gradient")]
 
 
