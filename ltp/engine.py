@@ -96,6 +96,7 @@ __all__ = ["Engine", "SendDone", "ReceiveDone"]
 
 _DATA_B0 = (wire.VERSION << 4) | wire.T_DATA
 _ONE = np.zeros(1, np.int64)
+_add_reduce = np.add.reduce  # a batch's byte count: the ufunc directly, without np.sum's dispatch
 
 
 @dataclass(frozen=True)
@@ -291,19 +292,23 @@ class Engine:
         lengths = np.array([n], np.int64)
         self.receive_batch(data, _ONE, lengths, 0, 1, addr, now)
 
-    def receive_batch(self, buf, offsets, lengths, start: int, stop: int, addr, now: float, times=None) -> None:
+    def receive_batch(self, buf, offsets, lengths, start: int, stop: int, addr, now: float, times=None, *,
+                      times_offset: float | None = None) -> None:
         """Process datagrams ``start..stop`` of ``buf`` (given by offsets/lengths), all from ``addr``.
 
         ``times`` (optional, indexed like ``offsets``) are the datagrams' arrival
-        times on the same clock as ``now`` — kernel receive timestamps. A batch
-        read late holds ACKs that arrived over a stretch of time; timing each one
-        by its own arrival keeps RTT and delivery-rate samples honest.
+        times — kernel receive timestamps — on the clock of ``now`` after
+        subtracting ``times_offset`` (seconds; None = 0); a negative time means
+        unknown (``now`` is used). A batch read late holds ACKs that arrived over a
+        stretch of time; timing each one by its own arrival keeps RTT and
+        delivery-rate samples honest. Only datagrams that leave the DATA fast path
+        read their time, so the adapter passes the kernel's array and offset as is.
         """
         if self._closed_engine:
             return
         mv = buf if isinstance(buf, memoryview) else memoryview(buf)
         self.stats.datagrams_in += stop - start
-        self.stats.bytes_in += int(np.sum(lengths[start:stop]))
+        self.stats.bytes_in += int(_add_reduce(lengths[start:stop]))
         path = self._paths.get(addr)
         if path is not None:
             path.last_heard = now
@@ -331,8 +336,13 @@ class Engine:
                         self._after_ingest(flow, now)
                         i = j
                         continue
+            at = now
+            if times is not None:
+                t = float(times[i])
+                if t >= 0:
+                    at = min(now, t - times_offset if times_offset is not None else t)
             try:
-                self._receive_one(mv[o:o + length], addr, now if times is None else min(now, float(times[i])))
+                self._receive_one(mv[o:o + length], addr, at)
             except WireError as exc:
                 self.stats.drop(exc.reason)
             i += 1
