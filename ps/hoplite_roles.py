@@ -49,7 +49,9 @@ from .schedules.driver import (DOWN, UP, ControlChannel, ControlDecodeError, Con
                                event_to_json, next_control_message, stop_workers, transfer_events)
 from .schedules.executor import Slots
 from .schedules.hoplite import chunk_slot, parse_chunk_slot
+from .schedules.hoplite_async import UpdateApplied, batch_of_slot, half_batch, params_key
 from .schedules.partial import Partial
+from .schedules.tags import unpack as unpack_tag
 from .schedules.program import (SLOT_GRAD, ChunkArrived, Grant, NodeFailed, NodeReady, Program,
                                 parse_node, server as server_node, worker as worker_node)
 from .transport.base import RecvReport
@@ -87,7 +89,7 @@ class _ServerRole:
             raise ConfigError(f"--schedule hoplite runs with one PS shard (the directory and reduce receiver); "
                               f"the job has {ps.plan.n_shards}: pass --num-servers 1")
         self.ps = ps
-        self.ctrl = ps.planner.controller()
+        self.ctrl = self._controller()
         self.ctrl.stall_timeout_s = max(self.ctrl.stall_timeout_s, PROCESS_STALL_TIMEOUT_S)
         self.channels: dict = {}
         self.failed: set = set()
@@ -100,24 +102,35 @@ class _ServerRole:
         self._live: list = []
         self._notes: set = set()
         self._progress = 0.0  # monotonic seconds of the last event or failure (a round's stall bound counts from it)
+        self._bind_params()
+
+    def _controller(self):
+        return self.ps.planner.controller()
+
+    def _bind_params(self) -> None:
+        """BSP: the PS sends every round's chunks straight from its parameters."""
+        ps = self.ps
         for k, (a, b) in enumerate(chunk_ranges(ps.lo, ps.hi, self.ctrl.chunk_bytes, self.ctrl.elem_bytes)):
             ps._slots.bind(chunk_slot(ps.shard, k), ps.params[a - ps.lo:b - ps.lo].view(np.uint8))
 
     # -- apply ----------------------------------------------------------------------------------------------------
     def apply(self, step, slots: Slots):
-        ps = self.ps
         p = slots.partial(step.slot, step.lo, step.hi)
         slots.clear_partials()  # the round's sum and the hops' inputs are used once
+        self.applied = self._step(p, f"round {self.ps.iteration}")
+        return None
+
+    def _step(self, p, what: str) -> dict:
+        """One optimizer step with the mean of partial ``p`` (None or empty: no step); the applied summary."""
+        ps = self.ps
         if p is None or p.contributors == 0:
-            self.applied = {"contributors": 0}
-            return None
+            return {"contributors": 0, "t": time.monotonic()}
         c = p.contributors
         loss = p.loss_sum / c
         if not np.isfinite(loss):
-            self.error = TrainingFailed(f"PS shard {ps.shard}: round {ps.iteration}: the reduce of {c} gradients "
+            self.error = TrainingFailed(f"PS shard {ps.shard}: {what}: the reduce of {c} gradients "
                                         f"reported a non-finite loss ({loss}); training diverged: lower --lr")
-            self.applied = {"contributors": c}
-            return None
+            return {"contributors": c, "t": time.monotonic()}
         grad = p.mean(ps.cfg.aggregation)
         counts = p.counts()
         mask = None if (counts > 0).all() else counts > 0
@@ -127,10 +140,9 @@ class _ServerRole:
             ps.optimizer.step(grad, mask=mask)
             ps.version += 1
         else:
-            ps.log(f"[ps{ps.shard}] round {ps.iteration}: the aggregated gradient is not finite; update skipped")
-        self.applied = {"contributors": c, "loss": float(loss), "samples": p.samples,
-                        "delivered": float((counts > 0).mean()) if counts.size else 0.0, "t": time.monotonic()}
-        return None
+            ps.log(f"[ps{ps.shard}] {what}: the aggregated gradient is not finite; update skipped")
+        return {"contributors": c, "loss": float(loss), "samples": p.samples,
+                "delivered": float((counts > 0).mean()) if counts.size else 0.0, "t": time.monotonic()}
 
     # -- messages -------------------------------------------------------------------------------------------------
     async def deliver(self, node: str, grant: Grant) -> None:
@@ -155,17 +167,24 @@ class _ServerRole:
             if self.driver is None:
                 continue
             if isinstance(ev, NodeReady):
-                if ev.iteration != self.ps.iteration:
+                if not self._accepts(ev):
                     continue
                 self.ps.membership.delivered(rank)
             self.driver.feed(ev)
-            now = self._progress = time.monotonic()
-            if isinstance(ev, NodeReady) and self._t_ready is None and set(self.ctrl.reduce.ready_nodes) >= {
-                    n for n in self._live if n not in self.failed}:
-                self._t_ready = now
-            if isinstance(ev, ChunkArrived) and self._t_bcast is None and all(
-                    b.complete(n) for b in self.ctrl.broadcasts for n in self._live if n not in self.failed):
-                self._t_bcast = now
+            self._observe(ev)
+
+    def _accepts(self, ev: NodeReady) -> bool:
+        return ev.iteration == self.ps.iteration
+
+    def _observe(self, ev) -> None:
+        """Progress bookkeeping after an event (BSP: when every worker held the parameters / was ready)."""
+        now = self._progress = time.monotonic()
+        if isinstance(ev, NodeReady) and self._t_ready is None and set(self.ctrl.reduce.ready_nodes) >= {
+                n for n in self._live if n not in self.failed}:
+            self._t_ready = now
+        if isinstance(ev, ChunkArrived) and self._t_bcast is None and all(
+                b.complete(n) for b in self.ctrl.broadcasts for n in self._live if n not in self.failed):
+            self._t_bcast = now
 
     def _fail(self, node: str, rank: int, why: str) -> None:
         if node in self.failed:
@@ -293,9 +312,187 @@ class _ServerRole:
         await stop_workers(self.channels, self.failed)
 
 
+class _LaneDriver(ControllerDriver):
+    """The asynchronous PS runs its own grants in three independent in-order lanes -- parameter sends
+    (broadcasts), gradient receives (final hops) and combine/apply -- so it receives update ``u + 1``
+    while it still broadcasts version ``u + 1`` and never holds an apply behind a receive."""
+
+    def queue_key(self, grant: Grant):
+        if grant.node != self.me:
+            return grant.node
+        ops = {s.op for s in grant.steps}
+        lane = "apply" if ops & {"apply", "combine"} else "send" if ops <= {"send", "forward"} else "recv"
+        return (grant.node, lane)
+
+
+class _AsyncServerRole(_ServerRole):
+    """``--mode async``: half-batch updates through :class:`AsyncHalfBatchController` (one driver, whole run).
+
+    Update ``u`` reduces the first ``ceil(n/2)`` gradients that become ready; its Apply (in update order)
+    steps the optimizer with their mean, snapshots the parameters as version ``u + 1`` (the broadcast
+    sends from the snapshot, so later updates never tear it) and feeds ``UpdateApplied``."""
+
+    def __init__(self, ps):
+        self.snapshots: dict = {}  # version -> parameter copy still being broadcast
+        self.rows: list = []
+        self.n_workers = 0
+        self.updates = 0
+        self.per_epoch = 1
+        self._recv_slots: dict = {}  # update -> the PS's partial slots of its final hops
+        self._t_last = None
+        super().__init__(ps)
+
+    def _controller(self):
+        return self.ps.planner.async_controller()
+
+    def _bind_params(self) -> None:
+        self._snapshot(0)
+
+    def _snapshot(self, v: int) -> None:
+        ps = self.ps
+        snap = self.snapshots[v] = ps.params.copy()
+        for k, (a, b) in enumerate(chunk_ranges(ps.lo, ps.hi, self.ctrl.chunk_bytes, self.ctrl.elem_bytes)):
+            ps._slots.bind(chunk_slot(ps.shard, k) + f"@{v}", snap[a - ps.lo:b - ps.lo].view(np.uint8))
+        keep = self.ctrl.live_versions() | {v}
+        for old in [x for x in self.snapshots if x not in keep]:
+            del self.snapshots[old]
+            for k in range(len(chunk_ranges(ps.lo, ps.hi, self.ctrl.chunk_bytes, self.ctrl.elem_bytes))):
+                ps._slots.buffers.pop(chunk_slot(ps.shard, k) + f"@{old}", None)
+
+    def _accepts(self, ev: NodeReady) -> bool:
+        return True  # the controller checks the version it expects from that worker
+
+    def _observe(self, ev) -> None:
+        self._progress = time.monotonic()
+
+    def _on_grants(self, grants) -> None:
+        for g in grants:
+            if g.node == self.driver_me:
+                for st in g.steps:
+                    if st.op == "recv" and st.payload == "partial":
+                        u = batch_of_slot(st.slot)
+                        if u is not None:
+                            self._recv_slots.setdefault(u, set()).add(st.slot)
+
+    def apply(self, step, slots: Slots):
+        ps = self.ps
+        u = batch_of_slot(step.slot)
+        p = slots.partial(step.slot, step.lo, step.hi)
+        for name in self._recv_slots.pop(u, set()) | {step.slot}:  # this update's sum and hop inputs: used once
+            slots.partials(name).clear()
+        staleness = dict(self.ctrl.staleness.get(u, {}))
+        members = sorted(self.ctrl.contributions(u))
+        a = self._step(p, f"update {u}")
+        for w in members:
+            ps.staleness.record(u - staleness.get(w, 0), u)
+        self._snapshot(u + 1)
+        ps.iteration = u + 1
+        now = time.monotonic()
+        row = {"event": "iteration", "t": time.time(), "shard": ps.shard, "iteration": u,
+               "epoch": u // self.per_epoch, "workers": len(self.ctrl.live), "contributors": a["contributors"],
+               "members": members, "staleness": {w: staleness.get(w, 0) for w in members},
+               "gather_s": 0.0, "broadcast_s": 0.0, "round_s": now - (self._t_last or self._t0),
+               "delivered": {"all": a.get("delivered", 0.0)}, "regime": {}, "clip_scale": ps._clip_scale,
+               "loss": a.get("loss", float("nan")), "samples": a.get("samples", 0), "schedule": "hoplite",
+               "mode": "async", "version": ps.version}
+        self._t_last = now
+        self.rows.append(row)
+        ps._write_member_events(u)
+        ps.metrics.write(row)
+        if self.error is None:
+            try:
+                ps._check_health(u, [row["loss"]] if a["contributors"] else [], a["contributors"] > 0,
+                                 len(self.ctrl.live), 0.0)
+            except TrainingFailed as exc:
+                self.error = exc
+        if self.error is None and ((u + 1) % self.per_epoch == 0 or u + 1 == self.updates):
+            ps._end_epoch(self.rows, u // self.per_epoch)
+            self.rows = []
+        self.driver.feed(UpdateApplied(u, 0))
+        return None
+
+    async def run(self) -> None:
+        ps = self.ps
+        await ps._wait_workers(ps.cfg.min_workers or ps.cfg.world_size)
+        members = ps.membership.active()
+        ps._address(members)
+        nodes = [worker_node(m.rank) for m in members]
+        self.n_workers = ws = len(nodes)
+        m = self.ctrl.quota_override or half_batch(ws)
+        # --iterations counts updates; --epochs the gradients a direct async PS applies (ws per round), so the
+        # run sees as many samples as direct async: ceil(total * ws / m) updates of m gradients each
+        self.updates = ps.total if ps.cfg.iterations is not None else -(-ps.total * ws // m)
+        self.per_epoch = max(1, -(-ps.ipe * ws // m))
+        self.ctrl.updates = self.updates
+        ps.epochs_total = -(-self.updates // self.per_epoch)
+        for n in nodes:
+            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP)
+        ps.log(f"[ps{ps.shard}] hoplite async: half-batch updates of {m} of {ws} workers' gradients through "
+               f"receiver-driven chains, {self.updates} updates, staleness <= {self.ctrl.max_staleness}")
+        await asyncio.gather(*(self._note_async(n) for n in nodes))
+        listeners = [asyncio.ensure_future(self.listen(n)) for n in nodes]
+        self.driver_me = ps.executor.me
+        driver = _LaneDriver(self.ctrl, ps.executor, ps._slots, self, deliver=self.deliver,
+                             on_grants=self._on_grants)
+        self._t0 = self._progress = time.monotonic()
+        try:
+            live = [n for n in nodes if n not in self.failed]
+            if not live:
+                raise TrainingFailed(self._all_lost(0))
+            self.driver = driver
+            driver.start(live)
+            while not self.ctrl.done():
+                if self.error is not None:
+                    raise self.error
+                if driver.errors:
+                    raise TrainingFailed(f"PS shard {ps.shard}: hoplite async update {self.ctrl.applied}: the PS's "
+                                         f"own grant failed: {type(driver.errors[0]).__name__}: {driver.errors[0]}")
+                if not self.ctrl.live:
+                    raise TrainingFailed(self._all_lost(self.ctrl.applied))
+                if time.monotonic() - self._progress > ps.cfg.join_timeout_s:
+                    raise TrainingFailed(
+                        f"PS shard {ps.shard}: hoplite async update {self.ctrl.applied} made no progress for "
+                        f"{ps.cfg.join_timeout_s:.0f} s (--join-timeout; live: {sorted(self.ctrl.live)}); "
+                        f"nothing is training")
+                await asyncio.sleep(POLL_S)
+            if self.error is not None:
+                raise self.error
+            deadline = time.monotonic() + QUIESCE_S  # grants already queued reach their worker (no torn stream)
+            while time.monotonic() < deadline and (driver.busy() or any(ch._lock.locked()
+                                                                        for ch in self.channels.values())):
+                await asyncio.sleep(POLL_S)
+            if self.rows:
+                ps._end_epoch(self.rows, (self.updates - 1) // self.per_epoch)
+                self.rows = []
+            ps._raise_verdict()
+        except TrainingFailed as exc:
+            if ps.rendezvous is not None:
+                ps.rendezvous.mark_failed(str(exc))
+            raise
+        finally:
+            await driver.close()
+            self.driver = None
+            for t in listeners + list(self._notes):
+                t.cancel()
+            await asyncio.gather(*listeners, *self._notes, return_exceptions=True)
+            ps.hoplite_stats = {**self.counters, **self.ctrl.counters, "updates": self.ctrl.applied,
+                                "failed_workers": sorted(self.failed)}
+            await self.stop_all()
+
+    async def _note_async(self, node: str) -> None:
+        try:
+            await self.channels[node].send({"async": True}, timeout_s=self.ps.broadcast_timeout(1))
+        except Exception as exc:
+            self._fail(node, parse_node(node)[1], f"mode note failed: {type(exc).__name__}: {exc}")
+
+
 async def server_run(ps) -> None:
-    """BSP training at PS shard ``ps`` through Hoplite's controller (raises TrainingFailed)."""
-    await _ServerRole(ps).run()
+    """Training at PS shard ``ps`` through Hoplite's controller: BSP rounds, or ``--mode async`` half-batch
+    updates (raises TrainingFailed)."""
+    if ps.cfg.mode == "async":
+        await _AsyncServerRole(ps).run()
+    else:
+        await _ServerRole(ps).run()
 
 
 # -- worker ---------------------------------------------------------------------------------------------------------
@@ -316,14 +513,15 @@ async def worker_run(w) -> dict:
     for k, (a, b) in enumerate(chunks):
         w.slots.bind(chunk_slot(s0.shard, k), w.flat[a:b].view(np.uint8))
     stats = {"grants": 0, "rounds": 0, "undecodable": 0}
-    state = {"round": None, "version": 0, "have": set(), "computing": None}
+    # async: the PS's first note says so; then versions (the broadcast tags' iteration field) replace rounds
+    state = {"round": None, "version": 0, "have": set(), "computing": None, "async": False, "have_v": {}}
 
     async def compute(it: int, version: int) -> None:
         if w.model is not None:
             set_flat(w.model, w.flat)
         batch = next(w._batches)
         grad, loss, samples = await asyncio.to_thread(w.workload.compute, w.model, batch)
-        if state["round"] != it:
+        if not state["async"] and state["round"] != it:
             return  # the round closed without us (we were written off): drop it
         grad = np.asarray(grad, np.float32)
         w.slots.put_partial(SLOT_GRAD, Partial.of_gradient(grad, samples=samples, loss=loss))
@@ -365,6 +563,9 @@ async def worker_run(w) -> dict:
     async def follow() -> None:
         while True:
             msg = await inbox.get()
+            if "async" in msg:
+                state["async"] = True
+                continue
             if "round" in msg:
                 state.update(round=int(msg["round"]), version=int(msg.get("version", 0)), have=set())
                 w.slots.clear_partials()
@@ -389,10 +590,19 @@ async def worker_run(w) -> dict:
             finally:
                 current.update(grant=None, task=None)
             events = []
+            fresh = None
             for s, r in zip(g.steps, reports):
                 if s.op == "recv" and s.payload == "params" and isinstance(r, RecvReport) and r.received_bytes > 0:
                     kc = parse_chunk_slot(s.slot)
                     if kc is None:
+                        continue
+                    if state["async"]:  # the version is the broadcast tag's iteration field
+                        v = unpack_tag(s.tag).iteration
+                        have = state["have_v"].setdefault(v, set())
+                        have.add(kc[1])
+                        events.append(ChunkArrived(w.node, params_key(kc[0], v), s.lo, s.hi, len(have) == len(chunks)))
+                        if len(have) == len(chunks):
+                            fresh = v
                         continue
                     state["have"].add(kc[1])
                     events.append(ChunkArrived(w.node, f"params:{kc[0]}", s.lo, s.hi,
@@ -400,7 +610,16 @@ async def worker_run(w) -> dict:
             events += transfer_events(w.node, g.steps, reports)
             for ev in events:  # chunks first: the directory learns what we hold before the transfer ends
                 await ch.send(event_to_json(ev))
-            if len(state["have"]) == len(chunks) and state["computing"] != state["round"]:
+            if fresh is not None and state["computing"] != fresh:
+                # version ``fresh`` is complete: our last update was applied, so its partials are spent
+                state["have_v"] = {v: h for v, h in state["have_v"].items() if v > fresh}
+                state["computing"] = fresh
+                w.slots.clear_partials()
+                t = asyncio.ensure_future(compute(fresh, fresh))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+                t.add_done_callback(_raise_later)
+            elif not state["async"] and len(state["have"]) == len(chunks) and state["computing"] != state["round"]:
                 state["computing"] = state["round"]
                 t = asyncio.ensure_future(compute(state["round"], state["version"]))
                 tasks.add(t)

@@ -163,12 +163,10 @@ def check_server_schedule(args) -> None:
         return
     if cls.name in _async_controller_schedules():  # mlfabric: asynchronous by design, whatever --mode says
         return
-    if cls.name == "hoplite":  # ltp_ps.hoplite_roles: BSP rounds, the PS shard holds the directory
+    if cls.name == "hoplite":  # ltp_ps.hoplite_roles: BSP rounds or async half-batch; the PS holds the directory
         if getattr(args, "num_servers", 1) != 1:
             raise ConfigError(f"--schedule hoplite runs with one PS shard (it holds the object directory and "
                               f"receives the reduce); pass --num-servers 1 (got {args.num_servers})")
-        if getattr(args, "mode", "bsp") != "bsp":
-            raise ConfigError("--schedule hoplite runs BSP rounds; use --mode bsp (async runs with direct)")
         return
     if getattr(cls, "controller", None) is not None and cls.controller is not _base_controller():
         raise ConfigError(f"--schedule {args.schedule} decides its steps at run time (a controller); its PS loop is "

@@ -273,11 +273,17 @@ class ControllerDriver:
             self.counters["drops"] += int(g.drop)
             if g.node in self.failed:
                 continue
-            q = self._queues.get(g.node)
+            key = self.queue_key(g)
+            q = self._queues.get(key)
             if q is None:
-                q = self._queues[g.node] = asyncio.Queue()
-                self._tasks[g.node] = asyncio.ensure_future(self._node_loop(g.node, q))
+                q = self._queues[key] = asyncio.Queue()
+                self._tasks[key] = asyncio.ensure_future(self._node_loop(g.node, q))
             q.put_nowait(g)
+
+    def queue_key(self, grant: Grant):
+        """Which in-order queue runs ``grant``: one per node (a role may split its own node's grants into
+        independent lanes, e.g. Hoplite's asynchronous PS receives one update while it broadcasts another)."""
+        return grant.node
 
     # -- per node ---------------------------------------------------------------------------------------------------
     async def _node_loop(self, node: str, q: asyncio.Queue) -> None:

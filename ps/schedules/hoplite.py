@@ -899,14 +899,29 @@ class HopliteSchedule(Schedule):
                            rng=random.Random(0))
         return t_b + simulate(net, red).completion_s
 
-    def controller(self) -> HopliteController:
+    def _link(self) -> tuple[float, float]:
+        """(bits/s, seconds): the slowest host rate and the largest round trip of the topology, else §6.1's."""
         topo = self.world.topology
         rate, lat = 10e9, PAPER_LATENCY_S
         if topo is not None and topo.hosts:
             rate = min(h.up_bps for h in topo.hosts)
             lat = max(2 * h.latency_s for h in topo.hosts)
+        return rate, lat
+
+    def controller(self) -> HopliteController:
+        rate, lat = self._link()
         return HopliteController(self.world.shards, bandwidth_bps=rate, latency_s=lat,
                                  rng=random.Random(self.rng.random()))
+
+    def async_controller(self, *, updates: int | None = None, quota: int | None = None, max_staleness=None):
+        """``--mode async``: :class:`~ltp_ps.schedules.hoplite_async.AsyncHalfBatchController` (half-batch
+        updates of the paper's §6.3 asynchronous PS)."""
+        from .hoplite_async import MAX_STALENESS, AsyncHalfBatchController
+
+        rate, lat = self._link()
+        return AsyncHalfBatchController(self.world.shards, quota=quota, updates=updates,
+                                        max_staleness=MAX_STALENESS if max_staleness is None else max_staleness,
+                                        bandwidth_bps=rate, latency_s=lat, rng=random.Random(self.rng.random()))
 
 
 SCHEDULE = HopliteSchedule

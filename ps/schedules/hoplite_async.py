@@ -146,6 +146,13 @@ class AsyncHalfBatchController(Controller):
         return max(1, min(q, len(self.live))) if self.live else 1
 
     def on_event(self, event, *, now: float) -> list[Grant]:
+        """One event; the grants to run now (none once :meth:`done`: the run is over, STOP follows)."""
+        if self.done():
+            return []
+        out = self._on_event(event, now)
+        return [] if self.done() else out
+
+    def _on_event(self, event, now: float) -> list[Grant]:
         if isinstance(event, NodeReady):
             return self._ready(event.node, event.version, now)
         if isinstance(event, ChunkArrived):
@@ -176,10 +183,14 @@ class AsyncHalfBatchController(Controller):
         return []
 
     def next_deadline(self) -> float | None:
+        if self.done():
+            return None
         ds = [d for c in self.versions.values() if (d := c.next_deadline()) is not None]
         return min(ds) if ds else None
 
     def on_timer(self, *, now: float) -> list[Grant]:
+        if self.done():
+            return []
         out = []
         for v in sorted(self.versions):
             out += self.versions[v].on_timer(now=now)
