@@ -426,6 +426,8 @@ class Endpoint:
         eng = self.engine
         io = self._io
         now = _now()
+        # ACKs our timer could only send late (it fires a loop tick out at the earliest) go now
+        eng.flush_acks(now, due_by=now + LOOP_TIMER_RESOLUTION_S)
         for tx in eng.datagrams_to_send(now):
             if self._pending:
                 self._pending.append((tx.addr, bytes(tx.data), tx.segment_size))

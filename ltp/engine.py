@@ -96,6 +96,10 @@ __all__ = ["Engine", "SendDone", "ReceiveDone"]
 
 _DATA_B0 = (wire.VERSION << 4) | wire.T_DATA
 _ONE = np.zeros(1, np.int64)
+#: :meth:`Engine.flush_acks`: pending entries an early ACK needs, except during a flow's first
+#: QUICKACK_SEGMENTS received segments (a cold path's slow-start rounds wait for every ACK)
+EARLY_ACK_MIN_ENTRIES = 4
+QUICKACK_SEGMENTS = 256
 _add_reduce = np.add.reduce  # a batch's byte count: the ufunc directly, without np.sum's dispatch
 
 
@@ -589,6 +593,32 @@ class Engine:
         for k in range(0, entries.shape[0], step):
             self._ctrl.append((wire.pack_ack(flow.flow_id, flow.token, w.received, delay_us,
                                              entries[k:k + step]), flow.peer))
+
+    def flush_acks(self, now: float, *, due_by: float | None = None) -> int:
+        """Queue pending ACKs now instead of at their ACK-delay deadline; returns how many flows.
+
+        ``ack_delay_s`` is the longest an ACK entry may wait, not the shortest. An
+        adapter whose timer cannot fire that precisely (an event loop that keeps
+        timers in milliseconds) calls this with ``due_by`` = the earliest time its
+        timer could fire, and ACKs due by then go out now, early rather than late —
+        those holding at least :data:`EARLY_ACK_MIN_ENTRIES` entries, and any of a
+        flow still in its first :data:`QUICKACK_SEGMENTS` segments (its sender may be
+        in a slow-start round, waiting for them). A lone entry of a slow flow waits
+        for company or the timer. ``due_by`` None: every pending ACK, now."""
+        if not self._ack_dirty:
+            return 0
+        delay, n = self.config.ack_delay_s, 0
+        for key, flow in list(self._ack_dirty.items()):
+            w = flow.window
+            if due_by is not None:
+                if w.n_acks < EARLY_ACK_MIN_ENTRIES and (w.n_acks == 0 or w.received > QUICKACK_SEGMENTS):
+                    continue
+                if flow.ack_since is not None and flow.ack_since + delay > due_by:
+                    continue
+            self._flush_acks(flow, now)
+            del self._ack_dirty[key]
+            n += 1
+        return n
 
     def datagrams_to_send(self, now: float) -> list:
         """Everything to transmit now: control datagrams, then paced DATA batches."""
