@@ -55,7 +55,9 @@ Invariants:
 3. ACKs are batched: one ACK datagram carries the entries of ``ack_every``
    received packets, or fewer once the oldest has waited ``ack_delay_s`` (a
    timer), or when the flow closes. At high rates one input batch yields one
-   ACK; at low rates the sender is not woken once per packet.
+   ACK; at low rates the sender is not woken once per packet. ``ack_delay_s``
+   is a maximum: an adapter whose timer is coarser sends due ACKs early
+   (:meth:`flush_acks`).
 5. Dead peers: a send fails with :class:`PeerUnreachable` as soon as the
    adapter reports an ICMP unreachable for the peer (:meth:`peer_unreachable`),
    and with :class:`TransferTimeout` once the peer has been silent for
