@@ -56,8 +56,9 @@ def test_timer_delay_examples():
 
 
 # ---------------------------------------------------------------------------- loopback endpoints
-async def _periodic_timer(period_s: float, run_s: float) -> int:
-    """Timer wake-ups of an endpoint whose engine asks for a wake-up every ``period_s``."""
+async def _periodic_timer(period_s: float, run_s: float) -> tuple:
+    """``(timer wake-ups, seconds elapsed)`` of an endpoint whose engine asks for a wake-up every
+    ``period_s``."""
     ep = await ltp.open_endpoint(("127.0.0.1", 0))
     try:
         due = [ltp.endpoint._now() + period_s]
@@ -69,9 +70,10 @@ async def _periodic_timer(period_s: float, run_s: float) -> int:
             return due[0]
 
         ep.engine.get_timer = get_timer
+        t0 = ltp.endpoint._now()
         ep._flush()
         await asyncio.sleep(run_s)
-        return ep.loop_stats["timer"]
+        return ep.loop_stats["timer"], ltp.endpoint._now() - t0
     finally:
         await ep.close()
 
@@ -84,11 +86,12 @@ def test_sub_millisecond_timer_waits_a_loop_tick_instead_of_spinning(loop):
     run_s = 0.05
     if loop == "uvloop":
         uvloop = pytest.importorskip("uvloop")
-        fired = uvloop.run(_periodic_timer(0.0005, run_s))
+        fired, elapsed = uvloop.run(_periodic_timer(0.0005, run_s))
     else:
-        fired = asyncio.run(_periodic_timer(0.0005, run_s))
-    # one per millisecond tick (50) plus slack; the spin fired thousands of times
-    assert 1 <= fired <= 2 * run_s / LOOP_TIMER_RESOLUTION_S + 10, fired
+        fired, elapsed = asyncio.run(_periodic_timer(0.0005, run_s))
+    # at most one per loop tick (about 50) plus slack, however long a loaded machine made the
+    # sleep last; the spin fired thousands of times in 50 ms
+    assert 1 <= fired <= elapsed / LOOP_TIMER_RESOLUTION_S + 10, (fired, elapsed)
 
 
 async def _messages(n_msgs: int):
@@ -106,7 +109,7 @@ async def _messages(n_msgs: int):
             assert rep.delivered_fraction == 1.0
             assert (await rx).regime == "complete"
             assert np.array_equal(buf, data)
-        return dict(b.loop_stats), dict(b.io_stats)
+        return dict(b.loop_stats)
     finally:
         await a.close()
         await b.close()
@@ -119,11 +122,10 @@ def test_acks_held_for_the_ack_delay_still_flow(loop):
     n = 10
     if loop == "uvloop":
         uvloop = pytest.importorskip("uvloop")
-        stats, io = uvloop.run(_messages(n))
+        stats = uvloop.run(_messages(n))
     else:
-        stats, io = asyncio.run(_messages(n))
+        stats = asyncio.run(_messages(n))
     assert stats["timer"] <= n, stats
-    assert io["eagain"] <= 4 * n, io
 
 
 async def _watch_sets():
