@@ -9,8 +9,10 @@ batches, hands each run of datagrams from one source to
 :meth:`Engine.datagrams_to_send` returns, turns engine events into the results
 of awaiting calls, and re-arms a single ``loop.call_at`` timer at
 :meth:`Engine.get_timer` (clamped so the engine never sees a timer early, and
-never closer than the loop's timer resolution, :func:`timer_delay`). A wake-up reads until the
-socket is empty, so datagrams that arrive while a batch is processed cost no second wake-up.
+never closer than the loop's timer resolution, :func:`timer_delay`; ACKs that timer could only
+send late go out early, :meth:`Engine.flush_acks`). While batches keep coming (at least
+``DRAIN_MIN_DATAGRAMS``) a wake-up reads until the socket is empty, so datagrams that arrive
+while a batch is processed cost no second wake-up.
 The engine gets ``time.monotonic()`` as ``now``, not ``loop.time()``: uvloop's
 loop clock is cached per iteration at millisecond resolution, which would
 quantise every RTT and delivery-rate sample. Each received datagram also
