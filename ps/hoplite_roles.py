@@ -40,6 +40,7 @@ worker fails the job with :class:`TrainingFailed` (never a hang).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -59,6 +60,8 @@ from .transport.base import RecvReport
 POLL_S = 0.01  # seconds between the PS's looks at a round's progress
 HEARTBEAT_S = 0.5  # seconds between a worker's "alive" notes (a worker blocked on a dead peer is not silent)
 QUIESCE_S = 2.0  # seconds the PS waits, after a round closed, for grants still being delivered
+READY_STAGGER_ENV = "LTP_HOPLITE_READY_STAGGER_S"  # experiments only: rank r reports its gradient r x this many
+#                                                    seconds after computing it (the lab's staggered-arrival row)
 PROCESS_STALL_TIMEOUT_S = 5.0  # seconds without a chunk before a broadcast receiver re-queries (real processes:
 #                               a grant's chunks arrive as one stage, so progress is coarser than in memory)
 
@@ -515,12 +518,19 @@ async def worker_run(w) -> dict:
     stats = {"grants": 0, "rounds": 0, "undecodable": 0}
     # async: the PS's first note says so; then versions (the broadcast tags' iteration field) replace rounds
     state = {"round": None, "version": 0, "have": set(), "computing": None, "async": False, "have_v": {}}
+    try:
+        stagger_s = max(0.0, float(os.environ.get(READY_STAGGER_ENV, "0") or 0))
+    except ValueError:
+        raise ConfigError(f"{READY_STAGGER_ENV} must be seconds (a float), not "
+                          f"{os.environ.get(READY_STAGGER_ENV)!r}") from None
 
     async def compute(it: int, version: int) -> None:
         if w.model is not None:
             set_flat(w.model, w.flat)
         batch = next(w._batches)
         grad, loss, samples = await asyncio.to_thread(w.workload.compute, w.model, batch)
+        if stagger_s > 0:
+            await asyncio.sleep(stagger_s * w.cfg.rank)
         if not state["async"] and state["round"] != it:
             return  # the round closed without us (we were written off): drop it
         grad = np.asarray(grad, np.float32)
@@ -584,8 +594,10 @@ async def worker_run(w) -> dict:
             try:
                 reports = (await t).reports
             except asyncio.CancelledError:
-                if not t.cancelled():
-                    raise  # we are cancelled ourselves
+                # we are cancelled ourselves (STOP arrived while this grant ran: awaiting ``t`` cancelled it too,
+                # so ``t.cancelled()`` alone cannot tell; swallowing it left this task waiting forever)
+                if not t.cancelled() or asyncio.current_task().cancelling():
+                    raise
                 reports = [None] * len(g.steps)  # aborted: a peer died; every receive counts as failed
             finally:
                 current.update(grant=None, task=None)

@@ -80,6 +80,26 @@ async def test_hoplite_round_closes_without_a_dead_worker():
     assert workload().evaluate(ps.params)["accuracy"] >= 0.5  # 3 epochs; chance is 0.1
 
 
+async def test_hoplite_reduce_in_rank_order_is_bitwise_direct(monkeypatch):
+    """Issue 11's accuracy gap (hoplite 0.9583 vs direct 0.9500 at 5 workers) is float summation order: with the
+    chain in rank order (1D, rank r ready r x 0.25 s late) Hoplite's parameters after 4 rounds are bitwise those
+    of direct, whose PS sums in rank order; Hoplite's default order gives float-rounding differences only."""
+    from ltp_ps.hoplite_roles import READY_STAGGER_ENV
+
+    async def train(schedule, stagger):
+        monkeypatch.setenv(READY_STAGGER_ENV, str(stagger))
+        ps, workers = make_job(4, iterations=4, lr=0.1, schedule=schedule)
+        for p in [ps.planner] + [w.planner for w in workers]:
+            p._link = lambda: (1e9, 1e-9)  # n B L << S: one 1D chain
+        await asyncio.gather(ps.run(), *(w.run() for w in workers))
+        return ps.params.copy()
+
+    direct = await train("direct", 0)
+    ranked = await train("hoplite", 0.25)
+    assert np.array_equal(ranked, direct)
+    assert np.abs(direct).max() > 0
+
+
 class _Recording:
     """The job's workload, recording each worker's gradient by the parameters it was computed on."""
 

@@ -28,6 +28,17 @@ Theory of operation
         workers' live feedback (``ltp_ps.plan_feedback``) replans; the row reports the retries
         until a complete round (target <= 5), the median round before / after (target after <=
         1.3 x before) and the rounds lost (``--rounds`` minus rounds completed; target 0).
+    Rows (issue 11, Hoplite; the PS alone on the first host, five workers on the other five, since a
+    worker colocated with the PS would move its gradients over an unlimited loopback):
+      * ``direct+async`` and ``hoplite+async`` (``--mode async --momentum 0``): throughput in
+        gradients applied per second (the paper's Fig 8b metric, training steps per second), after
+        the warm-up; ``direct+async`` runs ``ceil(n/2)`` x ``--rounds`` gradients so both apply as
+        many; target ``hoplite+async >= 2 x direct+async``.  ``round_s_median`` is per applied
+        update (one gradient for direct, ``ceil(n/2)`` for hoplite).
+      * ``hoplite+stagger``: BSP Hoplite with rank r reporting its gradient ``r x STAGGER_S``
+        after computing it (``LTP_HOPLITE_READY_STAGGER_S``); ``round_s_median`` is the median
+        time from the last worker's arrival at the PS to the apply (the PS's ``gather_s``);
+        target ``<= 1.5 S/B``.
     Every row carries the fluid simulator's prediction for the same topology
     (``Schedule.predict_s`` on ``Topology.from_lab``, hosts in rank order; ``rsgcm+block``
     after the block uses the topology with the pair failed) and the ratio measured/predicted;
@@ -56,7 +67,12 @@ from . import schedules_training as T
 
 NAME = "schedules"
 EXPERIMENTS = ("rsgcm", "mlfabric", "accuracy")  # --experiment: this module's rows, then schedules_training's
-SCHEDULES = ("ring", "rsgcm", "direct", "rsgcm+block", "rat", "hoplite")
+SCHEDULES = ("ring", "rsgcm", "direct", "rsgcm+block", "rat", "hoplite", "direct+async", "hoplite+async",
+             "hoplite+stagger")
+ASYNC_ROWS = ("direct+async", "hoplite+async")  # issue 11: Hoplite's half-batch async PS vs async direct
+PS_ALONE_ROWS = ASYNC_ROWS + ("hoplite+stagger",)  # the PS alone on rank 0's host, workers on the other five (a
+#                                                    colocated worker's loopback transfers are not rate limited)
+STAGGER_S = 0.1  # seconds between workers' gradient arrivals in the hoplite+stagger row (rank r: r x this)
 PS_SCHEDULES = ("direct", "rat", "hoplite")  # rows that run one `ltp-ps server` (colocated with rank 0)
 RACKS = (3, 3)
 INTERLEAVE = (0, 3, 1, 4, 2, 5)  # rank r runs on host INTERLEAVE[r]
@@ -73,13 +89,16 @@ TARGET_AFTER_RATIO = 1.3
 TARGET_RAT_DIRECT = 0.5  # issue 11: RAT <= 0.5 x direct
 TARGET_RAT_RING = 1.0  # issue 11: RAT <= 1.0 x ring
 TARGET_HOPLITE_DIRECT = 0.4  # issue 11: Hoplite BST <= 0.4 x direct
+TARGET_HOPLITE_ASYNC = 2.0  # issue 11: async half-batch >= 2 x async direct (gradients applied per second)
+TARGET_STAGGER_SB = 1.5  # issue 11: staggered reduce ends within the last arrival + 1.5 S/B
 PREDICTION_TOLERANCE = 1.3  # measured / predicted beyond this (or below 1/this) needs an explanation
 
 RUN_COLUMNS = ["repeat", "schedule", "transport", "rounds", "completed", "round_s_median", "predicted_s",
                "measured_over_predicted", "block_pair", "block_at", "retries", "replanned_after_attempts",
-               "before_s", "after_s", "after_over_before", "predicted_after_s", "rounds_lost", "loadavg_1m", "error"]
+               "before_s", "after_s", "after_over_before", "predicted_after_s", "rounds_lost", "grads_per_s",
+               "updates_per_s", "reduce_after_last_s", "stagger_bound_s", "loadavg_1m", "error"]
 SUMMARY_COLUMNS = ["schedule", "n", "round_s_median", "round_s_min", "round_s_max", "predicted_s",
-                   "measured_over_predicted", "loadavg_1m", "failures"]
+                   "measured_over_predicted", "grads_per_s", "loadavg_1m", "failures"]
 
 
 def _free_port() -> int:
@@ -109,12 +128,44 @@ def predict(schedule: str, topo, n_workers: int, model_bytes: int) -> float | No
 
     n = max(1, int(model_bytes) // 4)
     names = topo.names
+    if schedule in ASYNC_ROWS or schedule == "hoplite+stagger":
+        return _predict_hoplite_rows(schedule, topo, n_workers, model_bytes)
     if schedule in PS_SCHEDULES:
         placement = {server(0): names[0], **{worker(r): names[r] for r in range(n_workers)}}
         w = World(workers=range(n_workers), n_elems=n, shards=((0, n),), topology=topo, placement=placement)
     else:
         w = World(workers=range(n_workers), n_elems=n, topology=topo)
     return create(schedule.split("+")[0], w).predict_s(int(model_bytes))
+
+
+def _predict_hoplite_rows(schedule: str, topo, n_workers: int, model_bytes: int) -> float:
+    """Fluid predictions of the Hoplite rows (PS on rank 0's host; S = model bytes, B = the slowest host rate).
+
+    ``direct+async``: seconds per applied gradient, the PS's link carrying one S down and one S up per gradient
+    (full duplex): ``S/B``.  ``hoplite+async``: seconds per update of ``ceil(n/2)`` gradients, the update's
+    pipelined reduce chain (``reduce_flows``) then its broadcast to those workers (``broadcast_flows``), not
+    overlapped with the next update.  ``hoplite+stagger``: seconds from the last arrival (ranks ready
+    ``STAGGER_S`` apart) to the end of the pipelined reduce."""
+    from ltp_ps.schedules.fluid import FluidNetwork, simulate
+    from ltp_ps.schedules.hoplite import broadcast_flows, reduce_flows
+    from ltp_ps.schedules.hoplite_async import half_batch
+
+    names = list(topo.names)
+    workers = names[1:1 + n_workers]  # the PS alone on names[0] (PS_ALONE_ROWS)
+    net = FluidNetwork.from_topology(topo)
+    rate = min(h.up_bps for h in topo.hosts)
+    if schedule == "direct+async":
+        return 8 * model_bytes / rate
+    if schedule == "hoplite+async":
+        m = workers[:half_batch(n_workers)]
+        t_r = simulate(net, reduce_flows(m, names[0], model_bytes, bandwidth_bps=rate,
+                                         latency_s=net.latency_s)).completion_s
+        t_b = simulate(net, broadcast_flows(names[0], m, model_bytes)).completion_s
+        return t_r + t_b
+    ready = {w: STAGGER_S * i for i, w in enumerate(workers)}
+    end = simulate(net, reduce_flows(workers, names[0], model_bytes, bandwidth_bps=rate, latency_s=net.latency_s,
+                                     ready_s=ready)).completion_s
+    return end - max(ready.values())
 
 
 def _rows(path: str) -> list[dict]:
@@ -143,18 +194,29 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
     from ltp_ps import rendezvous as rdv
 
     base = schedule.split("+")[0]
-    n = len(order)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
     env[rdv.DEFAULT_SECRET_ENV] = secrets.token_hex(16)
     hosts = [lab.hosts[i] for i in order]
+    w_hosts = hosts[1:] if schedule in PS_ALONE_ROWS else hosts  # worker r runs on w_hosts[r]
+    n = len(w_hosts)
     store = f"{hosts[0].addr}:{_free_port()}"
     py = [sys.executable, "-m", "ltp_ps.cli"]
     metrics = os.path.join(workdir, f"{schedule}-metrics.jsonl")
     if os.path.exists(metrics):
         os.unlink(metrics)
     pull = FEEDBACK_PULL_TIMEOUT_S if block_at is not None else 30.0
+    if schedule == "direct+async":  # as many gradients as hoplite+async's `rounds` updates of ceil(n/2) each
+        from ltp_ps.schedules.hoplite_async import half_batch
+
+        rounds = rounds * half_batch(n)
     common = ["--workers", str(n), "--model", f"synthetic:{max(1, model_bytes // 4)}", "--iterations", str(rounds),
               "--schedule", base, "--transport", transport, "--topology", topo_path, "--seed", str(seed)]
+    if schedule in ASYNC_ROWS:
+        common += ["--mode", "async", "--momentum", "0"]
+    if schedule == "hoplite+stagger":
+        from ltp_ps.hoplite_roles import READY_STAGGER_ENV
+
+        env[READY_STAGGER_ENV] = str(STAGGER_S)
     procs, logs = [], []
 
     def spawn(h, argv, name):
@@ -172,10 +234,10 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
                                   "0.0.0.0", "--advertise", hosts[0].addr] + common, "ps")
         for r in range(n):
             argv = py + ["worker", "--rank", str(r), "--store", store, "--pull-timeout", str(pull), "--host",
-                         "0.0.0.0", "--advertise", hosts[r].addr] + common
+                         "0.0.0.0", "--advertise", w_hosts[r].addr] + common
             if base not in PS_SCHEDULES and r == 0:
                 argv += ["--metrics", metrics]
-            spawn(hosts[r], argv, f"w{r}")
+            spawn(w_hosts[r], argv, f"w{r}")
         t_end = time.monotonic() + timeout_s
         jobs = [p for name, p in procs if name != "store"]
         failed_since = None
@@ -231,6 +293,17 @@ def _summarise_job(schedule: str, job: dict, rounds: int) -> dict:
     rows = job["rows"]
     gaps = _gaps(rows)
     row = {"schedule": schedule, "rounds": rounds, "completed": len(rows), "error": job["error"]}
+    if schedule in ASYNC_ROWS:  # throughput: gradients applied per second after the warm-up updates
+        skip = WARMUP_ROUNDS * (3 if schedule == "direct+async" else 1)
+        after = rows[skip:]
+        if len(after) >= 2 and after[-1]["t"] > after[0]["t"]:
+            grads = sum(r.get("contributors", 1) for r in after[1:])
+            row["grads_per_s"] = grads / (after[-1]["t"] - after[0]["t"])
+            row["updates_per_s"] = (len(after) - 1) / (after[-1]["t"] - after[0]["t"])
+    if schedule == "hoplite+stagger":  # from the last worker's arrival at the PS to the apply
+        g = [r["gather_s"] for r in rows[WARMUP_ROUNDS:] if r.get("gather_s") is not None]
+        row["reduce_after_last_s"] = row["round_s_median"] = statistics.median(g) if g else None
+        return row  # its prediction is the same quantity
     if job.get("block_pair") is None:
         g = gaps[WARMUP_ROUNDS - 1:] if len(gaps) >= WARMUP_ROUNDS else gaps
         row["round_s_median"] = statistics.median(g) if g else None
@@ -295,7 +368,7 @@ def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | No
                     json.dump(topo.to_json(), f)
                 for s in order:
                     if s not in predictions:
-                        predictions[s] = predict(s, topo, len(INTERLEAVE), model_bytes)
+                        predictions[s] = predict(s, topo, len(INTERLEAVE) - (s in PS_ALONE_ROWS), model_bytes)
                     n_rounds = block_rounds if s == "rsgcm+block" else rounds
                     job = run_job(lab, s, order=INTERLEAVE, topo_path=topo_path, model_bytes=model_bytes,
                                   rounds=n_rounds, transport=transport,
@@ -303,6 +376,9 @@ def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | No
                     row = _summarise_job(s, job, n_rounds)
                     row.update(repeat=rep, transport=transport, predicted_s=predictions[s],
                                loadavg_1m=os.getloadavg()[0])  # this shared machine's load: CPU-bound rows
+                    if s == "hoplite+stagger":
+                        row["stagger_bound_s"] = TARGET_STAGGER_SB * 8 * model_bytes / min(
+                            h.up_bps for h in topo.hosts)
                     if job.get("block_pair") is not None:
                         a, b = job["block_pair"]
                         names = topo.names
@@ -368,6 +444,10 @@ def summarise(runs: list[dict], schedules: list[str]) -> list[dict]:
                "measured_over_predicted": med / pred if med and pred else None,
                "loadavg_1m": statistics.median([r["loadavg_1m"] for r in rs]) if rs else None,
                "failures": sum(1 for r in rs if r["error"])}
+        for k in ("grads_per_s", "updates_per_s", "reduce_after_last_s"):
+            v = [r[k] for r in rs if r.get(k) is not None and not r["error"]]
+            if v:
+                row[k] = statistics.median(v)
         if s == "rsgcm+block":
             for k in ("after_s", "after_over_before", "replanned_after_attempts", "rounds_lost", "predicted_after_s"):
                 v = [r[k] for r in rs if r.get(k) is not None]
@@ -403,6 +483,19 @@ def check(summary: list[dict], runs: list[dict]) -> list[dict]:
     if m("hoplite") and m("direct"):
         v = m("hoplite") / m("direct")
         add("hoplite round / direct BST (issue 11)", v, TARGET_HOPLITE_DIRECT, v <= TARGET_HOPLITE_DIRECT)
+    g = lambda s: (by.get(s) or {}).get("grads_per_s")  # noqa: E731
+    if g("hoplite+async") and g("direct+async"):
+        v = g("hoplite+async") / g("direct+async")
+        add("hoplite async half-batch / async direct, gradients applied per second (issue 11)", v,
+            TARGET_HOPLITE_ASYNC, v >= TARGET_HOPLITE_ASYNC, "the paper's metric: training steps per second")
+    st = by.get("hoplite+stagger") or {}
+    if st.get("reduce_after_last_s") is not None and runs:
+        p = next((r for r in runs if r["schedule"] == "hoplite+stagger"), {})
+        bound = p.get("stagger_bound_s")
+        if bound:
+            v = st["reduce_after_last_s"]
+            add("hoplite staggered arrivals: reduce end after the last arrival (s) (issue 11)", v, bound,
+                v <= bound, f"{TARGET_STAGGER_SB} S/B; arrivals {STAGGER_S:g} s apart")
     b = by.get("rsgcm+block")
     if b and b["n"]:
         att = b.get("replanned_after_attempts")
