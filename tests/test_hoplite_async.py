@@ -9,7 +9,6 @@ the partial, steps ``params -= LR * mean`` and reports ``UpdateApplied``.  Gradi
 
 import collections
 import heapq
-import math
 import random
 
 import numpy as np
