@@ -57,6 +57,7 @@ from .schedules.program import (SLOT_GRAD, ChunkArrived, Grant, NodeFailed, Node
                                 parse_node, server as server_node, worker as worker_node)
 from .transport.base import RecvReport
 
+EVENTS_PER_MESSAGE = 200  # a grant's receive reports per control message (~130 bytes each; CONTROL_BYTES is 64 KiB)
 POLL_S = 0.01  # seconds between the PS's looks at a round's progress
 HEARTBEAT_S = 0.5  # seconds between a worker's "alive" notes (a worker blocked on a dead peer is not silent)
 QUIESCE_S = 2.0  # seconds the PS waits, after a round closed, for grants still being delivered
@@ -162,19 +163,29 @@ class _ServerRole:
                 return
             if "alive" in msg:
                 continue
-            try:
-                ev = event_from_json(msg, node)
-            except ControlDecodeError:
+            batch = msg.get("events") if "events" in msg else [msg]
+            if not isinstance(batch, list):
                 self.counters["undecodable"] += 1
                 continue
-            if self.driver is None:
-                continue
-            if isinstance(ev, NodeReady):
-                if not self._accepts(ev):
-                    continue
-                self.ps.membership.delivered(rank)
-            self.driver.feed(ev)
-            self._observe(ev)
+            for d in batch:  # a grant's reports come as one message, in order (chunks before transfer ends)
+                self._event(node, rank, d)
+
+    def _event(self, node: str, rank: int, d) -> None:
+        try:
+            ev = event_from_json(d, node) if isinstance(d, dict) else None
+        except ControlDecodeError:
+            ev = None
+        if ev is None:
+            self.counters["undecodable"] += 1
+            return
+        if self.driver is None:
+            return
+        if isinstance(ev, NodeReady):
+            if not self._accepts(ev):
+                return
+            self.ps.membership.delivered(rank)
+        self.driver.feed(ev)
+        self._observe(ev)
 
     def _accepts(self, ev: NodeReady) -> bool:
         return ev.iteration == self.ps.iteration
@@ -620,8 +631,10 @@ async def worker_run(w) -> dict:
                     events.append(ChunkArrived(w.node, f"params:{kc[0]}", s.lo, s.hi,
                                                len(state["have"]) == len(chunks)))
             events += transfer_events(w.node, g.steps, reports)
-            for ev in events:  # chunks first: the directory learns what we hold before the transfer ends
-                await ch.send(event_to_json(ev))
+            # one control message per grant (at most EVENTS_PER_MESSAGE events each), chunks first: the
+            # directory learns what we hold before the transfer ends
+            for i in range(0, len(events), EVENTS_PER_MESSAGE):
+                await ch.send({"events": [event_to_json(ev) for ev in events[i:i + EVENTS_PER_MESSAGE]]})
             if fresh is not None and state["computing"] != fresh:
                 # version ``fresh`` is complete: our last update was applied, so its partials are spent
                 state["have_v"] = {v: h for v, h in state["have_v"].items() if v > fresh}
