@@ -1,4 +1,5 @@
-"""PS and worker roles for ``--schedule hoplite`` (BSP rounds driven by :class:`HopliteController`).
+"""PS and worker roles for ``--schedule hoplite``: BSP rounds driven by :class:`HopliteController`, or
+``--mode async`` half-batch updates driven by :class:`~ltp_ps.schedules.hoplite_async.AsyncHalfBatchController`.
 
 Theory of operation
 -------------------
@@ -6,7 +7,7 @@ The PS (one shard, ``server:0``) holds Hoplite's object directory: it hosts the
 schedule's controller in a :class:`~ltp_ps.schedules.driver.ControllerDriver`
 and is the only node that decides anything.  Per worker it keeps the ordered
 reliable control streams of ``ControlChannel`` (down: round notes, grants,
-stop; up: events).
+stop; up: events, a grant's receive reports batched into one message).
 
 Round ``i``::
 
@@ -35,6 +36,15 @@ broadcast and the chain (``ltp_ps.schedules.hoplite``) and the round closes
 with the contributions of the live workers (``contributors`` in the metrics
 row).  A round with no progress for ``--join-timeout``, or that loses every
 worker fails the job with :class:`TrainingFailed` (never a hang).
+
+Asynchronous mode (``_AsyncServerRole``): one controller and one driver for
+the whole run; the PS first tells every worker ``{"async": true}``, then only
+grants flow down.  A worker computes on every parameter version it completes
+(the version is the broadcast tags' iteration field) and reports
+``NodeReady(version=v)``; the PS applies update ``u`` in order, snapshots the
+parameters as version ``u + 1`` (the broadcast reads the snapshot) and feeds
+``UpdateApplied(u)``.  Its own grants run in three lanes (sends, receives,
+combine/apply) so a broadcast never delays the next update's receive.
 """
 
 from __future__ import annotations
