@@ -265,9 +265,13 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
             time.sleep(MEASURE_POLL_S)
         bad = [(name, p.poll()) for name, p in procs if name != "store" and p.poll() != 0]
         if bad:
+            for log in logs:
+                log.flush()
+            why = "; ".join(f"{nm}: {_last_line(os.path.join(workdir, f'{schedule}-{nm}.log'))}"
+                            for nm, rc in bad if rc is not None)
             raise C.ExperimentError(f"{schedule}: {', '.join(f'{nm} exit {rc}' for nm, rc in bad)} "
                                     f"(None: still running, stopped) "
-                                    f"(logs in {workdir})")
+                                    f"(logs in {workdir}, deleted with the lab; last lines: {why})")
         res["rows"] = _rows(metrics)
     except C.ExperimentError as exc:
         res["error"] = str(exc)
@@ -287,6 +291,16 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
             a, b = res["block_pair"]
             lab.unblock(hosts[a], hosts[b])
     return res
+
+
+def _last_line(path: str) -> str:
+    """The last non-empty line of a log (the error a failed process printed), or ''."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [x.strip() for x in f.read()[-4000:].splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
 
 
 def _summarise_job(schedule: str, job: dict, rounds: int) -> dict:
