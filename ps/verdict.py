@@ -22,7 +22,13 @@ test label, which the workload states as ``chance_accuracy``):
 
 A run that learned a little and ends near chance (best 0.17, last 0.14 on
 digits: 6 asynchronous workers, 2 epochs) is slow, not broken: neither rule
-fires.
+fires.  Nor does rule 2 fire on a run that is *progressing*: its test loss
+fell at every evaluated epoch, by at least ``PROGRESS_LOSS_DROP`` of its first
+value in all, to below ``ln(round(1 / chance))`` (the cross-entropy of guessing
+uniformly among that many classes), and its last accuracy is above its first (7 workers, lr 0.01,
+momentum 0, 3 epochs: accuracy 0.106 -> 0.139 while the loss falls is a slow
+start, not a failure).  An absurd learning rate under the norm guard also has a
+falling test loss, but around 1e9, far above a uniform guess's; a collapse (rule 1) is judged on accuracy alone.
 
 A run is not judged at all (``failure()`` is None) when the workload states no
 chance level or reports no ``accuracy`` (synthetic parameter sets), or when no
@@ -37,6 +43,7 @@ import math
 CHANCE_MARGIN = 0.05  # absolute accuracy: at most this far above chance counts as guessing
 LEARNED_MARGIN = 0.25  # absolute accuracy: a best epoch this far above chance had clearly learned
 MIN_JUDGED_EPOCHS = 3  # evaluated epochs before a run that never left chance is judged "trained nothing"
+PROGRESS_LOSS_DROP = 0.02  # relative: a test loss falling every epoch, this much in all, is progress
 
 
 class AccuracyVerdict:
@@ -54,6 +61,7 @@ class AccuracyVerdict:
         self.learned = learned
         self.min_epochs = min_epochs
         self.history: list[tuple[int, float]] = []  # (epoch, accuracy), in order observed
+        self.losses: list[float] = []  # test loss per observed epoch (nan where not reported)
 
     @property
     def level(self) -> float | None:
@@ -67,6 +75,19 @@ class AccuracyVerdict:
             return
         acc = float(acc)
         self.history.append((int(epoch), acc if math.isfinite(acc) else 0.0))
+        self.losses.append(float(evaluation.get("test_loss", math.nan)))
+
+    def progressing(self) -> bool:
+        """Whether the test loss fell at every epoch (by ``PROGRESS_LOSS_DROP`` in all) while accuracy rose."""
+        ls = self.losses
+        if len(ls) < 2 or not all(math.isfinite(x) for x in ls):
+            return False
+        falling = all(b < a for a, b in zip(ls, ls[1:]))
+        # below the cross-entropy of guessing uniformly among ~1/chance classes: an absurd learning rate
+        # under the norm guard also has a falling loss, but at 1e9, not near ln(classes)
+        guess = math.log(max(2, round(1.0 / self.chance)))
+        return (falling and ls[-1] <= ls[0] * (1.0 - PROGRESS_LOSS_DROP) and ls[-1] < guess
+                and self.history[-1][1] > self.history[0][1])
 
     def failure(self) -> str | None:
         """Why the run counts as failed, or None (trained, or not judged)."""
@@ -82,7 +103,7 @@ class AccuracyVerdict:
         if best >= self.chance + self.learned:
             return (f"training collapsed: {tail}, down from {best:.4f} at epoch {best_epoch + 1}; lower --lr, keep "
                     f"the divergence guard on (--clip-factor), or resume from an earlier --checkpoint-dir")
-        if best <= level and len(self.history) >= self.min_epochs:
+        if best <= level and len(self.history) >= self.min_epochs and not self.progressing():
             return (f"nothing trained: {tail} and no epoch of {len(self.history)} ever rose above it "
                     f"(best {best:.4f}); the loss may be finite but the model is guessing. Check --lr (too large "
                     f"and the model diverges, too small and it barely moves: train more epochs) and that gradients "

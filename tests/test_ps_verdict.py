@@ -47,6 +47,26 @@ def test_runs_that_end_above_chance_pass(accs):
     assert _verdict(accs).failure() is None
 
 
+def _with_losses(accs, losses):
+    v = AccuracyVerdict(CHANCE)
+    for e, (a, l) in enumerate(zip(accs, losses)):
+        v.observe(e, {"accuracy": a, "test_loss": l})
+    return v
+
+
+def test_a_slow_run_whose_test_loss_falls_every_epoch_is_not_failed():
+    # 7 workers, lr 0.01, momentum 0, 3 epochs on digits: 0.106 -> 0.139, still under chance + margin
+    accs = [0.106, 0.12, 0.139]
+    assert _with_losses(accs, [2.30, 2.27, 2.22]).failure() is None
+    # not progress: a loss that rose once, fell too little, was not reported, or accuracy that did not rise
+    # (and lr 1e9 under the norm guard: the loss falls every epoch, but from 2.5e9 to 1.2e9)
+    for losses in ([2.30, 2.31, 2.20], [2.30, 2.29, 2.28], [2.30, float("nan"), 2.2], [2.5e9, 2.2e9, 1.2e9]):
+        assert _with_losses(accs, losses).failure().startswith("nothing trained"), losses
+    assert _with_losses([0.13, 0.12, 0.11], [2.30, 2.27, 2.22]).failure().startswith("nothing trained")
+    # progress never excuses a collapse
+    assert _with_losses([0.9, 0.5, 0.1], [3.0, 2.5, 2.0]).failure().startswith("training collapsed")
+
+
 def test_not_judged_without_a_chance_level_or_an_accuracy():
     assert _verdict([0.9, 0.0], chance=None).failure() is None
     v = AccuracyVerdict(CHANCE)
