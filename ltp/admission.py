@@ -360,10 +360,14 @@ class Admission:
             self.drop_pending(pend)
             self.stats.drop("registration_expired")
 
-    def clear_pending(self) -> None:
-        """Forget every pending registration (the engine is closing)."""
+    def clear(self) -> None:
+        """The engine is closing: forget every pending registration and give back all receive memory and counts."""
         self.pending.clear()
         self.expiries.clear()
+        self.per_peer.clear()
+        self.per_host.clear()
+        self.memory = 0
+        self.host_memory.clear()
 
     # ------------------------------------------------------------------ counts
     def uncount(self, addr) -> None:

@@ -288,7 +288,8 @@ class Engine:
             if not group.done:
                 self._finish_group(group, now, TransferAborted("endpoint closed"))
         self._rx.clear()
-        self._admission.clear_pending()
+        self._matcher.unexpected.clear()  # unclaimed messages' buffers go with the engine
+        self._admission.clear()
         self._closed_engine = True
 
     # ------------------------------------------------------------------ input

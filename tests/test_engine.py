@@ -283,6 +283,21 @@ def test_a_stale_unclaimed_message_makes_room_for_a_new_transfer_but_a_young_one
     assert np.array_equal(out, data) and rx.receive_memory == 0
 
 
+def test_close_gives_back_every_byte_of_receive_memory(harness, floats):
+    h = harness(seed=28)
+    h.links(rate=GBIT, delay_s=0.0002)
+    a, rx = h.engines
+    (ev,) = h.wait([(0, a.send(h.addrs[1], floats(30_000), now=h.now, tag=1))])  # buffered, unclaimed
+    assert ev.error is None
+    a.send(h.addrs[1], floats(200_000), now=h.now, tag=2)  # still open at the receiver when it closes
+    h.net.run(until=h.now + 0.0005)
+    assert rx.receive_memory > 120_000 and rx._rx
+    rx.close(now=h.now)
+    adm = rx._admission
+    assert rx.receive_memory == 0 and adm.host_memory == {} and adm.per_peer == {} and adm.per_host == {}
+    assert not rx._matcher.unexpected and not adm.pending
+
+
 def test_unclaimed_ttl_must_be_positive():
     with pytest.raises(LocalProtocolError, match="unclaimed_ttl_s"):
         Config(unclaimed_ttl_s=0)
