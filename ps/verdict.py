@@ -82,11 +82,12 @@ class AccuracyVerdict:
         ls = self.losses
         if len(ls) < 2 or not all(math.isfinite(x) for x in ls):
             return False
-        falling = all(b < a for a, b in zip(ls, ls[1:]))
+        if not self.chance or not all(b < a for a, b in zip(ls, ls[1:])):
+            return False  # no class count to compare with (chance 0), or the loss did not fall every epoch
         # below the cross-entropy of guessing uniformly among ~1/chance classes: an absurd learning rate
         # under the norm guard also has a falling loss, but at 1e9, not near ln(classes)
         guess = math.log(max(2, round(1.0 / self.chance)))
-        return (falling and ls[-1] <= ls[0] * (1.0 - PROGRESS_LOSS_DROP) and ls[-1] < guess
+        return (ls[-1] <= ls[0] * (1.0 - PROGRESS_LOSS_DROP) and ls[-1] < guess
                 and self.history[-1][1] > self.history[0][1])
 
     def failure(self) -> str | None:

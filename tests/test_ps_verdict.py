@@ -63,6 +63,11 @@ def test_a_slow_run_whose_test_loss_falls_every_epoch_is_not_failed():
     for losses in ([2.30, 2.31, 2.20], [2.30, 2.29, 2.28], [2.30, float("nan"), 2.2], [2.5e9, 2.2e9, 1.2e9]):
         assert _with_losses(accs, losses).failure().startswith("nothing trained"), losses
     assert _with_losses([0.13, 0.12, 0.11], [2.30, 2.27, 2.22]).failure().startswith("nothing trained")
+    # a workload whose chance level is 0 states no class count: no progress can be shown against a guess
+    v = AccuracyVerdict(0.0)
+    for e, (a, l) in enumerate(zip([0.0, 0.01, 0.02], [2.3, 2.0, 1.5])):
+        v.observe(e, {"accuracy": a, "test_loss": l})
+    assert not v.progressing() and v.failure().startswith("nothing trained")
     # progress never excuses a collapse
     assert _with_losses([0.9, 0.5, 0.1], [3.0, 2.5, 2.0]).failure().startswith("training collapsed")
 

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 
+from ltp.regimes import Regime
 from ltp_tools.machine_cpu import cpu_s_per_gb, machine_cpu_s
 
 __all__ = ["main", "parse_size", "parse_rate", "parse_time", "run_bench"]
@@ -111,7 +112,7 @@ def _ltp_receiver(args) -> int:
         cpu = _cpu_s() - cpu0
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         ok = None
-        if rep.regime == "complete":
+        if rep.regime == Regime.COMPLETE:
             step = 1 << 24  # verify in chunks: no message-sized temporaries
             ok = all(np.array_equal(buf[i:i + step], _pattern(min(step, args.size - i), i))
                      for i in range(0, args.size, step))

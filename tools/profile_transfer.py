@@ -38,6 +38,8 @@ import sys
 import tempfile
 import time
 
+from ltp.regimes import Regime
+
 STAGES = ("user copy", "kernel copy", "kernel page faults", "kernel net/syscall", "python", "ltp compiled", "other")
 _USER_COPY = re.compile(r"(memmove|memcpy)")
 _KERNEL_COPY = re.compile(r"(_copy_from_iter|_copy_to_iter|copy_user|copy_page_|rep_movs)")
@@ -107,7 +109,7 @@ def _role(argv) -> int:
             c0 = cpu()
             for i in range(1, a.messages + 1):
                 rep = await ep.recv(buf, tag=i, timeout=300)
-                if rep.regime != "complete":
+                if rep.regime != Regime.COMPLETE:
                     raise SystemExit(f"message {i} ended {rep.regime}")
             out = dict(cpu_s=cpu() - c0)
         else:

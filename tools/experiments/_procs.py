@@ -37,6 +37,8 @@ import sys
 import threading
 import time
 
+from ltp.regimes import Regime
+
 TCP_CHUNK = 256 * 1024  # bytes per send()/recv_into() call
 END_TAG = 1 << 30  # fairness: tag of the 4-byte message that ends an LTP sender's stream
 
@@ -240,7 +242,7 @@ def fair_ltp_recv(a) -> None:
                 break
             t_first = t_first or time.monotonic() - rep.duration_s
             n += 1
-            if rep.regime != "complete" or rep.received_bytes != a.size:
+            if rep.regime != Regime.COMPLETE or rep.received_bytes != a.size:
                 raise SystemExit(f"reliable message {rep.tag} ended {rep.regime} with {rep.received_bytes} B")
         _emit(dict(messages=n, bytes=n * a.size, t_first=t_first, t_end=time.monotonic()))
         await ep.close()

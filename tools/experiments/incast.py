@@ -47,6 +47,8 @@ import sys
 import time
 from collections import Counter
 
+from ltp.regimes import Regime
+
 from . import _common as C
 
 NAME = "incast"
@@ -215,7 +217,7 @@ def _one_run(lab, transport, workers, size, n_iter, slack_s, seed, timeout_s):
             # a flow's time at the PS runs from its registration; add how late the worker started
             fct = [ps_out[it]["flow_s"][k] + (w_out[k][it]["t_send_start"] - start) for k in range(len(w_out))]
         else:
-            row.update(delivered_mean=1.0, delivered_min=1.0, regimes="complete=%d" % len(w_out))
+            row.update(delivered_mean=1.0, delivered_min=1.0, regimes=f"{Regime.COMPLETE}={len(w_out)}")
             fct = [ps_out[it]["t_recv_done"][k] - start for k in range(len(w_out))]
         row.update(worker_fct_max_s=round(max(fct), 5), worker_fct_median_s=round(statistics.median(fct), 5))
         rows.append(row)
@@ -223,9 +225,12 @@ def _one_run(lab, transport, workers, size, n_iter, slack_s, seed, timeout_s):
     return rows, fcts
 
 
+_REGIME_ORDER = (Regime.COMPLETE, Regime.EARLY, Regime.DEADLINE, Regime.TIMEOUT, Regime.CANCELLED)
+
+
 def _regimes(names) -> str:
     c = Counter(names)
-    return " ".join(f"{k}={c[k]}" for k in ("complete", "early", "deadline", "timeout", "cancelled") if c[k])
+    return " ".join(f"{k}={c[k]}" for k in _REGIME_ORDER if c[k])
 
 
 def _summarise(rows, transports, losses, workers, size, bound_s, failures) -> list[dict]:
