@@ -105,10 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     _worker_opts(la)
     la.add_argument("--lab", choices=("auto", "on", "off"), default="auto",
                     help="network namespaces with impairments (auto: when root and supported)")
-    la.add_argument("--loss", type=float, default=0.0,
-                    help="lab: ingress loss rate at the PS (needs the lab: root + its packages; an error otherwise)")
-    la.add_argument("--rate", type=float, default=None, help="lab: PS ingress rate in bit/s (needs the lab)")
-    la.add_argument("--delay", type=float, default=0.0, help="lab: one-way delay in seconds (needs the lab)")
+    la.add_argument("--loss", type=_loss_rate, default=0.0,
+                    help="lab: ingress loss rate at the PS, a fraction in [0, 1) or a percentage such as 1%% "
+                         "(needs the lab: root + its packages; an error otherwise)")
+    la.add_argument("--rate", type=_lab_rate, default=None,
+                    help="lab: PS ingress rate: bit/s, or with a unit such as 1gbit, 100mbit (needs the lab)")
+    la.add_argument("--delay", type=_lab_delay, default=0.0,
+                    help="lab: one-way delay: seconds, or with a unit such as 20ms (needs the lab)")
     la.add_argument("--ps-restarts", type=int, default=0,
                     help="restart a PS that dies up to N times; it resumes from --checkpoint-dir (default 0)")
     la.add_argument("--kill-worker-after", type=int, default=None,
@@ -337,6 +340,44 @@ def _passthrough(args, names) -> list[str]:
             continue
         out += [f"--{n}"] if v is True else [f"--{n}", str(v)]
     return out
+
+
+def _loss_rate(text: str) -> float:
+    """``--loss``: ``0.01`` or ``1%``; refuses values outside [0, 1) with the fix in the message."""
+    t = str(text).strip()
+    try:
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad loss rate {text!r}; use a fraction such as 0.01 or a percentage such as 1%")
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"loss rate {text!r} is outside [0, 1); use e.g. 0.01 (1 %)")
+    return v
+
+
+def _lab_rate(text: str) -> float:
+    """``--rate``: a bare number is bit/s (as before); ``1gbit``/``100mbit``/``500k`` carry their unit."""
+    from ltp_tools.bench import parse_rate
+    try:
+        v = float(text)
+    except ValueError:
+        v = parse_rate(text)
+        if v is None:
+            raise argparse.ArgumentTypeError(f"--rate {text!r}: leave --rate out for an unlimited link")
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"--rate must be positive (got {text!r}); leave it out for an unlimited link")
+    return v
+
+
+def _lab_delay(text: str) -> float:
+    """``--delay``: a bare number is seconds (as before); ``20ms``/``500us``/``0.02s`` carry their unit."""
+    from ltp_tools.bench import parse_time
+    try:
+        v = float(text)
+    except ValueError:
+        v = parse_time(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"--delay must not be negative (got {text!r})")
+    return v
 
 
 COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "job", "secret-file", "num-servers", "mode",

@@ -314,6 +314,28 @@ def test_impairments_when_the_lab_is_unsupported_name_the_reason(monkeypatch):
     cli._check_impairments(cli.build_parser().parse_args(["launch"]), use_lab, why)  # no impairment: fine
 
 
+@pytest.mark.parametrize("opt, field, value", [
+    (["--loss", "1%"], "loss", 0.01), (["--loss", "0.003"], "loss", 0.003),
+    (["--rate", "100mbit"], "rate", 100e6), (["--rate", "1gbit"], "rate", 1e9), (["--rate", "2.5e8"], "rate", 2.5e8),
+    (["--delay", "20ms"], "delay", 0.02), (["--delay", "0.005"], "delay", 0.005), (["--delay", "500us"], "delay", 5e-4),
+])
+def test_impairments_take_units_and_bare_numbers_keep_their_meaning(opt, field, value):
+    args = cli.build_parser().parse_args(["launch", *opt])
+    assert getattr(args, field) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("opt, says", [
+    (["--loss", "1.5"], "outside [0, 1)"), (["--loss", "-0.1"], "outside [0, 1)"), (["--loss", "lots"], "1%"),
+    (["--rate", "0"], "positive"), (["--rate", "fast"], "1gbit"), (["--rate", "none"], "leave --rate out"),
+    (["--delay", "-1"], "negative"), (["--delay", "soon"], "10ms"),
+])
+def test_bad_impairment_values_are_refused_naming_the_fix(opt, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["launch", *opt])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
 def test_ps_restarts_need_a_checkpoint_dir(capsys):
     assert cli.main(["launch", "--lab", "off", "--ps-restarts", "1"]) == cli.EXIT_CONFIG
     assert "--checkpoint-dir" in capsys.readouterr().err
