@@ -72,7 +72,9 @@ def _server_opts(p):
     p.add_argument("--checkpoint-every", type=int, default=0, help="rounds between checkpoints (0: at the end)")
     p.add_argument("--metrics", default=None, help="JSONL file for per-iteration metrics")
     p.add_argument("--progress", action="store_true", help="tqdm progress bar on stderr")
-    p.add_argument("--summary-json", default=None, help="write the final summary here")
+    p.add_argument("--summary-json", default=None,
+                   help="write the final summary here (shard 0's, which holds the test accuracy of a sharded "
+                        "model; shard s > 0 writes NAME.shard<s>.json beside it)")
 
 
 def _worker_opts(p):
@@ -182,12 +184,21 @@ async def serve(args, store=None) -> dict:
             raise
         print(summary_text(ps, summary), flush=True)
         if args.summary_json:
-            with open(args.summary_json, "w") as f:
+            with open(summary_path(args.summary_json, args.shard), "w") as f:
                 json.dump(summary, f, default=float)
         store.set(f"done/{args.shard}", "1")
         return summary
     finally:
         await transport.close()
+
+
+def summary_path(path: str, shard: int) -> str:
+    """Where shard ``shard`` writes ``--summary-json``: the path itself for shard 0, else
+    ``<stem>.shard<s><ext>`` beside it (K shards of one launch share the option)."""
+    if shard == 0:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.shard{shard}{ext or '.json'}"
 
 
 PS_WATCH_S = 0.5  # seconds between a worker's looks at the store for a restarted PS

@@ -58,6 +58,7 @@ from .schedule import DirectSchedule, Schedule
 from .schedules import World, create as create_schedule
 from .schedules.executor import Executor, Slots
 from .schedules.program import RELIABLE, Program, Send, server as server_node, worker as worker_node
+from . import sharded_eval
 from .sharding import ShardPlan
 from .verdict import AccuracyVerdict
 from .transport.base import CANCELLED, TIMEOUT, Transport
@@ -211,10 +212,27 @@ class ParameterServer:
         self._msg[off:off + raw.size] = raw
         return memoryview(self._msg)[:off + raw.size]
 
-    def _evaluate(self) -> dict:
-        if not self.cfg.evaluate or self.plan.n_shards != 1:
+    def _evaluate(self, epoch: int) -> dict:
+        if not self.cfg.evaluate:
             return {}
-        return self.workload.evaluate(self.params)
+        if self.plan.n_shards == 1:
+            return self.workload.evaluate(self.params)
+        # sharded: shard 0 evaluates the model assembled from every shard's slice (ltp_ps.sharded_eval)
+        rdv = self.rendezvous
+        if rdv is None or not sharded_eval.eligible(self.workload, self.workload.n_params):
+            return {}
+        try:
+            if self.shard != 0:
+                sharded_eval.publish_slice(rdv.store, rdv.secret, self.shard, epoch, self.params)
+                return {}
+            full, why = sharded_eval.assemble(rdv.store, rdv.secret, self.plan.ranges, self.params, epoch)
+        except Exception as exc:  # the store is gone: the job is failing for that reason already
+            why = f"the store failed ({exc})"
+            full = None
+        if full is None:
+            self.log(f"[ps{self.shard}] epoch {epoch + 1}: not evaluated: {why}")
+            return {}
+        return self.workload.evaluate(full)
 
     # -- BSP ---------------------------------------------------------------
     async def run(self) -> dict:
@@ -470,7 +488,7 @@ class ParameterServer:
 
     def _end_epoch(self, rows: list[dict], epoch: int | None = None) -> None:
         epoch = (self.iteration - 1) // self.ipe if epoch is None else epoch
-        ev = self._evaluate()
+        ev = self._evaluate(epoch)
         sync = [r["gather_s"] + r["broadcast_s"] for r in rows] or [float("nan")]
         fr = [f for r in rows for f in r["delivered"].values()] or [float("nan")]
         loss = [r["loss"] for r in rows if r["loss"] == r["loss"]] or [float("nan")]

@@ -32,7 +32,8 @@ falling test loss, but around 1e9, far above a uniform guess's; a collapse (rule
 
 A run is not judged at all (``failure()`` is None) when the workload states no
 chance level or reports no ``accuracy`` (synthetic parameter sets), or when no
-epoch was evaluated (sharded runs, ``evaluate=False``).  The object only takes
+epoch was evaluated (``evaluate=False``; a sharded run is evaluated by shard 0 on the model
+assembled from every shard's slice, ``ltp_ps.sharded_eval``).  The object only takes
 numbers and returns a message; it never reads a clock.
 """
 
