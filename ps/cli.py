@@ -30,6 +30,22 @@ EXIT_CONFIG = 2  # setup, rendezvous or transport error (the message names the f
 EXIT_TRAINING_FAILED = 3  # no live worker, no usable gradient, non-finite loss
 
 
+def _at_least(lo, kind, what: str, why: str = ""):
+    """An argparse type: a finite ``kind`` (int or float) >= ``lo``, refused naming the option's meaning."""
+    why = f" ({why})" if why else ""
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number; "
+                                             f"{what} must be >= {lo}{why}") from None
+        if v != v or v in (float("inf"), float("-inf")) or v < lo:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {what} must be >= {lo}{why}")
+        return v
+    return parse
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="digits", help="digits | resnet50 | vgg16 | synthetic:<n> (default digits)")
     p.add_argument("--workers", type=int, default=4, help="number of workers in the job (default 4)")
@@ -44,21 +60,22 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-servers", type=int, default=1, help="PS shards (contiguous ranges of the model)")
     p.add_argument("--mode", choices=("bsp", "async"), default="bsp")
     p.add_argument("--compute-delay", type=float, default=0.0, help="extra seconds of compute per step (any model)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=_at_least(1, int, "samples per worker step"), default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store-timeout", type=float, default=120.0, help="seconds to wait for the rendezvous")
     schedule_cli.add_options(p)
 
 
 def _server_opts(p):
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--iterations", type=int, default=None, help="total rounds (overrides --epochs)")
+    p.add_argument("--epochs", type=_at_least(1, int, "the number of epochs", "a run of none trains nothing"), default=10)
+    p.add_argument("--iterations", type=_at_least(1, int, "the number of rounds", "a run of none trains nothing"), default=None,
+                   help="total rounds (overrides --epochs)")
     p.add_argument("--aggregation", choices=("unbiased", "zero_fill"), default="unbiased")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--clip-factor", type=float, default=2.0,
+    p.add_argument("--lr", type=_at_least(0.0, float, "the learning rate"), default=0.1)
+    p.add_argument("--momentum", type=_at_least(0.0, float, "SGD momentum"), default=0.9)
+    p.add_argument("--weight-decay", type=_at_least(0.0, float, "L2 weight decay"), default=0.0)
+    p.add_argument("--clip-factor", type=_at_least(0.0, float, "the norm guard's factor (0: off)"), default=2.0,
                    help="divergence guard: clip the aggregated gradient's norm to this x its running mean (0: off)")
     p.add_argument("--gather-timeout", type=float, default=None,
                    help="seconds before a gather gives up on a worker (default: derived each round from the "
@@ -66,7 +83,7 @@ def _server_opts(p):
     p.add_argument("--broadcast-timeout", type=float, default=None,
                    help="seconds a reliable parameter broadcast may take before the worker is dropped (default: "
                         "derived each round from the message size and the measured link rate, at least 10 s)")
-    p.add_argument("--max-missed", type=int, default=3, help="missed rounds before a worker is dropped")
+    p.add_argument("--max-missed", type=_at_least(1, int, "missed rounds before a drop"), default=3, help="missed rounds before a worker is dropped")
     p.add_argument("--min-workers", type=int, default=None, help="start when this many joined (default: all)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0, help="rounds between checkpoints (0: at the end)")
@@ -486,10 +503,15 @@ def launch(args) -> int:
     if args.ps_restarts and not args.checkpoint_dir:
         raise ConfigError("--ps-restarts needs --checkpoint-dir (and --checkpoint-every N) so that a restarted PS "
                           "resumes from its checkpoint instead of starting over")
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1 (got {args.workers})")
     peer_job = schedule_cli.schedule_runs_without_ps(args)
     if peer_job:
         args.num_servers = 0  # the workers apply the optimizer: zero PS processes
     else:
+        if args.num_servers < 1:  # no PS at all: the workers would wait for one forever
+            raise ConfigError(f"--num-servers must be >= 1 for --schedule {args.schedule} (got {args.num_servers}); "
+                              f"the PS-less schedules (ring, rsgcm) need no PS shard")
         schedule_cli.check_server_schedule(args)  # refuse before spawning anything
     use_lab, why = _lab_choice(args)
     _check_impairments(args, use_lab, why)

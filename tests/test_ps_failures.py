@@ -336,6 +336,26 @@ def test_bad_impairment_values_are_refused_naming_the_fix(opt, says, capsys):
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("opt, says", [
+    (["--epochs", "0"], "number of epochs must be >= 1"), (["--iterations", "0"], "number of rounds must be >= 1"),
+    (["--batch-size", "0"], "samples per worker step"), (["--lr", "-1"], "learning rate must be >= 0"),
+    (["--momentum", "nan"], "momentum"), (["--weight-decay", "-0.1"], "weight decay"),
+    (["--max-missed", "0"], "missed rounds"), (["--epochs", "2.5"], "not a whole number"),
+])
+def test_bad_training_values_are_refused_before_anything_starts(opt, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["launch", *opt])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("opt, says", [(["--workers", "0"], "--workers must be >= 1"),
+                                       (["--num-servers", "0"], "--num-servers must be >= 1")])
+def test_launch_refuses_a_job_without_workers_or_ps_instead_of_waiting_forever(opt, says, capsys):
+    assert cli.main(["launch", "--lab", "off", *opt]) == cli.EXIT_CONFIG
+    assert says in capsys.readouterr().err
+
+
 def test_ps_restarts_need_a_checkpoint_dir(capsys):
     assert cli.main(["launch", "--lab", "off", "--ps-restarts", "1"]) == cli.EXIT_CONFIG
     assert "--checkpoint-dir" in capsys.readouterr().err
