@@ -73,7 +73,9 @@ def _server_opts(p):
     p.add_argument("--aggregation", choices=("unbiased", "zero_fill"), default="unbiased")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--lr", type=_at_least(0.0, float, "the learning rate"), default=0.1)
-    p.add_argument("--momentum", type=_at_least(0.0, float, "SGD momentum"), default=0.9)
+    p.add_argument("--momentum", type=_at_least(0.0, float, "SGD momentum"), default=None,
+                   help="SGD momentum (default 0.9 for BSP rounds; 0 for asynchronous updates, --mode async or "
+                        "--schedule mlfabric, whose staleness already acts as momentum: docs/ps.md)")
     p.add_argument("--weight-decay", type=_at_least(0.0, float, "L2 weight decay"), default=0.0)
     p.add_argument("--clip-factor", type=_at_least(0.0, float, "the norm guard's factor (0: off)"), default=2.0,
                    help="divergence guard: clip the aggregated gradient's norm to this x its running mean (0: off)")
@@ -183,7 +185,7 @@ async def serve(args, store=None) -> dict:
         rv = rdv.ServerRendezvous(store, secret, info)
         cfg = ServerConfig(world_size=args.workers, epochs=args.epochs, iterations=args.iterations, mode=args.mode,
                            aggregation=args.aggregation, optimizer=args.optimizer, lr=args.lr,
-                           momentum=args.momentum, weight_decay=args.weight_decay, clip_factor=args.clip_factor,
+                           momentum=schedule_cli.momentum_for(args), weight_decay=args.weight_decay, clip_factor=args.clip_factor,
                            gather_timeout_s=args.gather_timeout, broadcast_timeout_s=args.broadcast_timeout,
                            max_missed=args.max_missed,
                            min_workers=args.min_workers, join_timeout_s=args.store_timeout,

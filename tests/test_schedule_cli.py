@@ -47,3 +47,17 @@ def test_server_refuses_async_trees():
                               f"127.0.0.1:{free_port()}"), env=child_env(), capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and "--mode bsp" in p.stderr
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], 0.9), (["--mode", "async"], 0.0), (["--schedule", "mlfabric"], 0.0),
+    (["--schedule", "hoplite", "--mode", "async"], 0.0), (["--schedule", "ring"], 0.9), (["--schedule", "rat"], 0.9),
+    (["--mode", "async", "--momentum", "0.5"], 0.5), (["--momentum", "0"], 0.0),
+])
+def test_momentum_defaults_to_zero_for_asynchronous_updates_only(argv, want):
+    from ltp_ps import cli as ps_cli
+
+    args = ps_cli.build_parser().parse_args(["launch", *argv])
+    from ltp_ps import schedule_cli
+
+    assert schedule_cli.momentum_for(args) == want
