@@ -52,7 +52,10 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]i?)?b?\s*", str(text).lower())
     if not m:
         raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 98M, 1G, 512Mi")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    n = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} is empty; a transfer needs at least 1 byte (e.g. 200M)")
+    return n
 
 
 def parse_rate(text: str | None) -> float | None:
