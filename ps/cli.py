@@ -58,6 +58,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind the transport to")
     p.add_argument("--advertise", default=None, help="address peers should dial (default: --host)")
     p.add_argument("--num-servers", type=int, default=1, help="PS shards (contiguous ranges of the model)")
+    p.add_argument("--colocate", action="store_true",
+                   help="shard k shares worker k's host (launch: the same lab namespace; every role: the schedule "
+                        "plans with that placement, so RAT roots tree k at worker k's host); K <= --workers, "
+                        "--schedule direct or rat")
     p.add_argument("--mode", choices=("bsp", "async"), default="bsp")
     p.add_argument("--compute-delay", type=float, default=0.0, help="extra seconds of compute per step (any model)")
     p.add_argument("--batch-size", type=_at_least(1, int, "samples per worker step"), default=32)
@@ -89,7 +93,8 @@ def _server_opts(p):
     p.add_argument("--min-workers", type=int, default=None, help="start when this many joined (default: all)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0, help="rounds between checkpoints (0: at the end)")
-    p.add_argument("--metrics", default=None, help="JSONL file for per-iteration metrics")
+    p.add_argument("--metrics", default=None,
+                   help="JSONL file for per-iteration metrics (shard s > 0 of a PS writes NAME.shard<s>.jsonl beside it)")
     p.add_argument("--progress", action="store_true", help="tqdm progress bar on stderr")
     p.add_argument("--summary-json", default=None,
                    help="write the final summary here (shard 0's, which holds the test accuracy of a sharded "
@@ -190,7 +195,8 @@ async def serve(args, store=None) -> dict:
                            max_missed=args.max_missed,
                            min_workers=args.min_workers, join_timeout_s=args.store_timeout,
                            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                           metrics_path=args.metrics, progress=args.progress, seed=args.seed)
+                           metrics_path=args.metrics and shard_path(args.metrics, args.shard), progress=args.progress,
+                           seed=args.seed)
         ps = ParameterServer(wl, transport, cfg, plan=plan, shard=args.shard, rendezvous=rv,
                              planner=schedule_cli.server_planner(args, wl, plan, args.shard))
         print(f"[ps{args.shard}] listening on {transport.local_addr} ({args.transport}"
@@ -203,7 +209,7 @@ async def serve(args, store=None) -> dict:
             raise
         print(summary_text(ps, summary), flush=True)
         if args.summary_json:
-            with open(summary_path(args.summary_json, args.shard), "w") as f:
+            with open(shard_path(args.summary_json, args.shard), "w") as f:
                 json.dump(summary, f, default=float)
         store.set(f"done/{args.shard}", "1")
         return summary
@@ -211,9 +217,9 @@ async def serve(args, store=None) -> dict:
         await transport.close()
 
 
-def summary_path(path: str, shard: int) -> str:
-    """Where shard ``shard`` writes ``--summary-json``: the path itself for shard 0, else
-    ``<stem>.shard<s><ext>`` beside it (K shards of one launch share the option)."""
+def shard_path(path: str, shard: int) -> str:
+    """Where shard ``shard`` writes ``--summary-json`` / ``--metrics``: the path itself for shard 0, else
+    ``<stem>.shard<s><ext>`` beside it (K shards of one launch share the options)."""
     if shard == 0:
         return path
     stem, ext = os.path.splitext(path)
@@ -410,7 +416,8 @@ def _lab_delay(text: str) -> float:
     return v
 
 
-COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "job", "secret-file", "num-servers", "mode",
+COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "job", "secret-file", "num-servers", "colocate",
+          "mode",
           "compute-delay",
           "batch-size", "seed", "store-timeout", *schedule_cli.PASSTHROUGH]
 SERVER = ["epochs", "iterations", "aggregation", "optimizer", "lr", "momentum", "weight-decay", "clip-factor",
@@ -515,9 +522,12 @@ def launch(args) -> int:
             raise ConfigError(f"--num-servers must be >= 1 for --schedule {args.schedule} (got {args.num_servers}); "
                               f"the PS-less schedules (ring, rsgcm) need no PS shard")
         schedule_cli.check_server_schedule(args)  # refuse before spawning anything
+    schedule_cli.check_colocate(args)
+    colocate = bool(args.colocate)
     use_lab, why = _lab_choice(args)
     _check_impairments(args, use_lab, why)
-    print(f"[launch] {'lab' if use_lab else 'loopback'} ({why}); {args.num_servers} PS + {args.workers} workers, "
+    print(f"[launch] {'lab' if use_lab else 'loopback'} ({why}); {args.num_servers} PS + {args.workers} workers"
+          f"{' (shard k on worker k' + chr(39) + 's host)' if colocate else ''}, "
           f"transport {args.transport}{'/' + args.cc if args.transport == 'tcp' else ''}", flush=True)
     port = _free_port()
     py = [sys.executable, "-m", "ltp_ps.cli"]
@@ -527,7 +537,8 @@ def launch(args) -> int:
         if use_lab:
             from ltp_tools.netlab import Lab
 
-            lab = Lab(n_hosts=args.num_servers + args.workers).__enter__()
+            # --colocate: one namespace per worker, shard k in worker k's; else the shards on their own hosts first
+            lab = Lab(n_hosts=args.workers if colocate else args.num_servers + args.workers).__enter__()
             hosts = lab.hosts
             store_host = hosts[0].addr
             for h in hosts[:args.num_servers]:
@@ -561,7 +572,7 @@ def launch(args) -> int:
                 args, COMMON + WORKER + (SERVER if peer_job else []))
             if args.kill_worker_after is not None and r == 0:
                 argv += ["--max-iterations", str(args.kill_worker_after)]
-            workers.append(_Child(f"worker {r}", argv, spawner(args.num_servers + r)))
+            workers.append(_Child(f"worker {r}", argv, spawner(r if colocate else args.num_servers + r)))
         children += workers
         failures: list[tuple[str, int]] = []
         restarts_left = args.ps_restarts

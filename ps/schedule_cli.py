@@ -205,11 +205,53 @@ def _base_controller():
     return Schedule.controller
 
 
+#: schedules whose PS shards may share their hosts with workers (``--colocate``)
+COLOCATE_SCHEDULES = ("direct", "rat")
+
+
+def check_colocate(args) -> None:
+    """``--colocate`` (shard k on worker k's host): refuse the combinations it cannot mean."""
+    if not getattr(args, "colocate", False):
+        return
+    if schedule_runs_without_ps(args):
+        raise ConfigError(f"--colocate places PS shards on worker hosts, but --schedule {args.schedule} runs no PS; "
+                          f"drop --colocate")
+    if args.schedule not in COLOCATE_SCHEDULES:
+        raise ConfigError(f"--colocate applies to --schedule {' or '.join(COLOCATE_SCHEDULES)} (got "
+                          f"{args.schedule}); drop --colocate")
+    k = getattr(args, "num_servers", 1)
+    if not 1 <= k <= args.workers:
+        raise ConfigError(f"--colocate puts shard k on worker k's host, so --num-servers must be between 1 and "
+                          f"--workers ({args.workers}); got {k}")
+
+
+def colocated_placement(args, topology) -> dict:
+    """``World.placement`` for ``--colocate``: worker r on host r, shard k on worker k's host (by name).
+
+    Without a topology a node's host is its own name, so shard k is placed on ``worker:k``; a topology
+    must have a host per worker (hosts in rank order, as ``ltp-ps launch --colocate`` builds the lab)."""
+    from .schedules.program import server, worker
+
+    if not getattr(args, "colocate", False):
+        return {}
+    k = getattr(args, "num_servers", 1)
+    if topology is None:
+        return {server(s): worker(s) for s in range(k)}
+    names = topology.names
+    if len(names) < args.workers:
+        raise ConfigError(f"--colocate: the topology has {len(names)} hosts for {args.workers} workers; it needs one "
+                          f"host per worker (worker r on host r, shard k on host k)")
+    return {**{worker(r): names[r] for r in range(args.workers)}, **{server(s): names[s] for s in range(k)}}
+
+
 def _world(args, wl, shards, me=None):
     from .schedules import World
 
+    check_colocate(args)
+    topology = load_topology(args)
     return World(workers=range(args.workers), n_elems=wl.n_params, shards=tuple(shards), me=me,
-                 topology=load_topology(args), layout=tuple(wl.layout()), aggregation=args.aggregation)
+                 topology=topology, layout=tuple(wl.layout()), aggregation=args.aggregation,
+                 placement=colocated_placement(args, topology))
 
 
 def server_planner(args, wl, plan, shard: int):
@@ -349,6 +391,7 @@ def build_plan_parser(sub) -> None:
     add_options(p)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--num-servers", type=int, default=1, help="PS shards (ignored by PS-less schedules)")
+    p.add_argument("--colocate", action="store_true", help="shard k on worker k's host (as ltp-ps launch --colocate)")
     p.add_argument("--bytes", type=float, default=4e6, help="model size in bytes (default 4e6)")
     p.add_argument("--iteration", type=int, default=0)
     p.add_argument("--summary", action="store_true", help="print edges and the prediction, not every step")
@@ -361,7 +404,10 @@ def plan_main(args) -> int:
     cls = schedule_class(args)
     n_elems = max(1, int(args.bytes) // 4)
     shards = () if not cls.needs_servers else tuple(ShardPlan(n_elems, max(1, args.num_servers)).ranges)
-    world = World(workers=range(args.workers), n_elems=n_elems, shards=shards, topology=load_topology(args))
+    check_colocate(args)
+    topology = load_topology(args)
+    world = World(workers=range(args.workers), n_elems=n_elems, shards=shards, topology=topology,
+                  placement=colocated_placement(args, topology))
     try:
         sched = create(args.schedule, world, **schedule_options(args))
         plan = sched.plan(args.iteration)

@@ -104,9 +104,9 @@ def test_only_judged_models_small_enough_are_eligible():
 
 
 def test_summary_paths_of_shards_do_not_collide():
-    assert cli.summary_path("/x/s.json", 0) == "/x/s.json"
-    assert cli.summary_path("/x/s.json", 2) == "/x/s.shard2.json"
-    assert cli.summary_path("/x/s", 1) == "/x/s.shard1.json"
+    assert cli.shard_path("/x/s.json", 0) == "/x/s.json"
+    assert cli.shard_path("/x/s.json", 2) == "/x/s.shard2.json"
+    assert cli.shard_path("/x/s", 1) == "/x/s.shard1.json"
 
 
 @pytest.mark.parametrize("shards", [2, 3])
