@@ -57,10 +57,18 @@ class _ServerHandlers:
         self.ps, self.it = ps, it
         self.partial: Partial | None = None
         self.applied = False  # an optimizer step was taken this round
+        self._pieces: dict = {}  # (lo, hi) -> the reduced partial of that piece (cut-through trees)
 
     def apply(self, step, slots):
         ps = self.ps
         p = slots.partial(step.slot, step.lo, step.hi)
+        if (step.lo, step.hi) != (ps.lo, ps.hi):
+            # a cut-through tree (``--rat-chunks``) reduces the slice in pieces, one Apply each: the
+            # optimizer steps once, on the whole slice, when the last piece is in
+            self._pieces[(step.lo, step.hi)] = p
+            if sum(b - a for a, b in self._pieces) < ps.hi - ps.lo:
+                return None
+            p = _assemble(self._pieces, ps.lo, ps.hi - ps.lo)
         self.partial = p
         if p is None or p.contributors == 0:
             return None
@@ -75,6 +83,26 @@ class _ServerHandlers:
         ps.version += 1
         self.applied = True
         return None
+
+
+def _assemble(pieces: dict, lo: int, n: int) -> Partial:
+    """One partial over ``[lo, lo + n)`` from reduced pieces that tile it (a piece may be None: nothing came);
+    per-element counts are kept, the loss and samples are those of the piece with the most contributors."""
+    full = Partial(n, lo=lo)
+    got = [q for q in pieces.values() if q is not None and q.contributors > 0]
+    if not got:
+        return full
+    top = max(got, key=lambda q: q.contributors)
+    full.contributors = top.contributors
+    full.samples, full.loss_sum = top.samples, top.loss_sum
+    deficit = np.full(n, top.contributors, dtype=np.int32)
+    for (a, b), q in pieces.items():
+        if q is None or q.contributors == 0:
+            continue
+        full.sum[a - lo:b - lo] = q.sum
+        deficit[a - lo:b - lo] -= q.counts().astype(np.int32)
+    full.deficit = deficit if deficit.any() else None
+    return full
 
 
 def _send_only_prefix(prog: Program) -> Program:
@@ -175,17 +203,34 @@ class _WorkerHandlers:
 
     async def compute(self, step, slots):
         w = self.w
-        headers = []
+        headers, stale = [], []
         for s, buf in zip(w.shards, w._in):
-            h = ParamsHeader.unpack(buf)
+            h = _fresh_header(buf, self.it)
+            if h is None:
+                # this shard's parameters did not come down the tree this round (a parameter hop timed
+                # out: e.g. a throttled aggregator): compute on the slice held from an earlier round
+                # (the initial parameters before the first), as a stale gradient, rather than fail
+                stale.append(s.shard)
+                continue
             if h.kind == KIND_STOP:
                 self.stopped = True
                 return STOP
-            if h.n_elems != s.hi - s.lo or h.iteration != self.it:
+            if h.n_elems != s.hi - s.lo:
                 raise RemoteError(f"worker {w.cfg.rank}: shard {s.shard} sent round {h.iteration} with "
-                                  f"{h.n_elems} parameters, expected round {self.it} with {s.hi - s.lo}")
+                                  f"{h.n_elems} parameters, expected {s.hi - s.lo}")
             w.flat[s.lo:s.hi] = buf[HEADER_BYTES:HEADER_BYTES + ELEM * h.n_elems].view(np.float32)
             headers.append(h)
+        if stale:
+            if len(stale) == len(w.shards):
+                raise TransportTimeout(f"worker {w.cfg.rank}: no parameters of any shard for round {self.it}")
+            if not w.stale_param_slices and not self.it:
+                w.flat[:] = w.workload.initial_params(w.cfg.seed)  # what the PS starts from (same --seed)
+                for s, buf in zip(w.shards, w._in):  # ... and the slices that did come this round
+                    if s.shard not in stale:
+                        w.flat[s.lo:s.hi] = buf[HEADER_BYTES:HEADER_BYTES + ELEM * (s.hi - s.lo)].view(np.float32)
+            w.stale_param_slices += len(stale)
+            print(f"[w{w.cfg.rank}] round {self.it}: no parameters from shard(s) {stale} in time; computing on the "
+                  f"previous ones (stale slices so far: {w.stale_param_slices})", flush=True)
         if w.model is not None:
             from .workloads import set_flat
 
@@ -196,6 +241,20 @@ class _WorkerHandlers:
         slots.put_partial(step.slot, Partial.of_gradient(np.asarray(grad, np.float32), samples=samples, loss=loss))
         w.last_loss = loss
         return None
+
+
+def _fresh_header(buf, it: int) -> ParamsHeader | None:
+    """The parameter message header in ``buf`` if it is this round's (or a STOP), else None (nothing or an
+    earlier round's message is there: the receive did not complete)."""
+    try:
+        h = ParamsHeader.unpack(buf)
+    except RemoteError:
+        return None  # never written (zeros)
+    if h.kind == KIND_STOP or h.iteration == it:
+        return h
+    if h.iteration > it:
+        raise RemoteError(f"parameter message of round {h.iteration} while running round {it}")
+    return None
 
 
 async def worker_run(w, start: int = 0) -> dict:

@@ -33,7 +33,8 @@ PEER_POLL_S = 0.05  # seconds between looks at the store while peers join
 # tau_max 8 versions, 1 aggregator per batch, 0.1 s batch window, t_lag 1 s (docs/schedules.md, MLfabric).
 MLFABRIC_OPTIONS = (("tau-max", "tau_max"), ("aggregators", "k"), ("batch-window", "batch_window_s"),
                     ("t-lag", "t_lag_s"))
-PASSTHROUGH = tuple(o for o, _ in MLFABRIC_OPTIONS)  # options ``ltp-ps launch`` hands to its children
+RAT_OPTIONS = (("rat-chunks", "chunks"),)
+PASSTHROUGH = tuple(o for o, _ in MLFABRIC_OPTIONS + RAT_OPTIONS)  # options ``ltp-ps launch`` hands to its children
 
 
 def _int_at_least(lo: int, what: str, fix: str):
@@ -81,6 +82,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
                                             "pass e.g. --t-lag 1"), default=None, metavar="S",
                    help="seconds between the link-rate refreshes handed to the planner, the paper's t_lag "
                         "(default 1)")
+    r = p.add_argument_group("rat (--schedule rat only; docs/schedules.md)")
+    r.add_argument("--rat-chunks", type=_int_at_least(1, "pieces per tree slice must be >= 1",
+                                                      "pass e.g. --rat-chunks 4"), default=None, metavar="C",
+                   help="cut-through aggregators: each tree slice's reduce goes up in C pieces, so an aggregator "
+                        "sends piece j while its leaves send piece j+1 (default 1: store-and-forward)")
 
 
 def schedule_options(args) -> dict:
@@ -90,6 +96,11 @@ def schedule_options(args) -> dict:
     :class:`ConfigError` that names the fix (never silently ignored).
     """
     name = getattr(args, "schedule", "direct") or "direct"
+    rat = {kw: getattr(args, opt.replace("-", "_"), None) for opt, kw in RAT_OPTIONS}
+    rat = {k: v for k, v in rat.items() if v is not None}
+    if rat and name != "rat":
+        raise ConfigError(f"--rat-chunks applies only to --schedule rat (this job runs --schedule {name}); drop it "
+                          f"or pass --schedule rat")
     given = {kw: getattr(args, opt.replace("-", "_"), None) for opt, kw in MLFABRIC_OPTIONS}
     given = {k: v for k, v in given.items() if v is not None}
     if name != "mlfabric":
@@ -97,7 +108,7 @@ def schedule_options(args) -> dict:
             names = [f"--{o}" for o, kw in MLFABRIC_OPTIONS if kw in given]
             raise ConfigError(f"{' '.join(names)} {'applies' if len(names) == 1 else 'apply'} only to --schedule mlfabric (this job runs --schedule "
                               f"{name}); drop {'/'.join(names)} or pass --schedule mlfabric")
-        return {}
+        return rat
     workers = getattr(args, "workers", None)
     if "k" in given and workers is not None and given["k"] > workers:
         raise ConfigError(f"--aggregators {given['k']} is more than the job's {workers} workers (aggregators are "

@@ -71,6 +71,7 @@ class Worker:
         self.n = workload.n_params
         self.model = workload.build_model()
         self.flat = np.zeros(self.n, dtype=np.float32)
+        self.stale_param_slices = 0  # tree schedules: shard slices computed on an earlier round's parameters
         self._in = [np.zeros(params_message_capacity(s.hi - s.lo), dtype=np.uint8) for s in self.shards]
         self._out = [np.zeros(HEADER_BYTES + ELEM * (s.hi - s.lo), dtype=np.uint8) for s in self.shards]
         layout = workload.layout()

@@ -39,6 +39,17 @@ Theory of operation
         after computing it (``LTP_HOPLITE_READY_STAGGER_S``); ``round_s_median`` is the median
         time from the last worker's arrival at the PS to the apply (the PS's ``gather_s``);
         target ``<= 1.5 S/B``.
+    Rows (issue 11, RAT with ``K = 6`` PS shards colocated, shard k on worker k's host, as
+    ``ltp-ps launch --num-servers 6 --colocate``; the round time is shard 0's metrics gaps):
+      * ``rat6`` and ``direct6``: the same six shards, RAT's trees vs every worker sending each
+        shard its slice; targets ``rat6 <= 0.5 x direct6`` and ``rat6 <= 1.0 x ring``.  ``rat6c4``
+        is ``rat6`` with cut-through aggregators (``--rat-chunks 4``: each slice reduced in 4 pieces).
+      * ``ring+pause`` and ``rat6+pause``: as ``ring`` / ``rat6`` while one worker's egress is
+        throttled to ``PAUSE_BPS`` (1 Mbit/s), the throttled worker redrawn every
+        ``PAUSE_PERIOD_S`` (2 s) from a seeded RNG (``fluid.RotatingPauses``, the object the
+        prediction uses; RAT §4.1's "k paused nodes redrawn every d" with k = 1); target
+        ``ring+pause >= 2 x rat6+pause``.  Their prediction is the median over
+        ``PAUSE_SEEDS`` of the fluid round under the same pauses.
     Every row carries the fluid simulator's prediction for the same topology
     (``Schedule.predict_s`` on ``Topology.from_lab``, hosts in rank order; ``rsgcm+block``
     after the block uses the topology with the pair failed) and the ratio measured/predicted;
@@ -68,12 +79,18 @@ from . import schedules_training as T
 NAME = "schedules"
 EXPERIMENTS = ("rsgcm", "mlfabric", "accuracy")  # --experiment: this module's rows, then schedules_training's
 SCHEDULES = ("ring", "rsgcm", "direct", "rsgcm+block", "rat", "hoplite", "direct+async", "hoplite+async",
-             "hoplite+stagger")
+             "hoplite+stagger", "rat6", "rat6c4", "direct6", "ring+pause", "rat6+pause")
 ASYNC_ROWS = ("direct+async", "hoplite+async")  # issue 11: Hoplite's half-batch async PS vs async direct
 PS_ALONE_ROWS = ASYNC_ROWS + ("hoplite+stagger",)  # the PS alone on rank 0's host, workers on the other five (a
 #                                                    colocated worker's loopback transfers are not rate limited)
 STAGGER_S = 0.1  # seconds between workers' gradient arrivals in the hoplite+stagger row (rank r: r x this)
 PS_SCHEDULES = ("direct", "rat", "hoplite")  # rows that run one `ltp-ps server` (colocated with rank 0)
+COLOCATED_ROWS = {"rat6": "rat", "rat6c4": "rat", "direct6": "direct", "rat6+pause": "rat"}  # row -> schedule, K = 6
+ROW_OPTIONS = {"rat6c4": {"chunks": 4}}  # schedule options of a row (rat6c4: cut-through, --rat-chunks 4)
+PAUSE_ROWS = ("ring+pause", "rat6+pause")  # one worker's egress throttled, the worker redrawn every period
+PAUSE_BPS = 1e6  # bit/s a paused worker still sends (issue 11: "egress throttled to 1 Mbit/s")
+PAUSE_PERIOD_S = 2.0  # seconds between redraws of the paused worker (issue 11: "rotating every 2 s")
+PAUSE_SEEDS = (1, 2, 3)  # seeds of the fluid prediction of a paused row (median)
 RACKS = (3, 3)
 INTERLEAVE = (0, 3, 1, 4, 2, 5)  # rank r runs on host INTERLEAVE[r]
 WARMUP_ROUNDS = 2  # rounds left out of the median (endpoint set-up, RSGCM's first measurements)
@@ -88,6 +105,7 @@ TARGET_REPLAN_ROUNDS = 5
 TARGET_AFTER_RATIO = 1.3
 TARGET_RAT_DIRECT = 0.5  # issue 11: RAT <= 0.5 x direct
 TARGET_RAT_RING = 1.0  # issue 11: RAT <= 1.0 x ring
+TARGET_RING_OVER_RAT_PAUSED = 2.0  # issue 11: with a paused worker, ring >= 2 x RAT
 TARGET_HOPLITE_DIRECT = 0.4  # issue 11: Hoplite BST <= 0.4 x direct
 TARGET_HOPLITE_ASYNC = 2.0  # issue 11: async half-batch >= 2 x async direct (gradients applied per second)
 TARGET_STAGGER_SB = 1.5  # issue 11: staggered reduce ends within the last arrival + 1.5 S/B
@@ -96,7 +114,7 @@ PREDICTION_TOLERANCE = 1.3  # measured / predicted beyond this (or below 1/this)
 RUN_COLUMNS = ["repeat", "schedule", "transport", "rounds", "completed", "round_s_median", "predicted_s",
                "measured_over_predicted", "block_pair", "block_at", "retries", "replanned_after_attempts",
                "before_s", "after_s", "after_over_before", "predicted_after_s", "rounds_lost", "grads_per_s",
-               "updates_per_s", "reduce_after_last_s", "stagger_bound_s", "loadavg_1m", "error"]
+               "updates_per_s", "reduce_after_last_s", "stagger_bound_s", "pauses", "loadavg_1m", "error"]
 SUMMARY_COLUMNS = ["schedule", "n", "round_s_median", "round_s_min", "round_s_max", "predicted_s",
                    "measured_over_predicted", "grads_per_s", "loadavg_1m", "failures"]
 
@@ -130,12 +148,72 @@ def predict(schedule: str, topo, n_workers: int, model_bytes: int) -> float | No
     names = topo.names
     if schedule in ASYNC_ROWS or schedule == "hoplite+stagger":
         return _predict_hoplite_rows(schedule, topo, n_workers, model_bytes)
+    if schedule in COLOCATED_ROWS or schedule in PAUSE_ROWS:
+        return _predict_colocated_or_paused(schedule, topo, n_workers, model_bytes)
     if schedule in PS_SCHEDULES:
         placement = {server(0): names[0], **{worker(r): names[r] for r in range(n_workers)}}
         w = World(workers=range(n_workers), n_elems=n, shards=((0, n),), topology=topo, placement=placement)
     else:
         w = World(workers=range(n_workers), n_elems=n, topology=topo)
     return create(schedule.split("+")[0], w).predict_s(int(model_bytes))
+
+
+def _world_of_row(schedule: str, topo, n_workers: int, model_bytes: int):
+    """The ``World`` a colocated / paused row plans with (``K = n_workers`` shards colocated for ``rat6``)."""
+    from ltp_ps.schedules import World
+    from ltp_ps.schedules.program import server, worker
+    from ltp_ps.sharding import ShardPlan
+
+    n = max(1, int(model_bytes) // 4)
+    names = topo.names
+    base = COLOCATED_ROWS.get(schedule, schedule.split("+")[0])
+    if schedule in COLOCATED_ROWS:
+        placement = {**{worker(r): names[r] for r in range(n_workers)},
+                     **{server(k): names[k] for k in range(n_workers)}}
+        w = World(workers=range(n_workers), n_elems=n, shards=tuple(ShardPlan(n, n_workers).ranges), topology=topo,
+                  placement=placement)
+    else:
+        w = World(workers=range(n_workers), n_elems=n, topology=topo)
+    return base, w
+
+
+class _HostPauses:
+    """``fluid.RotatingPauses`` over topology hosts, seen by the estimate's flows, which run between nodes
+    (a host's pause throttles every node placed on it)."""
+
+    def __init__(self, pauses, world):
+        self._p, self._nodes = pauses, {}
+        for node in world.server_nodes + world.worker_nodes:
+            self._nodes.setdefault(world.host_of(node), []).append(node)
+        self.rate_bps = pauses.rate_bps
+
+    def paused(self, t):
+        return frozenset(n for h in self._p.paused(t) for n in self._nodes.get(h, ()))
+
+    def next_change(self, t):
+        return self._p.next_change(t)
+
+
+def rotating_pauses(topo, n_workers: int, seed: int):
+    """The paused-worker rotation of the ``+pause`` rows: one of the workers' hosts at a time, ``PAUSE_BPS``."""
+    from ltp_ps.schedules.fluid import RotatingPauses
+
+    return RotatingPauses(list(topo.names[:n_workers]), 1, PAUSE_PERIOD_S, random.Random(seed), rate_bps=PAUSE_BPS)
+
+
+def _predict_colocated_or_paused(schedule: str, topo, n_workers: int, model_bytes: int) -> float:
+    from ltp_ps.schedules import create
+    from ltp_ps.schedules.estimate import plan_flows
+    from ltp_ps.schedules.fluid import FluidNetwork, simulate
+
+    base, w = _world_of_row(schedule, topo, n_workers, model_bytes)
+    sched = create(base, w, **ROW_OPTIONS.get(schedule, {}))
+    if schedule not in PAUSE_ROWS:
+        return sched.predict_s(int(model_bytes))
+    net = FluidNetwork.from_topology(w.effective_topology())
+    flows = plan_flows(sched.plan(0), w, int(model_bytes))
+    return statistics.median(simulate(net, flows, pauses=_HostPauses(rotating_pauses(topo, n_workers, s), w))
+                             .completion_s for s in PAUSE_SEEDS)
 
 
 def _predict_hoplite_rows(schedule: str, topo, n_workers: int, model_bytes: int) -> float:
@@ -189,11 +267,17 @@ def _gaps(rows: list[dict]) -> list[float]:
 
 
 def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, rounds: int, transport: str = "ltp",
-            block_at: int | None = None, seed: int = 1, workdir: str, timeout_s: float = JOB_TIMEOUT_S) -> dict:
-    """One job of ``schedule`` in ``lab``; returns its metrics rows and, with ``block_at``, the pair blocked."""
+            block_at: int | None = None, seed: int = 1, workdir: str, timeout_s: float = JOB_TIMEOUT_S,
+            pauses=None, rate_bps: float = 0.0) -> dict:
+    """One job of ``schedule`` in ``lab``; returns its metrics rows and, with ``block_at``, the pair blocked.
+
+    ``pauses`` (an object with ``paused(t)`` -> host names, t = seconds since the processes started):
+    those workers' egress is throttled to ``PAUSE_BPS`` and set back to ``rate_bps`` (0: unlimited)
+    when they leave the set and at the end."""
     from ltp_ps import rendezvous as rdv
 
-    base = schedule.split("+")[0]
+    base = COLOCATED_ROWS.get(schedule, schedule.split("+")[0])
+    shards = len(order) if schedule in COLOCATED_ROWS else 1  # K = 6 colocated: shard k on worker k's host
     env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
     env[rdv.DEFAULT_SECRET_ENV] = secrets.token_hex(16)
     hosts = [lab.hosts[i] for i in order]
@@ -213,6 +297,10 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
               "--schedule", base, "--transport", transport, "--topology", topo_path, "--seed", str(seed)]
     if schedule in ASYNC_ROWS:
         common += ["--mode", "async", "--momentum", "0"]
+    if shards > 1:
+        common += ["--num-servers", str(shards), "--colocate"]
+    for opt, value in ROW_OPTIONS.get(schedule, {}).items():
+        common += [f"--rat-{opt}", str(value)]
     if schedule == "hoplite+stagger":
         from ltp_ps.hoplite_roles import READY_STAGGER_ENV
 
@@ -230,8 +318,10 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
     try:
         spawn(hosts[0], py + ["store", "--store", store], "store")
         if base in PS_SCHEDULES:
-            spawn(hosts[0], py + ["server", "--shard", "0", "--store", store, "--metrics", metrics, "--host",
-                                  "0.0.0.0", "--advertise", hosts[0].addr] + common, "ps")
+            for k in range(shards):  # shard 0 writes `metrics`, shard k > 0 metrics.shard<k>.jsonl beside it
+                h = hosts[0] if shards == 1 else w_hosts[k]
+                spawn(h, py + ["server", "--shard", str(k), "--store", store, "--metrics", metrics, "--host",
+                               "0.0.0.0", "--advertise", h.addr] + common, "ps" if shards == 1 else f"ps{k}")
         for r in range(n):
             argv = py + ["worker", "--rank", str(r), "--store", store, "--pull-timeout", str(pull), "--host",
                          "0.0.0.0", "--advertise", w_hosts[r].addr] + common
@@ -241,7 +331,20 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
         t_end = time.monotonic() + timeout_s
         jobs = [p for name, p in procs if name != "store"]
         failed_since = None
+        if pauses is not None:
+            t_pause0, throttled = time.monotonic(), frozenset()
+            res["pauses"] = []
         while any(p.poll() is None for p in jobs):
+            if pauses is not None:  # the rotating throttle: one worker's egress at PAUSE_BPS at a time
+                now_paused = frozenset(pauses.paused(time.monotonic() - t_pause0))
+                if now_paused != throttled:
+                    by_name = {h.name: h for h in w_hosts}
+                    for name in throttled - now_paused:
+                        lab.impair(by_name[name], direction="egress", rate_bps=rate_bps or None)
+                    for name in now_paused - throttled:
+                        lab.impair(by_name[name], direction="egress", rate_bps=PAUSE_BPS)
+                    throttled = now_paused
+                    res["pauses"].append([round(time.monotonic() - t_pause0, 3), sorted(now_paused)])
             if time.monotonic() > t_end:
                 raise C.ExperimentError(f"{schedule}: not done within {timeout_s:.0f} s (logs in {workdir})")
             if failed_since is None and any(p.poll() not in (None, 0) for p in jobs):
@@ -290,6 +393,9 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
         if res["block_pair"] is not None:
             a, b = res["block_pair"]
             lab.unblock(hosts[a], hosts[b])
+        if pauses is not None:  # the next job starts on unthrottled links
+            for h in w_hosts:
+                lab.impair(h, direction="egress", rate_bps=rate_bps or None)
     return res
 
 
@@ -384,9 +490,11 @@ def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | No
                     if s not in predictions:
                         predictions[s] = predict(s, topo, len(INTERLEAVE) - (s in PS_ALONE_ROWS), model_bytes)
                     n_rounds = block_rounds if s == "rsgcm+block" else rounds
+                    pz = rotating_pauses(topo, len(INTERLEAVE), seed + rep) if s in PAUSE_ROWS else None
                     job = run_job(lab, s, order=INTERLEAVE, topo_path=topo_path, model_bytes=model_bytes,
                                   rounds=n_rounds, transport=transport,
-                                  block_at=block_at if s == "rsgcm+block" else None, seed=seed + rep, workdir=work)
+                                  block_at=block_at if s == "rsgcm+block" else None, seed=seed + rep, workdir=work,
+                                  pauses=pz, rate_bps=rate_bps)
                     row = _summarise_job(s, job, n_rounds)
                     row.update(repeat=rep, transport=transport, predicted_s=predictions[s],
                                loadavg_1m=os.getloadavg()[0])  # this shared machine's load: CPU-bound rows
@@ -401,6 +509,9 @@ def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | No
                     if row.get("round_s_median") and row["predicted_s"]:
                         row["measured_over_predicted"] = row["round_s_median"] / row["predicted_s"]
                     row["metrics"] = job["rows"]
+                    if job.get("pauses") is not None:
+                        row["pauses"] = len(job["pauses"])  # throttle changes applied during the job
+                        row["pause_log"] = job["pauses"]
                     runs.append(row)
                     bar.update(1)
                     if verbose and row["error"]:
@@ -426,8 +537,8 @@ def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | No
 def fluid_only_rows() -> list[dict]:
     """Issue 11's RAT and Hoplite lab rows as the fluid simulator predicts them (``schedules_fluid.lab_predictions``).
 
-    Not measured here: RAT with six colocated shards is twelve processes on this 2-core machine, and Hoplite's
-    controller is not driven by the executor yet (``docs/schedules.md``, Open).  Listed so the gap is visible.
+    The same setups are measured by the ``rat6``/``rat6c4``/``direct6``/``+pause`` and Hoplite rows; this list
+    is the model's view of the issue's exact setups (PS on its own host for Hoplite) beside them.
     """
     from . import schedules_fluid as F
 
@@ -497,6 +608,22 @@ def check(summary: list[dict], runs: list[dict]) -> list[dict]:
     if m("hoplite") and m("direct"):
         v = m("hoplite") / m("direct")
         add("hoplite round / direct BST (issue 11)", v, TARGET_HOPLITE_DIRECT, v <= TARGET_HOPLITE_DIRECT)
+    if m("rat6") and m("direct6"):
+        v = m("rat6") / m("direct6")
+        add("rat round / direct BST, K = 6 colocated shards (issue 11)", v, TARGET_RAT_DIRECT,
+            v <= TARGET_RAT_DIRECT, "shard k on worker k's host, --num-servers 6 --colocate")
+    if m("rat6c4") and m("direct6"):
+        v = m("rat6c4") / m("direct6")
+        add("rat round, cut-through (4 pieces), / direct BST, K = 6 colocated (issue 11)", v, TARGET_RAT_DIRECT,
+            v <= TARGET_RAT_DIRECT, "--rat-chunks 4")
+    if m("rat6") and m("ring"):
+        v = m("rat6") / m("ring")
+        add("rat round (K = 6 colocated) / ring all-reduce (issue 11)", v, TARGET_RAT_RING, v <= TARGET_RAT_RING)
+    if m("ring+pause") and m("rat6+pause"):
+        v = m("ring+pause") / m("rat6+pause")
+        add("ring / rat (K = 6) with one worker paused (issue 11)", v, TARGET_RING_OVER_RAT_PAUSED,
+            v >= TARGET_RING_OVER_RAT_PAUSED,
+            f"egress {PAUSE_BPS / 1e6:g} Mbit/s, redrawn every {PAUSE_PERIOD_S:g} s")
     g = lambda s: (by.get(s) or {}).get("grads_per_s")  # noqa: E731
     if g("hoplite+async") and g("direct+async"):
         v = g("hoplite+async") / g("direct+async")
