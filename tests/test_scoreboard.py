@@ -33,9 +33,25 @@ TABLE = {("clean", "ltp"): (3.0, 2.0), ("clean", "cubic"): (3.2, 1.8), ("lossy",
          ("wan", "ltp"): (0.80, 3.0), ("wan", "cubic"): (0.01, 3.0)}
 
 
+def _fake_job(tta_s, reach=None):
+    """A launch whose epochs are 10 s apart after the join at t=100; transport -> seconds to the accuracy."""
+    def launch(transport, *, job, loss, seed=0):
+        t = tta_s[transport]
+        rows = [{"event": "join", "t": 99.0}, {"event": "join", "t": 100.0}]
+        rows += [{"event": "epoch", "epoch": e, "t": 100.0 + 10 * (e + 1),
+                  "accuracy": 0.99 if t is not None and 10 * (e + 1) >= t else 0.1} for e in range(job["epochs"])]
+        return dict(rc=0, rows=rows, tail="")
+    return launch
+
+
+def _fake_twins(loaded=None, rc=0):
+    return lambda: (loaded if loaded is not None else {"wire": True, "udpio": True}, {"rc": rc, "summary": "5 passed"})
+
+
 def test_verdicts_from_side_by_side_ratios(tmp_path):
     res = S.run(quick=True, out=str(tmp_path), progress=False, verbose=False, bench=_fake_bench(TABLE),
-                incast_run=_fake_incast(1.05, 2.0))
+                incast_run=_fake_incast(1.05, 2.0), launch_job=_fake_job({"ltp": 10, "cubic": 20}),
+                twins=_fake_twins())
     v = {c["check"]: c["passed"] for c in res["checks"]}
     assert v["LTP/cubic machine CPU per GB"] is True          # 2.0/1.8 = 1.11 <= 1.25
     assert v["LTP/cubic goodput, 0% loss"] is True            # 3.0/3.2 = 0.94
@@ -47,8 +63,46 @@ def test_verdicts_from_side_by_side_ratios(tmp_path):
     assert v["LTP/cubic goodput, WAN 1% loss"] is True        # 80x
     assert v["LTP slowest / line-rate bound, 0.1%"] is True
     assert v["LTP/bbr slowest, 1.0%"] is True                 # 1.05/2.0
+    assert v["LTP/cubic time to 0.3 accuracy, 1% loss"] is True  # 10 s / 20 s
+    assert v["compiled ltp_ext modules loaded by default"] is True
+    assert v["pure-Python twins pass CI's transport tests"] is True
     assert (tmp_path / "scoreboard.csv").exists() and (tmp_path / "results.json").exists()
     assert not res["failures"]
+
+
+def test_time_to_accuracy_counts_from_the_last_join_and_a_run_that_never_gets_there_fails(tmp_path):
+    from ltp_tools.experiments import scoreboard_rows as SR
+
+    rows = [{"event": "join", "t": 5.0}, {"event": "join", "t": 7.0}, {"event": "epoch", "t": 9.0, "accuracy": 0.9},
+            {"event": "epoch", "t": 12.0, "accuracy": 0.96}, {"event": "epoch", "t": 15.0, "accuracy": 0.97}]
+    assert SR.time_to_accuracy(rows, 0.95) == 5.0 and SR.time_to_accuracy(rows, 0.99) is None
+    assert SR.time_to_accuracy(rows[2:], 0.5) is None  # no join: no start
+    res = S.run(rows=("tta",), quick=True, out=str(tmp_path), progress=False, verbose=False,
+                launch_job=_fake_job({"ltp": None, "cubic": 10}))
+    (c,) = res["checks"]
+    assert c["passed"] is False and c["value"] is None and "ltp: never reached" in c["detail"]
+    res = S.run(rows=("tta",), quick=True, out=str(tmp_path), progress=False, verbose=False,
+                launch_job=_fake_job({"ltp": 20, "cubic": 20}))
+    assert res["checks"][0]["passed"] is False and res["checks"][0]["value"] == 1.0  # 1.0 > 0.8
+
+
+def test_twins_row_fails_on_a_twin_loaded_by_default_or_a_failing_twin_test(tmp_path):
+    res = S.run(rows=("twins",), out=str(tmp_path), progress=False, verbose=False,
+                twins=_fake_twins({"wire": True, "udpio": False}, rc=1))
+    v = {c["check"]: c for c in res["checks"]}
+    assert v["compiled ltp_ext modules loaded by default"]["passed"] is False
+    assert "udpio: TWIN" in v["compiled ltp_ext modules loaded by default"]["detail"]
+    assert v["pure-Python twins pass CI's transport tests"]["passed"] is False and res["failures"]
+
+
+def test_twin_test_list_is_the_one_ci_runs_and_the_compiled_path_is_the_default():
+    from ltp_tools.experiments import scoreboard_rows as SR
+
+    root = SR.repo_root()
+    files = SR.twin_test_files(root)
+    assert files and "tests/test_engine.py" in files and "tests/test_endpoint_cancel_clean.py" in files
+    loaded = SR.compiled_default()
+    assert loaded and all(loaded.values()), loaded  # the guard test's claim, seen from a fresh interpreter
 
 
 def test_failed_measurement_is_reported_not_passed(tmp_path):
@@ -75,3 +129,17 @@ def test_quick_cpu_row_in_the_lab(tmp_path):
         r = res["raw"][key]
         assert r["goodput_gbps"] > 0 and r["machine_cpu_s"] is not None and r["machine_cpu_s"] > 0
     assert all(c["value"] is not None for c in res["checks"])
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(_problem is not None, reason=f"network lab unavailable: {_problem}")
+def test_quick_time_to_accuracy_row_in_the_lab(tmp_path):
+    """Two real launches (LTP, TCP cubic; 2 workers, 2 epochs, 1 % loss at the PS): both train, both times exist."""
+    res = S.run(rows=("tta",), quick=True, out=str(tmp_path), progress=False, verbose=False)
+    assert not res["failures"], res["failures"]
+    for tr in ("ltp", "cubic"):
+        r = res["raw"]["tta"][tr]
+        assert r["rc"] == 0 and len(r["epochs"]) == 2 and r["time_to_accuracy_s"] > 0
+    assert res["checks"][0]["value"] is not None

@@ -17,6 +17,11 @@ Theory of operation
     ``incast``     N workers x S bytes into one 1 Gbit/s PS link at 0.1 % and 1 % loss
                    (:mod:`.incast`): LTP's slowest round <= 1.1x the line-rate bound, its
                    p95/median <= 1.2, and <= 0.7x bbr's slowest round.
+    ``tta``        the README main job (digits, 4 workers, 15 epochs) at 1 % loss over LTP
+                   and over TCP cubic: LTP's time to 95 % accuracy <= 0.8x cubic's
+                   (:mod:`.scoreboard_rows`).
+    ``twins``      the compiled path is the default, and the pure-Python twins pass the
+                   transport tests CI runs against them (:mod:`.scoreboard_rows`).
 
     Machine-wide CPU comes from ``/proc/stat`` (:mod:`ltp_tools.machine_cpu`): run the
     scoreboard on an otherwise idle machine, or the CPU rows measure the other load too.
@@ -35,7 +40,7 @@ import time
 from . import _common as C
 
 NAME = "scoreboard"
-ROWS = ("cpu", "loss", "tbf", "wan", "incast")
+ROWS = ("cpu", "loss", "tbf", "wan", "incast", "tta", "twins")
 CHECK_COLUMNS = ["row", "check", "value", "target", "passed", "detail"]
 
 # The issue's thresholds, named once.
@@ -68,21 +73,28 @@ def _ratio(a, b):
 
 
 def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: bool = True, seed: int = 1,
-        verbose: bool = True, bench=None, incast_run=None) -> dict:
+        verbose: bool = True, bench=None, incast_run=None, launch_job=None, twins=None) -> dict:
     """Run the requested rows; return ``dict(checks=[...], raw={...}, table=str, failures=[...])``.
 
-    ``bench`` and ``incast_run`` default to :func:`ltp_tools.bench.run_bench` and
-    :func:`.incast.run`; tests pass fakes to check the verdict logic without a lab.
+    ``bench``, ``incast_run``, ``launch_job`` and ``twins`` default to
+    :func:`ltp_tools.bench.run_bench`, :func:`.incast.run`, :func:`.scoreboard_rows.launch_job`
+    and the twin checks of :mod:`.scoreboard_rows`; tests pass fakes to check the verdict logic
+    without a lab.
     """
     from ltp_tools import bench as B
     from . import incast as I
+    from . import scoreboard_rows as SR
 
     bench = bench or B.run_bench
     incast_run = incast_run or I.run
+    launch_job = launch_job or SR.launch_job
     for r in rows:
         if r not in ROWS:
             raise ValueError(f"unknown scoreboard row {r!r}; choose from {', '.join(ROWS)}")
-    if bench is B.run_bench or incast_run is I.run:
+    needs_lab = {"cpu": bench is B.run_bench, "loss": bench is B.run_bench, "tbf": bench is B.run_bench,
+                 "wan": bench is B.run_bench, "incast": incast_run is I.run, "tta": launch_job is SR.launch_job,
+                 "twins": False}
+    if any(needs_lab[r] for r in rows):
         C.require_lab()
     sz = _sizes(quick)
     outdir = C.out_dir(NAME, out)
@@ -104,7 +116,7 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
         r = raw.get(key)
         return None if r is None else r.get(field)
 
-    plan = {"cpu": 2, "loss": 3 + ("cpu" not in rows), "tbf": 1, "wan": 2, "incast": 1}
+    plan = {"cpu": 2, "loss": 3 + ("cpu" not in rows), "tbf": 1, "wan": 2, "incast": 1, "tta": 2, "twins": 1}
     with C.progress(sum(plan[r] for r in rows), NAME, disable=not progress) as bar:
         if "cpu" in rows or "loss" in rows:
             for t in (("ltp", "cubic") if "cpu" in rows else ("ltp",)):
@@ -173,6 +185,33 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
                 checks.append(_check("incast", f"LTP/bbr slowest, {loss:.1%}", ratio,
                                      f"<= {INCAST_SLOWEST_MAX_VS_BBR}",
                                      None if ratio is None else ratio <= INCAST_SLOWEST_MAX_VS_BBR))
+        if "tta" in rows:
+            job, acc = (SR.TTA_QUICK, SR.TTA_QUICK_ACCURACY) if quick else (SR.TTA_JOB, SR.TTA_ACCURACY)
+            runs = {}
+            for tr in ("ltp", "cubic"):
+                try:
+                    runs[tr] = launch_job(tr, job=job, loss=SR.TTA_LOSS, seed=seed)
+                    if runs[tr]["rc"] != 0:
+                        failures.append(dict(measurement=f"tta/{tr}", error=f"exit {runs[tr]['rc']}: "
+                                                                           f"{runs[tr]['tail'][-500:]}"))
+                except Exception as e:  # noqa: BLE001
+                    failures.append(dict(measurement=f"tta/{tr}", error=f"{type(e).__name__}: {e}"[:2000]))
+                    runs[tr] = None
+                bar.update(1)
+            raw["tta"] = {tr: None if r is None else dict(rc=r["rc"], time_to_accuracy_s=SR.time_to_accuracy(
+                r["rows"], acc), epochs=[{k: e.get(k) for k in ("epoch", "t", "accuracy", "delivered_mean")}
+                                         for e in r["rows"] if e.get("event") == "epoch"]) for tr, r in runs.items()}
+            checks.extend(SR.tta_checks(runs, acc, _check))
+        if "twins" in rows:
+            try:
+                loaded, twin = twins() if twins is not None else _twins(SR)
+                raw["twins"] = dict(loaded=loaded, twin_tests=twin)
+                checks.extend(SR.twins_checks(loaded, twin, _check))
+                if twin is not None and twin["rc"] != 0:
+                    failures.append(dict(measurement="twins", error=twin["summary"]))
+            except Exception as e:  # noqa: BLE001
+                failures.append(dict(measurement="twins", error=f"{type(e).__name__}: {e}"[:2000]))
+            bar.update(1)
     table = C.format_table(CHECK_COLUMNS[:5], [[c[k] for k in CHECK_COLUMNS[:5]] for c in checks])
     res = dict(experiment=NAME, params=dict(rows=list(rows), quick=quick, seed=seed, sizes=sz),
                environment=C.environment(), wall_s=round(time.time() - t0, 1), checks=checks, raw=raw,
@@ -186,6 +225,12 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
         for f in failures:
             print(f"FAILED {f}")
     return res
+
+
+def _twins(SR) -> tuple[dict, dict | None]:
+    root = SR.repo_root()
+    files = SR.twin_test_files(root)
+    return SR.compiled_default(), (None if files is None else SR.run_twin_tests(root, files))
 
 
 def register(subparsers) -> None:
