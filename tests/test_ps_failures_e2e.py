@@ -143,7 +143,7 @@ def test_worker_under_a_failed_ps_exits_non_zero(tmp_path):
     env = child_env()
     common = ["--store", f"127.0.0.1:{port}", "--workers", 1, "--model", "digits", "--transport", "tcp",
               "--store-timeout", 30]
-    server = subprocess.Popen(ps_cmd("server", *common, "--epochs", 5, "--lr", "inf"),  # diverges at once
+    server = subprocess.Popen(ps_cmd("server", *common, "--epochs", 5, "--lr", "1e38"),  # diverges at once (inf itself is refused)
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     worker = subprocess.Popen(ps_cmd("worker", *common, "--rank", 0), env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
