@@ -51,7 +51,8 @@ def _fake_twins(loaded=None, rc=0):
 def test_verdicts_from_side_by_side_ratios(tmp_path):
     res = S.run(quick=True, out=str(tmp_path), progress=False, verbose=False, bench=_fake_bench(TABLE),
                 incast_run=_fake_incast(1.05, 2.0), launch_job=_fake_job({"ltp": 10, "cubic": 20}),
-                twins=_fake_twins())
+                twins=_fake_twins(), broadcast=lambda transport, size, peers: {"duration_s": {"ltp": 1.2,
+                                                                                             "cubic": 1.0}[transport]})
     v = {c["check"]: c["passed"] for c in res["checks"]}
     assert v["LTP/cubic machine CPU per GB"] is True          # 2.0/1.8 = 1.11 <= 1.25
     assert v["LTP/cubic goodput, 0% loss"] is True            # 3.0/3.2 = 0.94
@@ -64,6 +65,7 @@ def test_verdicts_from_side_by_side_ratios(tmp_path):
     assert v["LTP slowest / line-rate bound, 0.1%"] is True
     assert v["LTP/bbr slowest, 1.0%"] is True                 # 1.05/2.0
     assert v["LTP/cubic time to 0.3 accuracy, 1% loss"] is True  # 10 s / 20 s
+    assert v["LTP broadcast / 4 cubic connections, time"] is False  # 1.2 > 1.0
     assert v["compiled ltp_ext modules loaded by default"] is True
     assert v["pure-Python twins pass CI's transport tests"] is True
     assert (tmp_path / "scoreboard.csv").exists() and (tmp_path / "results.json").exists()
@@ -143,3 +145,17 @@ def test_quick_time_to_accuracy_row_in_the_lab(tmp_path):
         r = res["raw"]["tta"][tr]
         assert r["rc"] == 0 and len(r["epochs"]) == 2 and r["time_to_accuracy_s"] > 0
     assert res["checks"][0]["value"] is not None
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_problem is not None, reason=f"network lab unavailable: {_problem}")
+@pytest.mark.parametrize("transport", ["ltp", "cubic"])
+def test_broadcast_bench_delivers_to_every_peer(transport):
+    from ltp_tools import broadcast_bench as BB
+
+    r = BB.run(transport=transport, size=3_000_000, peers=3, timeout=60)
+    assert r["duration_s"] > 0 and r["peers"] == 3 and r["goodput_gbps"] > 0
+    if transport == "ltp":
+        assert r["delivered"] == [1.0, 1.0, 1.0]

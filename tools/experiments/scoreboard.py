@@ -17,6 +17,9 @@ Theory of operation
     ``incast``     N workers x S bytes into one 1 Gbit/s PS link at 0.1 % and 1 % loss
                    (:mod:`.incast`): LTP's slowest round <= 1.1x the line-rate bound, its
                    p95/median <= 1.2, and <= 0.7x bbr's slowest round.
+    ``bcast``      reliable broadcast of 100 MB to 4 peers from one process: LTP's
+                   ``Endpoint.broadcast`` <= 1.0x the time of four cubic connections from one
+                   process (:mod:`ltp_tools.broadcast_bench`).
     ``tta``        the README main job (digits, 4 workers, 15 epochs) at 1 % loss over LTP
                    and over TCP cubic: LTP's time to 95 % accuracy <= 0.8x cubic's
                    (:mod:`.scoreboard_rows`).
@@ -40,7 +43,7 @@ import time
 from . import _common as C
 
 NAME = "scoreboard"
-ROWS = ("cpu", "loss", "tbf", "wan", "incast", "tta", "twins")
+ROWS = ("cpu", "loss", "tbf", "wan", "incast", "bcast", "tta", "twins")
 CHECK_COLUMNS = ["row", "check", "value", "target", "passed", "detail"]
 
 # The issue's thresholds, named once.
@@ -53,14 +56,16 @@ WAN_MIN_VS_CUBIC = 50.0
 INCAST_SLOWEST_MAX_VS_BOUND = 1.1
 INCAST_TAIL_MAX = 1.2
 INCAST_SLOWEST_MAX_VS_BBR = 0.7
+BCAST_MAX_VS_TCP = 1.0
+BCAST_PEERS = 4
 
 
 def _sizes(quick: bool) -> dict:
     if quick:
         return dict(clean=50_000_000, lossy=30_000_000, tbf=20_000_000, wan_ltp=20_000_000, wan_tcp=2_000_000,
-                    incast_workers=4, incast_size=2_000_000, incast_iterations=2)
+                    incast_workers=4, incast_size=2_000_000, incast_iterations=2, bcast=10_000_000)
     return dict(clean=1_000_000_000, lossy=500_000_000, tbf=200_000_000, wan_ltp=200_000_000, wan_tcp=20_000_000,
-                incast_workers=8, incast_size=20_000_000, incast_iterations=5)
+                incast_workers=8, incast_size=20_000_000, incast_iterations=5, bcast=100_000_000)
 
 
 def _check(row: str, name: str, value, target: str, passed: bool | None, detail: str = "") -> dict:
@@ -73,7 +78,7 @@ def _ratio(a, b):
 
 
 def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: bool = True, seed: int = 1,
-        verbose: bool = True, bench=None, incast_run=None, launch_job=None, twins=None) -> dict:
+        verbose: bool = True, bench=None, incast_run=None, launch_job=None, twins=None, broadcast=None) -> dict:
     """Run the requested rows; return ``dict(checks=[...], raw={...}, table=str, failures=[...])``.
 
     ``bench``, ``incast_run``, ``launch_job`` and ``twins`` default to
@@ -88,12 +93,15 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
     bench = bench or B.run_bench
     incast_run = incast_run or I.run
     launch_job = launch_job or SR.launch_job
+    from ltp_tools import broadcast_bench as BB
+
+    broadcast = broadcast or BB.run
     for r in rows:
         if r not in ROWS:
             raise ValueError(f"unknown scoreboard row {r!r}; choose from {', '.join(ROWS)}")
     needs_lab = {"cpu": bench is B.run_bench, "loss": bench is B.run_bench, "tbf": bench is B.run_bench,
                  "wan": bench is B.run_bench, "incast": incast_run is I.run, "tta": launch_job is SR.launch_job,
-                 "twins": False}
+                 "bcast": broadcast is BB.run, "twins": False}
     if any(needs_lab[r] for r in rows):
         C.require_lab()
     sz = _sizes(quick)
@@ -116,7 +124,8 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
         r = raw.get(key)
         return None if r is None else r.get(field)
 
-    plan = {"cpu": 2, "loss": 3 + ("cpu" not in rows), "tbf": 1, "wan": 2, "incast": 1, "tta": 2, "twins": 1}
+    plan = {"cpu": 2, "loss": 3 + ("cpu" not in rows), "tbf": 1, "wan": 2, "incast": 1, "bcast": 2, "tta": 2,
+            "twins": 1}
     with C.progress(sum(plan[r] for r in rows), NAME, disable=not progress) as bar:
         if "cpu" in rows or "loss" in rows:
             for t in (("ltp", "cubic") if "cpu" in rows else ("ltp",)):
@@ -185,6 +194,19 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
                 checks.append(_check("incast", f"LTP/bbr slowest, {loss:.1%}", ratio,
                                      f"<= {INCAST_SLOWEST_MAX_VS_BBR}",
                                      None if ratio is None else ratio <= INCAST_SLOWEST_MAX_VS_BBR))
+        if "bcast" in rows:
+            for tr in ("ltp", "cubic"):
+                try:
+                    raw[f"bcast/{tr}"] = broadcast(transport=tr, size=sz["bcast"], peers=BCAST_PEERS)
+                except Exception as e:  # noqa: BLE001
+                    failures.append(dict(measurement=f"bcast/{tr}", error=f"{type(e).__name__}: {e}"[:2000]))
+                    raw[f"bcast/{tr}"] = None
+                bar.update(1)
+            lt, cu = g("bcast/ltp", "duration_s"), g("bcast/cubic", "duration_s")
+            ratio = _ratio(lt, cu)
+            checks.append(_check("bcast", f"LTP broadcast / {BCAST_PEERS} cubic connections, time", ratio,
+                                 f"<= {BCAST_MAX_VS_TCP}", None if ratio is None else ratio <= BCAST_MAX_VS_TCP,
+                                 f"{sz['bcast'] / 1e6:g} MB to {BCAST_PEERS} peers: ltp {lt} s, cubic {cu} s"))
         if "tta" in rows:
             job, acc = (SR.TTA_QUICK, SR.TTA_QUICK_ACCURACY) if quick else (SR.TTA_JOB, SR.TTA_ACCURACY)
             runs = {}

@@ -1,0 +1,148 @@
+"""Reliable one-to-many: one process sends the same ``size`` bytes to N peers, LTP vs N kernel-TCP connections.
+
+Theory of operation
+    Issue 8's target 5 ("reliable broadcast of 100 MB to 4 peers: <= 1.0x the time of four
+    kernel-TCP connections from one process").  A lab of N + 1 hosts (unlimited veths, as the
+    ``cpu`` row), the sender on the first.
+
+    * LTP: one receiver process per peer posts a receive for the message; the sender process
+      calls :meth:`ltp.Endpoint.broadcast` (reliable) once and its clock stops when every peer's
+      transfer is acknowledged in full.
+    * TCP: a ``tcpbench server --once`` per peer; the sender process runs one
+      :func:`ltp_tools.tcpbench.send` per peer on its own thread (``send()`` releases the GIL),
+      each stopping when its receiver confirmed the byte count; the broadcast time is from the
+      start until the last confirmation.
+
+    Result: one JSON line per run with ``duration_s``, ``goodput_gbps`` (N x size over the
+    duration) and the machine-wide CPU over the transfer.
+
+    python -m ltp_tools.broadcast_bench --transport ltp|cubic|bbr --size 100M --peers 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+
+from ltp_tools.machine_cpu import machine_cpu_s
+
+PORT = 7447
+TCP_PORT = 5201
+
+_LTP_RECV = r'''
+import asyncio, sys, numpy as np, ltp
+async def main():
+    ep = await ltp.open_endpoint(("0.0.0.0", int(sys.argv[1])))
+    buf = np.zeros(int(sys.argv[2]), np.uint8)
+    print("ready", flush=True)
+    reports = await ep.recv(buf, tag=7, timeout=float(sys.argv[3]))
+    ok = bool((buf[::4096] == 0x5a).all()) and buf[-1] == 0x5a
+    print("done" if ok else "corrupt", flush=True)
+    await asyncio.sleep(0.5)  # let the last ACKs leave
+    await ep.close()
+ltp.run(main())
+'''
+
+_LTP_SEND = r'''
+import asyncio, json, sys, time, numpy as np, ltp
+from ltp_tools.machine_cpu import machine_cpu_s
+async def main():
+    peers = [(h, int(sys.argv[1])) for h in sys.argv[4:]]
+    ep = await ltp.open_endpoint(("0.0.0.0", 0))
+    data = np.full(int(sys.argv[2]), 0x5a, np.uint8)
+    m0, t0 = machine_cpu_s(), time.monotonic()
+    reports = await ep.broadcast(peers, data, tag=7, timeout=float(sys.argv[3]))
+    dur, m1 = time.monotonic() - t0, machine_cpu_s()
+    print(json.dumps({"duration_s": dur, "machine_cpu_s": None if m0 is None else round(m1 - m0, 3),
+                      "delivered": [getattr(r, "delivered_fraction", None) for r in reports]}), flush=True)
+    await ep.close()
+ltp.run(main())
+'''
+
+
+def tcp_broadcast(hosts: list[str], size: int, cc: str = "cubic", port: int = TCP_PORT) -> dict:
+    """One process, one thread and one TCP connection per peer, all at once; returns the timing dict."""
+    from ltp_tools.tcpbench import send
+
+    results: list = [None] * len(hosts)
+
+    def one(i, h):
+        try:
+            results[i] = send(h, port, size, cc=cc)
+        except Exception as e:  # noqa: BLE001 - reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i, h)) for i, h in enumerate(hosts)]
+    m0, t0 = machine_cpu_s(), time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    dur, m1 = time.monotonic() - t0, machine_cpu_s()
+    bad = [r for r in results if isinstance(r, Exception)]
+    if bad:
+        raise RuntimeError(f"TCP broadcast failed: {bad[0]}")
+    return {"duration_s": dur, "machine_cpu_s": None if m0 is None else round(m1 - m0, 3)}
+
+
+def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, timeout: float = 300.0) -> dict:
+    """One broadcast in a fresh lab of ``peers + 1`` hosts; the result dict (see the module docstring)."""
+    from ltp_tools.netlab import Lab
+
+    if peers < 1 or size < 1:
+        raise ValueError(f"need peers >= 1 and size >= 1 (got {peers}, {size})")
+    py = sys.executable
+    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with Lab(n_hosts=peers + 1) as lab:
+        snd, rcvs = lab.hosts[0], lab.hosts[1:]
+        addrs = [h.addr for h in rcvs]
+        if transport == "ltp":
+            procs = [lab.popen(h, [py, "-c", _LTP_RECV, str(PORT), str(size), str(timeout)], **kw) for h in rcvs]
+            for p in procs:  # each receiver has bound and posted before the sender starts
+                if p.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"an LTP receiver did not start: {p.stderr.read()[-800:]}")
+            s = lab.run(snd, [py, "-c", _LTP_SEND, str(PORT), str(size), str(timeout), *addrs],
+                        capture_output=True, text=True, timeout=timeout + 30)
+            if s.returncode != 0:
+                raise RuntimeError(f"LTP broadcast sender failed: {s.stderr[-1500:]}")
+            res = json.loads(s.stdout.strip().splitlines()[-1])
+            outs = [p.communicate(timeout=30)[0].strip().splitlines() for p in procs]
+            if not all(o and o[-1] == "done" for o in outs):
+                raise RuntimeError(f"an LTP receiver did not get the whole message intact: {outs}")
+        else:
+            procs = [lab.popen(h, [py, "-m", "ltp_tools.tcpbench", "server", "--port", str(TCP_PORT), "--once"], **kw)
+                     for h in rcvs]
+            s = lab.run(snd, [py, "-c", f"import json; from ltp_tools.broadcast_bench import tcp_broadcast; "
+                                        f"print(json.dumps(tcp_broadcast({addrs!r}, {size}, {transport!r})))"],
+                        capture_output=True, text=True, timeout=timeout + 30)
+            for p in procs:
+                try:
+                    p.communicate(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            if s.returncode != 0:
+                raise RuntimeError(f"TCP broadcast sender failed: {s.stderr[-1500:]}")
+            res = json.loads(s.stdout.strip().splitlines()[-1])
+    res.update(transport=transport, size_bytes=size, peers=peers,
+               goodput_gbps=peers * size * 8 / res["duration_s"] / 1e9)
+    return res
+
+
+def main(argv=None) -> int:
+    from ltp_tools.bench import parse_size
+
+    ap = argparse.ArgumentParser(prog="python -m ltp_tools.broadcast_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--transport", default="ltp", help="ltp, or a TCP congestion control: cubic, bbr, reno")
+    ap.add_argument("--size", type=parse_size, default=parse_size("100M"))
+    ap.add_argument("--peers", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    a = ap.parse_args(argv)
+    print(json.dumps(run(transport=a.transport, size=a.size, peers=a.peers, timeout=a.timeout)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
