@@ -24,12 +24,19 @@ Round ``i``::
     apply                     the PS's Combine + Apply: one optimizer step with the mean of the
                               partial's contributors (unbiased per element), version += 1
 
-A worker's grants run strictly in the order issued, one stage each, so a
-partial copy forwards once its own receive stage ended (store-and-forward per
-grant; chunks within a grant are one stage).  Faults: workers send an
+A worker's grants run in the order issued, one stage each, with one
+exception (cut-through): in BSP rounds a grant of forwards only (the worker
+serves its partial parameter copy) runs in a second lane beside the receive
+lane, and each chunk leaves the moment this round's copy of it is held
+(``Slots.on_report``), so a broadcast chain is pipelined per 256 KiB chunk
+instead of store-and-forward per hop; a relay whose chunk never arrives gives
+up after the step's timeout, and its receiver is re-routed by the directory.
+Chunks are reported to the directory every ``PROGRESS_REPORT_S`` as they
+arrive.  Reduce hops stay store-and-forward: a node sends its running sum on
+once its incoming hop is combined.  Faults: workers send an
 ``{"alive": true}`` note every ``HEARTBEAT_S``; a worker whose control stream
-closes, whose grant delivery fails, or that stays silent for
-``--join-timeout`` is reported ``NodeFailed`` and every other worker is told
+closes, whose grant delivery fails, or that stays silent for ``SILENT_S``
+(``--join-timeout`` if shorter) is reported ``NodeFailed`` and every other worker is told
 ``{"failed": node}`` (a stage with that peer is aborted at once: the
 re-routed grants queue behind it); the controller re-routes the
 broadcast and the chain (``ltp_ps.schedules.hoplite``) and the round closes
@@ -58,7 +65,7 @@ import numpy as np
 from .errors import ConfigError, RemoteError, TrainingFailed, TransportTimeout
 from .schedules.driver import (DOWN, UP, ControlChannel, ControlDecodeError, ControllerDriver, event_from_json,
                                event_to_json, next_control_message, stop_workers, transfer_events)
-from .schedules.executor import Slots
+from .schedules.executor import IN_ORDER_WINDOW, Slots
 from .schedules.hoplite import chunk_slot, parse_chunk_slot
 from .schedules.hoplite_async import UpdateApplied, batch_of_slot, half_batch, params_key
 from .schedules.partial import Partial
@@ -70,9 +77,13 @@ from .transport.base import RecvReport
 EVENTS_PER_MESSAGE = 200  # a grant's receive reports per control message (~130 bytes each; CONTROL_BYTES is 64 KiB)
 POLL_S = 0.01  # seconds between the PS's looks at a round's progress
 HEARTBEAT_S = 0.5  # seconds between a worker's "alive" notes (a worker blocked on a dead peer is not silent)
+SILENT_S = 10.0  # seconds without a note (20 heartbeats) before the PS writes a worker off: a worker killed while no
+#                  transfer with it was in flight is found by nothing else (no send to it fails)
 QUIESCE_S = 2.0  # seconds the PS waits, after a round closed, for grants still being delivered
 READY_STAGGER_ENV = "LTP_HOPLITE_READY_STAGGER_S"  # experiments only: rank r reports its gradient r x this many
 #                                                    seconds after computing it (the lab's staggered-arrival row)
+IN_ORDER_PAYLOADS = frozenset({"params"})  # a parameter chunk grant's sends complete in chunk order (cut-through)
+PROGRESS_REPORT_S = 0.5  # seconds between a worker's reports of the parameter chunks it received (BSP)
 PROCESS_STALL_TIMEOUT_S = 5.0  # seconds without a chunk before a broadcast receiver re-queries (real processes:
 #                               a grant's chunks arrive as one stage, so progress is coarser than in memory)
 
@@ -89,6 +100,17 @@ def chunk_ranges(lo: int, hi: int, chunk_bytes: int, elem_bytes: int = 4) -> lis
     return [(lo + i * per, min(hi, lo + (i + 1) * per)) for i in range(n)]
 
 
+class _PieceDriver(ControllerDriver):
+    """The BSP PS runs each reduce piece's final receive in its own lane (keyed by the piece's first
+    element), so pieces arrive side by side; Combines and Apply stay in issue order in the node's lane."""
+
+    def queue_key(self, grant: Grant):
+        if grant.node == self.me and grant.steps and all(s.op == "recv" and s.payload == "partial"
+                                                         for s in grant.steps):
+            return (grant.node, "recv", grant.steps[0].lo)
+        return grant.node
+
+
 class _Handlers:
     def __init__(self, role: "_ServerRole"):
         self.role = role
@@ -103,6 +125,7 @@ class _ServerRole:
             raise ConfigError(f"--schedule hoplite runs with one PS shard (the directory and reduce receiver); "
                               f"the job has {ps.plan.n_shards}: pass --num-servers 1")
         self.ps = ps
+        ps.executor.in_order_payloads = IN_ORDER_PAYLOADS
         self.ctrl = self._controller()
         self.ctrl.stall_timeout_s = max(self.ctrl.stall_timeout_s, PROCESS_STALL_TIMEOUT_S)
         self.channels: dict = {}
@@ -129,7 +152,7 @@ class _ServerRole:
 
     # -- apply ----------------------------------------------------------------------------------------------------
     def apply(self, step, slots: Slots):
-        p = slots.partial(step.slot, step.lo, step.hi)
+        p = slots.assembled(step.slot, step.lo, step.hi)  # a reduce in pieces: one partial per piece's chain
         slots.clear_partials()  # the round's sum and the hops' inputs are used once
         self.applied = self._step(p, f"round {self.ps.iteration}")
         return None
@@ -167,7 +190,7 @@ class _ServerRole:
         ch = self.channels[node]
         rank = parse_node(node)[1]
         while True:
-            msg = await next_control_message(ch, self.ps.cfg.join_timeout_s, self.counters,
+            msg = await next_control_message(ch, min(SILENT_S, self.ps.cfg.join_timeout_s), self.counters,
                                              lambda why: self._fail(node, rank, why))
             if msg is None:
                 return
@@ -248,8 +271,8 @@ class _ServerRole:
         self._live = live
         if not live:
             raise TrainingFailed(self._all_lost(it))
-        driver = ControllerDriver(self.ctrl, ps.executor, ps._slots, _Handlers(self), deliver=self.deliver,
-                                  iteration=it)
+        driver = _PieceDriver(self.ctrl, ps.executor, ps._slots, _Handlers(self), deliver=self.deliver,
+                              iteration=it)
         self.driver = driver
         driver.start(live)
         try:
@@ -532,6 +555,7 @@ async def worker_run(w) -> dict:
     s0 = w.shards[0]
     ps = server_node(s0.shard)
     ch = ControlChannel(w.executor, ps, out_dir=UP, in_dir=DOWN)
+    w.executor.in_order_payloads = IN_ORDER_PAYLOADS
     ctrl = w.planner.controller()
     chunks = chunk_ranges(s0.lo, s0.hi, ctrl.chunk_bytes, ctrl.elem_bytes)
     for k, (a, b) in enumerate(chunks):
@@ -562,6 +586,83 @@ async def worker_run(w) -> dict:
 
     inbox: asyncio.Queue = asyncio.Queue()
     current: dict = {"grant": None, "task": None}
+    relay: dict = {"grant": None, "task": None}  # the forward lane's grant now running (cut-through)
+    relays: asyncio.Queue = asyncio.Queue()  # BSP forward-only grants, run beside the receive lane
+    held: dict = {}  # chunk index -> asyncio.Event, set the moment this round's copy of the chunk is held
+    pending: list = []  # ChunkArrived events not yet reported to the directory
+
+    def chunk_event(k: int) -> asyncio.Event:
+        ev = held.get(k)
+        if ev is None:
+            ev = held[k] = asyncio.Event()
+        return ev
+
+    def on_report(slot: str, r) -> None:
+        """A receive into a slot ended (BSP): a parameter chunk is held from now on -- it may be relayed at
+        once, and the directory hears of it with the next report (cut-through; chunks are reported as they
+        arrive, so a long transfer never looks stalled)."""
+        if state["async"]:
+            return
+        kc = parse_chunk_slot(slot)
+        if kc is None or kc[0] != s0.shard or not (isinstance(r, RecvReport) and r.received_bytes > 0):
+            return
+        if not 0 <= kc[1] < len(chunks):
+            return
+        state["have"].add(kc[1])
+        a, b = chunks[kc[1]]
+        pending.append(ChunkArrived(w.node, f"params:{kc[0]}", a, b, len(state["have"]) == len(chunks)))
+        chunk_event(kc[1]).set()
+
+    w.slots.on_report = on_report
+
+    async def relay_one(step, window: asyncio.Semaphore) -> None:
+        async with window:  # in chunk order, IN_ORDER_WINDOW at a time (as the PS sends them)
+            kc = parse_chunk_slot(step.slot)
+            if kc is not None and kc[0] == s0.shard and 0 <= kc[1] < len(chunks):
+                try:
+                    await asyncio.wait_for(chunk_event(kc[1]).wait(), w.executor._timeout(step))
+                except (asyncio.TimeoutError, TimeoutError):
+                    stats["relay_timeouts"] = stats.get("relay_timeouts", 0) + 1
+                    return  # never held: its receiver's transfer fails and the directory re-routes it
+            await w.executor.run(Program(w.node, ((step,),)), w.slots, None)
+
+    async def relay_lane() -> None:
+        """Forward-only grants (this worker serves its partial copy to one receiver): each chunk leaves as
+        soon as it is held, while the receive lane is still fetching the rest."""
+        while True:
+            g = await relays.get()
+            window = asyncio.Semaphore(IN_ORDER_WINDOW)
+            t = asyncio.ensure_future(asyncio.gather(*(relay_one(st, window) for st in g.steps),
+                                                     return_exceptions=True))
+            relay.update(grant=g, task=t)
+            try:
+                errors = [e for e in await t if isinstance(e, BaseException)]
+                if errors:  # a relay that cannot run fails this worker, as a receive-lane grant would
+                    raise errors[0]
+            except asyncio.CancelledError:
+                if not t.cancelled() or asyncio.current_task().cancelling():
+                    raise
+                stats["aborted"] = stats.get("aborted", 0) + 1
+            finally:
+                relay.update(grant=None, task=None)
+
+    def new_round() -> None:
+        held.clear()  # the old round's events stay set for nobody: its relays are cancelled below
+        pending.clear()
+        while not relays.empty():
+            relays.get_nowait()
+        if relay["task"] is not None:
+            relay["task"].cancel()
+        for t in list(hops_in):  # the old round's hops (it closed without them)
+            t.cancel()
+
+    async def report_progress() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_REPORT_S)
+            if pending:
+                batch = pending[:EVENTS_PER_MESSAGE]
+                del pending[:len(batch)]
+                await ch.send({"events": [event_to_json(ev) for ev in batch]})
 
     async def read() -> dict:
         """Control messages in order; "failed" aborts a running transfer with the dead node at once."""
@@ -578,11 +679,17 @@ async def worker_run(w) -> dict:
             if "stop" in msg:
                 return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True, **stats}
             if "failed" in msg:
-                g, t = current["grant"], current["task"]
-                if g is not None and t is not None and any(getattr(s, "peer", None) == msg["failed"]
-                                                           for s in g.steps):
-                    t.cancel()
-                    stats["aborted"] = stats.get("aborted", 0) + 1
+                for t, g in list(hops_in.items()):
+                    if any(getattr(s, "peer", None) == msg["failed"] for s in g.steps):
+                        aborted[t] = True
+                        t.cancel()
+                for lane in (current, relay):
+                    g, t = lane["grant"], lane["task"]
+                    if g is not None and t is not None and any(getattr(s, "peer", None) == msg["failed"]
+                                                               for s in g.steps):
+                        t.cancel()
+                        if lane is current:
+                            stats["aborted"] = stats.get("aborted", 0) + 1
                 continue
             inbox.put_nowait(msg)
 
@@ -591,16 +698,36 @@ async def worker_run(w) -> dict:
             await asyncio.sleep(HEARTBEAT_S)
             await ch.send({"alive": True})
 
-    async def follow() -> None:
+    work: asyncio.Queue = asyncio.Queue()
+    hops_in: dict = {}  # task -> grant: reduce-hop receives running beside the work lane (BSP)
+
+    async def receive_hop(g: Grant) -> None:
+        """A reduce hop's receive (BSP): runs beside the work lane, so this node combines and sends piece j on
+        while piece j + 1 still arrives; the PS grants the Combine after the TransferDone sent here."""
+        try:
+            reports = (await w.executor.run(Program(w.node, (tuple(g.steps),)), w.slots, None)).reports
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me.cancelling() > 1 or not aborted.pop(me, False):
+                raise
+            me.uncancel()
+            reports = [None] * len(g.steps)  # aborted: the sender died
+        events = transfer_events(w.node, g.steps, reports)
+        await ch.send({"events": [event_to_json(ev) for ev in events]})
+
+    aborted: dict = {}  # hop receive tasks cancelled because their sender died (they still report)
+
+    async def dispatch() -> None:
+        """Control messages in order: a BSP forward-only grant goes to the relay lane at once (even while the
+        receive lane still runs the grant that fills the chunks it relays), everything else to the work lane."""
         while True:
             msg = await inbox.get()
             if "async" in msg:
                 state["async"] = True
                 continue
             if "round" in msg:
-                state.update(round=int(msg["round"]), version=int(msg.get("version", 0)), have=set())
-                w.slots.clear_partials()
-                stats["rounds"] += 1
+                new_round()
+                work.put_nowait(msg)
                 continue
             try:
                 g = Grant.from_json(msg["grant"])
@@ -609,6 +736,24 @@ async def worker_run(w) -> dict:
                 continue
             stats["grants"] += 1
             if not g.steps or g.drop:
+                continue
+            if not state["async"] and all(st.op == "forward" for st in g.steps):
+                relays.put_nowait(g)
+            elif not state["async"] and all(st.op == "recv" and st.payload == "partial" for st in g.steps):
+                t = asyncio.ensure_future(receive_hop(g))
+                hops_in[t] = g
+                t.add_done_callback(lambda t: hops_in.pop(t, None))
+                t.add_done_callback(_raise_later)
+            else:
+                work.put_nowait(g)
+
+    async def follow() -> None:
+        while True:
+            g = await work.get()
+            if isinstance(g, dict):  # a round note, in order with the grants around it
+                state.update(round=int(g["round"]), version=int(g.get("version", 0)), have=set())
+                w.slots.clear_partials()
+                stats["rounds"] += 1
                 continue
             t = asyncio.ensure_future(w.executor.run(Program(w.node, (tuple(g.steps),)), w.slots, None))
             current.update(grant=g, task=t)
@@ -625,21 +770,19 @@ async def worker_run(w) -> dict:
             events = []
             fresh = None
             for s, r in zip(g.steps, reports):
-                if s.op == "recv" and s.payload == "params" and isinstance(r, RecvReport) and r.received_bytes > 0:
+                if (state["async"] and s.op == "recv" and s.payload == "params" and isinstance(r, RecvReport)
+                        and r.received_bytes > 0):
                     kc = parse_chunk_slot(s.slot)
                     if kc is None:
                         continue
-                    if state["async"]:  # the version is the broadcast tag's iteration field
-                        v = unpack_tag(s.tag).iteration
-                        have = state["have_v"].setdefault(v, set())
-                        have.add(kc[1])
-                        events.append(ChunkArrived(w.node, params_key(kc[0], v), s.lo, s.hi, len(have) == len(chunks)))
-                        if len(have) == len(chunks):
-                            fresh = v
-                        continue
-                    state["have"].add(kc[1])
-                    events.append(ChunkArrived(w.node, f"params:{kc[0]}", s.lo, s.hi,
-                                               len(state["have"]) == len(chunks)))
+                    v = unpack_tag(s.tag).iteration  # the version is the broadcast tag's iteration field
+                    have = state["have_v"].setdefault(v, set())
+                    have.add(kc[1])
+                    events.append(ChunkArrived(w.node, params_key(kc[0], v), s.lo, s.hi, len(have) == len(chunks)))
+                    if len(have) == len(chunks):
+                        fresh = v
+            if not state["async"]:  # BSP: the chunks held and not yet reported (on_report), then the transfer ends
+                events, pending[:] = pending[:], []
             events += transfer_events(w.node, g.steps, reports)
             # one control message per grant (at most EVENTS_PER_MESSAGE events each), chunks first: the
             # directory learns what we hold before the transfer ends
@@ -672,7 +815,10 @@ async def worker_run(w) -> dict:
     reader = asyncio.ensure_future(read())
     fol = asyncio.ensure_future(follow())
     beat = asyncio.ensure_future(heartbeat())
-    for t in (fol, beat):
+    lane = asyncio.ensure_future(relay_lane())
+    prog = asyncio.ensure_future(report_progress())
+    disp = asyncio.ensure_future(dispatch())
+    for t in (fol, beat, lane, prog, disp):
         t.add_done_callback(_raise_later)
     try:
         return await reader
@@ -681,6 +827,7 @@ async def worker_run(w) -> dict:
             raise failure[0] from None
         raise
     finally:
-        for t in [fol, beat, *tasks]:
+        w.slots.on_report = None
+        for t in [fol, beat, lane, prog, disp, *tasks, *hops_in, *([relay["task"]] if relay["task"] is not None else [])]:
             t.cancel()
-        await asyncio.gather(fol, beat, *tasks, return_exceptions=True)
+        await asyncio.gather(fol, beat, lane, prog, disp, *tasks, return_exceptions=True)

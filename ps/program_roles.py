@@ -46,7 +46,7 @@ import numpy as np
 from .errors import RemoteError, TransportTimeout
 from .membership import State
 from .schedules.executor import STOP
-from .schedules.partial import Partial
+from .schedules.partial import Partial, assemble
 from .schedules.program import Program, parse_node, worker as worker_node
 from .transport.base import CANCELLED, TIMEOUT, RecvReport
 from .wire import ELEM, HEADER_BYTES, KIND_PARAMS, KIND_STOP, ParamsHeader, tag_of
@@ -68,7 +68,7 @@ class _ServerHandlers:
             self._pieces[(step.lo, step.hi)] = p
             if sum(b - a for a, b in self._pieces) < ps.hi - ps.lo:
                 return None
-            p = _assemble(self._pieces, ps.lo, ps.hi - ps.lo)
+            p = assemble(self._pieces, ps.lo, ps.hi - ps.lo)
         self.partial = p
         if p is None or p.contributors == 0:
             return None
@@ -83,26 +83,6 @@ class _ServerHandlers:
         ps.version += 1
         self.applied = True
         return None
-
-
-def _assemble(pieces: dict, lo: int, n: int) -> Partial:
-    """One partial over ``[lo, lo + n)`` from reduced pieces that tile it (a piece may be None: nothing came);
-    per-element counts are kept, the loss and samples are those of the piece with the most contributors."""
-    full = Partial(n, lo=lo)
-    got = [q for q in pieces.values() if q is not None and q.contributors > 0]
-    if not got:
-        return full
-    top = max(got, key=lambda q: q.contributors)
-    full.contributors = top.contributors
-    full.samples, full.loss_sum = top.samples, top.loss_sum
-    deficit = np.full(n, top.contributors, dtype=np.int32)
-    for (a, b), q in pieces.items():
-        if q is None or q.contributors == 0:
-            continue
-        full.sum[a - lo:b - lo] = q.sum
-        deficit[a - lo:b - lo] -= q.counts().astype(np.int32)
-    full.deficit = deficit if deficit.any() else None
-    return full
 
 
 def _send_only_prefix(prog: Program) -> Program:

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ltp_ps.schedules.fluid import FluidNetwork, simulate
-from ltp_ps.schedules.hoplite import (CHUNK_BYTES, Broadcast, HopliteController, ObjectDirectory, ReduceChain,
-                                      broadcast_flows, params_slot, parse_chunk_slot, partition, reduce_flows, t_1d,
+from ltp_ps.schedules.hoplite import (CHUNK_BYTES, MAX_REDUCE_PIECES, Broadcast, HopliteController, ObjectDirectory,
+                                      ReduceChain, broadcast_flows, params_slot, parse_chunk_slot, partition, reduce_flows, t_1d,
                                       t_2d, use_2d)
-from ltp_ps.schedules.partial import Partial
+from ltp_ps.schedules.partial import Partial, assemble
 from ltp_ps.schedules.program import ChunkArrived, NodeFailed, NodeReady, TransferDone, server, worker
 
 MB = 1e6
@@ -246,6 +246,7 @@ class MemoryRun:
             self.slots[server(k)]["params"] = init.copy()
             self.slots[server(k)]["acc"] = {}
         self.applied = {}
+        self.counts = {}
         self.max_parallel_sends = 0
 
     def feed(self, grants):
@@ -294,16 +295,20 @@ class MemoryRun:
                         else:
                             self.slots[n].setdefault(s.slot, {})[(s.lo, s.hi)] = msg
                         events.append(TransferDone(s.peer, n, s.tag, ok=True))
-                    elif s.op == "combine":
-                        acc = self.slots[n]["acc"].setdefault((s.lo, s.hi), Partial(s.hi - s.lo, lo=s.lo))
+                    elif s.op == "combine":  # as the executor: into the exact range, else a slice of a cover
+                        acc = self._acc(n, s.lo, s.hi) or Partial(s.hi - s.lo, lo=s.lo)
                         src = self.slots[n].get(s.src)
                         part = src.slice(s.lo, s.hi) if isinstance(src, Partial) else (src or {}).get((s.lo, s.hi))
                         if part is not None:
                             acc.merge(part)
-                    elif s.op == "apply":
-                        acc = self.slots[n]["acc"][(s.lo, s.hi)]
+                        self.slots[n]["acc"][(s.lo, s.hi)] = acc
+                    elif s.op == "apply":  # one partial, or the pieces' (a reduce in pieces)
+                        accs = self.slots[n]["acc"]
+                        acc = accs.get((s.lo, s.hi)) or assemble(
+                            {r: q for r, q in accs.items() if s.lo <= r[0] and r[1] <= s.hi}, s.lo, s.hi - s.lo)
                         self.slots[n]["params"][s.lo:s.hi] = acc.mean()
                         self.applied[(s.lo, s.hi)] = acc.contributors
+                        self.counts[(s.lo, s.hi)] = acc.counts()
                 for ev in events:
                     self.event(ev)
                 if until is not None and until(self):
@@ -318,21 +323,34 @@ class MemoryRun:
                 buf = self.slots[n]["params"] if n.startswith("server:") else self.slots[n][params_slot(k)]
                 self.mail[(n, s.peer, s.tag)] = buf[s.lo:s.hi].copy()
             else:
-                self.mail[(n, s.peer, s.tag)] = self.slots[n]["acc"][(s.lo, s.hi)].copy()
+                self.mail[(n, s.peer, s.tag)] = self._acc(n, s.lo, s.hi).copy()
+
+    def _acc(self, n, lo, hi):
+        accs = self.slots[n]["acc"]
+        if (lo, hi) in accs:
+            return accs[(lo, hi)].copy()
+        cover = next((q for (a, b), q in accs.items() if a <= lo and hi <= b), None)
+        return None if cover is None else cover.slice(lo, hi)
 
 
-def _setup(n=6, K=2, n_elems=3000, seed=0, chunk_elems=256, latency_s=125e-6):
+def _setup(n=6, K=2, n_elems=3000, seed=0, chunk_elems=256, latency_s=125e-6, piece_bytes=None):
     shards = [(round(n_elems * k / K), round(n_elems * (k + 1) / K)) for k in range(K)]
     rng = np.random.default_rng(seed)
     grads = {r: rng.standard_normal(n_elems).astype(np.float32) for r in range(n)}
     init = np.arange(n_elems, dtype=np.float32)
-    ctrl = HopliteController(shards, chunk_bytes=chunk_elems * 4, rng=random.Random(seed), latency_s=latency_s)
+    ctrl = HopliteController(shards, chunk_bytes=chunk_elems * 4, rng=random.Random(seed), latency_s=latency_s,
+                             reduce_piece_bytes=piece_bytes)
     run = MemoryRun(ctrl, range(n), shards, grads, n_elems, init)
     return ctrl, run, grads, init, shards
 
 
-def test_controller_round_broadcasts_then_reduces_to_the_mean():
-    ctrl, run, grads, init, shards = _setup()
+PIECES = [None, 1000]  # one chain over the shards (store-and-forward hops), or ~250-element pieces (cut-through)
+
+
+@pytest.mark.parametrize("piece_bytes", PIECES)
+def test_controller_round_broadcasts_then_reduces_to_the_mean(piece_bytes):
+    ctrl, run, grads, init, shards = _setup(piece_bytes=piece_bytes)
+    assert len(ctrl.reduces or [None]) >= 1
     run.feed(ctrl.start(0, [worker(r) for r in range(6)], now=0.0))
     run.run()
     for r in range(6):  # every worker got every shard's parameters through the receiver-driven broadcast
@@ -346,11 +364,60 @@ def test_controller_round_broadcasts_then_reduces_to_the_mean():
     for k, (lo, hi) in enumerate(shards):
         np.testing.assert_allclose(run.slots[server(k)]["params"][lo:hi], want[lo:hi], rtol=1e-5, atol=1e-6)
     assert run.max_parallel_sends == 1  # one reduce send to one chain peer at a time per node
+    if piece_bytes:  # 3000 elements in 2 shards of 1500 = 6000 bytes: 6 pieces each, every chain the same order
+        assert len(ctrl.reduces) == 12 and len({tuple(h.dst for h in rc.hops) for rc in ctrl.reduces}) == 1
+        assert all(len(r) == 1 for r in ctrl._chain_ranges)
 
 
-def test_killing_a_chain_node_mid_round_closes_with_n_minus_1():
+def test_pieces_tile_each_shard_and_are_bounded():
+    c = HopliteController([(0, 1000), (1000, 1001)], reduce_piece_bytes=256)  # 64 elements per piece
+    c.start(0, [worker(0), worker(1)], now=0.0)
+    ranges = [r[0] for r in c._chain_ranges]
+    assert ranges[0] == (0, 0, 62) and ranges[-2] == (0, 937, 1000) and ranges[-1] == (1, 1000, 1001)
+    assert len(ranges) == 17  # ceil(1000 / 64) = 16 pieces of shard 0, the 1-element shard 1 whole
+    big = HopliteController([(0, 10 ** 7)], reduce_piece_bytes=4)
+    big.start(0, [worker(0)], now=0.0)
+    assert len(big.reduces) == MAX_REDUCE_PIECES
+    whole = HopliteController([(0, 10), (10, 20)])  # no pieces: one chain carries both shards
+    whole.start(0, [worker(0)], now=0.0)
+    assert whole._chain_ranges == [((0, 0, 10), (1, 10, 20))]
+
+
+def test_a_node_dying_between_pieces_keeps_each_pieces_mean_exact():
+    """Pieces pass a node at different times: a node killed after piece 0 went on but before the other
+    pieces did is in piece 0's sum only; every element's mean is over the contributions of its piece."""
+    n = 4
+    ctrl, run, grads, init, shards = _setup(n=n, K=1, n_elems=1000, seed=3, latency_s=1e-9, piece_bytes=1000)
+    ctrl.auto_get = False
+    run.feed(ctrl.start(0, [worker(r) for r in range(n)], now=0.0))
+    for r in (0, 1, 2):
+        run.event(NodeReady(worker(r), 0))
+    first, last = ctrl.reduces[0], ctrl.reduces[-1]
+    run.run(until=lambda _: worker(1) in first.contents.get(worker(2), ()))
+    assert worker(1) not in last.contents.get(worker(2), ())  # the later pieces have not passed it yet
+    run.kill(worker(1))
+    run.run()
+    run.event(NodeReady(worker(3), 0))
+    run.run()
+    assert ctrl.done()
+    lo, hi = shards[0]
+    got = run.slots[server(0)]["params"][lo:hi]
+    saw_both = set()
+    for rc, ((_, a, b),) in zip(ctrl.reduces, ctrl._chain_ranges):
+        members = sorted(int(x.split(":")[1]) for x in rc.contributions())
+        saw_both.add(1 in members)
+        assert set(members) >= {0, 2, 3}
+        want = np.mean([grads[r][a:b] for r in members], axis=0)
+        np.testing.assert_allclose(got[a:b], want, rtol=1e-5, atol=1e-6)
+        assert (run.counts[(lo, hi)][a - lo:b - lo] == len(members)).all()
+    assert saw_both == {True, False}
+    assert ctrl.contributions() == {worker(r) for r in range(n)}  # in at least one piece
+
+
+@pytest.mark.parametrize("piece_bytes", PIECES)
+def test_killing_a_chain_node_mid_round_closes_with_n_minus_1(piece_bytes):
     n = 6
-    ctrl, run, grads, init, shards = _setup(n=n, seed=4, latency_s=1e-9)  # 1D: n B L <= S
+    ctrl, run, grads, init, shards = _setup(n=n, seed=4, latency_s=1e-9, piece_bytes=piece_bytes)  # 1D
     ctrl.auto_get = False
     run.feed(ctrl.start(0, [worker(r) for r in range(n)], now=0.0))
     order = [2, 5, 0, 3, 1, 4]
@@ -372,9 +439,10 @@ def test_killing_a_chain_node_mid_round_closes_with_n_minus_1():
         np.testing.assert_allclose(run.slots[server(k)]["params"][lo:hi], want[lo:hi], rtol=1e-5, atol=1e-6)
 
 
-def test_killing_a_sender_in_flight_reroutes_from_its_predecessor():
+@pytest.mark.parametrize("piece_bytes", PIECES)
+def test_killing_a_sender_in_flight_reroutes_from_its_predecessor(piece_bytes):
     n = 5
-    ctrl, run, grads, init, shards = _setup(n=n, seed=5, latency_s=1e-9)
+    ctrl, run, grads, init, shards = _setup(n=n, seed=5, latency_s=1e-9, piece_bytes=piece_bytes)
     ctrl.auto_get = False
     run.feed(ctrl.start(0, [worker(r) for r in range(n)], now=0.0))
     for r in (0, 1):
@@ -394,9 +462,9 @@ def test_killing_a_sender_in_flight_reroutes_from_its_predecessor():
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(st.integers(2, 12), st.randoms(use_true_random=False), st.integers(0, 3))
-def test_any_order_any_deaths_round_closes_with_the_exact_mean(n, rnd, n_dead):
-    ctrl, run, grads, init, shards = _setup(n=n, K=1 + n % 2, n_elems=200, seed=n,
+@given(st.integers(2, 12), st.randoms(use_true_random=False), st.integers(0, 3), st.sampled_from(PIECES))
+def test_any_order_any_deaths_round_closes_with_the_exact_mean(n, rnd, n_dead, piece_bytes):
+    ctrl, run, grads, init, shards = _setup(n=n, K=1 + n % 2, n_elems=200, seed=n, piece_bytes=piece_bytes and 160,
                                             latency_s=rnd.choice([1e-9, 125e-6]))  # 1D or 2D chains
     ctrl.auto_get = False
     nodes = [worker(r) for r in range(n)]

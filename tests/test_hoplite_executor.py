@@ -26,11 +26,11 @@ class ServerRole:
         self.applied = {}
 
     def apply(self, step, slots):
-        p = slots.partial(step.slot, step.lo, step.hi)
+        p = slots.assembled(step.slot, step.lo, step.hi)  # the pieces' partials when the reduce ran in pieces
         self.applied[(step.lo, step.hi)] = (p.mean("unbiased"), p.counts(), p.contributors)
 
 
-async def _round(n, shards, grads, init, *, loss, seed, latency_s, order):
+async def _round(n, shards, grads, init, *, loss, seed, latency_s, order, piece_bytes=None):
     net = MemoryNetwork(loss=loss, segment_size=512, seed=seed)
     nodes = [server(k) for k in range(len(shards))] + [worker(r) for r in range(n)]
     eps = {x: net.endpoint() for x in nodes}
@@ -41,7 +41,8 @@ async def _round(n, shards, grads, init, *, loss, seed, latency_s, order):
     roles = {x: ServerRole() for x in nodes if x.startswith("server:")}
     for r in range(n):
         slots[worker(r)].put_partial("grad", Partial.of_gradient(grads[r]))
-    ctrl = HopliteController(shards, chunk_bytes=1024, latency_s=latency_s, rng=random.Random(seed))
+    ctrl = HopliteController(shards, chunk_bytes=1024, latency_s=latency_s, rng=random.Random(seed),
+                             reduce_piece_bytes=piece_bytes)
     queues = {x: asyncio.Queue() for x in nodes}
 
     def dispatch(grants):
@@ -81,8 +82,9 @@ async def _round(n, shards, grads, init, *, loss, seed, latency_s, order):
     return ctrl, params, roles
 
 
+@pytest.mark.parametrize("piece_bytes", [None, 700], ids=["whole", "pieces"])
 @pytest.mark.parametrize("n,K,latency_s,loss", [(5, 1, 1e-9, 0.0), (7, 2, 125e-6, 0.0), (6, 2, 125e-6, 0.03)])
-def test_hoplite_round_through_the_executor(n, K, latency_s, loss):
+def test_hoplite_round_through_the_executor(n, K, latency_s, loss, piece_bytes):
     n_elems = 1500
     shards = [(round(n_elems * k / K), round(n_elems * (k + 1) / K)) for k in range(K)]
     rng = np.random.default_rng(n)
@@ -91,7 +93,8 @@ def test_hoplite_round_through_the_executor(n, K, latency_s, loss):
     order = list(range(n))
     random.Random(n).shuffle(order)
     ctrl, params, roles = asyncio.run(_round(n, shards, grads, init, loss=loss, seed=1, latency_s=latency_s,
-                                             order=order))
+                                             order=order, piece_bytes=piece_bytes))
+    assert len(ctrl.reduces) == (1 if piece_bytes is None else K * -(-(1500 // K * 4) // 700))
     assert ctrl.reduce.dimensions == (1 if latency_s < 1e-6 else 2)
     for r in range(n):  # reliable receiver-driven broadcast: exact parameters everywhere
         np.testing.assert_array_equal(params[worker(r)], init)

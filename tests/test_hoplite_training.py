@@ -24,6 +24,17 @@ from ps_helpers import child_env, free_port, ps_cmd, stop, workload
 
 pytestmark = pytest.mark.timeout(120)
 
+PIECE_BYTES = [None, 16 * 1024]  # the digits model (153 kB) whole (below REDUCE_PIECE_BYTES), or in 10 pieces
+
+
+@pytest.fixture(params=PIECE_BYTES, ids=["whole", "pieces"])
+def piece_bytes(request, monkeypatch):
+    """The reduce's piece size the planners hand their controllers (cut-through reduce when set)."""
+    from ltp_ps.schedules import hoplite
+
+    monkeypatch.setattr(hoplite, "REDUCE_PIECE_BYTES", request.param)
+    return request.param
+
 
 def make_job(n_workers, *, loss=0.0, seed=0, schedule="hoplite", **server_kw):
     wl = workload()
@@ -47,8 +58,11 @@ def make_job(n_workers, *, loss=0.0, seed=0, schedule="hoplite", **server_kw):
 
 
 @pytest.mark.parametrize("n_workers", [2, 3, 5])
-async def test_hoplite_trains_digits_in_memory(n_workers):
+async def test_hoplite_trains_digits_in_memory(n_workers, piece_bytes):
     ps, workers = make_job(n_workers, epochs=6, lr=0.1)
+    ps_ctrl = ps.planner.controller()
+    ps_ctrl.start(0, [worker(r) for r in range(n_workers)], now=0.0)
+    assert len(ps_ctrl.reduces) == (10 if piece_bytes else 1)
     out = await asyncio.gather(ps.run(), *(w.run() for w in workers))
     assert all(o.get("stopped") for o in out[1:])
     ev = workload().evaluate(ps.params)
@@ -58,7 +72,7 @@ async def test_hoplite_trains_digits_in_memory(n_workers):
     assert len(rows) == ps.total
 
 
-async def test_hoplite_round_closes_without_a_dead_worker():
+async def test_hoplite_round_closes_without_a_dead_worker(piece_bytes):
     """A worker that stops answering mid-run is written off: later rounds close with the others' contributions."""
     ps, workers = make_job(4, epochs=3, lr=0.1, join_timeout_s=5.0)
     victim = workers[1]
@@ -80,7 +94,7 @@ async def test_hoplite_round_closes_without_a_dead_worker():
     assert workload().evaluate(ps.params)["accuracy"] >= 0.5  # 3 epochs; chance is 0.1
 
 
-async def test_hoplite_reduce_in_rank_order_is_bitwise_direct(monkeypatch):
+async def test_hoplite_reduce_in_rank_order_is_bitwise_direct(monkeypatch, piece_bytes):
     """Issue 11's accuracy gap (hoplite 0.9583 vs direct 0.9500 at 5 workers) is float summation order: with the
     chain in rank order (1D, rank r ready r x 0.25 s late) Hoplite's parameters after 4 rounds are bitwise those
     of direct, whose PS sums in rank order; Hoplite's default order gives float-rounding differences only."""
@@ -203,11 +217,17 @@ def test_torchrun_hoplite_trains_digits():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_launch_hoplite_killed_worker_does_not_hang(tmp_path):
+@pytest.mark.parametrize("model,transport,run", [("digits", "tcp", ("--epochs", 6)),
+                                                 ("synthetic:600000", "ltp", ("--iterations", 400))],
+                         ids=["digits-whole", "2.4MB-pieces"])
+def test_launch_hoplite_killed_worker_does_not_hang(tmp_path, model, transport, run):
+    """Real processes: SIGKILL a worker mid-run; later rounds close with the other two.  The 2.4 MB model is
+    reduced in 5 pieces (cut-through hops) and broadcast through cut-through relays."""
     out, metrics = tmp_path / "launch.out", tmp_path / "m.jsonl"
     with open(out, "w") as f:
-        proc = subprocess.Popen(ps_cmd("launch", "--schedule", "hoplite", "--workers", 3, "--epochs", 6, "--lab", "off",
-                                       "--transport", "tcp", "--metrics", metrics, "--compute-delay", 0.01, *TRAIN),
+        proc = subprocess.Popen(ps_cmd("launch", "--schedule", "hoplite", "--workers", 3, *run, "--lab", "off",
+                                       "--transport", transport, "--metrics", metrics, "--compute-delay", 0.01,
+                                       "--model", model, "--seed", 0),
                                 env=child_env(), stdout=f, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 90
@@ -227,6 +247,7 @@ def test_launch_hoplite_killed_worker_does_not_hang(tmp_path):
     assert "final / best accuracy" in text  # the PS finished with the two others
     its = [r for r in map(json.loads, open(metrics)) if r.get("event") == "iteration"]
     assert its[0]["contributors"] == 3 and its[-1]["contributors"] == 2
+    assert all(r["delivered"]["all"] == 1.0 for r in its)  # every element of every round reduced from someone
 
 
 def test_hoplite_cli_accepts_one_shard_bsp_or_async_and_names_the_fix_otherwise():

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from ltp_ps.program_roles import _assemble
+from ltp_ps.schedules.partial import assemble as _assemble
 from ltp_ps.schedules import World, create
 from ltp_ps.schedules.partial import Partial
 from ltp_ps.schedules.program import server, worker

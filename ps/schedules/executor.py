@@ -45,12 +45,13 @@ import numpy as np
 from ..aggregate import bubbles_to_elements, limit_ranges, merge_ranges
 from ..transport.base import (CANCELLED, TIMEOUT, RecvReport, Transport, as_bytes_view, gather_by_recv,
                               missing_report)
-from .partial import (ELEM, PARTIAL_HEADER_BYTES, Partial, PartialDecodeError, message_capacity)
+from .partial import (ELEM, PARTIAL_HEADER_BYTES, Partial, PartialDecodeError, assemble, message_capacity)
 from .program import RELIABLE, Program
 
 STOP = "stop"
 MIN_TIMEOUT_S = 0.001  # seconds; a dependent group never gets less
 DEFAULT_TIMEOUT_S = 60.0  # seconds for a step that names none and no default was configured
+IN_ORDER_WINDOW = 2  # messages in flight per peer for the payloads a role sends in order (Executor.in_order_payloads)
 MAX_CRITICAL_RANGES = 128  # LTP fits at most 160 critical ranges in a registration
 
 
@@ -96,6 +97,9 @@ class Slots:
         self.buffers: dict[str, Any] = {}
         self.critical: dict[str, Any] = {}  # slot -> byte ranges (raw payloads whose role computed them)
         self.reports: dict[str, Any] = {}  # slot -> the RecvReport of the last receive into it (roles decode raw slots)
+        #: called as ``on_report(slot, report)`` the moment each receive into a slot ends, before the rest of its
+        #: stage (Hoplite's workers forward a parameter chunk as soon as it is held: cut-through)
+        self.on_report = None
         self._partials: dict[str, PartialSet] = {}
 
     def bind(self, name: str, buf) -> None:
@@ -126,8 +130,24 @@ class Slots:
         ps = self._partials.get(name)
         return None if ps is None else ps.get(lo, hi)
 
+    def assembled(self, name: str, lo: int, hi: int) -> Partial | None:
+        """The partial of ``[lo, hi)`` in ``name``: one covering it, else one built from the pieces held inside
+        it (a reduce in pieces; elements of no piece count 0), else None."""
+        p = self.partial(name, lo, hi)
+        if p is not None:
+            return p
+        ps = self._partials.get(name)
+        parts = {r: q for r, q in (ps.parts.items() if ps else ()) if lo <= r[0] and r[1] <= hi}
+        return assemble(parts, lo, hi - lo) if parts else None
+
     def clear_partials(self) -> None:
         self._partials.clear()
+
+    def note_report(self, name: str, report) -> None:
+        """The receive into slot ``name`` ended with ``report`` (kept in :attr:`reports`; :attr:`on_report` told)."""
+        self.reports[name] = report
+        if self.on_report is not None:
+            self.on_report(name, report)
 
 
 @dataclasses.dataclass
@@ -149,6 +169,10 @@ class Executor:
         self.transport = transport
         self.me = me
         self.addresses = dict(addresses)
+        #: payloads whose single sends of one stage go to each peer in program order, ``IN_ORDER_WINDOW`` at a
+        #: time, so they also *complete* in order (concurrent messages to one peer share the path and all end
+        #: together); Hoplite's chunked parameters, which the receiver relays chunk by chunk (cut-through)
+        self.in_order_payloads: frozenset = frozenset()
         self.timeout_s = timeout_s
         self.payload_timeouts = dict(payload_timeouts or {})
         self.max_critical_ranges = max_critical_ranges
@@ -266,9 +290,15 @@ class Executor:
         for key, members in bcast.items():
             if len(members) > 1:
                 jobs.append(self._broadcast(members, slots, res))
+        ordered: dict = {}
         for i, s in transfers:
             if s.op in ("send", "forward") and i not in in_bcast:
-                jobs.append(self._send(i, s, slots, res, iteration))
+                if s.payload in self.in_order_payloads:
+                    ordered.setdefault(s.peer, []).append((i, s))
+                else:
+                    jobs.append(self._send(i, s, slots, res, iteration))
+        for members in ordered.values():
+            jobs.append(self._send_in_order(members, slots, res, iteration))
         send_groups = {}
         for i, s in transfers:
             if s.op in ("send", "forward") and getattr(s, "group", None) is not None:
@@ -305,6 +335,15 @@ class Executor:
         for (i, _), r in zip(members, reps):
             res.reports[i] = r
         self.counters["sent"] += len(members)
+
+    async def _send_in_order(self, members, slots, res, iteration) -> None:
+        window = asyncio.Semaphore(IN_ORDER_WINDOW)  # FIFO: the sends take it in program order
+
+        async def one(i, s):
+            async with window:
+                await self._send(i, s, slots, res, iteration)
+
+        await asyncio.gather(*(one(i, s) for i, s in members))
 
     async def _send(self, i, s, slots, res, iteration) -> None:
         if s.peer in self._exclude:
@@ -372,7 +411,7 @@ class Executor:
                            if isinstance(res.reports[i], RecvReport) and res.reports[i].received_bytes > 0}
         for k, (i, s) in enumerate(members):
             r = res.reports[i]
-            slots.reports[s.slot] = r
+            slots.note_report(s.slot, r)
             if not isinstance(r, RecvReport) or r.received_bytes == 0:
                 self.counters["missing"] += 1
                 res.missing.append((i, getattr(r, "regime", repr(r))))

@@ -72,6 +72,8 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 256 * 1024  # bytes per broadcast chunk (the issue's choice; the paper pipelines 4 KB blocks)
+REDUCE_PIECE_BYTES = 512 * 1024  # bytes per reduce piece: each piece has its own chain (cut-through reduce)
+MAX_REDUCE_PIECES = 32  # pieces per shard at most (control messages grow with pieces x hops)
 STALL_TIMEOUT_S = 0.5  # seconds without a chunk before a broadcast receiver gives up on its sender
 PAPER_LATENCY_S = 125e-6  # seconds: the paper's conservative point-to-point latency estimate (§6.1)
 KIND_PARAMS = 2  # ltp_ps.wire.KIND_PARAMS
@@ -644,7 +646,7 @@ class HopliteController(Controller):
     def __init__(self, shards: Sequence[tuple[int, int]], *, elem_bytes: int = 4, bandwidth_bps: float = 10e9,
                  latency_s: float = PAPER_LATENCY_S, rng: random.Random | None = None,
                  chunk_bytes: int = CHUNK_BYTES, stall_timeout_s: float = STALL_TIMEOUT_S, auto_get: bool = True,
-                 suffix: str = ""):
+                 suffix: str = "", reduce_piece_bytes: int | None = None):
         if not shards:
             raise ValueError("Hoplite needs at least one PS shard (the reduce receiver)")
         self.shards = [tuple(s) for s in shards]
@@ -659,12 +661,20 @@ class HopliteController(Controller):
         # chunk slots (a snapshot of that version's parameters).  "" in BSP rounds.
         self.suffix = suffix
         self.acc_slot = SLOT_ACC + suffix
+        # ``reduce_piece_bytes`` (None: one chain over every shard's range, store-and-forward per hop): the
+        # gradients are reduced in pieces of about this many bytes, each by its own chain over the same
+        # arrivals, so a node sends piece j on while it still receives piece j + 1 (cut-through; see
+        # :meth:`_pieces`).  Apply is granted once every piece's chain closed.
+        self.reduce_piece_bytes = reduce_piece_bytes
         self.iteration = 0
         self.broadcasts: list[Broadcast] = []
-        self.reduce: ReduceChain | None = None
-        self._tags: dict = {}  # tag -> ("bcast", k, Fetch) | ("reduce", Hop, shard)
-        self._hop_pending: dict = {}  # hop seq -> shard indices whose transfer has not ended yet
-        self._hop_slot: dict = {}  # hop seq -> receive slot name
+        self.reduce: ReduceChain | None = None  # the first piece's chain (the only one without pieces)
+        self.reduces: list[ReduceChain] = []  # one chain per piece
+        self._chain_ranges: list[tuple] = []  # per chain: ((shard, lo, hi), ...) it reduces
+        self._applied = False
+        self._tags: dict = {}  # tag -> ("bcast", k, Fetch) | ("reduce", chain, Hop, range index)
+        self._hop_pending: dict = {}  # (chain, hop seq) -> range indices whose transfer has not ended yet
+        self._hop_slot: dict = {}  # (chain, hop seq) -> receive slot name
         self._attempt = 0
 
     # -- Controller interface -------------------------------------------------
@@ -679,13 +689,37 @@ class HopliteController(Controller):
                                      chunk_bytes=self.chunk_bytes, stall_timeout_s=self.stall_timeout_s)
                            for k, (lo, hi) in enumerate(self.shards)]
         size = sum(hi - lo for lo, hi in self.shards) * self.elem_bytes
-        self.reduce = ReduceChain(self.nodes, "PS", size_bytes=size, bandwidth_bps=self.bandwidth_bps,
-                                  latency_s=self.latency_s, rng=self.rng)
+        self._chain_ranges = self._pieces()
+        self._applied = False
+        if len(self._chain_ranges) == 1:
+            rngs = [self.rng]
+        else:  # every piece's chain draws the same 2D partition (the same arrivals make the same hops)
+            seed = self.rng.random()
+            rngs = [random.Random(seed) for _ in self._chain_ranges]
+        self.reduces = [ReduceChain(self.nodes, "PS", size_bytes=size, bandwidth_bps=self.bandwidth_bps,
+                                    latency_s=self.latency_s, rng=r) for r in rngs]
+        self.reduce = self.reduces[0]
         out = []
         if self.auto_get:
             for n in self.nodes:
                 out += self.get(n, now=now)
         return out
+
+    def _pieces(self) -> list[tuple]:
+        """The reduce's chains, each as the ``(shard, lo, hi)`` ranges it carries: one chain over every shard
+        without ``reduce_piece_bytes``; else each shard cut into ``ceil(bytes / reduce_piece_bytes)`` near-equal
+        pieces (at most ``MAX_REDUCE_PIECES``), one chain each."""
+        whole = [tuple((k, lo, hi) for k, (lo, hi) in enumerate(self.shards))]
+        if not self.reduce_piece_bytes:
+            return whole
+        per = max(1, self.reduce_piece_bytes // self.elem_bytes)
+        out = []
+        for k, (lo, hi) in enumerate(self.shards):
+            n = hi - lo
+            p = min(MAX_REDUCE_PIECES, max(1, -(-n // per)))
+            cuts = [lo + n * i // p for i in range(p + 1)]
+            out += [((k, a, b),) for a, b in zip(cuts, cuts[1:]) if b > a]
+        return out if len(out) > 1 else whole
 
     def get(self, node: str, *, now: float) -> list[Grant]:
         out = []
@@ -699,7 +733,10 @@ class HopliteController(Controller):
                 return []
             if event.node in self.reduce.ready_nodes or event.node in self.reduce.dead:
                 return []
-            return self.ready_grants(event.node) + self._hop_grants(self.reduce.ready(event.node, now=now))
+            out = self.ready_grants(event.node)
+            for c, rc in enumerate(self.reduces):
+                out += self._hop_grants(rc.ready(event.node, now=now), c)
+            return out + self._maybe_apply()
         if isinstance(event, ChunkArrived):
             k = self._shard_of_key(event.key)
             if k is None:
@@ -717,25 +754,28 @@ class HopliteController(Controller):
             if what[0] == "bcast":
                 _, k, f = what
                 return self._fetch_grants(k, self.broadcasts[k].on_done(f.src, f.dst, ok=event.ok, now=now))
-            _, h, k = what
-            pend = self._hop_pending.get(h.seq)
-            if pend is None:  # this hop already failed on another shard
+            _, c, h, k = what
+            rc = self.reduces[c]
+            pend = self._hop_pending.get((c, h.seq))
+            if pend is None:  # this hop already failed on another range
                 return []
             if not event.ok:
-                del self._hop_pending[h.seq]
-                return self._hop_grants(self.reduce.hop_done(h.src, h.dst, ok=False, now=now))
+                del self._hop_pending[(c, h.seq)]
+                return self._hop_grants(rc.hop_done(h.src, h.dst, ok=False, now=now), c) + self._maybe_apply()
             pend.discard(k)
             if pend:
                 return []
-            del self._hop_pending[h.seq]
-            out = self._combine_grants(h)
-            return out + self._hop_grants(self.reduce.hop_done(h.src, h.dst, ok=True, now=now))
+            del self._hop_pending[(c, h.seq)]
+            out = self._combine_grants(h, c)
+            return out + self._hop_grants(rc.hop_done(h.src, h.dst, ok=True, now=now), c) + self._maybe_apply()
         if isinstance(event, NodeFailed):
             out = []
             for k, b in enumerate(self.broadcasts):
                 out += self._fetch_grants(k, b.on_failed(event.node, now=now))
-            if self.reduce is not None and not event.node.startswith("server:"):
-                out += self._hop_grants(self.reduce.failed(event.node, now=now))
+            if self.reduces and not event.node.startswith("server:"):
+                for c, rc in enumerate(self.reduces):
+                    out += self._hop_grants(rc.failed(event.node, now=now), c)
+                out += self._maybe_apply()
             return out
         return []
 
@@ -750,10 +790,11 @@ class HopliteController(Controller):
         return out
 
     def done(self) -> bool:
-        return self.reduce is not None and self.reduce.closed
+        return bool(self.reduces) and all(rc.closed for rc in self.reduces)
 
     def contributions(self) -> set:
-        return self.reduce.contributions() if self.reduce else set()
+        """Inputs in the receiver's result (with pieces: in at least one piece; the mean is per element)."""
+        return set().union(*(rc.contributions() for rc in self.reduces)) if self.reduces else set()
 
     # -- grants -----------------------------------------------------------------
     def _shard_of_key(self, key) -> int | None:
@@ -786,21 +827,23 @@ class HopliteController(Controller):
                     Grant(f.dst, tuple(recvs), reason=f"hoplite bcast {k} <- {f.src}")]
         return out
 
-    def _hop_grants(self, hops) -> list[Grant]:
-        """A hop: the sender sends its running sum (per shard range), the receiver receives it.  The
-        receiver's Combine is granted only once every range arrived (:meth:`_combine_grants`), so a hop
-        from a sender that died half-way is never combined."""
+    def _hop_grants(self, hops, c: int = 0) -> list[Grant]:
+        """A hop of chain ``c``: the sender sends its running sum (per range of the chain), the receiver
+        receives it.  The receiver's Combine is granted only once every range arrived
+        (:meth:`_combine_grants`), so a hop from a sender that died half-way is never combined."""
         out = []
+        ranges = self._chain_ranges[c] if self._chain_ranges else tuple(
+            (k, lo, hi) for k, (lo, hi) in enumerate(self.shards))
         for h in hops:
             self._attempt += 1
             a = self._attempt
             slot = f"in{self.suffix}:{h.src}:{a}"
-            self._hop_slot[h.seq] = slot
-            self._hop_pending[h.seq] = set(range(len(self.shards)))
+            self._hop_slot[(c, h.seq)] = slot
+            self._hop_pending[(c, h.seq)] = set(range(len(ranges)))
             sends, recvs = [], []
-            for k, (lo, hi) in enumerate(self.shards):
-                tag = self._tag(PHASE_PUSH, a, k, KIND_PARTIAL)
-                self._tags[tag] = ("reduce", h, k)
+            for i, (k, lo, hi) in enumerate(ranges):
+                tag = self._tag(PHASE_PUSH, a, i, KIND_PARTIAL)
+                self._tags[tag] = ("reduce", c, h, i)
                 dst = server(k) if h.final else h.dst
                 sends.append(Send(dst, self.acc_slot, lo, hi, tag, TOLERANT, "partial"))
                 r = Recv(h.src, slot, lo, hi, tag, TOLERANT, "partial")
@@ -808,19 +851,33 @@ class HopliteController(Controller):
                     out.append(Grant(server(k), (r,), reason=f"hoplite reduce <- {h.src}"))
                 else:
                     recvs.append(r)
-            out.insert(len(out) - (len(self.shards) if h.final else 0),
+            out.insert(len(out) - (len(ranges) if h.final else 0),
                        Grant(h.src, tuple(sends), reason=f"hoplite reduce -> {'PS' if h.final else h.dst}"))
             if recvs:
                 out.append(Grant(h.dst, tuple(recvs), reason=f"hoplite reduce <- {h.src}"))
         return out
 
-    def _combine_grants(self, h: Hop) -> list[Grant]:
-        slot = self._hop_slot.pop(h.seq)
-        if h.final:
+    def _combine_grants(self, h: Hop, c: int = 0) -> list[Grant]:
+        slot = self._hop_slot.pop((c, h.seq))
+        ranges = self._chain_ranges[c] if self._chain_ranges else tuple(
+            (k, lo, hi) for k, (lo, hi) in enumerate(self.shards))
+        if h.final and len(self.reduces) <= 1:
             return [Grant(server(k), (Combine(self.acc_slot, slot, lo, hi), Apply(self.acc_slot, lo, hi)),
-                          reason="hoplite apply") for k, (lo, hi) in enumerate(self.shards)]
-        return [Grant(h.dst, tuple(Combine(self.acc_slot, slot, lo, hi) for lo, hi in self.shards),
+                          reason="hoplite apply") for k, lo, hi in ranges]
+        if h.final:  # one piece is in: Apply waits for every chain (:meth:`_maybe_apply`)
+            return [Grant(server(k), (Combine(self.acc_slot, slot, lo, hi),), reason="hoplite combine piece")
+                    for k, lo, hi in ranges]
+        return [Grant(h.dst, tuple(Combine(self.acc_slot, slot, lo, hi) for _, lo, hi in ranges),
                       reason="hoplite combine")]
+
+    def _maybe_apply(self) -> list[Grant]:
+        """With pieces: once every piece's chain closed and one delivered, each shard applies the pieces its
+        Combines put in the accumulator (after them: grants to one node run in order)."""
+        if len(self.reduces) <= 1 or self._applied or not self.done() or not any(rc.final_ok for rc in self.reduces):
+            return []
+        self._applied = True
+        return [Grant(server(k), (Apply(self.acc_slot, lo, hi),), reason="hoplite apply")
+                for k, (lo, hi) in enumerate(self.shards)]
 
     def ready_grants(self, node: str) -> list[Grant]:
         """A worker's first reduce grant once its gradient is computed: its sum starts as its gradient."""
@@ -911,7 +968,7 @@ class HopliteSchedule(Schedule):
     def controller(self) -> HopliteController:
         rate, lat = self._link()
         return HopliteController(self.world.shards, bandwidth_bps=rate, latency_s=lat,
-                                 rng=random.Random(self.rng.random()))
+                                 rng=random.Random(self.rng.random()), reduce_piece_bytes=REDUCE_PIECE_BYTES)
 
     def async_controller(self, *, updates: int | None = None, quota: int | None = None, max_staleness=None):
         """``--mode async``: :class:`~ltp_ps.schedules.hoplite_async.AsyncHalfBatchController` (half-batch

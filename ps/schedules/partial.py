@@ -338,3 +338,24 @@ def mean_of(partials: Iterable[Partial], mode: str = "unbiased") -> np.ndarray:
     for p in it:
         first.merge(p)
     return first.mean(mode)
+
+
+def assemble(pieces: dict, lo: int, n: int) -> "Partial":
+    """One partial over ``[lo, lo + n)`` from reduced pieces (``{(a, b): Partial or None}``) that tile it (a
+    piece may be None or absent: nothing came, its elements count 0); per-element counts are kept, the loss and
+    samples are those of the piece with the most contributors."""
+    full = Partial(n, lo=lo)
+    got = [q for q in pieces.values() if q is not None and q.contributors > 0]
+    if not got:
+        return full
+    top = max(got, key=lambda q: q.contributors)
+    full.contributors = top.contributors
+    full.samples, full.loss_sum = top.samples, top.loss_sum
+    deficit = np.full(n, top.contributors, dtype=np.int32)
+    for (a, b), q in pieces.items():
+        if q is None or q.contributors == 0:
+            continue
+        full.sum[a - lo:b - lo] = q.sum
+        deficit[a - lo:b - lo] -= q.counts().astype(np.int32)
+    full.deficit = deficit if deficit.any() else None
+    return full

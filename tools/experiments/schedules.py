@@ -50,6 +50,10 @@ Theory of operation
         prediction uses; RAT §4.1's "k paused nodes redrawn every d" with k = 1); target
         ``ring+pause >= 2 x rat6+pause``.  Their prediction is the median over
         ``PAUSE_SEEDS`` of the fluid round under the same pauses.
+    Rows (issue 11, Hoplite in the issue's own setup): ``hoplite7`` and ``direct7`` run in a
+    second, flat lab of ``FLAT_HOSTS`` (7) hosts built for them in the same repeat, every host at
+    ``--rate`` and no racks, the PS alone on the first host and six workers on the others; target
+    ``hoplite7 <= 0.4 x direct7`` (batch synchronisation: broadcast + reduce).
     Every row carries the fluid simulator's prediction for the same topology
     (``Schedule.predict_s`` on ``Topology.from_lab``, hosts in rank order; ``rsgcm+block``
     after the block uses the topology with the pair failed) and the ratio measured/predicted;
@@ -79,9 +83,11 @@ from . import schedules_training as T
 NAME = "schedules"
 EXPERIMENTS = ("rsgcm", "mlfabric", "accuracy")  # --experiment: this module's rows, then schedules_training's
 SCHEDULES = ("ring", "rsgcm", "direct", "rsgcm+block", "rat", "hoplite", "direct+async", "hoplite+async",
-             "hoplite+stagger", "rat6", "rat6c4", "direct6", "ring+pause", "rat6+pause")
+             "hoplite+stagger", "rat6", "rat6c4", "direct6", "ring+pause", "rat6+pause", "hoplite7", "direct7")
+FLAT_ROWS = {"hoplite7": "hoplite", "direct7": "direct"}  # row -> schedule, in the flat lab of FLAT_HOSTS hosts
+FLAT_HOSTS = 7  # issue 11's Hoplite setup: the PS on its own host and six workers, every host at --rate, no racks
 ASYNC_ROWS = ("direct+async", "hoplite+async")  # issue 11: Hoplite's half-batch async PS vs async direct
-PS_ALONE_ROWS = ASYNC_ROWS + ("hoplite+stagger",)  # the PS alone on rank 0's host, workers on the other five (a
+PS_ALONE_ROWS = ASYNC_ROWS + ("hoplite+stagger",) + tuple(FLAT_ROWS)  # the PS alone on rank 0's host, workers on the other five (a
 #                                                    colocated worker's loopback transfers are not rate limited)
 STAGGER_S = 0.1  # seconds between workers' gradient arrivals in the hoplite+stagger row (rank r: r x this)
 PS_SCHEDULES = ("direct", "rat", "hoplite")  # rows that run one `ltp-ps server` (colocated with rank 0)
@@ -150,6 +156,10 @@ def predict(schedule: str, topo, n_workers: int, model_bytes: int) -> float | No
         return _predict_hoplite_rows(schedule, topo, n_workers, model_bytes)
     if schedule in COLOCATED_ROWS or schedule in PAUSE_ROWS:
         return _predict_colocated_or_paused(schedule, topo, n_workers, model_bytes)
+    if schedule in FLAT_ROWS:  # the PS alone on the first host, worker r on host r + 1
+        placement = {server(0): names[0], **{worker(r): names[r + 1] for r in range(n_workers)}}
+        w = World(workers=range(n_workers), n_elems=n, shards=((0, n),), topology=topo, placement=placement)
+        return create(FLAT_ROWS[schedule], w).predict_s(int(model_bytes))
     if schedule in PS_SCHEDULES:
         placement = {server(0): names[0], **{worker(r): names[r] for r in range(n_workers)}}
         w = World(workers=range(n_workers), n_elems=n, shards=((0, n),), topology=topo, placement=placement)
@@ -276,7 +286,7 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
     when they leave the set and at the end."""
     from ltp_ps import rendezvous as rdv
 
-    base = COLOCATED_ROWS.get(schedule, schedule.split("+")[0])
+    base = COLOCATED_ROWS.get(schedule) or FLAT_ROWS.get(schedule) or schedule.split("+")[0]
     shards = len(order) if schedule in COLOCATED_ROWS else 1  # K = 6 colocated: shard k on worker k's host
     env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
     env[rdv.DEFAULT_SECRET_ENV] = secrets.token_hex(16)
@@ -475,6 +485,16 @@ def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | No
         for rep in range(repeats):
             order = list(schedules)
             rng.shuffle(order)
+            flat = [s for s in order if s in FLAT_ROWS]
+            order = [s for s in order if s not in FLAT_ROWS]
+            if flat:
+                with Lab(n_hosts=FLAT_HOSTS) as lab, tempfile.TemporaryDirectory(prefix="ltp-sched-") as work:
+                    prefixes.append(lab.prefix)
+                    _run_flat_rows(lab, flat, work, rep=rep, runs=runs, predictions=predictions, bar=bar,
+                                   model_bytes=model_bytes, rounds=rounds, rate_bps=rate_bps, transport=transport,
+                                   seed=seed, verbose=verbose)
+            if not order:
+                continue
             with Lab(racks=list(RACKS)) as lab, tempfile.TemporaryDirectory(prefix="ltp-sched-") as work:
                 prefixes.append(lab.prefix)
                 if rate_bps > 0:  # 0: unlimited veths (the CPU floor of the same jobs)
@@ -532,6 +552,33 @@ def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | No
     if verbose:
         print(format_report(res), flush=True)
     return res
+
+
+def _run_flat_rows(lab, rows, work, *, rep, runs, predictions, bar, model_bytes, rounds, rate_bps, transport, seed,
+                   verbose) -> None:
+    """The ``FLAT_ROWS`` jobs of one repeat in the flat lab: every host at ``rate_bps``, the PS on ``h0``."""
+    if rate_bps > 0:
+        for h in lab.hosts:
+            lab.impair(h, direction="both", rate_bps=rate_bps)
+    order = tuple(range(FLAT_HOSTS))
+    topo = _topology(lab, order)
+    topo_path = os.path.join(work, "topology.json")
+    with open(topo_path, "w") as f:
+        json.dump(topo.to_json(), f)
+    for s in rows:
+        if s not in predictions:
+            predictions[s] = predict(s, topo, FLAT_HOSTS - 1, model_bytes)
+        job = run_job(lab, s, order=order, topo_path=topo_path, model_bytes=model_bytes, rounds=rounds,
+                      transport=transport, seed=seed + rep, workdir=work, rate_bps=rate_bps)
+        row = _summarise_job(s, job, rounds)
+        row.update(repeat=rep, transport=transport, predicted_s=predictions[s], loadavg_1m=os.getloadavg()[0])
+        if row.get("round_s_median") and row["predicted_s"]:
+            row["measured_over_predicted"] = row["round_s_median"] / row["predicted_s"]
+        row["metrics"] = job["rows"]
+        runs.append(row)
+        bar.update(1)
+        if verbose and row["error"]:
+            print(f"[{NAME}] {s}: {row['error']}", file=sys.stderr, flush=True)
 
 
 def fluid_only_rows() -> list[dict]:
@@ -608,6 +655,10 @@ def check(summary: list[dict], runs: list[dict]) -> list[dict]:
     if m("hoplite") and m("direct"):
         v = m("hoplite") / m("direct")
         add("hoplite round / direct BST (issue 11)", v, TARGET_HOPLITE_DIRECT, v <= TARGET_HOPLITE_DIRECT)
+    if m("hoplite7") and m("direct7"):
+        v = m("hoplite7") / m("direct7")
+        add("hoplite round / direct BST, PS + 6 workers, flat (issue 11)", v, TARGET_HOPLITE_DIRECT,
+            v <= TARGET_HOPLITE_DIRECT, f"the issue's setup: {FLAT_HOSTS} hosts, the PS on its own")
     if m("rat6") and m("direct6"):
         v = m("rat6") / m("direct6")
         add("rat round / direct BST, K = 6 colocated shards (issue 11)", v, TARGET_RAT_DIRECT,
