@@ -24,26 +24,11 @@ import time
 
 from . import rendezvous as rdv
 from . import schedule_cli
+from .argtypes import bounded
 from .errors import ConfigError, PSError, TrainingFailed
 
 EXIT_CONFIG = 2  # setup, rendezvous or transport error (the message names the fix)
 EXIT_TRAINING_FAILED = 3  # no live worker, no usable gradient, non-finite loss
-
-
-def _at_least(lo, kind, what: str, why: str = ""):
-    """An argparse type: a finite ``kind`` (int or float) >= ``lo``, refused naming the option's meaning."""
-    why = f" ({why})" if why else ""
-
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number; "
-                                             f"{what} must be >= {lo}{why}") from None
-        if v != v or v in (float("inf"), float("-inf")) or v < lo:
-            raise argparse.ArgumentTypeError(f"{text} is out of range: {what} must be >= {lo}{why}")
-        return v
-    return parse
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -64,24 +49,24 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "--schedule direct or rat")
     p.add_argument("--mode", choices=("bsp", "async"), default="bsp")
     p.add_argument("--compute-delay", type=float, default=0.0, help="extra seconds of compute per step (any model)")
-    p.add_argument("--batch-size", type=_at_least(1, int, "samples per worker step"), default=32)
+    p.add_argument("--batch-size", type=bounded(int, 1, "samples per worker step"), default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store-timeout", type=float, default=120.0, help="seconds to wait for the rendezvous")
     schedule_cli.add_options(p)
 
 
 def _server_opts(p):
-    p.add_argument("--epochs", type=_at_least(1, int, "the number of epochs", "a run of none trains nothing"), default=10)
-    p.add_argument("--iterations", type=_at_least(1, int, "the number of rounds", "a run of none trains nothing"), default=None,
+    p.add_argument("--epochs", type=bounded(int, 1, "the number of epochs", "a run of none trains nothing"), default=10)
+    p.add_argument("--iterations", type=bounded(int, 1, "the number of rounds", "a run of none trains nothing"), default=None,
                    help="total rounds (overrides --epochs)")
     p.add_argument("--aggregation", choices=("unbiased", "zero_fill"), default="unbiased")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    p.add_argument("--lr", type=_at_least(0.0, float, "the learning rate"), default=0.1)
-    p.add_argument("--momentum", type=_at_least(0.0, float, "SGD momentum"), default=None,
+    p.add_argument("--lr", type=bounded(float, 0.0, "the learning rate"), default=0.1)
+    p.add_argument("--momentum", type=bounded(float, 0.0, "SGD momentum"), default=None,
                    help="SGD momentum (default 0.9 for BSP rounds; 0 for asynchronous updates, --mode async or "
                         "--schedule mlfabric, whose staleness already acts as momentum: docs/ps.md)")
-    p.add_argument("--weight-decay", type=_at_least(0.0, float, "L2 weight decay"), default=0.0)
-    p.add_argument("--clip-factor", type=_at_least(0.0, float, "the norm guard's factor (0: off)"), default=2.0,
+    p.add_argument("--weight-decay", type=bounded(float, 0.0, "L2 weight decay"), default=0.0)
+    p.add_argument("--clip-factor", type=bounded(float, 0.0, "the norm guard's factor (0: off)"), default=2.0,
                    help="divergence guard: clip the aggregated gradient's norm to this x its running mean (0: off)")
     p.add_argument("--gather-timeout", type=float, default=None,
                    help="seconds before a gather gives up on a worker (default: derived each round from the "
@@ -89,7 +74,7 @@ def _server_opts(p):
     p.add_argument("--broadcast-timeout", type=float, default=None,
                    help="seconds a reliable parameter broadcast may take before the worker is dropped (default: "
                         "derived each round from the message size and the measured link rate, at least 10 s)")
-    p.add_argument("--max-missed", type=_at_least(1, int, "missed rounds before a drop"), default=3, help="missed rounds before a worker is dropped")
+    p.add_argument("--max-missed", type=bounded(int, 1, "missed rounds before a drop"), default=3, help="missed rounds before a worker is dropped")
     p.add_argument("--min-workers", type=int, default=None, help="start when this many joined (default: all)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0, help="rounds between checkpoints (0: at the end)")

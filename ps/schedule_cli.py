@@ -23,6 +23,7 @@ import os
 import sys
 
 from . import rendezvous as rdv
+from .argtypes import bounded
 from .errors import ConfigError, RendezvousError
 
 SCHEDULE_NAMES = ("direct", "ring", "rsgcm", "mlfabric", "rat", "hoplite")
@@ -37,53 +38,29 @@ RAT_OPTIONS = (("rat-chunks", "chunks"),)
 PASSTHROUGH = tuple(o for o, _ in MLFABRIC_OPTIONS + RAT_OPTIONS)  # options ``ltp-ps launch`` hands to its children
 
 
-def _int_at_least(lo: int, what: str, fix: str):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; {what} ({fix})") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"{v} is below {lo}; {what} ({fix})")
-        return v
-    return parse
-
-
-def _seconds(lo: float, strict: bool, what: str, fix: str):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; {what} ({fix})") from None
-        if v != v or v in (float("inf"), float("-inf")) or v < lo or (strict and v == lo):
-            raise argparse.ArgumentTypeError(f"{text} is out of range; {what} ({fix})")
-        return v
-    return parse
-
-
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="direct",
                    help=f"aggregation schedule: {' | '.join(SCHEDULE_NAMES)} (default direct; docs/schedules.md)")
     p.add_argument("--topology", default=None, help="topology JSON file the schedule plans for (docs/schedules.md)")
     g = p.add_argument_group("mlfabric (--schedule mlfabric only; docs/schedules.md)")
-    g.add_argument("--tau-max", type=_int_at_least(1, "the staleness bound counts model versions and must be >= 1",
+    g.add_argument("--tau-max", type=bounded(int, 1, "the staleness bound (model versions)",
                                                    "pass e.g. --tau-max 8"), default=None, metavar="N",
                    help="delay bound tau_max in versions: an update that cannot be applied within it is dropped at "
                         "its worker (default 8)")
-    g.add_argument("--aggregators", type=_int_at_least(0, "aggregators per batch must be >= 0 (0: all direct)",
+    g.add_argument("--aggregators", type=bounded(int, 0, "aggregators per batch (0: all direct)",
                                                        "pass e.g. --aggregators 1"), default=None, metavar="K",
                    help="workers that aggregate others' updates in each batch, Alg 3's k (default 1; at most "
                         "--workers)")
-    g.add_argument("--batch-window", type=_seconds(0.0, False, "the batch window is seconds >= 0",
+    g.add_argument("--batch-window", type=bounded(float, 0.0, "the batch window in seconds",
                                                    "pass e.g. --batch-window 0.1"), default=None, metavar="S",
                    help="seconds the first update of a batch waits for others before the batch is planned "
                         "(default 0.1, the paper's 100 ms)")
-    g.add_argument("--t-lag", type=_seconds(0.0, True, "t_lag is seconds > 0",
-                                            "pass e.g. --t-lag 1"), default=None, metavar="S",
+    g.add_argument("--t-lag", type=bounded(float, 0.0, "t_lag in seconds", "pass e.g. --t-lag 1", strict=True),
+                   default=None, metavar="S",
                    help="seconds between the link-rate refreshes handed to the planner, the paper's t_lag "
                         "(default 1)")
     r = p.add_argument_group("rat (--schedule rat only; docs/schedules.md)")
-    r.add_argument("--rat-chunks", type=_int_at_least(1, "pieces per tree slice must be >= 1",
+    r.add_argument("--rat-chunks", type=bounded(int, 1, "pieces per tree slice",
                                                       "pass e.g. --rat-chunks 4"), default=None, metavar="C",
                    help="cut-through aggregators: each tree slice's reduce goes up in C pieces, so an aggregator "
                         "sends piece j while its leaves send piece j+1 (default 1: store-and-forward)")

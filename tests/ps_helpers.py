@@ -84,3 +84,12 @@ def stop(p: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def lab_reason() -> str | None:
+    """Why the namespace lab cannot run here (a test skips with it), or None."""
+    try:
+        from ltp_tools.netlab import check_support
+    except ImportError as exc:
+        return f"ltp_tools.netlab is missing ({exc})"
+    return check_support()

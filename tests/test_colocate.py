@@ -10,7 +10,7 @@ import pytest
 from ltp_ps import cli, schedule_cli
 from ltp_ps.errors import ConfigError
 from ltp_ps.schedules import Topology, World, create
-from ps_helpers import child_env, ps_cmd
+from ps_helpers import child_env, lab_reason, ps_cmd
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -85,17 +85,9 @@ def test_a_colocated_sharded_launch_trains(tmp_path, schedule):
     assert json.loads(out.read_text())["final_accuracy"] > 0.5  # shard 0 evaluates the assembled model
 
 
-def _lab_reason():
-    try:
-        from ltp_tools.netlab import check_support
-    except ImportError as exc:
-        return f"ltp_tools.netlab is missing ({exc})"
-    return check_support()
-
-
 @pytest.mark.netns
 def test_in_the_lab_shard_k_runs_in_worker_k_namespace(tmp_path):
-    reason = _lab_reason()
+    reason = lab_reason()
     if reason:
         pytest.skip(reason)
     metrics = tmp_path / "m.jsonl"

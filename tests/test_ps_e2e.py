@@ -14,7 +14,7 @@ import tokenize
 import pytest
 
 from ltp_ps.metrics import read_jsonl
-from ps_helpers import child_env, free_port, ps_cmd, stop
+from ps_helpers import child_env, free_port, lab_reason, ps_cmd, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,17 +118,9 @@ def test_ddp_example_switches_to_ltp_hook_with_one_line():
     assert len(acc) == 8 and max(acc[-3:]) >= 0.95
 
 
-def _lab_reason():
-    try:
-        from ltp_tools.netlab import check_support
-    except ImportError as exc:
-        return f"ltp_tools.netlab is missing ({exc})"
-    return check_support()
-
-
 @pytest.mark.netns
 def test_launch_in_lab_with_one_percent_loss_over_tcp(tmp_path):
-    reason = _lab_reason()
+    reason = lab_reason()
     if reason:
         pytest.skip(reason)
     summary = tmp_path / "s.json"
