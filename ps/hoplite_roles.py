@@ -57,6 +57,7 @@ combine/apply) so a broadcast never delays the next update's receive.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
@@ -74,6 +75,7 @@ from .schedules.program import (SLOT_GRAD, ChunkArrived, Grant, NodeFailed, Node
                                 parse_node, server as server_node, worker as worker_node)
 from .transport.base import RecvReport
 
+BATCH_BYTES = 32 * 1024  # JSON bytes of grants batched into one control message (CONTROL_BYTES is 64 KiB)
 EVENTS_PER_MESSAGE = 200  # a grant's receive reports per control message (~130 bytes each; CONTROL_BYTES is 64 KiB)
 POLL_S = 0.01  # seconds between the PS's looks at a round's progress
 HEARTBEAT_S = 0.5  # seconds between a worker's "alive" notes (a worker blocked on a dead peer is not silent)
@@ -185,6 +187,24 @@ class _ServerRole:
     async def deliver(self, node: str, grant: Grant) -> None:
         await self.channels[node].send({"grant": grant.to_json()}, timeout_s=self.ps.broadcast_timeout(1))
 
+    async def deliver_batch(self, node: str, grants: list) -> None:
+        """Grants queued for ``node`` together go in as few control messages as fit ``BATCH_BYTES`` each (the
+        channel sends one message at a time, each waiting for its acknowledgement)."""
+        batch, size = [], 0
+        for g in grants:
+            j = g.to_json()
+            n = len(json.dumps(j, separators=(",", ":")))
+            if batch and size + n > BATCH_BYTES:
+                await self._send_grants(node, batch)
+                batch, size = [], 0
+            batch.append(j)
+            size += n
+        await self._send_grants(node, batch)
+
+    async def _send_grants(self, node: str, batch: list) -> None:
+        msg = {"grant": batch[0]} if len(batch) == 1 else {"grants": batch}
+        await self.channels[node].send(msg, timeout_s=self.ps.broadcast_timeout(1))
+
     async def listen(self, node: str) -> None:
         """Turn ``node``'s up-stream messages into controller events until it fails or the run ends."""
         ch = self.channels[node]
@@ -272,7 +292,7 @@ class _ServerRole:
         if not live:
             raise TrainingFailed(self._all_lost(it))
         driver = _PieceDriver(self.ctrl, ps.executor, ps._slots, _Handlers(self), deliver=self.deliver,
-                              iteration=it)
+                              deliver_batch=self.deliver_batch, iteration=it)
         self.driver = driver
         driver.start(live)
         try:
@@ -582,7 +602,7 @@ async def worker_run(w) -> dict:
         w.slots.put_partial(SLOT_GRAD, Partial.of_gradient(grad, samples=samples, loss=loss))
         w.last_loss = loss
         w.iterations += 1
-        await ch.send(event_to_json(NodeReady(w.node, it, 0, version, float(np.linalg.norm(grad)))))
+        post([NodeReady(w.node, it, 0, version, float(np.linalg.norm(grad)))])
 
     inbox: asyncio.Queue = asyncio.Queue()
     current: dict = {"grant": None, "task": None}
@@ -624,7 +644,7 @@ async def worker_run(w) -> dict:
                 except (asyncio.TimeoutError, TimeoutError):
                     stats["relay_timeouts"] = stats.get("relay_timeouts", 0) + 1
                     return  # never held: its receiver's transfer fails and the directory re-routes it
-            await w.executor.run(Program(w.node, ((step,),)), w.slots, None)
+            await w.executor.run(Program(w.node, ((step,),)), w.slots, None, exclude=dead_peers)
 
     async def relay_lane() -> None:
         """Forward-only grants (this worker serves its partial copy to one receiver): each chunk leaves as
@@ -660,8 +680,25 @@ async def worker_run(w) -> dict:
         while True:
             await asyncio.sleep(PROGRESS_REPORT_S)
             if pending:
-                batch = pending[:EVENTS_PER_MESSAGE]
-                del pending[:len(batch)]
+                post(pending[:])
+                pending.clear()
+
+    outbox: list = []  # events for the PS, in order; one sender drains them, batching what queued meanwhile
+    outbox_ready = asyncio.Event()
+
+    def post(events) -> None:
+        outbox.extend(events)
+        outbox_ready.set()
+
+    async def send_events() -> None:
+        """The up-stream's one event sender: whatever queued while the last message was in flight goes in the
+        next (a message waits for its acknowledgement, so one send per event would queue round trips)."""
+        while True:
+            await outbox_ready.wait()
+            outbox_ready.clear()
+            while outbox:
+                batch = outbox[:EVENTS_PER_MESSAGE]
+                del outbox[:len(batch)]
                 await ch.send({"events": [event_to_json(ev) for ev in batch]})
 
     async def read() -> dict:
@@ -679,6 +716,9 @@ async def worker_run(w) -> dict:
             if "stop" in msg:
                 return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True, **stats}
             if "failed" in msg:
+                # a grant with that peer that has not started yet must not wait for it either: the PS never
+                # takes a failed worker back, so its transfers report missing at once from now on
+                dead_peers.add(msg["failed"])
                 for t, g in list(hops_in.items()):
                     if any(getattr(s, "peer", None) == msg["failed"] for s in g.steps):
                         aborted[t] = True
@@ -699,21 +739,22 @@ async def worker_run(w) -> dict:
             await ch.send({"alive": True})
 
     work: asyncio.Queue = asyncio.Queue()
+    dead_peers: set = set()  # nodes the PS wrote off ("failed" notes)
     hops_in: dict = {}  # task -> grant: reduce-hop receives running beside the work lane (BSP)
 
     async def receive_hop(g: Grant) -> None:
         """A reduce hop's receive (BSP): runs beside the work lane, so this node combines and sends piece j on
         while piece j + 1 still arrives; the PS grants the Combine after the TransferDone sent here."""
         try:
-            reports = (await w.executor.run(Program(w.node, (tuple(g.steps),)), w.slots, None)).reports
+            reports = (await w.executor.run(Program(w.node, (tuple(g.steps),)), w.slots, None,
+                                            exclude=dead_peers)).reports
         except asyncio.CancelledError:
             me = asyncio.current_task()
             if me.cancelling() > 1 or not aborted.pop(me, False):
                 raise
             me.uncancel()
             reports = [None] * len(g.steps)  # aborted: the sender died
-        events = transfer_events(w.node, g.steps, reports)
-        await ch.send({"events": [event_to_json(ev) for ev in events]})
+        post(transfer_events(w.node, g.steps, reports))
 
     aborted: dict = {}  # hop receive tasks cancelled because their sender died (they still report)
 
@@ -729,23 +770,29 @@ async def worker_run(w) -> dict:
                 new_round()
                 work.put_nowait(msg)
                 continue
-            try:
-                g = Grant.from_json(msg["grant"])
-            except (KeyError, TypeError, ValueError):
-                stats["undecodable"] += 1
-                continue
-            stats["grants"] += 1
-            if not g.steps or g.drop:
-                continue
-            if not state["async"] and all(st.op == "forward" for st in g.steps):
-                relays.put_nowait(g)
-            elif not state["async"] and all(st.op == "recv" and st.payload == "partial" for st in g.steps):
-                t = asyncio.ensure_future(receive_hop(g))
-                hops_in[t] = g
-                t.add_done_callback(lambda t: hops_in.pop(t, None))
-                t.add_done_callback(_raise_later)
-            else:
-                work.put_nowait(g)
+            many = msg.get("grants")
+            for gj in (many if isinstance(many, list) else [msg.get("grant")]):
+                route(gj)
+
+    def route(gj) -> None:
+        """One grant of the PS's, in order: to the relay lane, a hop receive of its own, or the work lane."""
+        try:
+            g = Grant.from_json(gj)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            stats["undecodable"] += 1
+            return
+        stats["grants"] += 1
+        if not g.steps or g.drop:
+            return
+        if not state["async"] and all(st.op == "forward" for st in g.steps):
+            relays.put_nowait(g)
+        elif not state["async"] and all(st.op == "recv" and st.payload == "partial" for st in g.steps):
+            t = asyncio.ensure_future(receive_hop(g))
+            hops_in[t] = g
+            t.add_done_callback(lambda t: hops_in.pop(t, None))
+            t.add_done_callback(_raise_later)
+        else:
+            work.put_nowait(g)
 
     async def follow() -> None:
         while True:
@@ -755,7 +802,8 @@ async def worker_run(w) -> dict:
                 w.slots.clear_partials()
                 stats["rounds"] += 1
                 continue
-            t = asyncio.ensure_future(w.executor.run(Program(w.node, (tuple(g.steps),)), w.slots, None))
+            t = asyncio.ensure_future(w.executor.run(Program(w.node, (tuple(g.steps),)), w.slots, None,
+                                                     exclude=dead_peers))
             current.update(grant=g, task=t)
             try:
                 reports = (await t).reports
@@ -784,10 +832,7 @@ async def worker_run(w) -> dict:
             if not state["async"]:  # BSP: the chunks held and not yet reported (on_report), then the transfer ends
                 events, pending[:] = pending[:], []
             events += transfer_events(w.node, g.steps, reports)
-            # one control message per grant (at most EVENTS_PER_MESSAGE events each), chunks first: the
-            # directory learns what we hold before the transfer ends
-            for i in range(0, len(events), EVENTS_PER_MESSAGE):
-                await ch.send({"events": [event_to_json(ev) for ev in events[i:i + EVENTS_PER_MESSAGE]]})
+            post(events)  # chunks first: the directory learns what we hold before the transfer ends
             if fresh is not None and state["computing"] != fresh:
                 # version ``fresh`` is complete: our last update was applied, so its partials are spent
                 state["have_v"] = {v: h for v, h in state["have_v"].items() if v > fresh}
@@ -818,7 +863,8 @@ async def worker_run(w) -> dict:
     lane = asyncio.ensure_future(relay_lane())
     prog = asyncio.ensure_future(report_progress())
     disp = asyncio.ensure_future(dispatch())
-    for t in (fol, beat, lane, prog, disp):
+    sender = asyncio.ensure_future(send_events())
+    for t in (fol, beat, lane, prog, disp, sender):
         t.add_done_callback(_raise_later)
     try:
         return await reader
@@ -828,6 +874,7 @@ async def worker_run(w) -> dict:
         raise
     finally:
         w.slots.on_report = None
-        for t in [fol, beat, lane, prog, disp, *tasks, *hops_in, *([relay["task"]] if relay["task"] is not None else [])]:
+        for t in [fol, beat, lane, prog, disp, sender, *tasks, *hops_in,
+                  *([relay["task"]] if relay["task"] is not None else [])]:
             t.cancel()
-        await asyncio.gather(fol, beat, lane, prog, disp, *tasks, return_exceptions=True)
+        await asyncio.gather(fol, beat, lane, prog, disp, sender, *tasks, return_exceptions=True)

@@ -51,6 +51,7 @@ from .program import (RELIABLE, ChunkArrived, Grant, NodeFailed, NodeReady, Prog
                       SLOT_GRAD)
 
 T_LAG_S = 1.0  # seconds between rate refreshes handed to the controller (MLfabric's t_lag)
+GRANTS_PER_BATCH = 32  # grants queued for one node that one ``deliver_batch`` call takes at most
 CONTROL_BYTES = 1 << 16  # bytes: the largest control message (a grant of a few hundred steps)
 MIN_RATE_SAMPLE_BYTES = 16384  # bytes: smaller transfers are latency-bound, their goodput says nothing of the rate
 RATE_EWMA = 0.5  # weight of a new rate sample in the monitor's running estimate
@@ -218,12 +219,15 @@ class ControllerDriver:
 
     ``executor``/``slots``/``handlers``: the host node's own (its grants run
     there); ``deliver(node, grant)``: coroutine sending a grant to another node
+    (``deliver_batch(node, grants)``, if given: several grants queued for one node at once go in one
+    call, in order -- one control message instead of one round trip each)
     (returns normally or raises: a raise reports ``NodeFailed``);
     ``clock``: seconds (the loop's monotonic time by default).
     """
 
     def __init__(self, controller, executor: Executor, slots: Slots, handlers: Any = None, *,
                  deliver: Callable[[str, Grant], Awaitable[None]], clock: Callable[[], float] | None = None,
+                 deliver_batch: Callable[[str, list], Awaitable[None]] | None = None,
                  t_lag_s: float = T_LAG_S, iteration: int = 0,
                  on_local_report: Callable[[Any, Any], None] | None = None,
                  on_grants: Callable[[list], None] | None = None):
@@ -233,6 +237,7 @@ class ControllerDriver:
         self.slots = slots
         self.handlers = handlers
         self.deliver = deliver
+        self.deliver_batch = deliver_batch
         self.clock = clock or (lambda: asyncio.get_running_loop().time())
         self.iteration = iteration
         self.monitor = RateMonitor(t_lag_s, now=self.clock())
@@ -287,13 +292,24 @@ class ControllerDriver:
 
     # -- per node ---------------------------------------------------------------------------------------------------
     async def _node_loop(self, node: str, q: asyncio.Queue) -> None:
+        carry = None  # a timed grant met while batching: it goes next, on its own
         while not self._closed:
-            g = await q.get()
+            g, carry = (carry, None) if carry is not None else (await q.get(), None)
             if node in self.failed:
                 continue
             try:
                 if node == self.me:
                     await self._run_local(g)
+                elif g.start_at is None and self.deliver_batch is not None and not q.empty():
+                    batch = [g]
+                    while not q.empty() and len(batch) < GRANTS_PER_BATCH:
+                        nxt = q.get_nowait()
+                        if nxt.start_at is not None:
+                            carry = nxt
+                            break
+                        batch.append(nxt)
+                    await self.deliver_batch(node, batch)
+                    self.counters["delivered"] += len(batch)
                 else:
                     if g.start_at is not None:
                         delay = g.start_at - self.clock()
