@@ -273,3 +273,35 @@ async def test_host_grants_run_locally_and_feed_transfer_done():
     assert applied == [1]
     assert [type(e).__name__ for _, e in ctrl.events] == ["TransferDone"] and ctrl.events[0][1].ok
     await drv.close()
+
+
+async def test_grants_queued_for_one_node_go_in_one_batch_and_a_timed_grant_alone():
+    net = MemoryNetwork(segment_size=512, seed=1)
+    nodes, eps, exes = _nodes(net, 2)
+    t0 = asyncio.get_running_loop().time()
+    plain = [Grant(worker(1), (), drop=True, reason=f"g{i}") for i in range(5)]
+    timed = Grant(worker(1), (), drop=True, reason="timed", start_at=t0 + 0.05)
+    ctrl = _Scripted({"start": [plain[0], plain[1], plain[2], timed, plain[3], plain[4],
+                                Grant(worker(0), (), drop=True, reason="w0")]})
+    calls = []
+
+    async def deliver(node, g):
+        calls.append((node, [g.reason]))
+        await asyncio.sleep(0.01)
+
+    async def deliver_batch(node, gs):
+        calls.append((node, [g.reason for g in gs]))
+        await asyncio.sleep(0.01)
+
+    drv = ControllerDriver(ctrl, exes[server(0)], Slots(), deliver=deliver, deliver_batch=deliver_batch)
+    drv.start(nodes[1:])
+    for _ in range(100):
+        if drv.counters["delivered"] == 7:
+            break
+        await asyncio.sleep(0.01)
+    # what is queued for one node goes in one call, in order; the timed grant breaks the batch and goes alone
+    mine = [r for n, r in calls if n == worker(1)]
+    assert mine == [["g0", "g1", "g2"], ["timed"], ["g3", "g4"]]
+    assert [r for n, r in calls if n == worker(0)] == [["w0"]]
+    assert drv.counters["delivered"] == 7
+    await drv.close()
