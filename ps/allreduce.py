@@ -109,7 +109,7 @@ class PeerWorker:
             return None
         if self.model is not None:
             set_flat(self.model, self.params)
-        batch = next(self._batches)
+        batch = await asyncio.to_thread(next, self._batches)  # a batch can be seconds of work (synthetic 100+ MB)
         t0 = time.monotonic()
         grad, loss, samples = await asyncio.to_thread(self.workload.compute, self.model, batch)
         self._round.update(compute_s=time.monotonic() - t0, own_loss=float(loss))

@@ -358,7 +358,7 @@ async def worker_run(w) -> dict:
             w.flat[s0.lo:s0.hi] = w._in[0][HEADER_BYTES:HEADER_BYTES + ELEM * h.n_elems].view(np.float32)
             if w.model is not None:
                 set_flat(w.model, w.flat)
-            batch = next(w._batches)
+            batch = await asyncio.to_thread(next, w._batches)  # off the loop: a batch can take seconds
             grad, loss, samples = await asyncio.to_thread(w.workload.compute, w.model, batch)
             grad = np.asarray(grad, np.float32)
             w.slots.put_partial(SLOT_GRAD, Partial.of_gradient(grad, samples=samples, loss=loss))

@@ -592,7 +592,7 @@ async def worker_run(w) -> dict:
     async def compute(it: int, version: int) -> None:
         if w.model is not None:
             set_flat(w.model, w.flat)
-        batch = next(w._batches)
+        batch = await asyncio.to_thread(next, w._batches)  # off the loop: a batch can take seconds
         grad, loss, samples = await asyncio.to_thread(w.workload.compute, w.model, batch)
         if stagger_s > 0:
             await asyncio.sleep(stagger_s * w.cfg.rank)

@@ -215,7 +215,7 @@ class _WorkerHandlers:
             from .workloads import set_flat
 
             set_flat(w.model, w.flat)
-        batch = next(w._batches)
+        batch = await asyncio.to_thread(next, w._batches)  # off the loop: a batch can take seconds
         grad, loss, samples = await asyncio.to_thread(w.workload.compute, w.model, batch)
         slots.clear_partials()
         slots.put_partial(step.slot, Partial.of_gradient(np.asarray(grad, np.float32), samples=samples, loss=loss))

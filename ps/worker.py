@@ -103,8 +103,10 @@ class Worker:
         """Receive one parameter message per shard; parameters land in ``self.flat``."""
         res = await self.executor.run(self.planner.worker_program(self.cfg.rank, 0).head(1), self.slots)
         for s, r in zip(self.shards, res.reports):
-            if r.received_bytes == 0:
-                why = "no parameters" if r.regime == TIMEOUT else f"the parameter transfer failed ({r.regime})"
+            if not r.ok:  # nothing, or a transfer cut short before its header (the PS dropped us mid-broadcast)
+                why = ("no parameters" if r.received_bytes == 0 and r.regime == TIMEOUT else
+                       f"the parameter transfer ended incomplete ({r.regime}, {r.received_bytes} of "
+                       f"{r.total_bytes} bytes, header {'in' if r.critical_complete else 'missing'})")
                 raise TransportTimeout(f"worker {self.cfg.rank}: {why} from PS shard {s.shard} at {s.addr} within "
                                        f"{self.cfg.pull_timeout_s} s")
         headers = []
@@ -177,7 +179,7 @@ class Worker:
             h = headers[0]
             if self.model is not None:
                 set_flat(self.model, self.flat)
-            batch = next(self._batches)
+            batch = await asyncio.to_thread(next, self._batches)  # a batch can be seconds of work (synthetic 100+ MB)
             t0 = time.monotonic()
             grad, loss, samples = await asyncio.to_thread(self.workload.compute, self.model, batch)
             compute_s = time.monotonic() - t0

@@ -33,9 +33,20 @@ TABLE = {("clean", "ltp"): (3.0, 2.0), ("clean", "cubic"): (3.2, 1.8), ("lossy",
          ("wan", "ltp"): (0.80, 3.0), ("wan", "cubic"): (0.01, 3.0)}
 
 
-def _fake_job(tta_s, reach=None):
-    """A launch whose epochs are 10 s apart after the join at t=100; transport -> seconds to the accuracy."""
+ROUNDS = {("ltp", 0.0): (1.0, 0.99), ("bbr", 0.0): (1.2, 1.0), ("ltp", 0.01): (1.0, 0.90),
+          ("bbr", 0.01): (1.1, 1.0), ("cubic", 0.01): (3.0, 1.0)}  # (transport, loss) -> (round s, delivered)
+
+
+def _fake_job(tta_s, reach=None, rounds=ROUNDS):
+    """A launch whose epochs are 10 s apart after the join at t=100; transport -> seconds to the accuracy.
+    A job of ``iterations`` (the PS-round row) gets rounds of ``rounds[(transport, loss)]``, its first 3x slower."""
     def launch(transport, *, job, loss, seed=0):
+        if "iterations" in job:
+            sec, frac = rounds[(transport, loss)]
+            return dict(rc=0, tail="", rows=[{"event": "iteration", "gather_s": sec * (3 if i == 0 else 1) / 2,
+                                              "broadcast_s": sec * (3 if i == 0 else 1) / 2,
+                                              "delivered": {str(w): frac for w in range(job["workers"])}}
+                                             for i in range(job["iterations"])])
         t = tta_s[transport]
         rows = [{"event": "join", "t": 99.0}, {"event": "join", "t": 100.0}]
         rows += [{"event": "epoch", "epoch": e, "t": 100.0 + 10 * (e + 1),
@@ -66,6 +77,11 @@ def test_verdicts_from_side_by_side_ratios(tmp_path):
     assert v["LTP/bbr slowest, 1.0%"] is True                 # 1.05/2.0
     assert v["LTP/cubic time to 0.3 accuracy, 1% loss"] is True  # 10 s / 20 s
     assert v["LTP broadcast / 4 cubic connections, time"] is False  # 1.2 > 1.0
+    assert v["10MB: LTP/bbr round time, 0% loss"] is True      # 1.0 / 1.2 (the slow first round is skipped)
+    assert v["10MB: LTP/bbr round time, 1% loss"] is False     # 1.0 / 1.1 > 0.8
+    assert v["10MB: LTP/cubic round time, 1% loss"] is True    # 1.0 / 3.0
+    assert v["10MB: LTP gather delivered, 0% loss"] is True    # 0.99 >= 0.98
+    assert v["10MB: LTP gather delivered, 1% loss"] is False   # 0.90 < 0.95
     assert v["compiled ltp_ext modules loaded by default"] is True
     assert v["pure-Python twins pass CI's transport tests"] is True
     assert (tmp_path / "scoreboard.csv").exists() and (tmp_path / "results.json").exists()
@@ -159,3 +175,17 @@ def test_broadcast_bench_delivers_to_every_peer(transport):
     assert r["duration_s"] > 0 and r["peers"] == 3 and r["goodput_gbps"] > 0
     if transport == "ltp":
         assert r["delivered"] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_problem is not None, reason=f"network lab unavailable: {_problem}")
+def test_quick_ps_round_job_in_the_lab():
+    from ltp_tools.experiments import scoreboard_rows as SR
+
+    job = SR.PS_ROUND_QUICK[0]
+    r = SR.launch_job("ltp", job=job, loss=0.01)
+    assert r["rc"] == 0, r["tail"]
+    st = SR.round_stats(r["rows"])
+    assert st["rounds"] == job["iterations"] - 1 and st["round_s"] > 0 and 0.5 < st["delivered"] <= 1.0

@@ -20,6 +20,9 @@ Theory of operation
     ``bcast``      reliable broadcast of 100 MB to 4 peers from one process: LTP's
                    ``Endpoint.broadcast`` <= 1.0x the time of four cubic connections from one
                    process (:mod:`ltp_tools.broadcast_bench`).
+    ``psround``    1 PS + 4 workers, ResNet-50- and VGG-16-sized models, LTP vs bbr at 0 % and
+                   1 % loss and cubic at 1 %: round time and the gather's delivered fraction
+                   (:mod:`.scoreboard_rows`).
     ``tta``        the README main job (digits, 4 workers, 15 epochs) at 1 % loss over LTP
                    and over TCP cubic: LTP's time to 95 % accuracy <= 0.8x cubic's
                    (:mod:`.scoreboard_rows`).
@@ -43,7 +46,7 @@ import time
 from . import _common as C
 
 NAME = "scoreboard"
-ROWS = ("cpu", "loss", "tbf", "wan", "incast", "bcast", "tta", "twins")
+ROWS = ("cpu", "loss", "tbf", "wan", "incast", "bcast", "psround", "tta", "twins")
 CHECK_COLUMNS = ["row", "check", "value", "target", "passed", "detail"]
 
 # The thresholds, named once.
@@ -101,7 +104,7 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
             raise ValueError(f"unknown scoreboard row {r!r}; choose from {', '.join(ROWS)}")
     needs_lab = {"cpu": bench is B.run_bench, "loss": bench is B.run_bench, "tbf": bench is B.run_bench,
                  "wan": bench is B.run_bench, "incast": incast_run is I.run, "tta": launch_job is SR.launch_job,
-                 "bcast": broadcast is BB.run, "twins": False}
+                 "bcast": broadcast is BB.run, "psround": launch_job is SR.launch_job, "twins": False}
     if any(needs_lab[r] for r in rows):
         C.require_lab()
     sz = _sizes(quick)
@@ -124,8 +127,9 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
         r = raw.get(key)
         return None if r is None else r.get(field)
 
+    ps_jobs = SR.PS_ROUND_QUICK if quick else SR.PS_ROUND_JOBS
     plan = {"cpu": 2, "loss": 3 + ("cpu" not in rows), "tbf": 1, "wan": 2, "incast": 1, "bcast": 2, "tta": 2,
-            "twins": 1}
+            "twins": 1, "psround": len(ps_jobs) * len(SR.PS_ROUND_CASES)}
     with C.progress(sum(plan[r] for r in rows), NAME, disable=not progress) as bar:
         if "cpu" in rows or "loss" in rows:
             for t in (("ltp", "cubic") if "cpu" in rows else ("ltp",)):
@@ -207,6 +211,23 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
             checks.append(_check("bcast", f"LTP broadcast / {BCAST_PEERS} cubic connections, time", ratio,
                                  f"<= {BCAST_MAX_VS_TCP}", None if ratio is None else ratio <= BCAST_MAX_VS_TCP,
                                  f"{sz['bcast'] / 1e6:g} MB to {BCAST_PEERS} peers: ltp {lt} s, cubic {cu} s"))
+        if "psround" in rows:
+            raw["psround"] = {}
+            for job in ps_jobs:
+                stats = {}
+                for tr, loss in SR.PS_ROUND_CASES:
+                    key = f"psround/{job['name']}/{tr}/{loss:g}"
+                    try:
+                        r = launch_job(tr, job=job, loss=loss, seed=seed)
+                        stats[(tr, loss)] = SR.round_stats(r["rows"]) if r["rc"] == 0 else None
+                        if r["rc"] != 0:
+                            failures.append(dict(measurement=key, error=f"exit {r['rc']}: {r['tail'][-500:]}"))
+                    except Exception as e:  # noqa: BLE001
+                        failures.append(dict(measurement=key, error=f"{type(e).__name__}: {e}"[:2000]))
+                        stats[(tr, loss)] = None
+                    raw["psround"][key] = stats[(tr, loss)]
+                    bar.update(1)
+                checks.extend(SR.ps_round_checks(job["name"], stats, _check))
         if "tta" in rows:
             job, acc = (SR.TTA_QUICK, SR.TTA_QUICK_ACCURACY) if quick else (SR.TTA_JOB, SR.TTA_ACCURACY)
             runs = {}

@@ -1,4 +1,14 @@
-"""Issue 8's scoreboard rows that run whole jobs rather than one transfer: time to accuracy and the twins.
+"""Issue 8's scoreboard rows that run whole jobs rather than one transfer: PS rounds, time to accuracy, twins.
+
+``psround`` (target 4)
+    ``ltp-ps launch --lab on`` with 1 PS + 4 workers and a model of ResNet-50's size (then
+    VGG-16's; the synthetic workloads: random gradients, no compute, so a round is all
+    communication) for ``PS_ROUND_ITERATIONS`` rounds, over LTP and over kernel TCP bbr at 0 %
+    and 1 % loss and over cubic at 1 % (``--loss``: ingress loss at the PS, the gather's
+    bottleneck).  Round time = the median over rounds after the first of the PS's batch
+    synchronisation (``gather_s + broadcast_s`` of its metrics rows); delivered = the mean of
+    the gather's per-worker delivered fractions.  Targets: LTP <= 1.0 x bbr at 0 %, <= 0.8 x
+    bbr and <= 0.5 x cubic at 1 %; LTP's delivered >= 0.98 at 0 % and >= 0.95 at 1 %.
 
 ``tta`` (target 7)
     The README main job's settings (digits, 4 workers, lr 0.1, 15 epochs) in the lab at 1 %
@@ -34,6 +44,14 @@ TTA_LOSS = 0.01
 TTA_JOB = dict(workers=4, model="digits", epochs=15)  # the README main job's settings
 TTA_QUICK = dict(workers=2, model="digits", epochs=2)  # plumbing only: its verdict is not the issue's
 TTA_QUICK_ACCURACY = 0.3
+PS_ROUND_JOBS = (dict(name="resnet50", workers=4, model="resnet50", iterations=6),
+                 dict(name="vgg16", workers=4, model="vgg16", iterations=4))
+PS_ROUND_QUICK = (dict(name="10MB", workers=4, model="synthetic:2500000", iterations=5),)  # plumbing only
+PS_ROUND_CASES = (("ltp", 0.0), ("bbr", 0.0), ("ltp", 0.01), ("bbr", 0.01), ("cubic", 0.01))
+PS_ROUND_MAX_VS_BBR_CLEAN = 1.0
+PS_ROUND_MAX_VS_BBR_LOSSY = 0.8
+PS_ROUND_MAX_VS_CUBIC_LOSSY = 0.5
+PS_DELIVERED_MIN = {0.0: 0.98, 0.01: 0.95}
 JOB_TIMEOUT_S = 900.0
 TWIN_TIMEOUT_S = 600.0
 
@@ -51,12 +69,14 @@ def time_to_accuracy(rows: list[dict], accuracy: float) -> float | None:
 
 
 def launch_job(transport: str, *, job: dict, loss: float, seed: int = 0, timeout_s: float = JOB_TIMEOUT_S) -> dict:
-    """One ``ltp-ps launch`` in the lab; returns ``dict(rc, rows, tail)`` (its metrics rows, the output's tail)."""
+    """One ``ltp-ps launch`` in the lab; returns ``dict(rc, rows, tail)`` (its metrics rows, the output's tail).
+
+    ``job``: ``workers``, ``model`` and ``epochs`` or ``iterations``."""
     with tempfile.TemporaryDirectory(prefix="ltp-tta-") as d:
         metrics = os.path.join(d, "m.jsonl")
         argv = [sys.executable, "-m", "ltp_ps.cli", "launch", "--lab", "on", "--loss", str(loss),
-                "--workers", str(job["workers"]), "--model", job["model"], "--epochs", str(job["epochs"]),
-                "--seed", str(seed), "--metrics", metrics]
+                "--workers", str(job["workers"]), "--model", job["model"], "--seed", str(seed), "--metrics", metrics]
+        argv += ["--iterations", str(job["iterations"])] if "iterations" in job else ["--epochs", str(job["epochs"])]
         argv += ["--transport", "ltp"] if transport == "ltp" else ["--transport", "tcp", "--cc", transport]
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
         rows = []
@@ -68,6 +88,38 @@ def launch_job(transport: str, *, job: dict, loss: float, seed: int = 0, timeout
                     except ValueError:
                         continue
         return dict(rc=p.returncode, rows=rows, tail=(p.stdout + p.stderr)[-1500:])
+
+
+def round_stats(rows: list[dict]) -> dict:
+    """The PS's batch synchronisation per round (after the first) and its gather's mean delivered fraction."""
+    its = [r for r in rows if r.get("event") == "iteration"][1:]
+    sync = sorted((r.get("gather_s") or 0.0) + (r.get("broadcast_s") or 0.0) for r in its)
+    fr = [v for r in its for v in (r.get("delivered") or {}).values() if isinstance(v, (int, float))]
+    return dict(rounds=len(its), round_s=(sync[len(sync) // 2] if len(sync) % 2 else
+                                          (sync[len(sync) // 2 - 1] + sync[len(sync) // 2]) / 2) if sync else None,
+                delivered=sum(fr) / len(fr) if fr else None)
+
+
+def ps_round_checks(name: str, stats: dict, check) -> list[dict]:
+    """``stats``: ``(transport, loss)`` -> ``round_stats`` (None: the job failed); target 4's checks for one model."""
+    def t(tr, loss):
+        s = stats.get((tr, loss))
+        return None if s is None else s["round_s"]
+
+    out = []
+    for other, loss, limit in (("bbr", 0.0, PS_ROUND_MAX_VS_BBR_CLEAN), ("bbr", 0.01, PS_ROUND_MAX_VS_BBR_LOSSY),
+                               ("cubic", 0.01, PS_ROUND_MAX_VS_CUBIC_LOSSY)):
+        a, b = t("ltp", loss), t(other, loss)
+        ratio = None if a is None or b is None or b <= 0 else a / b
+        out.append(check("psround", f"{name}: LTP/{other} round time, {loss:.0%} loss", ratio, f"<= {limit}",
+                         False if ratio is None else ratio <= limit,
+                         f"ltp {a if a is None else round(a, 3)} s, {other} {b if b is None else round(b, 3)} s"))
+    for loss, floor in PS_DELIVERED_MIN.items():
+        s = stats.get(("ltp", loss))
+        d = None if s is None else s["delivered"]
+        out.append(check("psround", f"{name}: LTP gather delivered, {loss:.0%} loss", d, f">= {floor}",
+                         False if d is None else d >= floor, "" if s else "the LTP job failed"))
+    return out
 
 
 def tta_checks(runs: dict, accuracy: float, check) -> list[dict]:
