@@ -31,6 +31,11 @@ def resolve_kind(kind: str) -> str:
     return "ltp" if hasattr(ltp, "open_endpoint") else "tcp"
 
 
+PEER_SILENCE_MIN_S = 5.0  # seconds of silence before an LTP send declares its peer dead (ltp's floor is 1 s): a
+#                           worker copying or allocating hundreds of MB for a second is alive; killed processes are
+#                           still found at once (ICMP unreachable)
+
+
 async def open_transport(kind: str, host: str = "127.0.0.1", port: int = 0, *, cc: str | None = "cubic",
                          job_key: bytes | None = None, advertise_host: str | None = None) -> Transport:
     """Open a ``"tcp"`` or ``"ltp"`` endpoint listening on ``(host, port)``."""
@@ -39,7 +44,8 @@ async def open_transport(kind: str, host: str = "127.0.0.1", port: int = 0, *, c
     if kind == "ltp":
         from .ltp import LtpTransport
 
-        return await LtpTransport.open(host, port, job_key=job_key, advertise_host=advertise_host)
+        return await LtpTransport.open(host, port, job_key=job_key, advertise_host=advertise_host,
+                                       config_kwargs={"peer_silence_min_s": PEER_SILENCE_MIN_S})
     from ..errors import ConfigError
 
     raise ConfigError(f"unknown transport {kind!r}; use --transport ltp or --transport tcp")

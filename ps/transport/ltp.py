@@ -10,6 +10,7 @@ converted to ours, keeping the original in ``.raw``; ``bubbles``,
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Sequence
 
@@ -45,12 +46,18 @@ def _send_report(r) -> SendReport:
                       reliable=bool(r.reliable), raw=r)
 
 
+BACKPRESSURE_REFUSALS = ("out_of_memory", "too_many_flows")  # the receiver is full for now: try again later
+REFUSED_RETRY_S = 0.02  # seconds before the first retry of a refused send (doubling)
+REFUSED_RETRY_MAX_S = 0.5  # seconds between retries at most
+
+
 class LtpTransport(Transport):
     """Create with ``await LtpTransport.open(host, port, job_key=...)``."""
 
     name = "ltp"
 
     def __init__(self, ep, ltp_mod, advertise_host: str | None):
+        self.refused_retries = 0  # sends tried again after a back-pressure refusal
         self._ep = ep
         self._ltp = ltp_mod
         host, port = ep.local_addr[:2]
@@ -90,13 +97,26 @@ class LtpTransport(Transport):
         return exc
 
     async def send(self, peer, data, *, reliable=False, critical=(), element_size=4, tag=0, timeout=None):
-        try:
-            r = await self._ep.send(tuple(peer), as_bytes_view(data), reliable=reliable,
-                                    critical=[tuple(c) for c in critical], element_size=element_size,
-                                    tag=tag, timeout=timeout)
-        except self._ltp.errors.LTPError as exc:
-            raise self._wrap(exc, f"send to {peer}") from exc
-        return _send_report(r)
+        """``ep.send``; a registration the receiver refuses for want of room (``BACKPRESSURE_REFUSALS``: it holds
+        messages nobody has received yet) is tried again, backing off, until ``timeout`` -- back-pressure,
+        as a full TCP window would give -- instead of failing the transfer (a PS still broadcasting has not
+        posted its gather when the first workers push)."""
+        t0 = time.monotonic()
+        wait = REFUSED_RETRY_S
+        while True:
+            left = None if timeout is None else timeout - (time.monotonic() - t0)
+            try:
+                r = await self._ep.send(tuple(peer), as_bytes_view(data), reliable=reliable,
+                                        critical=[tuple(c) for c in critical], element_size=element_size,
+                                        tag=tag, timeout=left)
+            except self._ltp.errors.LTPError as exc:  # TransferRefused carries ``reason``
+                if getattr(exc, "reason", None) not in BACKPRESSURE_REFUSALS or (left is not None and left <= wait):
+                    raise self._wrap(exc, f"send to {peer}") from exc
+                self.refused_retries += 1
+                await asyncio.sleep(wait)
+                wait = min(REFUSED_RETRY_MAX_S, 2 * wait)
+                continue
+            return _send_report(r)
 
     async def recv(self, into, *, peer=None, tag=None, timeout=None):
         try:
