@@ -190,7 +190,7 @@ def test_launch_hoplite_trains_digits(tmp_path, transport):
 @pytest.mark.parametrize("transport", ["tcp", "ltp"])
 def test_launch_hoplite_async_half_batch_trains_digits(tmp_path, transport):
     summary, metrics = tmp_path / "s.json", tmp_path / "m.jsonl"
-    p = subprocess.run(ps_cmd("launch", "--schedule", "hoplite", "--mode", "async", "--workers", 4, "--epochs", 8,
+    p = subprocess.run(ps_cmd("launch", "--schedule", "hoplite", "--mode", "async", "--workers", 4, "--epochs", 12,
                               "--lab", "off", "--transport", transport, "--summary-json", summary, "--metrics",
                               metrics, "--model", "digits", "--seed", 0, "--momentum", 0, "--lr", 0.4),
                        env=child_env(), capture_output=True, text=True, timeout=110)
@@ -198,13 +198,14 @@ def test_launch_hoplite_async_half_batch_trains_digits(tmp_path, transport):
     assert "hoplite async: half-batch updates of 2 of 4 workers' gradients" in p.stdout
     s = json.loads(summary.read_text())
     its = [r for r in map(json.loads, open(metrics)) if r.get("event") == "iteration"]
-    assert len(its) == 192 and all(r["mode"] == "async" and r["contributors"] >= 2 for r in its)
+    assert len(its) == 288 and all(r["mode"] == "async" and r["contributors"] >= 2 for r in its)
     assert max(max(r["staleness"].values()) for r in its) <= 2
     acc = [r["accuracy"] for r in map(json.loads, open(metrics)) if r.get("event") == "epoch"
            and r.get("accuracy") is not None]
-    # 0.969 (tcp) / 0.942 (ltp) final measured; asynchronous updates are noisy from epoch to epoch (one full CI
-    # run under load ended at 0.81 after a best of 0.91), so the last three epochs are judged together
-    assert len(acc) == 8 and s["best_accuracy"] >= 0.9, (acc, s)
+    # asynchronous updates are noisy from epoch to epoch and the first epochs are slow (two CI runs under load
+    # ended 8 epochs at 0.81 and 0.71/0.85/0.96); 12 epochs under a busy core measured last three 0.95-0.98, so
+    # the last three epochs are judged together
+    assert len(acc) == 12 and s["best_accuracy"] >= 0.9, (acc, s)
     assert sum(acc[-3:]) / 3 >= 0.85, (acc, s)
 
 

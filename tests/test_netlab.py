@@ -81,7 +81,9 @@ def test_default_loss_spares_small_packets_all_sizes_does_not(lab):
     lab.impair(h0, loss=1.0, all_sizes=True)
     assert ping(lab, h1, h0, count=3, interval_s=0.01, size=100, timeout_s=0.5)["received"] == 0
     st = lab.loss_stats(h0)
-    assert st["dropped"] == st["seen"] == 3
+    # every IPv4 packet is dropped: the three echo requests, and any multicast the bridge floods meanwhile
+    # (an IGMP membership report made one CI run count 4)
+    assert st["dropped"] == st["seen"] >= 3, st
     lab.clear(h0)
     assert ping(lab, h1, h0, count=3, interval_s=0.01, size=1000)["received"] == 3
     assert lab.loss_stats(h0)["dropped"] == 0
