@@ -184,6 +184,7 @@ async def serve(args, store=None) -> dict:
                            seed=args.seed)
         ps = ParameterServer(wl, transport, cfg, plan=plan, shard=args.shard, rendezvous=rv,
                              planner=schedule_cli.server_planner(args, wl, plan, args.shard))
+        ps.tree_board = schedule_cli.tree_board(args, store, secret, ps.log)
         print(f"[ps{args.shard}] listening on {transport.local_addr} ({args.transport}"
               f"{'/' + args.cc if args.transport == 'tcp' else ''}), model {args.model} "
               f"({wl.n_params} params, shard {lo}:{hi}), waiting for {args.workers} workers", flush=True)
@@ -263,7 +264,8 @@ async def work(args, store=None) -> dict:
             w = Worker(wl, transport, shards, WorkerConfig(rank=rank, world_size=args.workers,
                                                             error_feedback=args.error_feedback,
                                                             pull_timeout_s=args.pull_timeout, seed=args.seed,
-                                                            max_iterations=args.max_iterations))
+                                                            max_iterations=args.max_iterations,
+                                                            max_missed=args.max_missed))
             await schedule_cli.prepare_worker(w, args, store, secret, rank, transport, wl, infos)
             try:
                 st = await _run_watching(w, store, infos)
@@ -355,7 +357,7 @@ def _free_port() -> int:
 
 def _passthrough(args, names) -> list[str]:
     out = []
-    for n in names:
+    for n in dict.fromkeys(names):  # a name in two lists is passed once
         v = getattr(args, n.replace("-", "_"))
         if v is None or v is False:
             continue
@@ -408,7 +410,7 @@ COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "job", 
 SERVER = ["epochs", "iterations", "aggregation", "optimizer", "lr", "momentum", "weight-decay", "clip-factor",
           "gather-timeout", "broadcast-timeout",
           "max-missed", "min-workers", "checkpoint-dir", "checkpoint-every", "metrics", "progress", "summary-json"]
-WORKER = ["error-feedback", "pull-timeout", "rejoin"]
+WORKER = ["error-feedback", "pull-timeout", "rejoin", "max-missed"]
 
 
 def _lab_choice(args) -> tuple[bool, str]:

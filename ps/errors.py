@@ -40,6 +40,11 @@ class TransportError(PSError):
     """A transfer failed (peer gone, timeout, connection refused)."""
 
 
+class PeerGone(TransportError, ConnectionError):
+    """The peer is gone: unreachable (ICMP), or it closed or reset the connection.  Later transfers with it
+    in the same round are pointless (``Executor`` excludes it)."""
+
+
 class TransportTimeout(TransportError, TimeoutError):
     """A transfer did not finish within its timeout."""
 
@@ -49,6 +54,10 @@ class TrainingFailed(PSError):
 
     Raised instead of printing a summary, so that a job that trained nothing never exits 0.
     """
+
+
+class Excluded(TrainingFailed):
+    """This worker was declared dead by the job while alive (tree schedules cannot take it back)."""
 
 
 class Stopped(PSError):

@@ -21,8 +21,13 @@ partials, so its round is simply its program, run end to end by the executor:
   parameters, ``max_missed`` rounds in a row without an applied update); no
   live child left makes ``_run_bsp`` wait for rejoins and then fail, like the
   direct PS.  Timeouts per round: parameters get the derived broadcast bound,
-  partials the broadcast bound plus the gather bound (they wait for the
-  parameters to go down the tree, the compute, and the partials to come up).
+  partials the gather bound (counted once the PS's own sends are done; its
+  compute samples are the partial waits of complete rounds, so it covers the
+  rest of the broadcast down the tree, the compute and the reduce), at least
+  the broadcast floor.  The bound rides in the parameter header: aggregating
+  workers wait for their children a ``1/(levels+1)`` share of it.
+* Dead workers (``ltp_ps.tree_views``): with a board (every ``ltp-ps`` job),
+  the trees are rebuilt without them; see the section at the end.
 * Worker ``w`` (:func:`worker_run`): each round binds every raw ``params``
   slot of its program to its receive buffer for the shard whose range the
   step names, runs the program; ``Compute`` reads the parameter messages (a
@@ -43,9 +48,11 @@ import time
 
 import numpy as np
 
-from .errors import RemoteError, TransportTimeout
+from . import tree_views
+from .deadlines import BROADCAST_FLOOR_S
+from .errors import Excluded, PeerGone, RemoteError, TransportTimeout
 from .membership import State
-from .schedules.executor import STOP
+from .schedules.executor import MIN_TIMEOUT_S, STOP, ExecutorError, MissingInput
 from .schedules.partial import Partial, assemble
 from .schedules.program import Program, parse_node, worker as worker_node
 from .transport.base import CANCELLED, TIMEOUT, RecvReport
@@ -97,22 +104,37 @@ def _send_only_prefix(prog: Program) -> Program:
 async def server_round(ps) -> dict:
     """One round of a program-driven schedule at PS shard ``ps``; returns its metrics row."""
     it = ps.iteration
+    views = _views(ps)
+    if views is not None:
+        await asyncio.to_thread(_sync_server_views, ps, views, it)
     members = ps.membership.active()
     ps.transport.discard_before(tag_of(it, 0))
     msg = ps._params_message(KIND_PARAMS, {})
+    bt = ps.deadline.broadcast_timeout(len(msg), len(members))
+    # partials: the gather rule, counted from the PS's partial stage (its own parameter sends are done by
+    # then), whose "compute" samples are whole partial waits of complete rounds (the rest of the tree's
+    # broadcast, the compute, the reduce); at least the broadcast floor unless --gather-timeout fixes it (a
+    # child is dropped for good after --max-missed misses, so a straggler throttled for seconds must not miss)
+    bound = ps.deadline.timeout(len(msg), len(members))
+    if ps.deadline.fixed_s is None:
+        bound = max(BROADCAST_FLOOR_S, bound)
+    msg = ps._params_message(KIND_PARAMS, {}, round_bound_s=bound)  # aggregating workers wait a share of it
     ps._address(members)
     ps._slots.bind("params", msg)
     ps._slots.clear_partials()
     prog = ps.planner.plan(it).program(ps.node)
-    bt = ps.deadline.broadcast_timeout(len(msg), len(members))
-    bound = bt + ps.deadline.timeout(len(msg), len(members))
     ps.executor.payload_timeouts.update(params=bt, partial=bound)
     dead = {worker_node(r) for r, m in ps.membership.members.items() if m.state is not State.ACTIVE}
     h = _ServerHandlers(ps, it)
     t0 = time.monotonic()
     res = await ps.executor.run(prog, ps._slots, h, iteration=it, exclude=dead)
     wall = time.monotonic() - t0
+    _observe_partial_wait(ps, prog, res)
+    n_active = len(ps.membership.active())
     _observe_children(ps, it, prog, res, dead, wall, bound)
+    # a tree being repaired may deliver nothing for a few rounds: not the job's failure (bounded: the lag)
+    repairing = views is not None and (len(ps.membership.active()) < n_active
+                                       or views.tracker.newest.from_round > it)
     p = h.partial
     contributors = p.contributors if p is not None else 0
     loss = p.loss_sum / contributors if contributors else float("nan")
@@ -125,8 +147,18 @@ async def server_round(ps) -> dict:
            "samples": p.samples if p is not None else 0, "schedule": ps.planner.name}
     ps._write_member_events(it)
     ps.metrics.write(row)
-    ps._check_health(it, [loss] if contributors else [], h.applied, len(ps.membership.active()), bound)
+    ps._check_health(it, [loss] if contributors else [], h.applied, len(ps.membership.active()), bound,
+                     excused=repairing)
     return row
+
+
+def _observe_partial_wait(ps, prog: Program, res) -> None:
+    """A round in which every partial arrived whole is a sample of how long the partials take to come up."""
+    recvs = [(st, rep) for st, rep in zip(prog.steps(), res.reports) if st.op == "recv" and st.payload == "partial"]
+    if recvs and all(isinstance(rep, RecvReport) and rep.ok for _, rep in recvs):
+        waits = [res.group_s[st.group] for st, _ in recvs if st.group in res.group_s]
+        if waits:
+            ps.deadline.observe_compute(max(waits))
 
 
 def _observe_children(ps, it: int, prog: Program, res, dead: set, wall: float, bound: float) -> None:
@@ -138,11 +170,15 @@ def _observe_children(ps, it: int, prog: Program, res, dead: set, wall: float, b
         role, rank = parse_node(step.peer)
         if role != "worker":
             continue
-        if step.op == "send" and isinstance(rep, BaseException):
+        if step.op == "send" and isinstance(rep, PeerGone):  # hard evidence: ICMP unreachable, refused, reset
             why = f"parameters of round {it} failed after {wall:.2f} s: {type(rep).__name__}: {rep}"
             ps.membership.failed(rank, why)
             ps.log(f"[ps{ps.shard}] dropped worker {rank}: {why}")
-        elif step.op == "recv" and step.payload == "partial":
+        elif step.op == "send" and isinstance(rep, BaseException) and not isinstance(rep, ExecutorError):
+            # a timeout or refusal: a straggler (a throttled host) looks the same; dropped from the trees for
+            # good only after --max-missed rounds in a row
+            seen[rank] = f"its parameters failed ({type(rep).__name__}: {rep})"
+        elif step.op == "recv" and step.payload == "partial" and seen.get(rank, True) is True:
             ok = isinstance(rep, RecvReport) and rep.received_bytes > 0
             if ok or rep is None or getattr(rep, "regime", None) not in (TIMEOUT, CANCELLED):
                 seen.setdefault(rank, True)  # alive (it registered), even if Early Close left nothing usable
@@ -159,7 +195,16 @@ def _observe_children(ps, it: int, prog: Program, res, dead: set, wall: float, b
 
 
 async def server_stop(ps, timeout: float) -> None:
-    """STOP down the schedule's parameter path (the leading send-only stages of the next round's program)."""
+    """STOP down the schedule's parameter path (the leading send-only stages of the next round's program).
+
+    With a view board, ``stop`` is posted there first: a worker waiting on a round no parameters will come
+    for (an orphan of a dead aggregator) stops on it."""
+    views = _views(ps)
+    if views is not None:
+        try:
+            await asyncio.to_thread(views.board.post_stop, ps.iteration)
+        except Exception as exc:  # the store is gone: STOP through the trees still reaches the live ones
+            ps.log(f"[ps{ps.shard}] could not post stop on the tree-view board: {exc}")
     members = ps.membership.active()
     ps._address(ps.membership.members.values())
     ps._slots.bind("params", ps._params_message(KIND_STOP, {}))
@@ -177,9 +222,11 @@ def _with_timeout(step, timeout):
 
 
 class _WorkerHandlers:
-    def __init__(self, w, it: int):
-        self.w, self.it = w, it
+    def __init__(self, w, it: int, levels: int = 1, param_sources=frozenset()):
+        self.w, self.it, self.levels = w, it, max(1, int(levels))
+        self.param_sources = set(param_sources)  # the nodes this round's parameter slices come from
         self.stopped = False
+        self.orphaned = False  # every parameter source was declared dead: no gradient this round
 
     async def compute(self, step, slots):
         w = self.w
@@ -200,8 +247,16 @@ class _WorkerHandlers:
                                   f"{h.n_elems} parameters, expected {s.hi - s.lo}")
             w.flat[s.lo:s.hi] = buf[HEADER_BYTES:HEADER_BYTES + ELEM * h.n_elems].view(np.float32)
             headers.append(h)
+        bound_s = max((h.round_bound_ms for h in headers), default=0) / 1000.0
+        if bound_s > 0:
+            # an aggregating worker must send its partial up before its parent gives up on it: each level of
+            # the tree waits for its children a 1/(levels+1) share of the PS's bound for the round
+            w.executor.payload_timeouts["partial"] = max(MIN_TIMEOUT_S, bound_s / (self.levels + 1))
         if stale:
             if len(stale) == len(w.shards):
+                if self.param_sources and w.executor._exclude >= self.param_sources:
+                    self.orphaned = True  # every parameter source was declared dead during the round
+                    return None
                 raise TransportTimeout(f"worker {w.cfg.rank}: no parameters of any shard for round {self.it}")
             if not w.stale_param_slices and not self.it:
                 w.flat[:] = w.workload.initial_params(w.cfg.seed)  # what the PS starts from (same --seed)
@@ -241,17 +296,41 @@ async def worker_run(w, start: int = 0) -> dict:
     """Train worker ``w`` on its schedule's programs until STOP."""
     if w._batches is None:
         w._batches = w.workload.batches(w.cfg.rank, w.cfg.world_size, w.cfg.seed)
+    views = _views(w)
     it = start
     while True:
-        prog = w.planner.plan(it).program(w.node)
+        if views is not None:
+            if await asyncio.to_thread(_sync_worker_views, w, views, it):
+                return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True}
+        plan = w.planner.plan(it)
+        prog = plan.program(w.node)
+        excluded = views.excluded() if views is not None else set()
+        sources = {st.peer for st in prog.steps() if st.op == "recv" and st.payload == "params"}
+        if sources and sources <= excluded:
+            # an orphan round: every parameter slice would come through a dead worker, and the trees without it
+            # start later; nothing can come down and nothing is worth sending up, so do not wait or compute
+            _orphan_round(w, it, sources, f"the repaired trees start at round {views.tracker.newest.from_round}")
+            it += 1
+            continue
         for st in prog.steps():
             if st.op in ("recv", "forward") and st.payload == "params":
                 i = next(k for k, s in enumerate(w.shards) if (s.lo, s.hi) == (st.lo, st.hi))
                 w.slots.bind(st.slot, w._in[i])
-        h = _WorkerHandlers(w, it)
-        res = await w.executor.run(prog, w.slots, h, iteration=it)
+        h = _WorkerHandlers(w, it, plan.notes.get("levels", 1) if isinstance(plan.notes, dict) else 1, sources)
+        run = w.executor.run(prog, w.slots, h, iteration=it, exclude=excluded)
+        if views is None:
+            res = await run
+        else:
+            res = await _run_watched(w, views, run, prog, it)
+            if res is None:  # the PS has stopped (posted on the board) while this round waited
+                return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True}
+            await asyncio.to_thread(_observe_peers, w, views, prog, res)
         if h.stopped or res.stopped:
             return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True}
+        if h.orphaned:
+            _orphan_round(w, it, sources, "declared dead while this round waited for them")
+            it += 1
+            continue
         first = [r for st, r in zip(prog.steps(), res.reports) if st.op == "recv" and st.payload == "params"]
         if first and all(getattr(r, "received_bytes", 0) == 0 for r in first):
             raise TransportTimeout(f"worker {w.cfg.rank}: no parameters for round {it} within "
@@ -260,3 +339,154 @@ async def worker_run(w, start: int = 0) -> dict:
         it += 1
         if w.cfg.max_iterations is not None and w.iterations >= w.cfg.max_iterations:
             return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": False}
+
+
+def _orphan_round(w, it: int, sources, why: str) -> None:
+    w.orphan_rounds += 1
+    print(f"[w{w.cfg.rank}] round {it}: no parameters can come: {sorted(sources)} are dead ({why}); "
+          f"no gradient this round", flush=True)
+
+
+# -- tree views: repairing the trees around dead workers (ltp_ps.tree_views) ------------------------------------------
+
+class _Views:
+    """One process's tree-view state: its board (the I/O) and ``tree_views``' sans-IO objects."""
+
+    def __init__(self, board, base_world, max_missed: int):
+        self.board = board
+        self.base = base_world  # the job's world: every repair is planned from it
+        self.tracker = tree_views.ViewTracker()
+        self.suspicion = tree_views.Suspicion(max_missed)
+        self.applied: frozenset = frozenset()  # the dead set the planner's world is built without
+        self.posted: set = set()  # ranks this process posted as suspects
+        self.started = False
+
+    def excluded(self) -> set:
+        """Nodes known dead: not sent to, not waited for (also in rounds before their view takes effect)."""
+        return {worker_node(r) for r in self.tracker.newest.dead}
+
+    def apply(self, planner, round_: int) -> frozenset | None:
+        """Plan round ``round_`` without its view's dead workers; the new dead set if it changed."""
+        dead = self.tracker.dead_for(round_)
+        if dead == self.applied or not [r for r in self.base.workers if r not in dead]:
+            return None
+        planner.set_world(self.base.without(dead))
+        self.applied = dead
+        return dead
+
+
+def _views(role) -> _Views | None:
+    """The role's view state (made on first use); None without a board (``role.tree_board``)."""
+    v = getattr(role, "_tree_views", None)
+    if v is None and getattr(role, "tree_board", None) is not None:
+        v = role._tree_views = _Views(role.tree_board, role.planner.world, getattr(role.cfg, "max_missed", 3))
+    return v
+
+
+def _sync_server_views(ps, v: _Views, it: int) -> None:
+    """PS side, at the start of round ``it`` (blocking board I/O; run off the loop)."""
+    board = v.board
+    if not v.started:
+        v.tracker.learn(board.latest())  # a restarted shard continues the board's numbering
+        v.started = True
+    ranks = set(v.base.workers)
+    dropped = {r for r, m in ps.membership.members.items() if m.state is not State.ACTIVE} & ranks
+    if ps.shard != 0:
+        for r in sorted(dropped - v.posted):
+            board.suspect(r, ps.node, f"dropped by {ps.node}")
+            v.posted.add(r)
+        v.tracker.learn(board.latest())
+    else:
+        suspects = {r for r in board.suspects() if r in ranks} | dropped
+        view = tree_views.next_view(v.tracker.newest, suspects, it)
+        if view is not None:
+            board.publish(view)
+            v.tracker.learn(view)
+            ps.log(f"[ps{ps.shard}] round {it}: tree view {view.number}: workers {sorted(view.dead)} are dead; the "
+                   f"trees are rebuilt without them from round {view.from_round}")
+    for r in sorted(v.tracker.newest.dead):
+        ps.membership.failed(r, f"excluded from the trees (tree view {v.tracker.newest.number})")
+    dead = v.apply(ps.planner, it)
+    if dead is not None:
+        ps.log(f"[ps{ps.shard}] round {it}: planning the trees without workers {sorted(dead)}")
+
+
+def _sync_worker_views(w, v: _Views, it: int) -> bool:
+    """Worker side, before round ``it`` (blocking board I/O); True if the PS has stopped."""
+    stop = v.board.stopped_at()
+    if stop is not None and it >= stop:
+        return True
+    v.tracker.learn(v.board.latest())
+    if w.cfg.rank in v.tracker.newest.dead:
+        raise Excluded(f"worker {w.cfg.rank}: the job declared this worker dead (tree view {v.tracker.newest.number}, "
+                       f"from round {v.tracker.newest.from_round}: it missed its tree peers --max-missed rounds in a "
+                       f"row); tree schedules cannot take a worker back")
+    dead = v.apply(w.planner, it)
+    if dead is not None:
+        print(f"[w{w.cfg.rank}] round {it}: planning the trees without workers {sorted(dead)}", flush=True)
+    return False
+
+
+async def _run_watched(w, v: _Views, run, prog: Program, it: int):
+    """Run one round while looking at the board every ``BOARD_POLL_S``: a peer of the round declared dead
+    meanwhile is abandoned (no more waiting for it); returns the round's result, or None when the PS posted
+    ``stop`` (the round is cancelled: nothing more will come)."""
+    task = asyncio.ensure_future(run)
+    peers = {st.peer for st in prog.steps() if st.op in ("send", "recv", "forward")}
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=tree_views.BOARD_POLL_S)
+            if done:
+                return task.result()
+            stop, newest = await asyncio.to_thread(_poll_board, v)
+            if stop is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+                return None
+            gone = peers & {worker_node(r) for r in newest.dead}
+            if gone - w.executor._exclude:
+                print(f"[w{w.cfg.rank}] round {it}: {sorted(gone)} declared dead; no longer waiting for them",
+                      flush=True)
+                w.executor.abandon(gone)
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _poll_board(v: _Views):
+    stop = v.board.stopped_at()
+    v.tracker.learn(v.board.latest())
+    return stop, v.tracker.newest
+
+
+def _observe_peers(w, v: _Views, prog: Program, res) -> None:
+    """Feed the round's exchanges with worker peers to the suspicion; post new suspects (blocking I/O)."""
+    excluded = v.excluded()
+    oks: dict = {}  # rank -> any exchange with it succeeded this round
+    whys: dict = {}  # rank -> the first failure
+    gone: set = set()  # ranks a send found gone (unreachable, connection closed): suspects at once
+    for step, rep in zip(prog.steps(), res.reports):
+        if step.op not in ("send", "recv", "forward") or step.peer in excluded:
+            continue
+        role, rank = parse_node(step.peer)
+        if role != "worker":
+            continue
+        if step.op == "recv":
+            ok = isinstance(rep, RecvReport) and rep.received_bytes > 0
+            why = f"nothing from it ({getattr(rep, 'regime', type(rep).__name__)})"
+        else:
+            ok = not isinstance(rep, BaseException) or isinstance(rep, (ExecutorError, MissingInput))
+            why = f"a send to it failed ({type(rep).__name__}: {rep})"
+            if isinstance(rep, PeerGone):
+                gone.add(rank)
+        oks[rank] = oks.get(rank, False) or ok
+        if not ok:
+            whys.setdefault(rank, why)
+    for rank, ok in oks.items():
+        why = whys.get(rank) if rank in gone else f"{whys.get(rank)}, {v.suspicion.max_missed} rounds in a row"
+        if v.suspicion.observe(rank, ok, why, fatal=rank in gone):
+            v.board.suspect(rank, w.node, v.suspicion.suspects[rank])
+            print(f"[w{w.cfg.rank}] suspects worker {rank} is dead: {v.suspicion.suspects[rank]}", flush=True)

@@ -250,6 +250,16 @@ def server_planner(args, wl, plan, shard: int):
     return create(args.schedule, _world(args, wl, plan.ranges, server(shard)), **schedule_options(args))
 
 
+def tree_board(args, store, secret: bytes, log=None):
+    """The board on which a tree schedule's processes agree on dead workers (``ltp_ps.tree_views``); None for
+    ``direct`` (its PS keeps per-worker membership itself)."""
+    from .tree_views import StoreBoard
+
+    if (args.schedule or "direct") == "direct":
+        return None
+    return StoreBoard(store, secret, log=log)
+
+
 async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl, infos) -> None:
     """Give worker ``w`` its schedule's planner; tree schedules also need every peer's address (store)."""
     from .schedules import create
@@ -260,6 +270,7 @@ async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl
     w.planner = create(args.schedule, _world(args, wl, [(i.lo, i.hi) for i in infos], worker(rank)),
                        **schedule_options(args))
     w.executor.addresses.update({server(i.shard): tuple(i.addr) for i in infos})
+    w.tree_board = tree_board(args, store, secret)
     store.set(f"tree/{rank}", _sign(secret, {"rank": rank, "addr": list(transport.local_addr)}))
     keys = [f"tree/{r}" for r in range(args.workers)]
     await asyncio.to_thread(_wait_keys, store, keys, args.store_timeout)

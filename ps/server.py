@@ -123,6 +123,7 @@ class ParameterServer:
         self._slots = Slots()
         self._ready_wait: float | None = None
         self.rendezvous = rendezvous
+        self.tree_board = None  # tree schedules: where views of dead workers are agreed (ltp_ps.tree_views)
         self.log = log or (lambda s: print(s, flush=True))
         self.membership = Membership(max_missed=config.max_missed)
         self.staleness = Staleness()
@@ -202,10 +203,10 @@ class ParameterServer:
                                shard_range=(self.lo, self.hi))
 
     # -- messages --------------------------------------------------------
-    def _params_message(self, kind: int, lost: dict) -> memoryview:
+    def _params_message(self, kind: int, lost: dict, round_bound_s: float = 0.0) -> memoryview:
         table = encode_bubbles(lost, MAX_BUBBLES) if kind == KIND_PARAMS else encode_bubbles({})
         hdr = ParamsHeader(kind, self.shard, self.iteration, self.version, self.n, len(table),
-                           self.iteration // self.ipe)
+                           self.iteration // self.ipe, int(round_bound_s * 1000))
         hdr.pack_into(self._msg)
         off = HEADER_BYTES + ELEM * self.n
         raw = table.view(np.uint8)
@@ -425,12 +426,16 @@ class ParameterServer:
         if greps and all(r.regime not in (TIMEOUT, CANCELLED) for r in greps):
             self.deadline.observe_transfer(sum(r.received_bytes for r in greps), t_g)
 
-    def _check_health(self, it: int, losses: list, applied: bool, n_alive: int, timeout_s: float) -> None:
+    def _check_health(self, it: int, losses: list, applied: bool, n_alive: int, timeout_s: float,
+                      excused: bool = False) -> None:
         """Raise TrainingFailed on a non-finite loss/parameter or ``max_missed`` rounds in a row without an update.
 
         A round counts as empty when no update was applied: nobody delivered a
         usable gradient, or every contribution was refused, or the aggregate
         was not finite (skipped). Used by every BSP round, direct or program-driven.
+        ``excused``: a tree is being repaired around a dead worker (it was dropped
+        this round, or the trees without it start in a later round): an empty round
+        then does not count (the repair takes a bounded number of rounds).
         """
         bad = [x for x in losses if not np.isfinite(x)]
         if bad:
@@ -444,7 +449,7 @@ class ParameterServer:
         self._last_applied = applied
         if n_alive == 0:
             return  # every worker was dropped during this round: _run_bsp waits for rejoins (or fails) next
-        self._empty_rounds = 0 if applied else self._empty_rounds + 1
+        self._empty_rounds = 0 if applied else self._empty_rounds + (0 if excused else 1)
         if self._empty_rounds >= max(1, self.cfg.max_missed):
             raise TrainingFailed(
                 f"PS shard {self.shard}: no usable gradient from any of {n_alive} live workers in "

@@ -84,7 +84,8 @@ class GradHeader:
 @dataclasses.dataclass(frozen=True)
 class ParamsHeader:
     MAGIC = b"LTPP"
-    _S = struct.Struct("<4sHHIqqqII")  # magic, ver, kind, shard, iteration, version, n_elems, n_bubbles, epoch
+    # magic, ver, kind, shard, iteration, version, n_elems, n_bubbles, epoch, round_bound_ms
+    _S = struct.Struct("<4sHHIqqqIII")
     kind: int
     shard: int
     iteration: int
@@ -92,22 +93,26 @@ class ParamsHeader:
     n_elems: int
     n_bubbles: int
     epoch: int = 0
+    #: tree rounds: the PS's bound (ms) for the round's partials, from its parameter send; 0 = not given.
+    #: Aggregating workers wait for their children's partials a share of it (``program_roles``)
+    round_bound_ms: int = 0
 
     def pack_into(self, buf) -> None:
         mv = memoryview(buf).cast("B")
         mv[:HEADER_BYTES] = bytes(HEADER_BYTES)
         self._S.pack_into(mv, 0, self.MAGIC, 1, self.kind, self.shard, self.iteration,
-                          self.model_version, self.n_elems, self.n_bubbles, self.epoch)
+                          self.model_version, self.n_elems, self.n_bubbles, self.epoch,
+                          min(self.round_bound_ms, 0xFFFFFFFF))
 
     @classmethod
     def unpack(cls, buf) -> "ParamsHeader":
         from .errors import RemoteError
 
         mv = memoryview(buf).cast("B")
-        magic, ver, kind, shard, it, v, n, nb, epoch = cls._S.unpack_from(mv, 0)
+        magic, ver, kind, shard, it, v, n, nb, epoch, bound_ms = cls._S.unpack_from(mv, 0)
         if magic != cls.MAGIC:
             raise RemoteError(f"parameter message with bad magic {magic!r}: is the peer an ltp-ps server?")
-        return cls(kind, shard, it, v, n, nb, epoch)
+        return cls(kind, shard, it, v, n, nb, epoch, bound_ms)
 
     def nbytes(self) -> int:
         return HEADER_BYTES + self.n_elems * ELEM + self.n_bubbles * BUBBLE_BYTES

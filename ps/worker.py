@@ -58,6 +58,7 @@ class WorkerConfig:
     max_critical_ranges: int = 128  # LTP fits at most 160 ranges in a registration
     seed: int = 0
     max_iterations: int | None = None  # stop after this many pushes (tests: simulate a crash)
+    max_missed: int = 3  # tree schedules: rounds in a row a tree peer may miss before it is a suspect
 
 
 class Worker:
@@ -72,6 +73,8 @@ class Worker:
         self.model = workload.build_model()
         self.flat = np.zeros(self.n, dtype=np.float32)
         self.stale_param_slices = 0  # tree schedules: shard slices computed on an earlier round's parameters
+        self.orphan_rounds = 0  # tree schedules: rounds skipped because a tree ancestor was dead
+        self.tree_board = None  # tree schedules: where views of dead workers are agreed (ltp_ps.tree_views)
         self._in = [np.zeros(params_message_capacity(s.hi - s.lo), dtype=np.uint8) for s in self.shards]
         self._out = [np.zeros(HEADER_BYTES + ELEM * (s.hi - s.lo), dtype=np.uint8) for s in self.shards]
         layout = workload.layout()

@@ -86,6 +86,35 @@ def stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
+def launch_and_kill(args, out, metrics, *, rank: int, after_rows: int, start_s: float, end_s: float) -> str:
+    """Run ``ltp-ps launch *args`` (stdout and stderr to ``out``), SIGKILL worker ``rank`` once ``metrics`` has
+    ``after_rows`` lines that mention an iteration (within ``start_s``), and wait up to ``end_s`` for the launch.
+    Asserts the launch named the killed worker and exited with its signal; returns the launch's output."""
+    import os
+    import re
+    import time
+
+    with open(out, "w") as f:
+        proc = subprocess.Popen(ps_cmd("launch", *args, "--metrics", metrics), env=child_env(), stdout=f,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + start_s
+            while time.monotonic() < deadline:
+                if os.path.exists(metrics) and sum(1 for x in open(metrics) if '"iteration"' in x) >= after_rows:
+                    break
+                assert proc.poll() is None, open(out).read()
+                time.sleep(0.05)
+            pid = int(re.findall(rf"\[launch\] started worker {rank} \(pid (\d+)\)", open(out).read())[-1])
+            os.kill(pid, signal.SIGKILL)
+            rc = proc.wait(end_s)
+        finally:
+            stop(proc)
+    text = open(out).read()
+    assert rc == 128 + signal.SIGKILL, text  # the launch names the killed child, after the others finished
+    assert re.search(rf"\[launch\] FAILED: worker {rank} \(pid \d+\) was killed by SIGKILL", text), text
+    return text
+
+
 def lab_reason() -> str | None:
     """Why the namespace lab cannot run here (a test skips with it), or None."""
     try:

@@ -216,3 +216,48 @@ def test_raw_sends_only_mark_gradient_headers_critical():
     asyncio.run(main())
     assert seen[0] == (True, ())
     assert seen[1] == (False, ((0, 64), (76, 80)))
+
+
+# -- peers that are gone (tree repair, ltp_ps.tree_views) -------------------------------------------------------------
+
+def _pair(net):
+    a, b, c = net.endpoint(), net.endpoint(), net.endpoint()
+    addrs = {"worker:0": a.local_addr, "worker:1": b.local_addr, "worker:2": c.local_addr}
+    return a, b, c, addrs
+
+
+async def test_abandon_ends_a_waiting_reliable_receive_at_once_and_keeps_the_others():
+    net = MemoryNetwork(loss=0.0, segment_size=256, seed=0)
+    a, b, c, addrs = _pair(net)
+    ex = Executor(a, "worker:0", addrs, timeout_s=30.0)
+    sl = Slots()
+    sl.bind("p1", np.zeros(64, np.uint8))
+    sl.bind("p2", np.zeros(64, np.uint8))
+    prog = Program("worker:0", ((Recv("worker:1", "p1", 0, 16, 7, "reliable", "params", group="params"),
+                                 Recv("worker:2", "p2", 0, 16, 7, "reliable", "params", group="params")),))
+    t0 = asyncio.get_running_loop().time()
+    task = asyncio.ensure_future(ex.run(prog, sl))
+    await asyncio.sleep(0.05)
+    await c.send(a.local_addr, np.arange(64, dtype=np.uint8), reliable=True, tag=7)  # worker 2 delivers
+    ex.abandon(["worker:1"])  # worker 1 was declared dead: stop waiting (30 s otherwise)
+    res = await asyncio.wait_for(task, 5)
+    assert asyncio.get_running_loop().time() - t0 < 2
+    assert res.reports[0].received_bytes == 0 and res.reports[0].regime == "cancelled"
+    assert res.reports[1].received_bytes == 64
+    assert (sl.buffer("p2") == np.arange(64, dtype=np.uint8)).all()
+
+
+async def test_a_send_that_finds_its_peer_gone_skips_the_later_receive_from_it():
+    from ltp_ps.errors import PeerGone
+
+    net = MemoryNetwork(loss=0.0, segment_size=256, seed=0)
+    a, b, c, addrs = _pair(net)
+    await b.close()  # worker 1's process is gone
+    ex = Executor(a, "worker:0", addrs, timeout_s=30.0)
+    sl = Slots()
+    sl.bind("params", np.ones(64, np.uint8))
+    prog = Program("worker:0", ((Send("worker:1", "params", 0, 16, 3, "reliable", "params"),),
+                                (Recv("worker:1", "in", 0, 16, 4, "tolerant", "partial", group="g"),)))
+    res = await asyncio.wait_for(ex.run(prog, sl), 5)
+    assert isinstance(res.reports[0], PeerGone)
+    assert res.reports[1].received_bytes == 0 and res.reports[1].duration_s == 0.0  # not waited for

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import random
 
-import numpy as np
 import pytest
 
-from ltp_ps.schedules import Topology, World, create
+from ltp_ps.schedules import World, create
 from ltp_ps.schedules.program import server, worker
 from ltp_ps.server import ParameterServer, ServerConfig
 from ltp_ps.sharding import ShardPlan
@@ -127,12 +126,10 @@ async def test_non_finite_loss_fails_the_job_and_stops_every_worker():
 import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
-import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
-from ps_helpers import child_env, free_port, ps_cmd, stop  # noqa: E402
+from ps_helpers import child_env, free_port, launch_and_kill, ps_cmd  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = ("--model", "digits", "--lr", 0.1, "--momentum", 0)
@@ -170,26 +167,10 @@ def test_launch_mlfabric_trains_digits(tmp_path, transport, workers):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_launch_mlfabric_killed_worker_does_not_hang(tmp_path):
-    out, metrics = tmp_path / "launch.out", tmp_path / "m.jsonl"
-    with open(out, "w") as f:
-        proc = subprocess.Popen(ps_cmd("launch", "--schedule", "mlfabric", "--workers", 4, "--epochs", 6, "--lab", "off",
-                                       "--transport", "tcp", "--metrics", metrics, "--compute-delay", 0.01, *TRAIN),
-                                env=child_env(), stdout=f, stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.monotonic() + 150
-            while time.monotonic() < deadline:
-                if os.path.exists(metrics) and sum(1 for x in open(metrics) if '"iteration"' in x) >= 20:
-                    break
-                assert proc.poll() is None, out.read_text()
-                time.sleep(0.05)
-            pid = int(re.findall(r"\[launch\] started worker 2 \(pid (\d+)\)", out.read_text())[-1])
-            os.kill(pid, signal.SIGKILL)
-            rc = proc.wait(200)
-        finally:
-            stop(proc)
-    text = out.read_text()
-    assert rc == 128 + signal.SIGKILL, text  # the launch names the killed child, after the others finished
-    assert re.search(r"\[launch\] FAILED: worker 2 \(pid \d+\) was killed by SIGKILL", text), text
+    metrics = tmp_path / "m.jsonl"
+    text = launch_and_kill(("--schedule", "mlfabric", "--workers", 4, "--epochs", 6, "--lab", "off", "--transport",
+                            "tcp", "--compute-delay", 0.01, *TRAIN), tmp_path / "launch.out", metrics, rank=2,
+                           after_rows=20, start_s=150, end_s=200)
     assert "final / best accuracy" in text  # the PS finished with the three others
     _, beyond = _beyond_tau(metrics)
     assert beyond == 0

@@ -92,6 +92,8 @@ async def test_rounds_whose_aggregate_is_never_finite_fail_the_job():
 
 
 async def test_a_dead_tree_child_is_dropped_excluded_and_the_job_fails_instead_of_waiting():
+    # no tree-view board here (the roles' default in memory): nothing can repair the tree, so the job must fail
+    # rather than wait; with a board (every ltp-ps job) the trees are rebuilt without it (test_tree_views)
     ps, workers = tree_job(3, iterations=400, lr=0.1, max_missed=2, gather_timeout_s=0.3, broadcast_timeout_s=0.3,
                            join_timeout_s=0.5, worker_kw={"pull_timeout_s": 3.0})
     child = _children(ps)[0]

@@ -132,6 +132,22 @@ class World:
     def with_workers(self, workers: Sequence[int]) -> "World":
         return dataclasses.replace(self, workers=tuple(workers))
 
+    def without(self, ranks) -> "World":
+        """This world without workers ``ranks`` (departed), every remaining node on the host it had.
+
+        (``with_workers`` alone would move nodes placed by launch order.)"""
+        gone = {int(r) for r in ranks}
+        placement = dict(self.placement)
+        if self.topology is not None:
+            for n in self.server_nodes + self.worker_nodes:
+                if n not in placement:
+                    try:
+                        placement[n] = self.host_of(n)
+                    except KeyError:
+                        pass  # no host before either: host_of keeps raising for it
+        return dataclasses.replace(self, workers=tuple(r for r in self.workers if r not in gone),
+                                   placement=placement)
+
 
 class Schedule(abc.ABC):
     """A round planner.  Subclasses set ``name``, ``apply_at``, ``needs_servers`` and implement ``plan``."""

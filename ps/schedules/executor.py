@@ -43,7 +43,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..aggregate import bubbles_to_elements, limit_ranges, merge_ranges
-from ..transport.base import (CANCELLED, TIMEOUT, RecvReport, Transport, as_bytes_view, gather_by_recv,
+from ..errors import PeerGone
+from ..transport.base import (CANCELLED, TIMEOUT, RecvReport, Transport, as_bytes_view,
                               missing_report)
 from .partial import (ELEM, PARTIAL_HEADER_BYTES, Partial, PartialDecodeError, assemble, message_capacity)
 from .program import RELIABLE, Program
@@ -179,6 +180,7 @@ class Executor:
         self._scratch: dict = {}
         self._exclude: set = set()
         self._group_timeouts: dict = {}
+        self._pending: dict = {}  # node -> its reliable receives now waiting (tasks: abandon() ends them)
         self.counters = {"sent": 0, "received": 0, "missing": 0, "undecodable": 0}
 
     # -- helpers -------------------------------------------------------------
@@ -218,6 +220,15 @@ class Executor:
             if b > a:
                 crit.append((PARTIAL_HEADER_BYTES + ELEM * (a - step.lo), PARTIAL_HEADER_BYTES + ELEM * (b - step.lo)))
         return view, limit_ranges(crit, self.max_critical_ranges)
+
+    def abandon(self, nodes) -> None:
+        """Stop waiting for ``nodes`` (declared dead while a program runs): their pending reliable receives end
+        at once as missing (``cancelled``) and later steps with them are skipped, as for ``exclude``.  Tolerant
+        receive groups end at their own deadline (one transport gather cannot drop one member)."""
+        for n in nodes:
+            self._exclude.add(n)
+            for t in list(self._pending.get(n, ())):
+                t.cancel()
 
     # -- running ---------------------------------------------------------------
     async def run(self, program: Program, slots: Slots, handlers: Any = None, *, iteration: int = 0,
@@ -332,9 +343,16 @@ class Executor:
             reps = await self.transport.broadcast(peers, data, tag=s0.tag, timeout=self._timeout(s0))
         except Exception as exc:  # a transport that raises instead of reporting per peer
             reps = [exc] * len(members)
-        for (i, _), r in zip(members, reps):
+        for (i, s), r in zip(members, reps):
             res.reports[i] = r
+            self._note_gone(s.peer, r)
         self.counters["sent"] += len(members)
+
+    def _note_gone(self, node: str, report) -> None:
+        """A send that found its peer gone (unreachable, connection closed) ends the program's business with it:
+        its later receives do not wait (the PS's partial gather skips a child whose parameters bounced)."""
+        if isinstance(report, PeerGone):
+            self.abandon([node])
 
     async def _send_in_order(self, members, slots, res, iteration) -> None:
         window = asyncio.Semaphore(IN_ORDER_WINDOW)  # FIFO: the sends take it in program order
@@ -374,6 +392,7 @@ class Executor:
             self.counters["sent"] += 1
         except Exception as exc:  # reported, not raised: the role decides (drop the peer, fail the round)
             res.reports[i] = exc
+            self._note_gone(s.peer, exc)
 
     async def _recv_group(self, g, members, slots, res, group_t0, group_ok) -> None:
         loop = asyncio.get_running_loop()
@@ -398,10 +417,8 @@ class Executor:
             tags = {members[k][1].tag for k in live}
             if isinstance(g, str) and s0.mode != RELIABLE and len(tags) == 1 and None not in tags:
                 reps = await self.transport.gather(peers, lbufs, tag=s0.tag, timeout=timeout)
-            elif isinstance(g, str) and len(tags) == 1:
-                reps = await gather_by_recv(self.transport, peers, lbufs, tag=s0.tag, timeout=timeout)
-            else:
-                reps = await asyncio.gather(*(self._recv_one(p, b, members[k][1], timeout)
+            else:  # one receive per peer, each abandonable, one deadline (``gather_by_recv``'s semantics)
+                reps = await asyncio.gather(*(self._recv_abandonable(members[k][1], p, b, timeout)
                                               for p, b, k in zip(peers, lbufs, live)))
             for k, r in zip(live, reps):
                 res.reports[members[k][0]] = r
@@ -434,6 +451,24 @@ class Executor:
         if s.payload == "partial":
             return self._scratch_buf(("recv", s.peer, s.lo, s.hi), message_capacity(s.hi - s.lo))
         return slots.buffer(s.slot)
+
+    async def _recv_abandonable(self, s, peer, buf, timeout) -> RecvReport:
+        """``_recv_one`` that :meth:`abandon` can end early (a missing report, regime ``cancelled``)."""
+        t0 = time.monotonic()
+        task = asyncio.ensure_future(self._recv_one(peer, buf, s, timeout))
+        waiting = self._pending.setdefault(s.peer, set())
+        waiting.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task.cancelled() and not (me is not None and me.cancelling()):
+                return missing_report(peer, s.tag or 0, as_bytes_view(buf).nbytes, CANCELLED, time.monotonic() - t0)
+            raise  # the caller itself was cancelled
+        finally:
+            waiting.discard(task)
+            if not task.done():
+                task.cancel()
 
     async def _recv_one(self, peer, buf, s, timeout) -> RecvReport:
         t0 = time.monotonic()

@@ -440,7 +440,7 @@ class RatSchedule(Schedule):
         programs = {n: Program(n, tuple(tuple(v[i]) for i in sorted(v))) for n, v in stages.items()}
         notes = {"trees": [{"index": t.index, "root": t.root,
                             "edges": [[c, p, e] for c, p, e in t.edges()]} for t in self._trees],
-                 "chain_length": max((t.chain_length() for t in self._trees), default=0)}
+                 "chain_length": max((t.chain_length() for t in self._trees), default=0), "levels": L}
         return RoundPlan(self.name, iteration, programs, self.apply_at, notes)
 
     def flows(self, nbytes_per_elem: int = 4) -> list[Flow]:

@@ -14,7 +14,7 @@ import asyncio
 import time
 from typing import Sequence
 
-from ..errors import ConfigError, TransportError, TransportTimeout
+from ..errors import ConfigError, PeerGone, TransportError, TransportTimeout
 from .base import (CANCELLED, TIMEOUT, Address, RecvReport, SendReport, Transport, as_bytes_view,
                    missing_report)
 
@@ -92,6 +92,8 @@ class LtpTransport(Transport):
             return exc
         if isinstance(exc, errors.TransferTimeout):
             return TransportTimeout(f"{what}: {exc}")
+        if isinstance(exc, errors.PeerUnreachable):
+            return PeerGone(f"{what}: {exc}")
         if isinstance(exc, errors.LTPError):
             return TransportError(f"{what}: {exc}")
         return exc

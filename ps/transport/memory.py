@@ -17,7 +17,7 @@ import random
 import time
 from typing import Sequence
 
-from ..errors import TransportError, TransportTimeout
+from ..errors import PeerGone, TransportError, TransportTimeout
 from .base import (COMPLETE, EARLY, Address, CloseReason, RecvReport, SendReport, Transport, as_bytes_view,
                    gather_by_recv)
 from .mailbox import Mailbox
@@ -92,7 +92,7 @@ class MemoryTransport(Transport):
         peer = tuple(peer)
         dst = self.net.endpoints.get(peer)
         if dst is None or peer in self.net.dead or dst._closed:
-            raise TransportError(f"send to {peer} failed: no such endpoint (dead?)")
+            raise PeerGone(f"send to {peer} failed: no such endpoint (dead?)")
         if reliable:
             payload, bubbles = bytes(view), ()
         else:

@@ -22,7 +22,7 @@ import struct
 import time
 from typing import Sequence
 
-from ..errors import ConfigError, TransportError, TransportTimeout
+from ..errors import ConfigError, PeerGone, TransportError, TransportTimeout
 from .base import COMPLETE, Address, CloseReason, RecvReport, SendReport, Transport, as_bytes_view, gather_by_recv
 from .mailbox import Mailbox, PeerClosed
 
@@ -207,7 +207,7 @@ class TcpTransport(Transport):
             raise TransportTimeout(f"send to {peer} (tag {tag}) not done within {timeout} s") from exc
         except (ConnectionError, OSError) as exc:
             self._drop_conn(peer)
-            raise TransportError(f"send to {peer} failed: {exc}") from exc
+            raise PeerGone(f"send to {peer} failed: {exc}") from exc
         return SendReport(peer=peer, tag=tag, total_bytes=view.nbytes, delivered_bytes=view.nbytes,
                           delivered_fraction=1.0, duration_s=time.monotonic() - t0,
                           close_reason=CloseReason.COMPLETE, reliable=True)

@@ -1,0 +1,55 @@
+"""Real processes (``ltp-ps launch --schedule rat``): a worker that dies mid-run is cut out of the trees.
+
+Worker 0 is the aggregator of the only tree (one PS shard, no topology: one rack, the root above it), so
+before tree repair its death starved every other worker and failed the job.  Now the PS drops it, shard 0
+writes a view on the store, and the other workers train on in trees without it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from ps_helpers import child_env, launch_and_kill, ps_cmd
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+
+def _rows(metrics, event):
+    return [r for r in map(json.loads, open(metrics)) if r.get("event") == event]
+
+
+def _check(metrics, dead: int, n: int):
+    its = _rows(metrics, "iteration")
+    drops = _rows(metrics, "dropped")
+    assert [d["rank"] for d in drops] == [dead], drops
+    after = [r for r in its if r["iteration"] >= drops[0]["iteration"] + 4]
+    assert after and all(r["contributors"] == n - 1 for r in after), [r["contributors"] for r in its]
+    acc = [r["accuracy"] for r in _rows(metrics, "epoch") if r.get("accuracy") is not None]
+    assert max(acc) >= 0.9, acc
+    return its
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ltp"])
+def test_worker_leaving_mid_run_is_cut_out_and_the_job_succeeds(tmp_path, transport):
+    metrics = tmp_path / "m.jsonl"
+    p = subprocess.run(ps_cmd("launch", "--schedule", "rat", "--workers", 4, "--epochs", 8, "--lab", "off",
+                              "--transport", transport, "--metrics", metrics, "--model", "digits", "--seed", 0,
+                              "--kill-worker-after", 12),
+                       env=child_env(), capture_output=True, text=True, timeout=140)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "tree view 1: workers [0] are dead" in out, out[-4000:]
+    assert "planning the trees without workers [0]" in out
+    _check(metrics, 0, 4)
+
+
+def test_sigkilled_aggregator_is_cut_out_and_the_others_finish(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    text = launch_and_kill(("--schedule", "rat", "--workers", 5, "--epochs", 8, "--lab", "off", "--transport", "ltp",
+                            "--model", "digits", "--seed", 1), tmp_path / "launch.out", metrics, rank=0,
+                           after_rows=10, start_s=90, end_s=130)
+    assert "final / best accuracy" in text, text[-4000:]  # the PS finished with the four others
+    _check(metrics, 0, 5)

@@ -1,0 +1,309 @@
+"""Tree repair (``ltp_ps.tree_views``): the trees of a ``rat`` job are rebuilt without dead workers.
+
+Sans-IO objects first (views, the author's decision, suspicion, the store board), then in-memory jobs
+(``MemoryNetwork``, virtual processes in one loop) where a PS child, a leaf, or a level-0 aggregator of a
+two-rack topology with K shards exits mid-run: every job closes all its rounds with the others and keeps
+training, where without a board the first one fails (``test_ps_tree_health``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ltp_ps import tree_views
+from ltp_ps.errors import Excluded, TrainingFailed
+from ltp_ps.membership import State
+from ltp_ps.schedules import World, create
+from ltp_ps.schedules.program import server, worker
+from ltp_ps.schedules.topology import Topology
+from ltp_ps.server import ParameterServer, ServerConfig
+from ltp_ps.sharding import ShardPlan
+from ltp_ps.transport import MemoryNetwork
+from ltp_ps.tree_views import (MemoryBoard, NO_VIEW, StoreBoard, Suspicion, TreeView, VIEW_LAG_ROUNDS, ViewTracker,
+                               next_view)
+from ltp_ps.worker import ShardRef, Worker, WorkerConfig
+from ps_helpers import workload
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# -- sans-IO ------------------------------------------------------------------------------------------------------
+
+def test_tracker_plans_each_round_with_the_newest_view_in_effect():
+    t = ViewTracker()
+    assert t.newest is NO_VIEW and t.dead_for(0) == frozenset()
+    assert t.learn(TreeView(1, 5, frozenset({2})))
+    assert not t.learn(TreeView(1, 5, frozenset({2})))  # not newer: ignored
+    assert not t.learn(None)
+    assert t.dead_for(4) == frozenset() and t.dead_for(5) == {2}
+    assert t.learn(TreeView(2, 9, frozenset({2, 0})))
+    assert t.dead_for(8) == {2} and t.dead_for(9) == {0, 2}
+    with pytest.raises(ValueError, match="views only grow"):
+        t.learn(TreeView(3, 12, frozenset({0})))
+
+
+def test_next_view_folds_new_suspects_only():
+    assert next_view(NO_VIEW, [], 3) is None
+    v = next_view(NO_VIEW, [4, 1], 3)
+    assert v == TreeView(1, 3 + VIEW_LAG_ROUNDS, frozenset({1, 4}))
+    assert next_view(v, [1, 4], 7) is None
+    assert next_view(v, [1, 4, 2], 7) == TreeView(2, 7 + VIEW_LAG_ROUNDS, frozenset({1, 2, 4}))
+
+
+def test_suspicion_needs_misses_in_a_row_or_a_fatal_failure():
+    s = Suspicion(3)
+    assert not s.observe(1, False) and not s.observe(1, False)
+    assert not s.observe(1, True)  # delivered: the count restarts
+    assert not s.observe(1, False) and not s.observe(1, False)
+    assert s.observe(1, False, "gone") and s.suspects == {1: "gone"}
+    assert not s.observe(1, False)  # a suspect once
+    assert s.observe(2, False, fatal=True)
+    with pytest.raises(ValueError, match="max_missed"):
+        Suspicion(0)
+
+
+@pytest.mark.parametrize("bad", [{}, {"number": 1, "from_round": 2}, {"number": 1, "from_round": 2, "dead": "x"},
+                                 {"number": -1, "from_round": 2, "dead": []},
+                                 {"number": 1, "from_round": 2, "dead": [-3]},
+                                 {"number": 1, "from_round": 2, "dead": list(range(tree_views.MAX_VIEW_RANKS + 1))}])
+def test_malformed_views_are_refused(bad):
+    with pytest.raises(ValueError, match="malformed tree view"):
+        TreeView.from_dict(bad)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.integers(0, 9), max_size=3), max_size=12), st.data())
+def test_views_authored_round_by_round_are_consistent(suspect_batches, data):
+    """Shard 0 authors views round by round from growing suspects.  Every round's dead set only grows, holds
+    only workers suspected ``VIEW_LAG_ROUNDS`` rounds earlier, and ends as every suspect; a reader that saw
+    only some of the views (it skipped polls) plans every round it reads on time exactly as the author."""
+    author = ViewTracker()
+    suspects: set = set()
+    known: list = []  # suspects known at the start of each round
+    written: list = []
+    for r, batch in enumerate(suspect_batches):
+        suspects |= set(batch)
+        known.append(frozenset(suspects))
+        v = next_view(author.newest, suspects, r)
+        if v is not None:
+            assert author.learn(v)
+            written.append((r, v))
+    assert author.newest.dead == frozenset(suspects)
+    prev = frozenset()
+    for r in range(len(suspect_batches) + VIEW_LAG_ROUNDS + 1):
+        d = author.dead_for(r)
+        assert d >= prev
+        prev = d
+        if r >= VIEW_LAG_ROUNDS and r - VIEW_LAG_ROUNDS < len(known):
+            assert d <= known[r - VIEW_LAG_ROUNDS]
+        elif r < VIEW_LAG_ROUNDS:
+            assert not d
+    reader = ViewTracker()
+    for wr, v in written:
+        if data.draw(st.booleans()) or v is written[-1][1]:  # the newest is always read before its round
+            reader.learn(v)
+            for r in range(wr, wr + VIEW_LAG_ROUNDS + 1):
+                if r >= v.from_round:
+                    assert reader.dead_for(r) == author.dead_for(r)
+    for r in range(len(suspect_batches) + VIEW_LAG_ROUNDS + 1):
+        if written and r >= written[-1][1].from_round:
+            assert reader.dead_for(r) == author.dead_for(r)
+
+
+def test_store_board_round_trip_and_rejects_foreign_entries():
+    from torch.distributed import HashStore
+
+    from ltp_ps.schedule_cli import _sign
+
+    store = HashStore()
+    logs: list = []
+    a, b = StoreBoard(store, b"s" * 32, log=logs.append), StoreBoard(store, b"s" * 32)
+    assert a.latest() is None and a.suspects() == {} and a.stopped_at() is None
+    a.suspect(3, "worker:1", "nothing from it")
+    store.add("tree/suspects", 1)
+    store.set("tree/suspect/2", _sign(b"x" * 32, {"rank": 0, "by": "mallory", "why": "forged"}))  # wrong secret
+    assert b.suspects() == {3: "worker:1: nothing from it"} and b.rejected == 1
+    v = TreeView(1, 7, frozenset({3}))
+    a.publish(v)
+    a.publish(TreeView(1, 9, frozenset({3, 4})))  # not newer than the board's: ignored
+    assert b.latest() == v
+    b.post_stop(12)
+    assert a.stopped_at() == 12
+
+
+# -- in-memory jobs -----------------------------------------------------------------------------------------------
+
+def tree_job(n_workers, *, racks=None, shards=1, board=True, worker_kw=None, **server_kw):
+    """A ``rat`` job in memory: K shards (colocated with workers 0..K-1 when racks are given), one board."""
+    wl = workload()
+    net = MemoryNetwork(loss=0.0, segment_size=1024, seed=0)
+    plan = ShardPlan(wl.n_params, shards)
+    topo, placement = None, {}
+    if racks is not None:
+        names = [f"h{i}" for i in range(n_workers)]
+        topo = Topology.uniform(names, rate_bps=100e6, racks=racks, uplink_bps=50e6)
+        placement = {**{worker(r): names[r] for r in range(n_workers)}, **{server(k): names[k] for k in range(shards)}}
+    mk = lambda me: World(workers=range(n_workers), n_elems=wl.n_params, shards=tuple(plan.ranges),  # noqa: E731
+                          layout=tuple(wl.layout()), topology=topo, placement=placement, me=me)
+    s_eps = [net.endpoint() for _ in range(shards)]
+    w_eps = [net.endpoint() for _ in range(n_workers)]
+    addrs = {**{server(k): e.local_addr for k, e in enumerate(s_eps)},
+             **{worker(r): e.local_addr for r, e in enumerate(w_eps)}}
+    b = MemoryBoard() if board else None
+    logs: list = []
+    servers = []
+    for k in range(shards):
+        ps = ParameterServer(wl, s_eps[k], ServerConfig(world_size=n_workers, **server_kw), plan=plan, shard=k,
+                             log=logs.append, planner=create("rat", mk(server(k))))
+        ps.tree_board = b
+        ps.logs = logs
+        servers.append(ps)
+    workers = []
+    for r in range(n_workers):
+        for ps in servers:
+            ps.admit(r, w_eps[r].local_addr)
+        w = Worker(wl, w_eps[r], [ShardRef(k, s_eps[k].local_addr, *plan.ranges[k]) for k in range(shards)],
+                   WorkerConfig(rank=r, world_size=n_workers, **(worker_kw or {})), planner=create("rat", mk(worker(r))))
+        w.executor.addresses.update(addrs)
+        w.tree_board = b
+        workers.append(w)
+    return servers, workers, b
+
+
+async def _run(servers, workers):
+    async def life(w):
+        try:
+            return await w.run()
+        finally:
+            if w.cfg.max_iterations is not None:  # the simulated crash: its socket goes away with it
+                await w.transport.close()
+
+    return await asyncio.gather(*(ps.run() for ps in servers), *(life(w) for w in workers), return_exceptions=True)
+
+
+def _parents(sched, node):
+    return {t.parent.get(node) for t in sched.trees()} - {None}
+
+
+def _fast(**kw):
+    return dict(gather_timeout_s=0.3, broadcast_timeout_s=0.3, join_timeout_s=0.5, lr=0.1, max_missed=2,
+                evaluate=False, **kw)
+
+
+def _check_repaired(servers, workers, dead: int, iterations: int):
+    ps = servers[0]
+    assert all(ps.iteration == iterations for ps in servers)
+    view = ps._tree_views.tracker.newest
+    assert view.number == 1 and view.dead == {dead}, view
+    rows = [r for r in ps.metrics.rows if r.get("event") == "iteration"]
+    late = [r for r in rows if r["iteration"] >= view.from_round + 1]
+    assert late and all(r["contributors"] == len(workers) - 1 for r in late), [r["contributors"] for r in late]
+    # after the repair no round waits out a timeout: a round takes well under the 0.3 s bounds
+    assert np.median([r["round_s"] for r in late]) < 0.25
+    assert all(dead not in {int(n.split(":")[1]) for t in ps.planner.trees() for e in t.edges() for n in e[:2]
+                            if n.startswith("worker:")} for ps in servers)
+    assert ps.membership.members[dead].state is State.DROPPED
+
+
+async def test_a_dead_aggregator_below_the_ps_is_cut_out_and_the_job_finishes():
+    # without a board this job fails (test_ps_tree_health): the PS's only child is the rack's aggregator
+    servers, workers, board = tree_job(4, iterations=40, worker_kw={"pull_timeout_s": 5.0}, **_fast())
+    ps = servers[0]
+    child = int(min(_parents(ps.planner, worker(1)) | _parents(ps.planner, worker(2))).split(":")[1])
+    workers[child].cfg.max_iterations = 4
+    res = await asyncio.wait_for(_run(servers, workers), 90)
+    assert isinstance(res[0], dict), res[0]
+    assert all(isinstance(r, dict) for r in res[1:]), res
+    assert all(r["stopped"] for i, r in enumerate(res[1:]) if i != child)
+    _check_repaired(servers, workers, child, 40)
+    assert sum(w.orphan_rounds for w in workers) >= 1  # the orphans skipped rather than waited
+    assert any("tree view 1" in line for line in ps.logs)
+
+
+async def test_a_dead_leaf_is_suspected_by_its_aggregator_and_cut_out():
+    servers, workers, board = tree_job(4, iterations=40, worker_kw={"pull_timeout_s": 5.0}, **_fast())
+    ps = servers[0]
+    kids_of_ps = {int(c.split(":")[1]) for t in ps.planner.trees() for c, p, _ in t.edges() if p == ps.node}
+    leaf = next(r for r in range(4) if r not in kids_of_ps)
+    workers[leaf].cfg.max_iterations = 5
+    res = await asyncio.wait_for(_run(servers, workers), 90)
+    assert all(isinstance(r, dict) for r in res), res
+    assert leaf in board.suspects() and "worker:" in board.suspects()[leaf]  # a worker saw it, not the PS
+    _check_repaired(servers, workers, leaf, 40)
+
+
+@pytest.mark.parametrize("victim", ["aggregator", "root_host"])
+async def test_two_racks_and_k_shards_repair_every_tree(victim):
+    # racks [3, 3], K = 3 shards colocated with workers 0..2: three trees; kill a level-0 aggregator of tree 0
+    # that is not a root host, or worker 0 whose host holds shard 0 (the shard lives on: a separate process)
+    servers, workers, board = tree_job(6, racks=[3, 3], shards=3, iterations=36, worker_kw={"pull_timeout_s": 5.0},
+                                       **_fast())
+    t0 = servers[0].planner.trees()[0]
+    if victim == "aggregator":
+        aggs = {p for c, p, e in t0.edges() if p.startswith("worker:")}
+        dead = int(sorted(aggs)[0].split(":")[1])
+    else:
+        dead = 0
+    workers[dead].cfg.max_iterations = 4
+    res = await asyncio.wait_for(_run(servers, workers), 110)
+    assert all(isinstance(r, dict) for r in res), res
+    _check_repaired(servers, workers, dead, 36)
+    for ps in servers:  # every shard adopted the same view and plans the same trees
+        assert ps._tree_views.tracker.newest == servers[0]._tree_views.tracker.newest
+        assert [t.edges() for t in ps.planner.trees()] == [t.edges() for t in servers[0].planner.trees()]
+
+
+async def test_a_worker_declared_dead_while_alive_stops_with_an_error():
+    servers, workers, board = tree_job(3, iterations=30, worker_kw={"pull_timeout_s": 5.0}, **_fast())
+    board.suspect(2, "test", "a false suspicion")
+    res = await asyncio.wait_for(_run(servers, workers), 60)
+    assert isinstance(res[0], dict), res[0]
+    assert isinstance(res[3], Excluded) and "declared this worker dead" in str(res[3])
+    _check_repaired(servers, workers, 2, 30)
+
+
+async def test_repaired_job_still_learns():
+    # digits, 4 workers, 6 epochs (about 66 rounds), the PS's child killed after round 10: measured 0.92 best
+    # (0.91 with nobody killed, same settings)
+    servers, workers, board = tree_job(4, epochs=6, worker_kw={"pull_timeout_s": 5.0}, gather_timeout_s=0.5,
+                                       broadcast_timeout_s=0.5, join_timeout_s=0.5, lr=0.1, momentum=0.9,
+                                       max_missed=2)
+    child = int(min(_parents(servers[0].planner, worker(1)) | _parents(servers[0].planner, worker(3))).split(":")[1])
+    workers[child].cfg.max_iterations = 10
+    t0 = time.monotonic()
+    res = await asyncio.wait_for(_run(servers, workers), 110)
+    assert isinstance(res[0], dict), res[0]
+    assert res[0]["best_accuracy"] >= 0.85, res[0]
+    assert time.monotonic() - t0 < 100
+
+
+async def test_two_deaths_emptying_a_rack_leave_one_rack_of_trees():
+    # racks [2, 3], K = 2 shards on workers 0 and 1's hosts (rack 0); rack 1 loses two of its three workers at
+    # different rounds: the second death gets a second view, and the trees end up on workers 0, 1 and 4
+    servers, workers, board = tree_job(5, racks=[2, 3], shards=2, iterations=40, worker_kw={"pull_timeout_s": 5.0},
+                                       **_fast())
+    workers[2].cfg.max_iterations = 4
+    workers[3].cfg.max_iterations = 14
+    res = await asyncio.wait_for(_run(servers, workers), 110)
+    assert all(isinstance(r, dict) for r in res), res
+    for ps in servers:
+        view = ps._tree_views.tracker.newest
+        assert view.number == 2 and view.dead == {2, 3}, view
+        assert sorted(ps.planner.world.workers) == [0, 1, 4]
+    rows = [r for r in servers[0].metrics.rows if r.get("event") == "iteration"]
+    assert all(r["contributors"] == 3 for r in rows if r["iteration"] >= view.from_round + 1)
+    assert all(ps.iteration == 40 for ps in servers)
+
+
+async def test_every_worker_dead_fails_the_job_instead_of_waiting():
+    servers, workers, board = tree_job(3, iterations=200, worker_kw={"pull_timeout_s": 3.0}, **_fast())
+    for w in workers:
+        w.cfg.max_iterations = 3
+    res = await asyncio.wait_for(_run(servers, workers), 60)
+    assert isinstance(res[0], TrainingFailed), res[0]  # no live worker left: the PS says so, exits non-zero
+    assert servers[0].iteration < 20
