@@ -624,8 +624,8 @@ async def worker_run(w) -> dict:
         if state["async"]:
             return
         kc = parse_chunk_slot(slot)
-        if kc is None or kc[0] != s0.shard or not (isinstance(r, RecvReport) and r.received_bytes > 0):
-            return
+        if kc is None or kc[0] != s0.shard or not (isinstance(r, RecvReport) and r.complete):
+            return  # a chunk cut short is not held: it is fetched again, never relayed or computed on
         if not 0 <= kc[1] < len(chunks):
             return
         state["have"].add(kc[1])
@@ -819,7 +819,7 @@ async def worker_run(w) -> dict:
             fresh = None
             for s, r in zip(g.steps, reports):
                 if (state["async"] and s.op == "recv" and s.payload == "params" and isinstance(r, RecvReport)
-                        and r.received_bytes > 0):
+                        and r.complete):
                     kc = parse_chunk_slot(s.slot)
                     if kc is None:
                         continue

@@ -305,3 +305,20 @@ async def test_grants_queued_for_one_node_go_in_one_batch_and_a_timed_grant_alon
     assert [r for n, r in calls if n == worker(0)] == [["w0"]]
     assert drv.counters["delivered"] == 7
     await drv.close()
+
+
+def test_transfer_events_count_a_reliable_chunk_cut_short_as_failed():
+    """A reliable parameter chunk that stopped short (bytes in, then a timeout) is not 'done': Hoplite's directory
+    must re-route it, and the worker must not relay or compute on it; a tolerant partial with bytes is done."""
+    from ltp_ps.schedules.driver import transfer_events
+    from ltp_ps.schedules.program import RELIABLE, TOLERANT, Recv
+    from ltp_ps.transport.base import COMPLETE, TIMEOUT, RecvReport
+
+    whole = RecvReport(("h", 1), 5, 1000, 1000, 1.0)
+    cut = RecvReport(("h", 1), 5, 1000, 600, 0.6, bubbles=((600, 1000),), regime=TIMEOUT)
+    holes = RecvReport(("h", 1), 5, 1000, 900, 0.9, bubbles=((100, 200),), regime=COMPLETE)
+    params = Recv("worker:1", "p", 0, 250, 5, RELIABLE, "params")
+    partial = Recv("worker:1", "q", 0, 250, 5, TOLERANT, "partial")
+    assert whole.complete and not cut.complete and not holes.complete
+    evs = transfer_events("worker:0", [params, params, params, partial], [whole, cut, holes, cut])
+    assert [e.ok for e in evs] == [True, False, False, True]

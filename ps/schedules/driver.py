@@ -197,12 +197,13 @@ class RateMonitor:
 
 
 def transfer_events(me: str, steps, reports) -> list:
-    """``TransferDone`` events for every receive of a grant stage (``me`` received; ok: bytes arrived)."""
+    """``TransferDone`` events for every receive of a grant stage (``me`` received; ok: a tolerant receive got
+    bytes, a reliable one the whole message -- a chunk cut short is re-fetched, never relayed as held)."""
     out = []
     for s, r in zip(steps, reports):
         if s.op != "recv":
             continue
-        ok = isinstance(r, RecvReport) and r.received_bytes > 0
+        ok = isinstance(r, RecvReport) and (r.complete if s.mode == RELIABLE else r.received_bytes > 0)
         out.append(TransferDone(s.peer, me, s.tag, ok, float(getattr(r, "duration_s", 0.0) or 0.0)))
     return out
 

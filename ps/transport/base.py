@@ -64,6 +64,12 @@ class RecvReport:
         """True if anything usable arrived (critical ranges included)."""
         return self.received_bytes > 0 and self.critical_complete and self.regime != TIMEOUT
 
+    @property
+    def complete(self) -> bool:
+        """True if the whole message arrived (what a reliable receive must deliver to count)."""
+        return (self.regime == COMPLETE and not self.bubbles and self.critical_complete
+                and 0 < self.total_bytes <= self.received_bytes)
+
 
 @dataclasses.dataclass(frozen=True)
 class SendReport:
