@@ -388,6 +388,7 @@ def _sync_server_views(ps, v: _Views, it: int) -> None:
     board = v.board
     if not v.started:
         v.tracker.learn(board.latest())  # a restarted shard continues the board's numbering
+        board.clear_stop()  # an earlier incarnation's stop: this one runs on
         v.started = True
     ranks = set(v.base.workers)
     dropped = {r for r, m in ps.membership.members.items() if m.state is not State.ACTIVE} & ranks

@@ -35,7 +35,8 @@ straggler that missed ``max_missed`` rounds): tree schedules cannot take it
 back (rounds are counted from the start, ``docs/schedules.md``), so it stops
 with an error naming the cause.  The PS posts ``stop`` on the board when it
 ends the run, so a worker that waits on a round that will not come (an
-orphan when the job ends) stops too.
+orphan when the job ends) stops too; a PS shard clears it when it starts
+(a restarted PS runs on from its checkpoint).
 """
 
 from __future__ import annotations
@@ -167,6 +168,9 @@ class MemoryBoard:
     def post_stop(self, round_: int) -> None:
         self._stop = round_
 
+    def clear_stop(self) -> None:
+        self._stop = None
+
     def stopped_at(self) -> int | None:
         return self._stop
 
@@ -241,10 +245,18 @@ class StoreBoard:
     def post_stop(self, round_: int) -> None:
         self.store.set("tree/stop", json.dumps(int(round_)))
 
+    def clear_stop(self) -> None:
+        """Forget a ``stop`` an earlier incarnation of the PS posted (a restarted PS runs on)."""
+        try:
+            self.store.delete_key("tree/stop")
+        except (AttributeError, RuntimeError):  # a store without delete: overwrite with "none"
+            self.store.set("tree/stop", json.dumps(None))
+
     def stopped_at(self) -> int | None:
         if not self.store.check(["tree/stop"]):
             return None
         try:
-            return int(json.loads(self.store.get("tree/stop")))
+            v = json.loads(self.store.get("tree/stop"))
+            return None if v is None else int(v)
         except (ValueError, TypeError):
             return None
