@@ -254,7 +254,7 @@ class _WorkerHandlers:
             w.executor.payload_timeouts["partial"] = max(MIN_TIMEOUT_S, bound_s / (self.levels + 1))
         if stale:
             if len(stale) == len(w.shards):
-                if self.param_sources and w.executor._exclude >= self.param_sources:
+                if self.param_sources and w.executor.excluded >= self.param_sources:
                     self.orphaned = True  # every parameter source was declared dead during the round
                     return None
                 raise TransportTimeout(f"worker {w.cfg.rank}: no parameters of any shard for round {self.it}")
@@ -324,7 +324,9 @@ async def worker_run(w, start: int = 0) -> dict:
             res = await _run_watched(w, views, run, prog, it)
             if res is None:  # the PS has stopped (posted on the board) while this round waited
                 return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True}
-            await asyncio.to_thread(_observe_peers, w, views, prog, res)
+            fresh = _observe_peers(w, views, prog, res)
+            if fresh:
+                await asyncio.to_thread(_post_suspects, w, views, fresh)
         if h.stopped or res.stopped:
             return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True}
         if h.orphaned:
@@ -414,10 +416,9 @@ def _sync_server_views(ps, v: _Views, it: int) -> None:
 
 def _sync_worker_views(w, v: _Views, it: int) -> bool:
     """Worker side, before round ``it`` (blocking board I/O); True if the PS has stopped."""
-    stop = v.board.stopped_at()
+    stop, _ = _poll_board(v)
     if stop is not None and it >= stop:
         return True
-    v.tracker.learn(v.board.latest())
     if w.cfg.rank in v.tracker.newest.dead:
         raise Excluded(f"worker {w.cfg.rank}: the job declared this worker dead (tree view {v.tracker.newest.number}, "
                        f"from round {v.tracker.newest.from_round}: it missed its tree peers --max-missed rounds in a "
@@ -448,7 +449,7 @@ async def _run_watched(w, v: _Views, run, prog: Program, it: int):
                     pass
                 return None
             gone = peers & {worker_node(r) for r in newest.dead}
-            if gone - w.executor._exclude:
+            if gone - w.executor.excluded:
                 print(f"[w{w.cfg.rank}] round {it}: {sorted(gone)} declared dead; no longer waiting for them",
                       flush=True)
                 w.executor.abandon(gone)
@@ -463,8 +464,8 @@ def _poll_board(v: _Views):
     return stop, v.tracker.newest
 
 
-def _observe_peers(w, v: _Views, prog: Program, res) -> None:
-    """Feed the round's exchanges with worker peers to the suspicion; post new suspects (blocking I/O)."""
+def _observe_peers(w, v: _Views, prog: Program, res) -> list:
+    """Feed the round's exchanges with worker peers to the suspicion; the ranks that became suspects now."""
     excluded = v.excluded()
     oks: dict = {}  # rank -> any exchange with it succeeded this round
     whys: dict = {}  # rank -> the first failure
@@ -486,8 +487,16 @@ def _observe_peers(w, v: _Views, prog: Program, res) -> None:
         oks[rank] = oks.get(rank, False) or ok
         if not ok:
             whys.setdefault(rank, why)
+    fresh = []
     for rank, ok in oks.items():
         why = whys.get(rank) if rank in gone else f"{whys.get(rank)}, {v.suspicion.max_missed} rounds in a row"
         if v.suspicion.observe(rank, ok, why, fatal=rank in gone):
-            v.board.suspect(rank, w.node, v.suspicion.suspects[rank])
-            print(f"[w{w.cfg.rank}] suspects worker {rank} is dead: {v.suspicion.suspects[rank]}", flush=True)
+            fresh.append(rank)
+    return fresh
+
+
+def _post_suspects(w, v: _Views, ranks) -> None:
+    """Post new suspects on the board (blocking I/O)."""
+    for rank in ranks:
+        v.board.suspect(rank, w.node, v.suspicion.suspects[rank])
+        print(f"[w{w.cfg.rank}] suspects worker {rank} is dead: {v.suspicion.suspects[rank]}", flush=True)

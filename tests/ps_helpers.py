@@ -86,6 +86,62 @@ def stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
+def rat_job(n_workers, *, wl=None, racks=None, shards=1, board=True, worker_kw=None, **server_kw):
+    """A ``rat`` job in memory: K shards (colocated with workers 0..K-1 when racks are given) and, with ``board``,
+    one tree-view board; returns ``(servers, workers, board)``."""
+    from ltp_ps.schedules import World, create
+    from ltp_ps.schedules.program import server, worker
+    from ltp_ps.schedules.topology import Topology
+    from ltp_ps.tree_views import MemoryBoard
+
+    wl = wl or workload()
+    net = MemoryNetwork(loss=0.0, segment_size=1024, seed=0)
+    plan = ShardPlan(wl.n_params, shards)
+    topo, placement = None, {}
+    if racks is not None:
+        names = [f"h{i}" for i in range(n_workers)]
+        topo = Topology.uniform(names, rate_bps=100e6, racks=racks, uplink_bps=50e6)
+        placement = {**{worker(r): names[r] for r in range(n_workers)}, **{server(k): names[k] for k in range(shards)}}
+    mk = lambda me: World(workers=range(n_workers), n_elems=wl.n_params, shards=tuple(plan.ranges),  # noqa: E731
+                          layout=tuple(wl.layout()), topology=topo, placement=placement, me=me)
+    s_eps = [net.endpoint() for _ in range(shards)]
+    w_eps = [net.endpoint() for _ in range(n_workers)]
+    addrs = {**{server(k): e.local_addr for k, e in enumerate(s_eps)},
+             **{worker(r): e.local_addr for r, e in enumerate(w_eps)}}
+    b = MemoryBoard() if board else None
+    logs: list = []
+    servers = []
+    for k in range(shards):
+        ps = ParameterServer(wl, s_eps[k], ServerConfig(world_size=n_workers, **server_kw), plan=plan, shard=k,
+                             log=logs.append, planner=create("rat", mk(server(k))))
+        ps.tree_board = b
+        ps.logs = logs
+        servers.append(ps)
+    workers = []
+    for r in range(n_workers):
+        for ps in servers:
+            ps.admit(r, w_eps[r].local_addr)
+        w = Worker(wl, w_eps[r], [ShardRef(k, s_eps[k].local_addr, *plan.ranges[k]) for k in range(shards)],
+                   WorkerConfig(rank=r, world_size=n_workers, **(worker_kw or {})), planner=create("rat", mk(worker(r))))
+        w.executor.addresses.update(addrs)
+        w.tree_board = b
+        workers.append(w)
+    return servers, workers, b
+
+
+async def run_rat_job(servers, workers, *, crash_closes=True):
+    """Run a ``rat_job`` to the end; every result or exception, PS shards first.  A worker given
+    ``max_iterations`` simulates a crash; with ``crash_closes`` its socket goes away with it."""
+    async def life(w):
+        try:
+            return await w.run()
+        finally:
+            if crash_closes and w.cfg.max_iterations is not None:
+                await w.transport.close()
+
+    return await asyncio.gather(*(ps.run() for ps in servers), *(life(w) for w in workers), return_exceptions=True)
+
+
 def launch_and_kill(args, out, metrics, *, rank: int, after_rows: int, start_s: float, end_s: float) -> str:
     """Run ``ltp-ps launch *args`` (stdout and stderr to ``out``), SIGKILL worker ``rank`` once ``metrics`` has
     ``after_rows`` lines that mention an iteration (within ``start_s``), and wait up to ``end_s`` for the launch.

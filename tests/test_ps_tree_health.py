@@ -17,13 +17,7 @@ import pytest
 
 from ltp_ps.errors import TrainingFailed
 from ltp_ps.membership import State
-from ltp_ps.schedules import World, create
-from ltp_ps.schedules.program import server, worker
-from ltp_ps.server import ParameterServer, ServerConfig
-from ltp_ps.sharding import ShardPlan
-from ltp_ps.transport import MemoryNetwork
-from ltp_ps.worker import ShardRef, Worker, WorkerConfig
-from ps_helpers import workload
+from ps_helpers import rat_job, run_rat_job, workload
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,31 +40,14 @@ class _BadGradient:
         return grad, loss, samples
 
 
-def tree_job(n_workers, *, wl=None, worker_kw=None, **server_kw):
-    wl = wl or workload()
-    net = MemoryNetwork(loss=0.0, segment_size=1024, seed=0)
-    plan = ShardPlan(wl.n_params, 1)
-    world = World(workers=range(n_workers), n_elems=wl.n_params, shards=tuple(plan.ranges),
-                  layout=tuple(wl.layout()))
-    s_ep = net.endpoint()
-    w_eps = [net.endpoint() for _ in range(n_workers)]
-    addrs = {server(0): s_ep.local_addr, **{worker(r): e.local_addr for r, e in enumerate(w_eps)}}
-    logs: list = []
-    ps = ParameterServer(wl, s_ep, ServerConfig(world_size=n_workers, **server_kw), plan=plan, shard=0,
-                         log=logs.append, planner=create("rat", world))
-    ps.logs = logs
-    workers = []
-    for r in range(n_workers):
-        ps.admit(r, w_eps[r].local_addr)
-        w = Worker(wl, w_eps[r], [ShardRef(0, s_ep.local_addr, ps.lo, ps.hi)],
-                   WorkerConfig(rank=r, world_size=n_workers, **(worker_kw or {})), planner=create("rat", world))
-        w.executor.addresses.update(addrs)
-        workers.append(w)
+def tree_job(n_workers, **kw):
+    """One shard, no board: nothing can repair the trees (``test_tree_views`` has the repair)."""
+    (ps,), workers, _ = rat_job(n_workers, board=False, **kw)
     return ps, workers
 
 
 async def _run(ps, workers):
-    return await asyncio.gather(ps.run(), *(w.run() for w in workers), return_exceptions=True)
+    return await run_rat_job([ps], workers, crash_closes=False)
 
 
 def _children(ps):

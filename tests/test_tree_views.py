@@ -18,16 +18,10 @@ from hypothesis import given, settings, strategies as st
 from ltp_ps import tree_views
 from ltp_ps.errors import Excluded, TrainingFailed
 from ltp_ps.membership import State
-from ltp_ps.schedules import World, create
-from ltp_ps.schedules.program import server, worker
-from ltp_ps.schedules.topology import Topology
-from ltp_ps.server import ParameterServer, ServerConfig
-from ltp_ps.sharding import ShardPlan
-from ltp_ps.transport import MemoryNetwork
+from ltp_ps.schedules.program import worker
 from ltp_ps.tree_views import (MemoryBoard, NO_VIEW, StoreBoard, Suspicion, TreeView, VIEW_LAG_ROUNDS, ViewTracker,
                                next_view)
-from ltp_ps.worker import ShardRef, Worker, WorkerConfig
-from ps_helpers import workload
+from ps_helpers import rat_job, run_rat_job
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -145,54 +139,6 @@ def test_store_board_round_trip_and_rejects_foreign_entries():
 
 # -- in-memory jobs -----------------------------------------------------------------------------------------------
 
-def tree_job(n_workers, *, racks=None, shards=1, board=True, worker_kw=None, **server_kw):
-    """A ``rat`` job in memory: K shards (colocated with workers 0..K-1 when racks are given), one board."""
-    wl = workload()
-    net = MemoryNetwork(loss=0.0, segment_size=1024, seed=0)
-    plan = ShardPlan(wl.n_params, shards)
-    topo, placement = None, {}
-    if racks is not None:
-        names = [f"h{i}" for i in range(n_workers)]
-        topo = Topology.uniform(names, rate_bps=100e6, racks=racks, uplink_bps=50e6)
-        placement = {**{worker(r): names[r] for r in range(n_workers)}, **{server(k): names[k] for k in range(shards)}}
-    mk = lambda me: World(workers=range(n_workers), n_elems=wl.n_params, shards=tuple(plan.ranges),  # noqa: E731
-                          layout=tuple(wl.layout()), topology=topo, placement=placement, me=me)
-    s_eps = [net.endpoint() for _ in range(shards)]
-    w_eps = [net.endpoint() for _ in range(n_workers)]
-    addrs = {**{server(k): e.local_addr for k, e in enumerate(s_eps)},
-             **{worker(r): e.local_addr for r, e in enumerate(w_eps)}}
-    b = MemoryBoard() if board else None
-    logs: list = []
-    servers = []
-    for k in range(shards):
-        ps = ParameterServer(wl, s_eps[k], ServerConfig(world_size=n_workers, **server_kw), plan=plan, shard=k,
-                             log=logs.append, planner=create("rat", mk(server(k))))
-        ps.tree_board = b
-        ps.logs = logs
-        servers.append(ps)
-    workers = []
-    for r in range(n_workers):
-        for ps in servers:
-            ps.admit(r, w_eps[r].local_addr)
-        w = Worker(wl, w_eps[r], [ShardRef(k, s_eps[k].local_addr, *plan.ranges[k]) for k in range(shards)],
-                   WorkerConfig(rank=r, world_size=n_workers, **(worker_kw or {})), planner=create("rat", mk(worker(r))))
-        w.executor.addresses.update(addrs)
-        w.tree_board = b
-        workers.append(w)
-    return servers, workers, b
-
-
-async def _run(servers, workers):
-    async def life(w):
-        try:
-            return await w.run()
-        finally:
-            if w.cfg.max_iterations is not None:  # the simulated crash: its socket goes away with it
-                await w.transport.close()
-
-    return await asyncio.gather(*(ps.run() for ps in servers), *(life(w) for w in workers), return_exceptions=True)
-
-
 def _parents(sched, node):
     return {t.parent.get(node) for t in sched.trees()} - {None}
 
@@ -223,11 +169,11 @@ def _check_repaired(servers, workers, dead: int, iterations: int):
 
 async def test_a_dead_aggregator_below_the_ps_is_cut_out_and_the_job_finishes():
     # without a board this job fails (test_ps_tree_health): the PS's only child is the rack's aggregator
-    servers, workers, board = tree_job(4, iterations=40, worker_kw={"pull_timeout_s": 5.0}, **_fast())
+    servers, workers, board = rat_job(4, iterations=40, worker_kw={"pull_timeout_s": 5.0}, **_fast())
     ps = servers[0]
     child = int(min(_parents(ps.planner, worker(1)) | _parents(ps.planner, worker(2))).split(":")[1])
     workers[child].cfg.max_iterations = 4
-    res = await asyncio.wait_for(_run(servers, workers), 90)
+    res = await asyncio.wait_for(run_rat_job(servers, workers), 90)
     assert isinstance(res[0], dict), res[0]
     assert all(isinstance(r, dict) for r in res[1:]), res
     assert all(r["stopped"] for i, r in enumerate(res[1:]) if i != child)
@@ -237,12 +183,12 @@ async def test_a_dead_aggregator_below_the_ps_is_cut_out_and_the_job_finishes():
 
 
 async def test_a_dead_leaf_is_suspected_by_its_aggregator_and_cut_out():
-    servers, workers, board = tree_job(4, iterations=40, worker_kw={"pull_timeout_s": 5.0}, **_fast())
+    servers, workers, board = rat_job(4, iterations=40, worker_kw={"pull_timeout_s": 5.0}, **_fast())
     ps = servers[0]
     kids_of_ps = {int(c.split(":")[1]) for t in ps.planner.trees() for c, p, _ in t.edges() if p == ps.node}
     leaf = next(r for r in range(4) if r not in kids_of_ps)
     workers[leaf].cfg.max_iterations = 5
-    res = await asyncio.wait_for(_run(servers, workers), 90)
+    res = await asyncio.wait_for(run_rat_job(servers, workers), 90)
     assert all(isinstance(r, dict) for r in res), res
     assert leaf in board.suspects() and "worker:" in board.suspects()[leaf]  # a worker saw it, not the PS
     _check_repaired(servers, workers, leaf, 40)
@@ -252,7 +198,7 @@ async def test_a_dead_leaf_is_suspected_by_its_aggregator_and_cut_out():
 async def test_two_racks_and_k_shards_repair_every_tree(victim):
     # racks [3, 3], K = 3 shards colocated with workers 0..2: three trees; kill a level-0 aggregator of tree 0
     # that is not a root host, or worker 0 whose host holds shard 0 (the shard lives on: a separate process)
-    servers, workers, board = tree_job(6, racks=[3, 3], shards=3, iterations=36, worker_kw={"pull_timeout_s": 5.0},
+    servers, workers, board = rat_job(6, racks=[3, 3], shards=3, iterations=36, worker_kw={"pull_timeout_s": 5.0},
                                        **_fast())
     t0 = servers[0].planner.trees()[0]
     if victim == "aggregator":
@@ -261,7 +207,7 @@ async def test_two_racks_and_k_shards_repair_every_tree(victim):
     else:
         dead = 0
     workers[dead].cfg.max_iterations = 4
-    res = await asyncio.wait_for(_run(servers, workers), 110)
+    res = await asyncio.wait_for(run_rat_job(servers, workers), 110)
     assert all(isinstance(r, dict) for r in res), res
     _check_repaired(servers, workers, dead, 36)
     for ps in servers:  # every shard adopted the same view and plans the same trees
@@ -270,9 +216,9 @@ async def test_two_racks_and_k_shards_repair_every_tree(victim):
 
 
 async def test_a_worker_declared_dead_while_alive_stops_with_an_error():
-    servers, workers, board = tree_job(3, iterations=30, worker_kw={"pull_timeout_s": 5.0}, **_fast())
+    servers, workers, board = rat_job(3, iterations=30, worker_kw={"pull_timeout_s": 5.0}, **_fast())
     board.suspect(2, "test", "a false suspicion")
-    res = await asyncio.wait_for(_run(servers, workers), 60)
+    res = await asyncio.wait_for(run_rat_job(servers, workers), 60)
     assert isinstance(res[0], dict), res[0]
     assert isinstance(res[3], Excluded) and "declared this worker dead" in str(res[3])
     _check_repaired(servers, workers, 2, 30)
@@ -281,13 +227,13 @@ async def test_a_worker_declared_dead_while_alive_stops_with_an_error():
 async def test_repaired_job_still_learns():
     # digits, 4 workers, 6 epochs (about 66 rounds), the PS's child killed after round 10: measured 0.92 best
     # (0.91 with nobody killed, same settings)
-    servers, workers, board = tree_job(4, epochs=6, worker_kw={"pull_timeout_s": 5.0}, gather_timeout_s=0.5,
+    servers, workers, board = rat_job(4, epochs=6, worker_kw={"pull_timeout_s": 5.0}, gather_timeout_s=0.5,
                                        broadcast_timeout_s=0.5, join_timeout_s=0.5, lr=0.1, momentum=0.9,
                                        max_missed=2)
     child = int(min(_parents(servers[0].planner, worker(1)) | _parents(servers[0].planner, worker(3))).split(":")[1])
     workers[child].cfg.max_iterations = 10
     t0 = time.monotonic()
-    res = await asyncio.wait_for(_run(servers, workers), 110)
+    res = await asyncio.wait_for(run_rat_job(servers, workers), 110)
     assert isinstance(res[0], dict), res[0]
     assert res[0]["best_accuracy"] >= 0.85, res[0]
     assert time.monotonic() - t0 < 100
@@ -296,11 +242,11 @@ async def test_repaired_job_still_learns():
 async def test_two_deaths_emptying_a_rack_leave_one_rack_of_trees():
     # racks [2, 3], K = 2 shards on workers 0 and 1's hosts (rack 0); rack 1 loses two of its three workers at
     # different rounds: the second death gets a second view, and the trees end up on workers 0, 1 and 4
-    servers, workers, board = tree_job(5, racks=[2, 3], shards=2, iterations=40, worker_kw={"pull_timeout_s": 5.0},
+    servers, workers, board = rat_job(5, racks=[2, 3], shards=2, iterations=40, worker_kw={"pull_timeout_s": 5.0},
                                        **_fast())
     workers[2].cfg.max_iterations = 4
     workers[3].cfg.max_iterations = 14
-    res = await asyncio.wait_for(_run(servers, workers), 110)
+    res = await asyncio.wait_for(run_rat_job(servers, workers), 110)
     assert all(isinstance(r, dict) for r in res), res
     for ps in servers:
         view = ps._tree_views.tracker.newest
@@ -313,9 +259,9 @@ async def test_two_deaths_emptying_a_rack_leave_one_rack_of_trees():
 
 
 async def test_every_worker_dead_fails_the_job_instead_of_waiting():
-    servers, workers, board = tree_job(3, iterations=200, worker_kw={"pull_timeout_s": 3.0}, **_fast())
+    servers, workers, board = rat_job(3, iterations=200, worker_kw={"pull_timeout_s": 3.0}, **_fast())
     for w in workers:
         w.cfg.max_iterations = 3
-    res = await asyncio.wait_for(_run(servers, workers), 60)
+    res = await asyncio.wait_for(run_rat_job(servers, workers), 60)
     assert isinstance(res[0], TrainingFailed), res[0]  # no live worker left: the PS says so, exits non-zero
     assert servers[0].iteration < 20

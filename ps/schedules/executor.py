@@ -221,6 +221,11 @@ class Executor:
                 crit.append((PARTIAL_HEADER_BYTES + ELEM * (a - step.lo), PARTIAL_HEADER_BYTES + ELEM * (b - step.lo)))
         return view, limit_ranges(crit, self.max_critical_ranges)
 
+    @property
+    def excluded(self) -> frozenset:
+        """Peers the running program skips: its ``exclude`` plus those abandoned or found gone since."""
+        return frozenset(self._exclude)
+
     def abandon(self, nodes) -> None:
         """Stop waiting for ``nodes`` (declared dead while a program runs): their pending reliable receives end
         at once as missing (``cancelled``) and later steps with them are skipped, as for ``exclude``.  Tolerant
