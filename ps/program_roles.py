@@ -33,7 +33,18 @@ partials, so its round is simply its program, run end to end by the executor:
   step names, runs the program; ``Compute`` reads the parameter messages (a
   STOP ends the run after it has been forwarded down the tree), computes the
   gradient and stores it as a partial.  Forwarded parameter messages are sent
-  at their received length.
+  at their received length.  A parameter message counts only when its reliable
+  receive completed (a sender that gives up cancels the transfer and the
+  receiver zero-fills the rest: never trained on); a worker whose copy is not
+  whole relays an empty message (header only, ``n_elems = 0``) so its children
+  know at once to compute on the parameters they hold.
+* A stalled child must not make its aggregator late (the PS would drop the
+  live aggregator and its subtree; seen with a SIGSTOPped leaf): an
+  aggregator's parameter relay is bounded by the same ``1/(levels+1)`` share
+  of the round bound as its wait for partials, and it waits for partials only
+  from the children its relay reached (``only_if``); the PS likewise waits only
+  for the children its parameter send reached.  A child that keeps failing
+  becomes a suspect and the trees are repaired around it.
 
 Workers need each other's addresses (a tree's edges join workers); the CLI
 publishes them through the store (``schedule_cli``).  Round numbers: workers
@@ -44,6 +55,7 @@ as ``start``); a worker joining mid-run is not supported by tree schedules.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import numpy as np
@@ -216,32 +228,65 @@ async def server_stop(ps, timeout: float) -> None:
 
 
 def _with_timeout(step, timeout):
-    import dataclasses
-
     return dataclasses.replace(step, timeout_s=timeout) if hasattr(step, "timeout_s") else step
 
 
 class _WorkerHandlers:
-    def __init__(self, w, it: int, levels: int = 1, param_sources=frozenset()):
+    def __init__(self, w, it: int, levels: int = 1, param_sources=frozenset(), param_slots=None):
         self.w, self.it, self.levels = w, it, max(1, int(levels))
         self.param_sources = set(param_sources)  # the nodes this round's parameter slices come from
+        self.param_slots = dict(param_slots or {})  # receive slot -> index of the shard (w.shards) it holds
         self.stopped = False
         self.orphaned = False  # every parameter source was declared dead: no gradient this round
 
+    def _whole(self, slots, i: int) -> bool:
+        """False when this round's parameter receive for shard index ``i`` ended incomplete."""
+        for slot, k in self.param_slots.items():
+            r = slots.reports.get(slot)
+            if k == i and isinstance(r, RecvReport) and not r.complete:
+                return False
+        return True
+
+    def prepare_transfer(self, step, slots):
+        """A relay of parameters (``Forward``): bounded by this level's share of the round bound, and an empty
+        message instead of a copy that did not arrive whole (see the module docstring)."""
+        if step.op != "forward" or step.payload != "params" or step.slot not in self.param_slots:
+            return None
+        w, i = self.w, self.param_slots[step.slot]
+        buf = slots.buffer(step.slot)
+        h = _fresh_header(buf, self.it)
+        if h is not None and h.round_bound_ms:
+            w.relay_budget_s = max(MIN_TIMEOUT_S, h.round_bound_ms / 1000.0 / (self.levels + 1))
+        budget = getattr(w, "relay_budget_s", None)
+        if h is not None and h.kind == KIND_STOP:
+            return None  # STOP goes down as it came (bounded by the PS's own stop timeout)
+        r = slots.reports.get(step.slot)
+        if h is None or h.n_elems == 0 or (isinstance(r, RecvReport) and not r.complete):
+            empty = f"{step.slot}:empty"
+            msg = np.zeros(HEADER_BYTES, np.uint8)
+            ParamsHeader(KIND_PARAMS, w.shards[i].shard, self.it, h.model_version if h else 0, 0, 0,
+                         h.epoch if h else 0, h.round_bound_ms if h else 0).pack_into(msg)
+            slots.bind(empty, msg)
+            w.empty_relays = getattr(w, "empty_relays", 0) + 1
+            return dataclasses.replace(step, slot=empty, timeout_s=budget)
+        return dataclasses.replace(step, timeout_s=budget) if budget is not None else None
+
     async def compute(self, step, slots):
         w = self.w
-        headers, stale = [], []
-        for s, buf in zip(w.shards, w._in):
+        headers, stale, heard = [], [], 0
+        for i, (s, buf) in enumerate(zip(w.shards, w._in)):
             h = _fresh_header(buf, self.it)
-            if h is None:
-                # this shard's parameters did not come down the tree this round (a parameter hop timed
-                # out: e.g. a throttled aggregator): compute on the slice held from an earlier round
-                # (the initial parameters before the first), as a stale gradient, rather than fail
-                stale.append(s.shard)
-                continue
-            if h.kind == KIND_STOP:
+            if h is not None and h.kind == KIND_STOP:
                 self.stopped = True
                 return STOP
+            heard += h is not None  # this round's message came, if maybe not whole
+            if h is None or h.n_elems == 0 or not self._whole(slots, i):
+                # this shard's parameters did not come down the tree whole this round (a parameter hop timed
+                # out: e.g. a throttled aggregator; or an aggregator relayed an empty message): compute on the
+                # slice held from an earlier round (the initial parameters before the first), as a stale
+                # gradient, rather than fail or train on a zero-filled copy
+                stale.append(s.shard)
+                continue
             if h.n_elems != s.hi - s.lo:
                 raise RemoteError(f"worker {w.cfg.rank}: shard {s.shard} sent round {h.iteration} with "
                                   f"{h.n_elems} parameters, expected {s.hi - s.lo}")
@@ -253,7 +298,7 @@ class _WorkerHandlers:
             # the tree waits for its children a 1/(levels+1) share of the PS's bound for the round
             w.executor.payload_timeouts["partial"] = max(MIN_TIMEOUT_S, bound_s / (self.levels + 1))
         if stale:
-            if len(stale) == len(w.shards):
+            if len(stale) == len(w.shards) and not heard:
                 if self.param_sources and w.executor.excluded >= self.param_sources:
                     self.orphaned = True  # every parameter source was declared dead during the round
                     return None
@@ -312,11 +357,14 @@ async def worker_run(w, start: int = 0) -> dict:
             _orphan_round(w, it, sources, f"the repaired trees start at round {views.tracker.newest.from_round}")
             it += 1
             continue
+        param_slots = {}
         for st in prog.steps():
             if st.op in ("recv", "forward") and st.payload == "params":
                 i = next(k for k, s in enumerate(w.shards) if (s.lo, s.hi) == (st.lo, st.hi))
                 w.slots.bind(st.slot, w._in[i])
-        h = _WorkerHandlers(w, it, plan.notes.get("levels", 1) if isinstance(plan.notes, dict) else 1, sources)
+                param_slots[st.slot] = i
+        h = _WorkerHandlers(w, it, plan.notes.get("levels", 1) if isinstance(plan.notes, dict) else 1, sources,
+                            param_slots)
         run = w.executor.run(prog, w.slots, h, iteration=it, exclude=excluded)
         if views is None:
             res = await run

@@ -106,7 +106,9 @@ class Worker:
         """Receive one parameter message per shard; parameters land in ``self.flat``."""
         res = await self.executor.run(self.planner.worker_program(self.cfg.rank, 0).head(1), self.slots)
         for s, r in zip(self.shards, res.reports):
-            if not r.ok:  # nothing, or a transfer cut short before its header (the PS dropped us mid-broadcast)
+            if not r.complete:
+                # nothing, or a transfer cut short (the PS dropped us mid-broadcast: its sender gave up and the
+                # receiver zero-filled the rest, so even with the header in, these are not the parameters)
                 why = ("no parameters" if r.received_bytes == 0 and r.regime == TIMEOUT else
                        f"the parameter transfer ended incomplete ({r.regime}, {r.received_bytes} of "
                        f"{r.total_bytes} bytes, header {'in' if r.critical_complete else 'missing'})")

@@ -2,6 +2,7 @@
 with seeded loss; every schedule's result equals the direct unbiased mean of what was delivered."""
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -10,8 +11,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from ltp_ps.aggregate import Aggregator
 from ltp_ps.schedules import World, create
 from ltp_ps.schedules.executor import STOP, Executor, ExecutorError, Slots
-from ltp_ps.schedules.partial import Partial
-from ltp_ps.schedules.program import Program, Recv, Send, worker
+from ltp_ps.schedules.partial import Partial, message_capacity
+from ltp_ps.schedules.program import Forward, Program, Recv, Send, worker
 from ltp_ps.transport.memory import MemoryNetwork
 
 
@@ -261,3 +262,60 @@ async def test_a_send_that_finds_its_peer_gone_skips_the_later_receive_from_it()
     res = await asyncio.wait_for(ex.run(prog, sl), 5)
     assert isinstance(res.reports[0], PeerGone)
     assert res.reports[1].received_bytes == 0 and res.reports[1].duration_s == 0.0  # not waited for
+
+
+async def test_a_stalled_peer_in_a_send_group_is_not_waited_for_and_groups_add_up_over_stages():
+    # a tree node relays to children at two levels (two stages, one group name per level in `rat`; here one name
+    # over both stages): it then waits for partials only from the children its sends reached, and a stalled child
+    # costs the send's own bound, not the receive's too
+    net = MemoryNetwork(loss=0.0, segment_size=256, seed=0)
+    a, b, c, addrs = _pair(net)
+    net.stall(c.local_addr)  # worker 2 stopped (SIGSTOP): no answer, no error
+    ex = Executor(a, "worker:0", addrs, timeout_s=30.0)
+    sl = Slots()
+    sl.bind("params", np.ones(64, np.uint8))
+    prog = Program("worker:0", (
+        (Send("worker:1", "params", 0, 16, 3, "reliable", "params", group="down"),),
+        (Send("worker:2", "params", 0, 16, 4, "reliable", "params", group="down", timeout_s=0.2),),
+        (Recv("worker:1", "in1", 0, 16, 5, "tolerant", "partial", group="up", only_if="down"),
+         Recv("worker:2", "in2", 0, 16, 5, "tolerant", "partial", group="up", only_if="down"))))
+    task = asyncio.ensure_future(ex.run(prog, sl))
+    got = np.zeros(64, np.uint8)
+    await b.recv(got, peer=a.local_addr, tag=3, timeout=5)
+    part = Partial.of_gradient(np.full(16, 2.0, np.float32))
+    buf = np.zeros(message_capacity(16), np.uint8)
+    await b.send(a.local_addr, part.encode_into(buf, kind=5, origin=1, iteration=0), tag=5)
+    t0 = asyncio.get_running_loop().time()
+    res = await asyncio.wait_for(task, 5)
+    assert asyncio.get_running_loop().time() - t0 < 2  # not the receive's 30 s for worker 2
+    assert res.reports[1].__class__.__name__ == "TransportTimeout"
+    assert res.reports[2].received_bytes > 0  # worker 1: reached in stage 0, still waited for after stage 1
+    assert res.reports[3].received_bytes == 0 and res.reports[3].duration_s == 0.0
+
+
+async def test_prepare_transfer_lets_the_role_replace_a_transfer_after_the_stages_before_it():
+    net = MemoryNetwork(loss=0.0, segment_size=256, seed=0)
+    a, b, c, addrs = _pair(net)
+    seen = []
+
+    class Role:
+        def prepare_transfer(self, step, slots):
+            seen.append((step.op, step.slot))
+            if step.op == "forward":  # relay something else, bounded
+                slots.bind("other", np.full(8, 9, np.uint8))
+                return dataclasses.replace(step, slot="other", timeout_s=1.0)
+            return None
+
+    ex = Executor(a, "worker:0", addrs, timeout_s=30.0)
+    sl = Slots()
+    sl.bind("in", np.zeros(64, np.uint8))
+    prog = Program("worker:0", ((Recv("worker:1", "in", 0, 16, 3, "reliable", "params"),),
+                                (Forward("worker:2", "in", 0, 16, 4, "reliable", "params"),)))
+    task = asyncio.ensure_future(ex.run(prog, sl, Role()))
+    await b.send(a.local_addr, np.arange(64, dtype=np.uint8), reliable=True, tag=3)
+    got = np.zeros(64, np.uint8)
+    rep = await c.recv(got, peer=a.local_addr, tag=4, timeout=5)
+    res = await asyncio.wait_for(task, 5)
+    assert rep.total_bytes == 8 and (got[:8] == 9).all()
+    assert res.reports[1].delivered_bytes == 8
+    assert seen == [("recv", "in"), ("forward", "in")]

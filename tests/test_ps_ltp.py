@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 
 import numpy as np
@@ -85,6 +86,39 @@ async def test_ltp_gather_reports_silent_peer_as_timeout(ltp_mod):
         assert reps[1].regime == "timeout" and reps[1].delivered_fraction == 0
     finally:
         for t in (ps, w, silent):
+            await t.close()
+
+
+async def test_ltp_broadcast_to_a_stalled_peer_fails_it_alone_without_resending(ltp_mod):
+    """A peer that never answers (a stopped process: a bound UDP socket that reads nothing) fails alone, once;
+    before, the whole broadcast failed and was re-sent to every peer, so the stalled peer cost two dead-peer
+    limits (2.0 s measured against 1.0 s) and the live peers got a second copy."""
+    from ltp_ps.errors import TransportError
+
+    ps, w = await _open(2)
+    mute = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    mute.bind(("127.0.0.1", 0))
+    sends = []
+    inner = ps._ep.send
+
+    async def counted(peer, *a, **kw):
+        sends.append(tuple(peer))
+        return await inner(peer, *a, **kw)
+
+    ps._ep.send = counted
+    try:
+        params = np.arange(40_000, dtype=np.float32)
+        out = np.zeros_like(params)
+        breps, _ = await asyncio.gather(
+            ps.broadcast([w.local_addr, mute.getsockname()], params, tag=21, timeout=10.0),
+            w.recv(out, peer=ps.local_addr, tag=21, timeout=10))
+        assert not isinstance(breps[0], BaseException) and breps[0].delivered_fraction == 1.0
+        assert isinstance(breps[1], TransportError), breps[1]
+        np.testing.assert_array_equal(out, params)
+        assert sorted(sends) == sorted([tuple(w.local_addr), mute.getsockname()]), sends  # one send per peer
+    finally:
+        mute.close()
+        for t in (ps, w):
             await t.close()
 
 

@@ -243,9 +243,10 @@ async def test_ltp_adapter_speaks_the_documented_api(monkeypatch):
     assert w1._ep.calls[0] == ("send", False, [(0, 64)], 4, 5)
     assert all(isinstance(b, tuple) for r in reps for b in r.bubbles) and any(r.bubbles for r in reps)
     assert all(r.raw is not None and 0 < r.delivered_fraction < 1 for r in reps)
-    # broadcast failing as a whole falls back to per-peer sends and names the dead peer
+    # broadcast: one reliable send per peer (not ep.broadcast, which fails as a whole), naming the dead peer
     net.kill(("mem", w2.local_addr[1]))
     breps = await ps.broadcast([w1.local_addr, w2.local_addr], x, tag=6, timeout=5)
     assert not isinstance(breps[0], BaseException) and isinstance(breps[1], TransportError)
+    assert not [c for c in ps._ep.calls if c[0] == "broadcast"]
     for t in (ps, w1, w2):
         await t.close()

@@ -8,6 +8,7 @@ exited with "parameter message with bad magic".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -78,3 +79,67 @@ def test_no_slice_at_all_is_a_timeout_and_a_future_round_is_an_error():
         _write(w, s, 5, np.zeros(ref.hi - ref.lo, np.float32))
     with pytest.raises(RemoteError, match="round 5 while running round 2"):
         _compute(w, 2)
+
+
+def _report(n, *, complete=True):
+    from ltp_ps.transport.base import CANCELLED, COMPLETE, RecvReport
+
+    got = n if complete else n // 2
+    return RecvReport(peer=("p", 1), tag=1, total_bytes=n, received_bytes=got, delivered_fraction=got / n,
+                      bubbles=() if complete else ((got, n),), critical_complete=True,
+                      regime=COMPLETE if complete else CANCELLED, duration_s=0.0)
+
+
+def test_a_parameter_message_cut_short_with_its_header_in_is_not_trained_on():
+    # the sender gave up (timeout: RESET), the receiver zero-filled the rest; the header says "this round"
+    wl, w = _worker()
+    for s, ref in enumerate(w.shards):
+        _write(w, s, 0, np.full(ref.hi - ref.lo, 1.0 + s, np.float32))
+    _compute(w, 0)
+    a, b = w.shards
+    _write(w, 0, 1, np.full(a.hi - a.lo, 7.0, np.float32))
+    _write(w, 1, 1, np.zeros(b.hi - b.lo, np.float32))  # zero-filled after a cut
+    sl = Slots()
+    sl.reports["p0"], sl.reports["p1"] = _report(100), _report(100, complete=False)
+    asyncio.run(_WorkerHandlers(w, 1, param_slots={"p0": 0, "p1": 1}).compute(Compute(), sl))
+    assert (w.flat[a.lo:a.hi] == 7.0).all() and (w.flat[b.lo:b.hi] == 2.0).all()  # round 0's slice kept
+    assert w.stale_param_slices == 1
+
+
+def test_an_empty_relay_means_compute_on_what_is_held_not_a_timeout():
+    wl, w = _worker()
+    for s, ref in enumerate(w.shards):
+        _write(w, s, 0, np.full(ref.hi - ref.lo, 3.0, np.float32))
+    _compute(w, 0)
+    for s in range(2):  # every aggregator above had no whole copy this round: header only, n_elems = 0
+        ParamsHeader(KIND_PARAMS, s, 1, 1, 0, 0, 0).pack_into(w._in[s])
+    assert _compute(w, 1) is None
+    assert (w.flat == 3.0).all() and w.stale_param_slices == 2
+
+
+def test_a_relay_is_bounded_by_its_share_of_the_round_and_relays_nothing_it_does_not_hold_whole():
+    from ltp_ps.schedules.program import Forward
+    from ltp_ps.wire import KIND_STOP
+
+    wl, w = _worker()
+    a = w.shards[0]
+    h = _WorkerHandlers(w, 4, levels=2, param_slots={"params:0": 0})
+    sl = Slots()
+    sl.bind("params:0", w._in[0])
+    fwd = Forward("worker:1", "params:0", a.lo, a.hi, 9, "reliable", "params")
+    ParamsHeader(KIND_PARAMS, 0, 4, 4, a.hi - a.lo, 0, 0, 3000).pack_into(w._in[0])  # the PS's bound: 3 s
+    sl.reports["params:0"] = _report(100)
+    step = h.prepare_transfer(fwd, sl)
+    assert step.slot == "params:0" and step.timeout_s == pytest.approx(1.0)  # 3 s / (levels + 1)
+    sl.reports["params:0"] = _report(100, complete=False)
+    step = h.prepare_transfer(fwd, sl)
+    assert step.slot == "params:0:empty" and step.timeout_s == pytest.approx(1.0)
+    e = ParamsHeader.unpack(sl.buffer(step.slot))
+    assert (e.kind, e.shard, e.iteration, e.n_elems, e.round_bound_ms) == (KIND_PARAMS, 0, 4, 0, 3000)
+    assert sl.buffer(step.slot).nbytes == HEADER_BYTES
+    ParamsHeader(KIND_STOP, 0, 4, 4, 0, 0, 0).pack_into(w._in[0])  # STOP goes down as it came
+    assert h.prepare_transfer(fwd, sl) is None
+    w._in[0][:HEADER_BYTES] = 0  # nothing came: an empty relay of this round, with the last known bound
+    step = h.prepare_transfer(fwd, sl)
+    assert ParamsHeader.unpack(sl.buffer(step.slot)).iteration == 4 and step.timeout_s == pytest.approx(1.0)
+    assert h.prepare_transfer(dataclasses.replace(fwd, payload="partial"), sl) is None  # only parameter relays

@@ -194,6 +194,37 @@ async def test_a_dead_leaf_is_suspected_by_its_aggregator_and_cut_out():
     _check_repaired(servers, workers, leaf, 40)
 
 
+@pytest.mark.parametrize("racks,shards", [(None, 1), ([3, 3], 3)])
+async def test_a_stalled_leaf_is_cut_out_and_its_live_aggregator_kept(racks, shards):
+    # a leaf that stops answering without closing its socket (SIGSTOP): before, its aggregator's reliable parameter
+    # relay to it blocked for --pull-timeout, the aggregator's partial missed the PS's bound, and the PS dropped the
+    # live aggregator (seen with ltp-ps launch and a SIGSTOPped worker: exit 3 for the aggregator)
+    n = 4 if racks is None else 6
+    servers, workers, board = rat_job(n, racks=racks, shards=shards, iterations=36,
+                                      worker_kw={"pull_timeout_s": 5.0}, **_fast())
+    ps = servers[0]
+    t0 = ps.planner.trees()[0]
+    aggs = {p for c, p, e in t0.edges() if p.startswith("worker:")}
+    leaf = next(int(c.split(":")[1]) for c, p, e in t0.edges() if p in aggs and c not in aggs)
+    agg = int(t0.parent[worker(leaf)].split(":")[1])
+    net = workers[leaf].transport.net
+    addr = workers[leaf].transport.local_addr
+
+    async def stall_then_resume():
+        while ps.iteration < 3:
+            await asyncio.sleep(0.01)
+        net.stall(addr)
+        while ps._tree_views.tracker.newest.number == 0 and not all(p.iteration >= 36 for p in servers):
+            await asyncio.sleep(0.01)
+        net.resume(addr)  # it wakes up excluded
+
+    res, _ = await asyncio.wait_for(asyncio.gather(run_rat_job(servers, workers), stall_then_resume()), 110)
+    assert isinstance(res[shards + leaf], Excluded), res[shards + leaf]
+    assert all(isinstance(r, dict) for i, r in enumerate(res) if i != shards + leaf), res
+    assert ps.membership.members[agg].state is State.ACTIVE
+    _check_repaired(servers, workers, leaf, 36)
+
+
 @pytest.mark.parametrize("victim", ["aggregator", "root_host"])
 async def test_two_racks_and_k_shards_repair_every_tree(victim):
     # racks [3, 3], K = 3 shards colocated with workers 0..2: three trees; kill a level-0 aggregator of tree 0

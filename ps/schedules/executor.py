@@ -264,6 +264,11 @@ class Executor:
         # Local steps first in program order if the stage has no transfers; mixed stages run transfers then local.
         transfers = [(i, s) for i, s in zip(idx, stage) if s.op in ("send", "forward", "recv")]
         local = [(i, s) for i, s in zip(idx, stage) if s.op not in ("send", "forward", "recv")]
+        prepare = getattr(handlers, "prepare_transfer", None) if handlers is not None else None
+        if prepare is not None:
+            # the role's last word on a transfer once the stages before it ran (a bound read from a message that
+            # arrived, a relay of a copy that did not arrive whole): the step it returns runs instead (None: as is)
+            transfers = [(i, prepare(s, slots) or s) for i, s in transfers]
         if transfers:
             await self._transfers(transfers, slots, res, group_t0, group_ok, iteration)
         for i, s in local:
@@ -330,9 +335,9 @@ class Executor:
                 group_t0[g] = now
             jobs.append(self._recv_group(g, members, slots, res, group_t0, group_ok))
         await asyncio.gather(*jobs)
-        for g, members in send_groups.items():
-            group_ok[g] = {s.peer for i, s in members
-                           if res.reports[i] is not None and not isinstance(res.reports[i], BaseException)}
+        for g, members in send_groups.items():  # a send group named in several stages: every peer it reached
+            group_ok[g] = group_ok.get(g, set()) | {
+                s.peer for i, s in members if res.reports[i] is not None and not isinstance(res.reports[i], BaseException)}
 
     async def _broadcast(self, members, slots, res) -> None:
         skip = [(i, s) for i, s in members if s.peer in self._exclude]

@@ -171,6 +171,7 @@ class Forward:
     mode: str = TOLERANT
     payload: str = "partial"
     timeout_s: float | None = None
+    group: str | None = None  # as :attr:`Send.group`: names the peers this stage reached
     op: str = dataclasses.field(default="forward", init=False)
 
 

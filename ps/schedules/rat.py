@@ -416,9 +416,9 @@ class RatSchedule(Schedule):
             for c, p, e in t.edges():
                 down_tag = pack(iteration, PHASE_PULL, e, k, KIND_PARAMS)
                 if p == t.root:
-                    add(p, L - e, Send(c, SLOT_PARAMS, lo, hi, down_tag, RELIABLE, "params", group="params"))
+                    add(p, L - e, Send(c, SLOT_PARAMS, lo, hi, down_tag, RELIABLE, "params", group=f"down:{k}:{e}"))
                 else:
-                    add(p, L - e, Forward(c, pslot, lo, hi, down_tag, RELIABLE, "params"))
+                    add(p, L - e, Forward(c, pslot, lo, hi, down_tag, RELIABLE, "params", group=f"down:{k}:{e}"))
                 add(c, L - e, Recv(p, pslot, lo, hi, down_tag, RELIABLE, "params", group="params"))
             for j, (a, b) in enumerate(pieces):
                 for c, p, e in t.edges():
@@ -428,7 +428,9 @@ class RatSchedule(Schedule):
                     add(c, L + 2 + 2 * q, Send(p, src_slot, a, b, up_tag, TOLERANT, "partial"))
                     slot = f"in:{c}:{k}" if len(pieces) == 1 else f"in:{c}:{k}:{j}"
                     group = f"rat:{k}:{e}" if len(pieces) == 1 else f"rat:{k}:{j}:{e}"
-                    add(p, L + 2 + 2 * q, Recv(c, slot, a, b, up_tag, TOLERANT, "partial", group=group))
+                    # only from a child its parameter hop reached: a stalled child must not make its parent late
+                    add(p, L + 2 + 2 * q, Recv(c, slot, a, b, up_tag, TOLERANT, "partial", group=group,
+                                               only_if=f"down:{k}:{e}"))
                     add(p, L + 3 + 2 * q, Combine(SLOT_ACC, slot, a, b))
                 for p in kids:  # an aggregating worker adds its own gradient before its children's partials
                     if p != t.root:

@@ -141,18 +141,15 @@ class LtpTransport(Transport):
         return [_recv_report(r) for r in reps]
 
     async def broadcast(self, peers, data, *, tag, timeout=None):
-        """``ep.broadcast``; if it fails as a whole, resend per peer to learn who failed.
+        """One reliable send per peer, concurrently, under one ``timeout``; a report or an exception per peer.
 
-        Receivers ignore duplicates (the params header carries the iteration),
-        so peers that already got the first copy are not confused.
-        """
-        peers = [tuple(p) for p in peers]
+        Not ``Endpoint.broadcast``, which raises as soon as one peer fails: its callers then had to resend to
+        every peer to learn who failed, so one silent peer (a stopped process) cost two timeouts, and the
+        back-pressure retries of :meth:`send` were skipped."""
         view = as_bytes_view(data)
-        try:
-            reps = await self._ep.broadcast(peers, view, tag=tag, timeout=timeout)
-            return [_send_report(r) for r in reps]
-        except self._ltp.errors.LTPError:
-            return await super().broadcast(peers, view, tag=tag, timeout=timeout)
+        return list(await asyncio.gather(
+            *(self.send(tuple(p), view, reliable=True, tag=tag, timeout=timeout) for p in peers),
+            return_exceptions=True))
 
     async def close(self):
         await self._ep.close()

@@ -34,6 +34,7 @@ class MemoryNetwork:
         self.rng = random.Random(seed)
         self.endpoints: dict = {}
         self.dead: set = set()
+        self.stalled: set = set()  # endpoints that neither send nor take delivery (a stopped process): stall()
         self._next = 1
 
     def endpoint(self) -> "MemoryTransport":
@@ -49,6 +50,20 @@ class MemoryNetwork:
         for other in self.endpoints.values():
             if other is not ep:
                 other._mailbox.peer_closed(tuple(addr))
+
+    def stall(self, addr: Address) -> None:
+        """Freeze ``addr`` as SIGSTOP would: its sends wait, sends to it wait (and time out) until :meth:`resume`."""
+        self.stalled.add(tuple(addr))
+
+    def resume(self, addr: Address) -> None:
+        self.stalled.discard(tuple(addr))
+
+    async def _wait_unstalled(self, addrs, timeout, what: str) -> None:
+        t0 = time.monotonic()
+        while any(a in self.stalled for a in addrs):
+            if timeout is not None and time.monotonic() - t0 >= timeout:
+                raise TransportTimeout(f"{what}: the peer did not answer within {timeout} s (stalled)")
+            await asyncio.sleep(0.005)
 
     def lose(self, data: memoryview, critical) -> tuple:
         """Return ``(payload, bubbles)`` after dropping segments."""
@@ -93,6 +108,9 @@ class MemoryTransport(Transport):
         dst = self.net.endpoints.get(peer)
         if dst is None or peer in self.net.dead or dst._closed:
             raise PeerGone(f"send to {peer} failed: no such endpoint (dead?)")
+        if self.net.stalled:
+            await self.net._wait_unstalled((self._addr,), None, f"send from {self._addr}")  # a stopped sender
+            await self.net._wait_unstalled((peer,), timeout, f"send to {peer}")
         if reliable:
             payload, bubbles = bytes(view), ()
         else:
