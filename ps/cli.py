@@ -212,7 +212,8 @@ def shard_path(path: str, shard: int) -> str:
     return f"{stem}.shard{shard}{ext or '.json'}"
 
 
-PS_WATCH_S = 0.5  # seconds between a worker's looks at the store for a restarted PS
+PS_WATCH_S = 0.5  # seconds between a worker's looks at the store for a restarted PS or the job's end
+JOB_OVER_GRACE_S = 3.0  # seconds a worker still waits for its STOP once the store says the job is over
 
 
 async def work(args, store=None) -> dict:
@@ -224,7 +225,7 @@ async def work(args, store=None) -> dict:
     incarnation up to ``--store-timeout``.  Being dropped by a live PS is retried
     ``--rejoin`` times.
     """
-    from .errors import StaleIncarnation, TransportError
+    from .errors import JobEnded, StaleIncarnation, TransportError
     from .worker import ShardRef, Worker, WorkerConfig
 
     secret = rdv.load_secret(args.secret_file)
@@ -256,6 +257,11 @@ async def work(args, store=None) -> dict:
             except StaleIncarnation as exc:
                 print(f"[worker {rank}] {exc}; joining the new one", flush=True)
                 continue
+            except JobEnded as exc:
+                _raise_if_failed(store, len(infos))
+                print(f"[worker {rank}] the job finished without this worker ({exc})", flush=True)
+                stats.update(stopped=True, dropped=True)
+                return stats
             nonces = [i.nonce for i in infos]
             if joined is not None and nonces != joined:
                 attempts = 0  # a restarted PS is not this worker's fault
@@ -267,8 +273,11 @@ async def work(args, store=None) -> dict:
                                                             max_iterations=args.max_iterations,
                                                             max_missed=args.max_missed))
             await schedule_cli.prepare_worker(w, args, store, secret, rank, transport, wl, infos)
+            # tree schedules agree on dead workers through their own board (a worker in a view stops: Excluded)
+            drops = None if w.tree_board is not None and getattr(w.planner, "name", None) == "rat" else {
+                i.shard: await asyncio.to_thread(rdv.drop_count, store, i.shard, rank) for i in infos}
             try:
-                st = await _run_watching(w, store, infos)
+                st = await _run_watching(w, store, infos, rank=rank, drops=drops)
             except (TransportError, ConnectionError) as exc:
                 if await asyncio.to_thread(rdv.job_over, store, len(infos)):
                     _raise_if_failed(store, len(infos))
@@ -318,30 +327,57 @@ def _raise_if_failed(store, num_servers: int) -> None:
             raise TrainingFailed(f"PS shard {s} stopped the job: {reason}")
 
 
-async def _run_watching(worker, store, infos) -> dict | None:
-    """``worker.run()``, cancelled (returning None) as soon as any shard publishes a new incarnation."""
+async def _run_watching(worker, store, infos, *, rank: int | None = None, drops: dict | None = None) -> dict | None:
+    """``worker.run()``, cancelled (returning None) as soon as any shard publishes a new incarnation.
+
+    Also ended when the job is over (shard 0 finished or a shard failed) while the worker still waits: a worker
+    the PS dropped while it was stopped (SIGSTOP, a hung host) gets no STOP and would otherwise wait out
+    ``--pull-timeout`` after the job ended.  It raises :class:`TransportError` after ``JOB_OVER_GRACE_S``, which
+    the caller reports as "the job finished without this worker".  With ``drops`` (shard -> the drop count the
+    worker saw when it joined, :func:`rendezvous.drop_count`), a shard posting that it dropped this worker ends the
+    run at once with :class:`TransportError`, so the caller rejoins (``--rejoin``) without waiting out
+    ``--pull-timeout``."""
+    from .errors import TransportError
+
     run = asyncio.ensure_future(worker.run())
     stop = asyncio.Event()
 
     async def watch():
         while not stop.is_set():
             if await asyncio.to_thread(rdv.wait_new_incarnation, store, infos, PS_WATCH_S, 0.0):
-                return True
+                return "restarted"
+            if await asyncio.to_thread(rdv.job_over, store, len(infos)):
+                return "over"
+            for shard, seen in (drops or {}).items():
+                if await asyncio.to_thread(rdv.drop_count, store, shard, rank) > seen:
+                    return f"dropped by PS shard {shard}"
             try:
                 await asyncio.wait_for(stop.wait(), PS_WATCH_S)
             except asyncio.TimeoutError:
                 pass
-        return False
+        return None
 
     watcher = asyncio.ensure_future(watch())
     try:
         done, _ = await asyncio.wait({run, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if run in done:
             return run.result()
-        if watcher.result():
+        if watcher.result() == "restarted":
             run.cancel()
             await asyncio.gather(run, return_exceptions=True)
             return None
+        if watcher.result() == "over":
+            done, _ = await asyncio.wait({run}, timeout=JOB_OVER_GRACE_S)  # a live worker's STOP is on its way
+            if run in done:
+                return run.result()
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            raise TransportError(f"the job ended (PS shard 0 finished or a shard failed) while this worker was "
+                                 f"still waiting; nothing came for {JOB_OVER_GRACE_S:g} s more")
+        if watcher.result():  # a shard dropped this worker (it missed --max-missed rounds: stopped, cut off)
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            raise TransportError(f"{watcher.result()} (missed rounds while stopped or cut off)")
         return await run
     finally:
         stop.set()

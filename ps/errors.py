@@ -36,6 +36,10 @@ class StaleIncarnation(RendezvousError):
     """The PS restarted (published a new nonce) while this worker was joining the old one."""
 
 
+class JobEnded(RendezvousError):
+    """The job ended (shard 0 finished or a shard failed) while this worker was joining: nothing to join."""
+
+
 class TransportError(PSError):
     """A transfer failed (peer gone, timeout, connection refused)."""
 

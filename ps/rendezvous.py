@@ -39,7 +39,7 @@ import os
 import secrets
 import time
 
-from .errors import AuthError, ConfigError, MembershipError, RendezvousError, StaleIncarnation
+from .errors import AuthError, ConfigError, JobEnded, MembershipError, RendezvousError, StaleIncarnation
 
 DEFAULT_SECRET_ENV = "LTP_PS_SECRET"
 INCARNATION_POLL_S = 0.5  # seconds between looks at server/<s> while a join waits for its verdict
@@ -140,6 +140,11 @@ class ServerRendezvous:
             store.delete_key(f"failed/{info.shard}")
         store.set(f"server/{info.shard}", json.dumps(d))
 
+    def mark_dropped(self, rank: int) -> None:
+        """Tell worker ``rank`` (``dropped/<s>/<rank>``, a count) that this shard dropped it: a worker that was
+        stopped or cut off learns it at once and rejoins, instead of waiting out its ``--pull-timeout``."""
+        self.store.add(f"dropped/{self.info.shard}/{rank}", 1)
+
     def mark_failed(self, reason: str) -> None:
         """Tell the workers (``failed/<s>``) that this shard stopped the job with an error."""
         self.store.set(f"failed/{self.info.shard}", reason)
@@ -225,6 +230,8 @@ def join(store, secret: bytes, info: ServerInfo, *, rank: int, addr: tuple, n_pa
             next_look = now + INCARNATION_POLL_S
             if current_nonce(store, s) != info.nonce:
                 raise StaleIncarnation(f"PS shard {s} restarted while worker {rank}'s join was pending")
+            if job_over(store, info.num_servers):
+                raise JobEnded(f"the job ended while worker {rank}'s join to PS shard {s} was pending")
         time.sleep(0.02)
     verdict = store.get(key).decode()
     if verdict != "ok":
@@ -251,6 +258,11 @@ def wait_new_incarnation(store, infos, poll_s: float, timeout_s: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(poll_s)
+
+
+def drop_count(store, shard: int, rank: int) -> int:
+    """How many times shard ``shard`` has dropped worker ``rank`` (:meth:`ServerRendezvous.mark_dropped`)."""
+    return int(store.add(f"dropped/{shard}/{rank}", 0))
 
 
 def job_over(store, num_servers: int = 1) -> bool:

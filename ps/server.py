@@ -62,7 +62,7 @@ from . import sharded_eval
 from .sharding import ShardPlan
 from .verdict import AccuracyVerdict
 from .transport.base import CANCELLED, TIMEOUT, Transport
-from .wire import (ELEM, HEADER_BYTES, KIND_GRAD, KIND_PARAMS, KIND_STOP, MAX_BUBBLES, READY_BYTES, ParamsHeader,
+from .wire import (ELEM, HEADER_BYTES, KIND_PARAMS, KIND_STOP, MAX_BUBBLES, READY_BYTES, ParamsHeader,
                    encode_bubbles, params_message_capacity, tag_of)
 from .workloads import Workload
 
@@ -462,6 +462,11 @@ class ParameterServer:
         for ev in self.membership.drain_events():
             self.metrics.write({"event": ev.kind, "t": time.time(), "rank": ev.rank, "reason": ev.reason,
                                 "iteration": iteration})
+            if ev.kind == "dropped" and self.rendezvous is not None:
+                try:
+                    self.rendezvous.mark_dropped(ev.rank)
+                except Exception as exc:  # the store is gone: the worker finds out at its --pull-timeout instead
+                    self.log(f"[ps{self.shard}] could not post the drop of worker {ev.rank}: {exc}")
 
     def _raise_verdict(self) -> None:
         """Raise TrainingFailed when the run ends at chance accuracy (``ltp_ps.verdict``)."""

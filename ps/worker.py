@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from .aggregate import critical_ranges
-from .errors import RemoteError, TransportError, TransportTimeout
+from .errors import PeerGone, RemoteError, TransportError, TransportTimeout
 from .feedback import ErrorFeedback
 from .schedule import DirectSchedule, Schedule
 from .schedules import World, create as create_schedule
@@ -195,6 +195,11 @@ class Worker:
                 reps = await self.push(grad, iteration=h.iteration, model_version=h.model_version, loss=loss,
                                        samples=samples, compute_s=compute_s)
             except (TransportError, ConnectionError) as exc:
+                if isinstance(exc, PeerGone):
+                    # the PS's socket is gone (it exited, or died and restarts): waiting --pull-timeout for its next
+                    # round would only delay the caller, which asks the store whether the job ended or a new
+                    # incarnation is up (seen: a worker SIGSTOPped past the end of the job hung on for 60 s)
+                    raise
                 # A gradient is loss-tolerant: a failed push costs this round (the PS counts it as missed),
                 # not the job. A PS that is really gone shows up in the next pull (or as a new incarnation).
                 print(f"[worker {self.cfg.rank}] push of round {h.iteration} failed after "
