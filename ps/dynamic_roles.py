@@ -321,7 +321,7 @@ async def worker_run(w) -> dict:
     if len(w.shards) != 1:
         raise RemoteError(f"worker {w.cfg.rank}: {w.planner.name} serves one PS shard, the job has {len(w.shards)}")
     ps = server_node(w.shards[0].shard)
-    ch = ControlChannel(w.executor, ps, out_dir=UP, in_dir=DOWN)
+    ch = ControlChannel(w.executor, ps, out_dir=UP, in_dir=DOWN, patience_s=w.cfg.pull_timeout_s)
     consumed = asyncio.Event()
     stats = {"dropped": 0, "grants": 0}
 

@@ -574,7 +574,7 @@ async def worker_run(w) -> dict:
         raise RemoteError(f"worker {w.cfg.rank}: hoplite serves one PS shard, the job has {len(w.shards)}")
     s0 = w.shards[0]
     ps = server_node(s0.shard)
-    ch = ControlChannel(w.executor, ps, out_dir=UP, in_dir=DOWN)
+    ch = ControlChannel(w.executor, ps, out_dir=UP, in_dir=DOWN, patience_s=w.cfg.pull_timeout_s)
     w.executor.in_order_payloads = IN_ORDER_PAYLOADS
     ctrl = w.planner.controller()
     chunks = chunk_ranges(s0.lo, s0.hi, ctrl.chunk_bytes, ctrl.elem_bytes)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import time
 from typing import Any, Awaitable, Callable, Mapping
 
 from ..transport.base import CANCELLED, RecvReport, SendReport
@@ -384,9 +385,15 @@ class ControlChannel:
     A receive whose peer closed raises ``ConnectionError``.
     """
 
-    def __init__(self, executor: Executor, peer: str, *, out_dir: int, in_dir: int):
+    def __init__(self, executor: Executor, peer: str, *, out_dir: int, in_dir: int, patience_s: float | None = None):
         self.executor = executor
         self.peer = peer
+        #: a send that times out (the peer did not acknowledge: paused, congested) is sent again, same message and
+        #: sequence number, until this many seconds have passed (None: fail at once).  A peer that is gone
+        #: (``PeerGone``) fails at once either way.  Workers use their ``--pull-timeout``: a PS paused for
+        #: seconds must not cost them the job (its stream would also lose message ``k`` for good).
+        self.patience_s = patience_s
+        self.retries = 0
         self.out_dir, self.in_dir = out_dir, in_dir
         self.slots = Slots()
         self.out_seq = 0
@@ -402,10 +409,15 @@ class ControlChannel:
             self.out_seq += 1
             self.slots.bind("out", data)
             self.slots.bind_critical("out", ())
-            res = await self.executor.run(Program(self.executor.me, ((Send(self.peer, "out", 0, 0, tag, RELIABLE,
-                                                                            "grant", timeout_s=timeout_s),),)),
-                                          self.slots)
-        r = res.reports[0]
+            prog = Program(self.executor.me, ((Send(self.peer, "out", 0, 0, tag, RELIABLE, "grant",
+                                                    timeout_s=timeout_s),),))
+            t0 = time.monotonic()
+            while True:
+                r = (await self.executor.run(prog, self.slots)).reports[0]
+                if not (isinstance(r, TimeoutError) and self.patience_s is not None
+                        and time.monotonic() - t0 < self.patience_s):
+                    break
+                self.retries += 1  # the same message again: the receiver reads each sequence number once
         if isinstance(r, BaseException):
             raise r
 
@@ -433,7 +445,11 @@ async def next_control_message(ch: ControlChannel, timeout_s: float, counters: d
     worker's control stream: an undecodable message is counted and skipped; a closed stream or
     ``timeout_s`` of silence is counted (``closed`` / ``silent``) and reported through ``fail``.
     """
+    from ..stall_watch import watch
+
+    stall = watch()
     while True:
+        t0 = stall.clock()
         try:
             msg = await ch.recv(timeout_s)
         except ControlDecodeError:
@@ -444,6 +460,9 @@ async def next_control_message(ch: ControlChannel, timeout_s: float, counters: d
             fail(f"its control stream closed ({exc})")
             return None
         if msg is None:
+            if stall.stalled_since(t0):  # this process did not run for part of the window: the silence was ours
+                counters["own_stall"] = counters.get("own_stall", 0) + 1
+                continue
             counters["silent"] += 1
             fail(f"silent for {timeout_s:.0f} s")
             return None

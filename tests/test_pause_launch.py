@@ -1,0 +1,74 @@
+"""Real processes (``ltp-ps launch --lab off --transport ltp``): a process paused with SIGSTOP, then resumed.
+
+A pause is not a death: no socket closes, nothing answers.  Found by trying it:
+* the PS of a ``hoplite`` or ``mlfabric`` job paused for 15 s ended the job (every worker left at LTP's 5 s
+  dead-peer limit to rejoin, which those PS loops never serve; the resumed PS wrote every worker off as silent);
+* a ``direct`` worker paused for 8 s was dropped and then waited out its 60 s ``--pull-timeout``, outliving the
+  job (the launch failed it for not exiting).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from ps_helpers import child_env, ps_cmd, stop
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
+
+
+def _pause_during(args, out, metrics, *, who: str, after_rows: int, pause_s: float, end_s: float = 150):
+    with open(out, "w") as f:
+        proc = subprocess.Popen(ps_cmd("launch", *args, "--metrics", metrics), env=child_env(), stdout=f,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if os.path.exists(metrics) and sum(1 for x in open(metrics) if '"iteration"' in x) >= after_rows:
+                    break
+                assert proc.poll() is None, open(out).read()
+                time.sleep(0.05)
+            pid = int(re.findall(rf"\[launch\] started {who} \(pid (\d+)\)", open(out).read())[-1])
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(pause_s)
+            os.kill(pid, signal.SIGCONT)
+            rc = proc.wait(end_s)
+        finally:
+            stop(proc)
+    return rc, open(out).read()
+
+
+def _epochs(metrics):
+    return [r for r in map(json.loads, open(metrics)) if r.get("event") == "epoch"]
+
+
+@pytest.mark.parametrize("schedule", ["hoplite", "mlfabric"])
+def test_a_ps_paused_past_the_dead_peer_limit_does_not_end_a_controller_job(tmp_path, schedule):
+    metrics = tmp_path / "m.jsonl"
+    rc, text = _pause_during(["--schedule", schedule, "--workers", 3, "--epochs", 6, "--lab", "off", "--transport",
+                              "ltp", "--model", "digits", "--seed", 0], tmp_path / "out.txt", metrics,
+                             who="ps0", after_rows=5, pause_s=8.0)
+    assert rc == 0, text
+    assert "rejoining" not in text and "silent for" not in text, text
+    assert len(_epochs(metrics)) == 6, text
+
+
+def test_a_direct_worker_paused_and_dropped_rejoins_at_once(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    rc, text = _pause_during(["--workers", 3, "--epochs", 60, "--lab", "off", "--transport", "ltp", "--model",
+                              "digits", "--seed", 0], tmp_path / "out.txt", metrics,
+                             who="worker 1", after_rows=20, pause_s=8.0)
+    assert rc == 0, text
+    assert "dropped by PS shard 0" in text, text
+    rows = [r for r in map(json.loads, open(metrics))]
+    drop = next(i for i, r in enumerate(rows) if r.get("event") == "dropped")
+    back = [i for i, r in enumerate(rows) if r.get("event") in ("rejoined", "join") and i > drop]
+    assert back, [r for r in rows if r.get("event") not in ("iteration", "epoch")]
+    late = [r for r in rows[back[0]:] if r.get("event") == "iteration"]
+    assert late and max(r["contributors"] for r in late) == 3, late[-3:]
