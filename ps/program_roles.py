@@ -257,7 +257,7 @@ class _WorkerHandlers:
         h = _fresh_header(buf, self.it)
         if h is not None and h.round_bound_ms:
             w.relay_budget_s = max(MIN_TIMEOUT_S, h.round_bound_ms / 1000.0 / (self.levels + 1))
-        budget = getattr(w, "relay_budget_s", None)
+        budget = w.relay_budget_s
         if h is not None and h.kind == KIND_STOP:
             return None  # STOP goes down as it came (bounded by the PS's own stop timeout)
         r = slots.reports.get(step.slot)
@@ -267,7 +267,7 @@ class _WorkerHandlers:
             ParamsHeader(KIND_PARAMS, w.shards[i].shard, self.it, h.model_version if h else 0, 0, 0,
                          h.epoch if h else 0, h.round_bound_ms if h else 0).pack_into(msg)
             slots.bind(empty, msg)
-            w.empty_relays = getattr(w, "empty_relays", 0) + 1
+            w.empty_relays += 1
             return dataclasses.replace(step, slot=empty, timeout_s=budget)
         return dataclasses.replace(step, timeout_s=budget) if budget is not None else None
 

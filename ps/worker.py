@@ -74,6 +74,8 @@ class Worker:
         self.flat = np.zeros(self.n, dtype=np.float32)
         self.stale_param_slices = 0  # tree schedules: shard slices computed on an earlier round's parameters
         self.orphan_rounds = 0  # tree schedules: rounds skipped because a tree ancestor was dead
+        self.empty_relays = 0  # tree schedules: parameter relays sent empty (this worker had no whole copy)
+        self.relay_budget_s: float | None = None  # tree schedules: seconds a parameter relay may take (last bound)
         self.tree_board = None  # tree schedules: where views of dead workers are agreed (ltp_ps.tree_views)
         self._in = [np.zeros(params_message_capacity(s.hi - s.lo), dtype=np.uint8) for s in self.shards]
         self._out = [np.zeros(HEADER_BYTES + ELEM * (s.hi - s.lo), dtype=np.uint8) for s in self.shards]

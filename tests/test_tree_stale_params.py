@@ -143,3 +143,4 @@ def test_a_relay_is_bounded_by_its_share_of_the_round_and_relays_nothing_it_does
     step = h.prepare_transfer(fwd, sl)
     assert ParamsHeader.unpack(sl.buffer(step.slot)).iteration == 4 and step.timeout_s == pytest.approx(1.0)
     assert h.prepare_transfer(dataclasses.replace(fwd, payload="partial"), sl) is None  # only parameter relays
+    assert w.empty_relays == 2
