@@ -53,7 +53,7 @@ def test_a_ps_paused_past_the_dead_peer_limit_does_not_end_a_controller_job(tmp_
     metrics = tmp_path / "m.jsonl"
     rc, text = _pause_during(["--schedule", schedule, "--workers", 3, "--epochs", 6, "--lab", "off", "--transport",
                               "ltp", "--model", "digits", "--seed", 0], tmp_path / "out.txt", metrics,
-                             who="ps0", after_rows=5, pause_s=8.0)
+                             who="ps0", after_rows=5, pause_s=10.0)
     assert rc == 0, text
     assert "rejoining" not in text and "silent for" not in text, text
     assert len(_epochs(metrics)) == 6, text
@@ -63,7 +63,7 @@ def test_a_direct_worker_paused_and_dropped_rejoins_at_once(tmp_path):
     metrics = tmp_path / "m.jsonl"
     rc, text = _pause_during(["--workers", 3, "--epochs", 60, "--lab", "off", "--transport", "ltp", "--model",
                               "digits", "--seed", 0], tmp_path / "out.txt", metrics,
-                             who="worker 1", after_rows=20, pause_s=8.0)
+                             who="worker 1", after_rows=20, pause_s=12.0)
     assert rc == 0, text
     assert "dropped by PS shard 0" in text, text
     rows = [r for r in map(json.loads, open(metrics))]

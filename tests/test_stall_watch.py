@@ -51,7 +51,7 @@ async def test_one_watch_per_loop_ticks_on_its_own():
     assert stall_watch.watch() is w
     t = w.last_tick
     await asyncio.sleep(stall_watch.TICK_S * 2.5)
-    assert w.last_tick > t and w.stalls == 0
+    assert w.last_tick > t
 
 
 class _Silent:
