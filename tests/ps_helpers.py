@@ -142,25 +142,34 @@ async def run_rat_job(servers, workers, *, crash_closes=True):
     return await asyncio.gather(*(ps.run() for ps in servers), *(life(w) for w in workers), return_exceptions=True)
 
 
+def wait_for_rows(proc, out, metrics, *, after_rows: int, within_s: float, who: str) -> int:
+    """Wait (up to ``within_s``) until the launch ``proc`` wrote ``after_rows`` iteration rows to ``metrics``;
+    returns the pid the launch's output ``out`` gives for ``who`` (``"worker 2"``, ``"ps0"``)."""
+    import os
+    import re
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if os.path.exists(metrics) and sum(1 for x in open(metrics) if '"iteration"' in x) >= after_rows:
+            break
+        assert proc.poll() is None, open(out).read()
+        time.sleep(0.05)
+    return int(re.findall(rf"\[launch\] started {who} \(pid (\d+)\)", open(out).read())[-1])
+
+
 def launch_and_kill(args, out, metrics, *, rank: int, after_rows: int, start_s: float, end_s: float) -> str:
     """Run ``ltp-ps launch *args`` (stdout and stderr to ``out``), SIGKILL worker ``rank`` once ``metrics`` has
     ``after_rows`` lines that mention an iteration (within ``start_s``), and wait up to ``end_s`` for the launch.
     Asserts the launch named the killed worker and exited with its signal; returns the launch's output."""
     import os
     import re
-    import time
 
     with open(out, "w") as f:
         proc = subprocess.Popen(ps_cmd("launch", *args, "--metrics", metrics), env=child_env(), stdout=f,
                                 stderr=subprocess.STDOUT, text=True)
         try:
-            deadline = time.monotonic() + start_s
-            while time.monotonic() < deadline:
-                if os.path.exists(metrics) and sum(1 for x in open(metrics) if '"iteration"' in x) >= after_rows:
-                    break
-                assert proc.poll() is None, open(out).read()
-                time.sleep(0.05)
-            pid = int(re.findall(rf"\[launch\] started worker {rank} \(pid (\d+)\)", open(out).read())[-1])
+            pid = wait_for_rows(proc, out, metrics, after_rows=after_rows, within_s=start_s, who=f"worker {rank}")
             os.kill(pid, signal.SIGKILL)
             rc = proc.wait(end_s)
         finally:

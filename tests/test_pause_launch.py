@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import time
 
 import pytest
 
-from ps_helpers import child_env, ps_cmd, stop
+from ps_helpers import child_env, ps_cmd, stop, wait_for_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
@@ -28,13 +27,7 @@ def _pause_during(args, out, metrics, *, who: str, after_rows: int, pause_s: flo
         proc = subprocess.Popen(ps_cmd("launch", *args, "--metrics", metrics), env=child_env(), stdout=f,
                                 stderr=subprocess.STDOUT, text=True)
         try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if os.path.exists(metrics) and sum(1 for x in open(metrics) if '"iteration"' in x) >= after_rows:
-                    break
-                assert proc.poll() is None, open(out).read()
-                time.sleep(0.05)
-            pid = int(re.findall(rf"\[launch\] started {who} \(pid (\d+)\)", open(out).read())[-1])
+            pid = wait_for_rows(proc, out, metrics, after_rows=after_rows, within_s=60, who=who)
             os.kill(pid, signal.SIGSTOP)
             time.sleep(pause_s)
             os.kill(pid, signal.SIGCONT)
