@@ -362,23 +362,22 @@ async def _run_watching(worker, store, infos, *, rank: int | None = None, drops:
         done, _ = await asyncio.wait({run, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if run in done:
             return run.result()
-        if watcher.result() == "restarted":
-            run.cancel()
-            await asyncio.gather(run, return_exceptions=True)
-            return None
-        if watcher.result() == "over":
+        why = watcher.result()
+        if why is None:
+            return await run
+        if why == "over":
             done, _ = await asyncio.wait({run}, timeout=JOB_OVER_GRACE_S)  # a live worker's STOP is on its way
             if run in done:
                 return run.result()
-            run.cancel()
-            await asyncio.gather(run, return_exceptions=True)
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+        if why == "restarted":
+            return None
+        if why == "over":
             raise TransportError(f"the job ended (PS shard 0 finished or a shard failed) while this worker was "
                                  f"still waiting; nothing came for {JOB_OVER_GRACE_S:g} s more")
-        if watcher.result():  # a shard dropped this worker (it missed --max-missed rounds: stopped, cut off)
-            run.cancel()
-            await asyncio.gather(run, return_exceptions=True)
-            raise TransportError(f"{watcher.result()} (missed rounds while stopped or cut off)")
-        return await run
+        # a shard dropped this worker (it missed --max-missed rounds: stopped, cut off)
+        raise TransportError(f"{why} (missed rounds while stopped or cut off)")
     finally:
         stop.set()
         run.cancel()

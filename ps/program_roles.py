@@ -241,11 +241,7 @@ class _WorkerHandlers:
 
     def _whole(self, slots, i: int) -> bool:
         """False when this round's parameter receive for shard index ``i`` ended incomplete."""
-        for slot, k in self.param_slots.items():
-            r = slots.reports.get(slot)
-            if k == i and isinstance(r, RecvReport) and not r.complete:
-                return False
-        return True
+        return not any(k == i and _cut_short(slots, slot) for slot, k in self.param_slots.items())
 
     def prepare_transfer(self, step, slots):
         """A relay of parameters (``Forward``): bounded by this level's share of the round bound, and an empty
@@ -260,8 +256,7 @@ class _WorkerHandlers:
         budget = w.relay_budget_s
         if h is not None and h.kind == KIND_STOP:
             return None  # STOP goes down as it came (bounded by the PS's own stop timeout)
-        r = slots.reports.get(step.slot)
-        if h is None or h.n_elems == 0 or (isinstance(r, RecvReport) and not r.complete):
+        if h is None or h.n_elems == 0 or _cut_short(slots, step.slot):
             empty = f"{step.slot}:empty"
             msg = np.zeros(HEADER_BYTES, np.uint8)
             ParamsHeader(KIND_PARAMS, w.shards[i].shard, self.it, h.model_version if h else 0, 0, 0,
@@ -321,6 +316,13 @@ class _WorkerHandlers:
         slots.put_partial(step.slot, Partial.of_gradient(np.asarray(grad, np.float32), samples=samples, loss=loss))
         w.last_loss = loss
         return None
+
+
+def _cut_short(slots, slot: str) -> bool:
+    """True when this round's reliable receive into ``slot`` ended before the whole message arrived (the rest
+    of the buffer is zero-filled, not parameters)."""
+    r = slots.reports.get(slot)
+    return isinstance(r, RecvReport) and not r.complete
 
 
 def _fresh_header(buf, it: int) -> ParamsHeader | None:

@@ -30,8 +30,9 @@ STALL_GAP_S = 1.5  # seconds between two ticks beyond which this process is take
 class StallWatch:
     """Ticks on the running loop; remembers when the last stall of this process ended."""
 
-    def __init__(self, clock=time.monotonic):
+    def __init__(self, clock=time.monotonic, loop: asyncio.AbstractEventLoop | None = None):
         self.clock = clock
+        self.loop = loop  # the loop it ticks on (:func:`watch`)
         self.last_tick: float | None = None
         self.last_stall_end = float("-inf")
         self.stalls = 0
@@ -69,11 +70,9 @@ def watch() -> StallWatch:
     """The running loop's watch, started if needed."""
     loop = asyncio.get_running_loop()
     w = _watches.get(id(loop))
-    if w is None or w._loop is not loop:
-        for k in [k for k, v in _watches.items() if v._loop.is_closed()]:
+    if w is None or w.loop is not loop:
+        for k in [k for k, v in _watches.items() if v.loop.is_closed()]:
             del _watches[k]
-        w = StallWatch()
-        w._loop = loop
-        _watches[id(loop)] = w
+        w = _watches[id(loop)] = StallWatch(loop=loop)
     w.start()
     return w

@@ -58,12 +58,17 @@ def test_a_missing_slice_in_the_first_round_uses_the_initial_parameters_and_is_c
     assert "no parameters from shard(s) [1]" in capsys.readouterr().out
 
 
-def test_a_slice_left_from_an_earlier_round_is_kept_not_copied_again():
-    wl, w = _worker()
+def _after_round_0(w):
+    """Round 0 completes with shard s's parameters all ``1 + s``; returns the shard refs."""
     for s, ref in enumerate(w.shards):
         _write(w, s, 0, np.full(ref.hi - ref.lo, 1.0 + s, np.float32))
     _compute(w, 0)
-    a, b = w.shards
+    return w.shards
+
+
+def test_a_slice_left_from_an_earlier_round_is_kept_not_copied_again():
+    wl, w = _worker()
+    a, b = _after_round_0(w)
     _write(w, 0, 1, np.full(a.hi - a.lo, 7.0, np.float32))
     w._in[1][HEADER_BYTES:HEADER_BYTES + 16] = 0  # a partial overwrite of the old message's payload: ignored
     _compute(w, 1)  # shard 1 still holds round 0's message
@@ -93,10 +98,7 @@ def _report(n, *, complete=True):
 def test_a_parameter_message_cut_short_with_its_header_in_is_not_trained_on():
     # the sender gave up (timeout: RESET), the receiver zero-filled the rest; the header says "this round"
     wl, w = _worker()
-    for s, ref in enumerate(w.shards):
-        _write(w, s, 0, np.full(ref.hi - ref.lo, 1.0 + s, np.float32))
-    _compute(w, 0)
-    a, b = w.shards
+    a, b = _after_round_0(w)
     _write(w, 0, 1, np.full(a.hi - a.lo, 7.0, np.float32))
     _write(w, 1, 1, np.zeros(b.hi - b.lo, np.float32))  # zero-filled after a cut
     sl = Slots()
