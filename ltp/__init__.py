@@ -22,7 +22,7 @@ _EXPORTS = {
     "SendReport": "reports", "RecvReport": "reports", "EndpointStats": "reports",
     "LTPError": "errors", "LocalProtocolError": "errors", "RemoteProtocolError": "errors", "WireError": "errors",
     "TransferRefused": "errors", "TransferTimeout": "errors", "TransferAborted": "errors",
-    "PeerUnreachable": "errors",
+    "PeerUnreachable": "errors", "BroadcastError": "errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["run", "using_extensions"]

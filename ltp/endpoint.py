@@ -53,7 +53,7 @@ from .config import Config
 from .engine import Engine, ReceiveDone, SendDone
 from .path import SegmentTransmit
 from .regimes import Regime
-from .errors import LocalProtocolError, TransferTimeout
+from .errors import BroadcastError, LocalProtocolError, TransferTimeout
 
 _udpio = _load("udpio")
 log = logging.getLogger("ltp")
@@ -211,15 +211,30 @@ class Endpoint:
         return await self._wait(handle, None)
 
     async def broadcast(self, peers, data, *, tag: int = 0, critical=(), element_size: int | None = None,
-                        timeout: float | None = None) -> list:
-        """Send ``data`` reliably to every peer in parallel; one report per peer, in order."""
+                        timeout: float | None = None, return_exceptions: bool = False) -> list:
+        """Send ``data`` reliably to every peer in parallel; one report per peer, in order.
+
+        Every peer's send runs to its end (delivered, refused, timed out, peer gone) before this
+        returns: one failed peer never abandons or hides the others.  If any failed, raises
+        :class:`~ltp.errors.BroadcastError` (``.failed``: peer -> exception, ``.outcomes``: one
+        report or exception per peer), or with ``return_exceptions=True`` returns that list.
+        Every peer address is checked before anything is sent, so a misuse
+        (:class:`~ltp.errors.LocalProtocolError`) sends nothing."""
         peers = list(peers)
         if not peers:
             raise LocalProtocolError("broadcast got no peers: pass the (host, port) of every peer to send to")
         _check_timeout(timeout)
-        return list(await asyncio.gather(*[
+        resolved = [await self._resolve(p) for p in peers]
+        self._check_open()
+        outcomes = list(await asyncio.gather(*[
             self.send(p, data, reliable=True, critical=critical, element_size=element_size, tag=tag, timeout=timeout)
-            for p in peers]))
+            for p in resolved], return_exceptions=True))
+        for o in outcomes:  # a misuse or a cancellation is not a peer's failure: raise it as it is
+            if isinstance(o, LocalProtocolError) or (isinstance(o, BaseException) and not isinstance(o, Exception)):
+                raise o
+        if return_exceptions or not any(isinstance(o, BaseException) for o in outcomes):
+            return outcomes
+        raise BroadcastError(peers, outcomes)
 
     async def close(self) -> None:
         """Abort open transfers, tell peers, close the socket."""

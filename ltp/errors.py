@@ -25,6 +25,7 @@ __all__ = [
     "TransferTimeout",
     "TransferAborted",
     "PeerUnreachable",
+    "BroadcastError",
 ]
 
 _REFUSAL_HINTS = {
@@ -68,3 +69,26 @@ class PeerUnreachable(LTPError, ConnectionError):
         super().__init__(f"peer {peer} is unreachable: {cause}")
         self.peer = peer
         self.cause = cause
+
+
+class BroadcastError(LTPError):
+    """A reliable broadcast reached some peers and not others.
+
+    Raised by :meth:`ltp.Endpoint.broadcast` only after *every* peer's send ended, so
+    nothing is left running behind it.  ``outcomes`` holds one entry per peer, in the
+    order given: the peer's :class:`~ltp.reports.SendReport`, or the exception its
+    send ended with.  ``failed`` maps each failed peer to its exception;
+    ``delivered`` lists the peers that got the whole message.  Pass
+    ``return_exceptions=True`` to get ``outcomes`` back instead of this error.
+    """
+
+    def __init__(self, peers, outcomes) -> None:
+        self.peers = list(peers)
+        self.outcomes = list(outcomes)
+        self.failed = {p: o for p, o in zip(self.peers, self.outcomes) if isinstance(o, BaseException)}
+        self.delivered = [p for p, o in zip(self.peers, self.outcomes) if not isinstance(o, BaseException)]
+        first = next(iter(self.failed.items()), None)
+        detail = f"; first: {first[0]}: {first[1]}" if first else ""
+        super().__init__(f"broadcast reached {len(self.delivered)} of {len(self.peers)} peers, "
+                         f"{len(self.failed)} failed{detail} (the exception's .failed maps each failed peer to "
+                         "its error; pass return_exceptions=True to get one outcome per peer instead)")

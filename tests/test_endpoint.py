@@ -119,6 +119,59 @@ async def test_broadcast_reaches_every_peer_exactly():
             await e.close()
 
 
+async def test_broadcast_with_a_mute_peer_runs_every_send_to_its_end():
+    """One peer that never answers: the live peer still gets the exact message, the broadcast ends
+    once (one peer timeout, not one per peer) and names the failed peer; ``return_exceptions``
+    gives one outcome per peer instead."""
+    import socket
+    import time
+
+    from ltp.errors import BroadcastError
+
+    ps = await ltp.open_endpoint(("127.0.0.1", 0))  # a silent peer fails after peer_silence_min_s = 1 s
+    w = await ltp.open_endpoint(("127.0.0.1", 0))
+    mute = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    mute.bind(("127.0.0.1", 0))
+    try:
+        params = np.arange(50_000, dtype=np.float32)
+        for return_exceptions, tag in ((False, 31), (True, 32)):
+            out = np.zeros_like(params)
+            peers = [mute.getsockname(), w.local_addr]
+            t0 = time.monotonic()
+            res, rep = await asyncio.gather(
+                ps.broadcast(peers, params, tag=tag, timeout=5.0, return_exceptions=return_exceptions),
+                w.recv(out, peer=ps.local_addr, tag=tag, timeout=10), return_exceptions=True)
+            took = time.monotonic() - t0
+            assert not isinstance(rep, BaseException) and rep.delivered_fraction == 1.0
+            np.testing.assert_array_equal(out, params)
+            if return_exceptions:
+                assert isinstance(res[0], ltp.LTPError) and res[1].delivered_fraction == 1.0, res
+            else:
+                assert isinstance(res, BroadcastError), res
+                assert list(res.failed) == [mute.getsockname()] and res.delivered == [w.local_addr]
+                assert res.outcomes[1].delivered_fraction == 1.0
+                assert "1 of 2 peers" in str(res) and "return_exceptions=True" in str(res)
+            assert took < 4.5, took  # ended on the dead-peer rule, not on the caller's timeout
+    finally:
+        mute.close()
+        for e in (ps, w):
+            await e.close()
+
+
+async def test_broadcast_misuse_sends_nothing():
+    """A bad address anywhere in ``peers`` raises before any peer is sent to."""
+    ps = await ltp.open_endpoint(("127.0.0.1", 0))
+    w = await ltp.open_endpoint(("127.0.0.1", 0))
+    try:
+        with pytest.raises(LocalProtocolError, match="port"):
+            await ps.broadcast([w.local_addr, ("127.0.0.1", 0)], b"abcd" * 100, tag=3)
+        with pytest.raises(TransferTimeout):
+            await w.recv(bytearray(400), tag=3, timeout=0.3)
+    finally:
+        for e in (ps, w):
+            await e.close()
+
+
 async def test_recv_timeout_and_misuse_errors():
     a, b = await _pair()
     async with a, b:

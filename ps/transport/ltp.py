@@ -143,9 +143,8 @@ class LtpTransport(Transport):
     async def broadcast(self, peers, data, *, tag, timeout=None):
         """One reliable send per peer, concurrently, under one ``timeout``; a report or an exception per peer.
 
-        Not ``Endpoint.broadcast``, which raises as soon as one peer fails: its callers then had to resend to
-        every peer to learn who failed, so one silent peer (a stopped process) cost two timeouts, and the
-        back-pressure retries of :meth:`send` were skipped."""
+        Each peer goes through :meth:`send` (not ``Endpoint.broadcast``) so that a send refused for
+        back-pressure (``out_of_memory``, ``too_many_flows``) is retried per peer within the timeout."""
         view = as_bytes_view(data)
         return list(await asyncio.gather(
             *(self.send(tuple(p), view, reliable=True, tag=tag, timeout=timeout) for p in peers),
