@@ -5,6 +5,8 @@ from collections.abc import Iterable
 
 import numpy as np
 import numpy.typing as npt
+from typing import Any
+
 from typing_extensions import Buffer
 
 ICMP_ERRNOS: frozenset[int]

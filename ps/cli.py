@@ -249,11 +249,13 @@ async def work(args, store=None) -> dict:
             first = await asyncio.to_thread(rdv.fetch_server, store, secret, 0, timeout_s=args.store_timeout)
             infos = [first] + [await asyncio.to_thread(rdv.fetch_server, store, secret, s, timeout_s=args.store_timeout)
                                for s in range(1, first.num_servers)]
+            tickets = {}
             try:
                 for info in infos:
-                    await asyncio.to_thread(rdv.join, store, secret, info, rank=rank, addr=transport.local_addr,
-                                            n_params=wl.n_params, dtype="float32", world_size=args.workers,
-                                            transport=args.transport, timeout_s=args.store_timeout)
+                    tickets[info.shard] = await asyncio.to_thread(
+                        rdv.join, store, secret, info, rank=rank, addr=transport.local_addr, n_params=wl.n_params,
+                        dtype="float32", world_size=args.workers, transport=args.transport,
+                        timeout_s=args.store_timeout)
             except StaleIncarnation as exc:
                 print(f"[worker {rank}] {exc}; joining the new one", flush=True)
                 continue
@@ -272,6 +274,7 @@ async def work(args, store=None) -> dict:
                                                             pull_timeout_s=args.pull_timeout, seed=args.seed,
                                                             max_iterations=args.max_iterations,
                                                             max_missed=args.max_missed))
+            w.join_tickets = tickets
             await schedule_cli.prepare_worker(w, args, store, secret, rank, transport, wl, infos)
             # tree schedules agree on dead workers through their own board (a worker in a view stops: Excluded)
             drops = None if w.tree_board is not None and getattr(w.planner, "name", None) == "rat" else {

@@ -246,8 +246,9 @@ class _ServerRole:
         members = ps.membership.active()
         ps._address(members)
         nodes = [worker_node(m.rank) for m in members]
-        for n in nodes:
-            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP)
+        for n, m in zip(nodes, members):
+            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP,
+                                              epoch=ps.join_tickets.get(m.rank, 0))
         t_lag = getattr(ps.planner, "t_lag_s", None) or T_LAG_S
         self.driver = ControllerDriver(self.ctrl, ps.executor, ps._slots, _ServerHandlers(self), deliver=self.deliver,
                                        on_grants=self.on_grants, t_lag_s=t_lag)
@@ -321,7 +322,8 @@ async def worker_run(w) -> dict:
     if len(w.shards) != 1:
         raise RemoteError(f"worker {w.cfg.rank}: {w.planner.name} serves one PS shard, the job has {len(w.shards)}")
     ps = server_node(w.shards[0].shard)
-    ch = ControlChannel(w.executor, ps, out_dir=UP, in_dir=DOWN, patience_s=w.cfg.pull_timeout_s)
+    ch = ControlChannel(w.executor, ps, out_dir=UP, in_dir=DOWN, patience_s=w.cfg.pull_timeout_s,
+                        epoch=w.join_tickets.get(w.shards[0].shard, 0))
     consumed = asyncio.Event()
     stats = {"dropped": 0, "grants": 0}
 

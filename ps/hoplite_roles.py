@@ -343,20 +343,63 @@ class _ServerRole:
         return (f"PS shard {self.ps.shard}: every worker was lost at round {it} of {self.ps.total} "
                 f"({'; '.join(dropped[-8:])}); the job stops without finishing")
 
+    async def admit_returns(self, nodes: list, listeners: dict) -> list:
+        """Between rounds: take in workers whose join the store verified since the last look -- one this PS dropped
+        (paused, cut off) and that joined again, a restarted process, or a late first join.  Each gets fresh
+        control streams (the join's ticket is their epoch, so nothing of the old streams is ever read as new),
+        and every other worker is told it is back before any grant can name it.  Returns the nodes taken in."""
+        ps = self.ps
+        ps._poll()
+        back = []
+        for m in ps.membership.active():
+            n = worker_node(m.rank)
+            epoch = ps.join_tickets.get(m.rank, 0)
+            ch = self.channels.get(n)
+            if ch is not None and ch.epoch == epoch and n not in self.failed:
+                continue
+            if ch is not None and ch.epoch == epoch:
+                continue  # written off and not joined again: stays out
+            old = listeners.pop(n, None)
+            if old is not None:
+                old.cancel()
+            ps._address([m])
+            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP, epoch=epoch)
+            self.failed.discard(n)
+            if n not in nodes:
+                nodes.append(n)
+            listeners[n] = asyncio.ensure_future(self.listen(n))
+            back.append(n)
+            self.counters["readmitted"] = self.counters.get("readmitted", 0) + (ch is not None)
+            ps.log(f"[ps{ps.shard}] worker {m.rank} {'joined again' if ch is not None else 'joined'} "
+                   f"(generation {m.generation}); it takes part from round {ps.iteration}")
+        if back:
+            await asyncio.gather(*self._notes, return_exceptions=True)  # earlier "failed" notes go first
+            await asyncio.gather(*(self._note_back(n, b) for n in nodes if n not in self.failed and n not in back
+                                   for b in back))
+        return back
+
+    async def _note_back(self, node: str, back: str) -> None:
+        try:
+            await self.channels[node].send({"back": back}, timeout_s=self.ps.broadcast_timeout(1))
+        except Exception as exc:
+            self._fail(node, parse_node(node)[1], f"note failed: {type(exc).__name__}: {exc}")
+
     async def run(self) -> None:
         ps = self.ps
         await ps._wait_workers(ps.cfg.min_workers or ps.cfg.world_size)
         members = ps.membership.active()
         ps._address(members)
         nodes = [worker_node(m.rank) for m in members]
-        for n in nodes:
-            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP)
+        for n, m in zip(nodes, members):
+            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP,
+                                              epoch=ps.join_tickets.get(m.rank, 0))
         ps.log(f"[ps{ps.shard}] hoplite: receiver-driven broadcast and reduce chains through the PS's directory, "
                f"{len(nodes)} workers, {ps.total} rounds")
-        listeners = [asyncio.ensure_future(self.listen(n)) for n in nodes]
+        listeners = {n: asyncio.ensure_future(self.listen(n)) for n in nodes}
         try:
             rows: list = []
             while ps.iteration < ps.total:
+                await self.admit_returns(nodes, listeners)
                 rows.append(await self.round(ps.iteration, [n for n in nodes if n not in self.failed]))
                 if ps.iteration % ps.ipe == 0 or ps.iteration == ps.total:
                     ps._end_epoch(rows)
@@ -369,9 +412,9 @@ class _ServerRole:
                 ps.rendezvous.mark_failed(str(exc))
             raise
         finally:
-            for t in listeners + list(self._notes):
+            for t in [*listeners.values(), *self._notes]:
                 t.cancel()
-            await asyncio.gather(*listeners, *self._notes, return_exceptions=True)
+            await asyncio.gather(*listeners.values(), *self._notes, return_exceptions=True)
             ps.hoplite_stats = {**self.counters, "failed_workers": sorted(self.failed)}
             await self.stop_all()
 
@@ -492,8 +535,9 @@ class _AsyncServerRole(_ServerRole):
         self.per_epoch = max(1, -(-ps.ipe * ws // m))
         self.ctrl.updates = self.updates
         ps.epochs_total = -(-self.updates // self.per_epoch)
-        for n in nodes:
-            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP)
+        for n, mem in zip(nodes, members):
+            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP,
+                                              epoch=ps.join_tickets.get(mem.rank, 0))
         ps.log(f"[ps{ps.shard}] hoplite async: half-batch updates of {m} of {ws} workers' gradients through "
                f"receiver-driven chains, {self.updates} updates, staleness <= {self.ctrl.max_staleness}")
         await asyncio.gather(*(self._note_async(n) for n in nodes))
@@ -574,7 +618,8 @@ async def worker_run(w) -> dict:
         raise RemoteError(f"worker {w.cfg.rank}: hoplite serves one PS shard, the job has {len(w.shards)}")
     s0 = w.shards[0]
     ps = server_node(s0.shard)
-    ch = ControlChannel(w.executor, ps, out_dir=UP, in_dir=DOWN, patience_s=w.cfg.pull_timeout_s)
+    ch = ControlChannel(w.executor, ps, out_dir=UP, in_dir=DOWN, patience_s=w.cfg.pull_timeout_s,
+                        epoch=w.join_tickets.get(s0.shard, 0))
     w.executor.in_order_payloads = IN_ORDER_PAYLOADS
     ctrl = w.planner.controller()
     chunks = chunk_ranges(s0.lo, s0.hi, ctrl.chunk_bytes, ctrl.elem_bytes)
@@ -715,9 +760,12 @@ async def worker_run(w) -> dict:
                                        f"worker or exited")
             if "stop" in msg:
                 return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True, **stats}
+            if "back" in msg:  # the PS took that worker in again (it joined anew): its transfers run again
+                dead_peers.discard(msg["back"])
+                continue
             if "failed" in msg:
-                # a grant with that peer that has not started yet must not wait for it either: the PS never
-                # takes a failed worker back, so its transfers report missing at once from now on
+                # a grant with that peer that has not started yet must not wait for it either: until the PS
+                # says it is back (a new join), its transfers report missing at once
                 dead_peers.add(msg["failed"])
                 for t, g in list(hops_in.items()):
                     if any(getattr(s, "peer", None) == msg["failed"] for s in g.steps):

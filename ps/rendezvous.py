@@ -164,7 +164,7 @@ class ServerRendezvous:
             reason = self.check(req)
             self.store.set(f"verdict/{s}/{t}", "ok" if reason is None else f"rejected: {reason}")
             if reason is None:
-                accepted.append(req)
+                accepted.append({**req, "ticket": t})
             else:
                 rejected.append((req.get("rank", -1), reason))
         return accepted, rejected
@@ -209,8 +209,11 @@ def fetch_server(store, secret: bytes, shard: int, *, timeout_s: float = 60.0) -
 
 
 def join(store, secret: bytes, info: ServerInfo, *, rank: int, addr: tuple, n_params: int, dtype: str,
-         world_size: int, transport: str, timeout_s: float = 60.0) -> None:
-    """Ask shard ``info.shard`` to admit this worker; raise MembershipError if refused."""
+         world_size: int, transport: str, timeout_s: float = 60.0) -> int:
+    """Ask shard ``info.shard`` to admit this worker; raise MembershipError if refused.
+
+    Returns the request's ticket (unique per join of the shard): the PS learns it with the request, so both ends
+    can keep this incarnation's control streams apart from an earlier one's (``ControlChannel(epoch=)``)."""
     req = {"rank": rank, "addr": list(addr), "n_params": n_params, "dtype": dtype,
            "world_size": world_size, "transport": transport, "pid": os.getpid(),
            "salt": secrets.token_hex(8)}
@@ -239,6 +242,7 @@ def join(store, secret: bytes, info: ServerInfo, *, rank: int, addr: tuple, n_pa
         if reason.startswith("authentication"):
             raise AuthError(f"PS shard {s} refused worker {rank}: {reason}")
         raise MembershipError(f"PS shard {s} refused worker {rank}: {reason}")
+    return t
 
 
 def current_nonce(store, shard: int) -> str | None:

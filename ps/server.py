@@ -126,6 +126,7 @@ class ParameterServer:
         self.tree_board = None  # tree schedules: where views of dead workers are agreed (ltp_ps.tree_views)
         self.log = log or (lambda s: print(s, flush=True))
         self.membership = Membership(max_missed=config.max_missed)
+        self.join_tickets: dict[int, int] = {}  # rank -> ticket of its latest admitted join (ControlChannel epoch)
         self.staleness = Staleness()
         self.aggregator = Aggregator(self.n, config.aggregation)
         # The broadcast buffer: header | params | bubble table; params are optimized in place.
@@ -154,8 +155,10 @@ class ParameterServer:
         self._resume()
 
     # -- membership ------------------------------------------------------
-    def admit(self, rank: int, addr: tuple) -> None:
+    def admit(self, rank: int, addr: tuple, ticket: int = 0) -> None:
+        """Admit worker ``rank`` at ``addr``; ``ticket``: its join request's (``rdv.join``), 0 without a store."""
         m = self.membership.admit(rank, addr, self.iteration)
+        self.join_tickets[rank] = int(ticket)
         self._bufs.setdefault(rank, np.zeros(HEADER_BYTES + ELEM * self.n, dtype=np.uint8))
         self.metrics.write({"event": "join", "t": time.time(), "rank": rank, "addr": list(addr),
                             "generation": m.generation, "iteration": self.iteration})
@@ -165,7 +168,7 @@ class ParameterServer:
             return
         accepted, rejected = self.rendezvous.poll()
         for req in accepted:
-            self.admit(int(req["rank"]), tuple(req["addr"]))
+            self.admit(int(req["rank"]), tuple(req["addr"]), int(req.get("ticket", 0)))
         for rank, reason in rejected:
             self.log(f"[ps{self.shard}] refused worker {rank}: {reason}")
             self.metrics.write({"event": "refused", "t": time.time(), "rank": rank, "reason": reason})

@@ -77,6 +77,7 @@ class Worker:
         self.empty_relays = 0  # tree schedules: parameter relays sent empty (this worker had no whole copy)
         self.relay_budget_s: float | None = None  # tree schedules: seconds a parameter relay may take (last bound)
         self.tree_board = None  # tree schedules: where views of dead workers are agreed (ltp_ps.tree_views)
+        self.join_tickets: dict[int, int] = {}  # shard -> ticket of this incarnation's join (ControlChannel epoch)
         self._in = [np.zeros(params_message_capacity(s.hi - s.lo), dtype=np.uint8) for s in self.shards]
         self._out = [np.zeros(HEADER_BYTES + ELEM * (s.hi - s.lo), dtype=np.uint8) for s in self.shards]
         layout = workload.layout()

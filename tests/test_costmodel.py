@@ -78,7 +78,7 @@ def test_double_ring_is_eq17():
 
 
 def test_eq16_mesh_on_square():
-    N, r = 9, 3
+    r = 3
     expected = 2 * (2 * TL * r - 2 * TB * (D / 2) / r) - 4 * (TL - TB * D / 2)
     assert cm.mesh_2d(D, r, r, TL, TB).total == approx(expected)
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ltp.config import Config
 from ltp.early_close import (COMPLETE, DEADLINE, EARLY, HARD_STRETCH, STALL_GAPS, STALL_MIN_S, STALL_RTPROPS,
-                             STRETCH_MAX_LOSS, FlowProgress, decide, stall_window)
+                             FlowProgress, decide, stall_window)
 
 GBIT = 125e6  # bytes/s
 

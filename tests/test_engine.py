@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ltp import wire
 from ltp.config import Config
 from ltp.engine import Engine
 from ltp.errors import LocalProtocolError, TransferRefused, TransferTimeout
@@ -213,7 +212,7 @@ def test_dead_peer_times_out_at_the_group_deadline_and_late_message_is_stopped(h
     # iteration 1: worker 2 is dead
     outs = [np.zeros_like(data), np.full_like(data, 5.0)]
     hr = ps.post_receive([(h.addrs[1], 1, outs[0]), (h.addrs[2], 1, outs[1])], now=h.now)
-    s1 = h.engines[1].send(h.addrs[0], data, now=h.now, tag=1)
+    h.engines[1].send(h.addrs[0], data, now=h.now, tag=1)
     (done,) = h.wait([(0, hr)], timeout=5)
     r1, r2 = done.reports
     assert r1.regime == "complete" and r2.regime == "timeout" and r2.delivered_fraction == 0

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ltp.config import Config
 from ltp.engine import Engine
-from ltp.path import SegmentTransmit, Transmit
+from ltp.path import SegmentTransmit
 from test_udpio import Sockets, _load, drain  # noqa: E402 (tests/ is on sys.path)
 
 

@@ -65,3 +65,20 @@ def test_a_direct_worker_paused_and_dropped_rejoins_at_once(tmp_path):
     assert back, [r for r in rows if r.get("event") not in ("iteration", "epoch")]
     late = [r for r in rows[back[0]:] if r.get("event") == "iteration"]
     assert late and max(r["contributors"] for r in late) == 3, late[-3:]
+
+
+def test_a_hoplite_worker_paused_and_dropped_is_taken_in_again(tmp_path):
+    """The Hoplite PS writes a worker silent for 10 s off; resumed, it joins again and the PS takes it in at the
+    next round (fresh control streams whose epoch is the join's ticket; the others are told it is back)."""
+    metrics = tmp_path / "m.jsonl"
+    rc, text = _pause_during(["--schedule", "hoplite", "--workers", 3, "--epochs", 40, "--lab", "off", "--transport",
+                              "ltp", "--model", "digits", "--seed", 0], tmp_path / "out.txt", metrics,
+                             who="worker 1", after_rows=10, pause_s=12.0)
+    assert rc == 0, text
+    assert "dropped worker 1" in text and "worker 1 joined again" in text, text
+    rows = [r for r in map(json.loads, open(metrics))]
+    drop = next(i for i, r in enumerate(rows) if r.get("event") == "dropped")
+    back = [i for i, r in enumerate(rows) if r.get("event") == "rejoined" and i > drop]
+    assert back, [r for r in rows if r.get("event") not in ("iteration", "epoch")]
+    late = [r for r in rows[back[0]:] if r.get("event") == "iteration"]
+    assert late and late[-1]["contributors"] == 3 and "worker:1" in late[-1]["members"], late[-3:]

@@ -65,9 +65,10 @@ class ControlDecodeError(ValueError):
     """A control message that is not a length-prefixed JSON object (dropped and counted by the caller)."""
 
 
-def control_tag(seq: int, direction: int) -> int:
-    """Tag of control message ``seq`` on the ``direction`` (DOWN / UP) stream."""
-    return _tags.pack(seq % (_tags.MAX_ITERATION + 1), _tags.PHASE_CONTROL, direction, 0, KIND_GRANT)
+def control_tag(seq: int, direction: int, epoch: int = 0) -> int:
+    """Tag of control message ``seq`` on the ``direction`` (DOWN / UP) stream of incarnation ``epoch``."""
+    return _tags.pack(seq % (_tags.MAX_ITERATION + 1), _tags.PHASE_CONTROL, direction, epoch % (_tags.MAX_CHUNK + 1),
+                      KIND_GRANT)
 
 
 def params_tag(seq: int) -> int:
@@ -383,10 +384,16 @@ class ControlChannel:
     a time, in order); ``recv(timeout)`` returns the next message of the
     ``in_dir`` stream, ``None`` on timeout, or raises :class:`ControlDecodeError`.
     A receive whose peer closed raises ``ConnectionError``.
+
+    ``epoch`` keeps the streams of one incarnation of a worker apart from an earlier one's: a worker that was
+    dropped and joined again (``rdv.join``'s ticket, known to both ends) starts new streams at sequence 0, and a
+    message of the old streams still in flight or buffered can never be read as one of the new.
     """
 
-    def __init__(self, executor: Executor, peer: str, *, out_dir: int, in_dir: int, patience_s: float | None = None):
+    def __init__(self, executor: Executor, peer: str, *, out_dir: int, in_dir: int, patience_s: float | None = None,
+                 epoch: int = 0):
         self.executor = executor
+        self.epoch = int(epoch)
         self.peer = peer
         #: a send that times out (the peer did not acknowledge: paused, congested) is sent again, same message and
         #: sequence number, until this many seconds have passed (None: fail at once).  A peer that is gone
@@ -405,7 +412,7 @@ class ControlChannel:
     async def send(self, msg: Mapping, *, timeout_s: float | None = None) -> None:
         data = encode_message(msg)
         async with self._lock:
-            tag = control_tag(self.out_seq, self.out_dir)
+            tag = control_tag(self.out_seq, self.out_dir, self.epoch)
             self.out_seq += 1
             self.slots.bind("out", data)
             self.slots.bind_critical("out", ())
@@ -422,7 +429,7 @@ class ControlChannel:
             raise r
 
     async def recv(self, timeout_s: float):
-        tag = control_tag(self.in_seq, self.in_dir)
+        tag = control_tag(self.in_seq, self.in_dir, self.epoch)
         res = await self.executor.run(Program(self.executor.me, ((Recv(self.peer, "in", 0, 0, tag, RELIABLE, "grant",
                                                                        timeout_s=timeout_s),),)), self.slots)
         r = res.reports[0]

@@ -413,8 +413,6 @@ def simulate(network: FluidNetwork, flows: Iterable[Flow], *, pauses: PausePlan 
     active: list = []  # started, not all bytes sent
     pending_start: list = []  # (time, name) heap-free list; small
     pending_finish: list = []  # (time, name): last byte sent, awaiting latency
-    ready_time: dict = {}
-    upstream_started: dict = {}
 
     def maybe_schedule(n, t):
         f = by_name[n]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import struct
 import subprocess
 import sys
 import threading

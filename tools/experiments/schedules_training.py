@@ -467,7 +467,7 @@ def format_tta(res: dict) -> str:
             "beyond_tau", "loadavg_1m", "failures"]
     rc = ["repeat", "row", "final_accuracy", "best_accuracy", "target", "time_to_target_s", "updates", "beyond_tau",
           "staleness_std", "staleness_p10", "staleness_p90", "staleness_max", "wall_s", "loadavg_1m"]
-    return "\n".join([f"== ltp-lab schedules --experiment mlfabric ==", res["command"], "",
+    return "\n".join(["== ltp-lab schedules --experiment mlfabric ==", res["command"], "",
                       C.format_table(rc, [[r.get(c) for c in rc] for r in res["runs"]]), "",
                       C.format_table(cols, [[s.get(c) for c in cols] for s in res["summary"]]), "",
                       _format_checks(res["checks"]), f"files: {res['out']}"])
@@ -561,7 +561,7 @@ def _acc_command(p: dict) -> str:
 def format_accuracy(res: dict) -> str:
     cols = ["row", "transport", "loss", "final_accuracy", "best_accuracy", "gap_points", "epochs_done", "wall_s",
             "loadavg_1m", "error"]
-    lines = [f"== ltp-lab schedules --experiment accuracy ==", res["command"], "",
+    lines = ["== ltp-lab schedules --experiment accuracy ==", res["command"], "",
              f"reference: direct over TCP without loss, final accuracy {res['reference_final_accuracy']}",
              C.format_table(cols, [[r.get(c) for c in cols] for r in res["runs"]])]
     for row, why in res["skipped"].items():
