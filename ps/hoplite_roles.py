@@ -720,6 +720,12 @@ async def worker_run(w) -> dict:
             relay["task"].cancel()
         for t in list(hops_in):  # the old round's hops (it closed without them)
             t.cancel()
+        for f in hop_done.values():  # continuations still waiting on them are dropped
+            if not f.done():
+                f.set_result(False)
+        hop_done.clear()
+        combined.clear()
+        sent_tags.clear()
 
     async def report_progress() -> None:
         while True:
@@ -790,9 +796,11 @@ async def worker_run(w) -> dict:
     dead_peers: set = set()  # nodes the PS wrote off ("failed" notes)
     hops_in: dict = {}  # task -> grant: reduce-hop receives running beside the work lane (BSP)
 
-    async def receive_hop(g: Grant) -> None:
+    async def receive_hop(g: Grant, done: asyncio.Future) -> None:
         """A reduce hop's receive (BSP): runs beside the work lane, so this node combines and sends piece j on
-        while piece j + 1 still arrives; the PS grants the Combine after the TransferDone sent here."""
+        while piece j + 1 still arrives; the PS grants the Combine after the TransferDone sent here, or a
+        continuation of this receive (``Grant.after``) already waits in the work lane for ``done``."""
+        reports = [None] * len(g.steps)
         try:
             reports = (await w.executor.run(Program(w.node, (tuple(g.steps),)), w.slots, None,
                                             exclude=dead_peers)).reports
@@ -800,9 +808,34 @@ async def worker_run(w) -> dict:
             me = asyncio.current_task()
             if me.cancelling() > 1 or not aborted.pop(me, False):
                 raise
-            me.uncancel()
-            reports = [None] * len(g.steps)  # aborted: the sender died
-        post(transfer_events(w.node, g.steps, reports))
+            me.uncancel()  # aborted: the sender died; every receive counts as failed
+        finally:
+            events = transfer_events(w.node, g.steps, reports)
+            if not done.done():
+                done.set_result(bool(events) and all(ev.ok for ev in events))
+        post(events)
+
+    hop_done: dict = {}  # BSP: hop receive slot -> future of its outcome (True: every range ended well)
+    combined: set = set()  # hop receive slots combined into the running sum (each at most once)
+    sent_tags: set = set()  # tags of the continuations' sends made (a continuation granted again is not re-run)
+
+    async def continuation(g: Grant):
+        """A hop granted as a continuation of this node's receive into ``g.after``: once that receive ended
+        well, combine it (once) and send the running sum on -- no round trip through the PS.  None: dropped (the
+        receive failed, or the hop already left in an earlier grant of it); else the program to run."""
+        fut = hop_done.get(g.after)
+        ok = fut is not None and await asyncio.shield(fut)
+        tags = {s.tag for s in g.steps if s.op in ("send", "forward")}
+        if not ok or (tags and tags <= sent_tags):
+            stats["continuations_dropped"] = stats.get("continuations_dropped", 0) + 1
+            return None
+        local = tuple(s for s in g.steps if s.op not in ("send", "forward", "recv")
+                      and not (s.op == "combine" and s.src in combined))
+        transfers = tuple(s for s in g.steps if s.op in ("send", "forward", "recv"))
+        combined.add(g.after)
+        sent_tags.update(tags)
+        stats["continuations"] = stats.get("continuations", 0) + 1
+        return Program(w.node, tuple(st for st in (local, transfers) if st))
 
     aborted: dict = {}  # hop receive tasks cancelled because their sender died (they still report)
 
@@ -835,7 +868,8 @@ async def worker_run(w) -> dict:
         if not state["async"] and all(st.op == "forward" for st in g.steps):
             relays.put_nowait(g)
         elif not state["async"] and all(st.op == "recv" and st.payload == "partial" for st in g.steps):
-            t = asyncio.ensure_future(receive_hop(g))
+            done = hop_done[g.steps[0].slot] = asyncio.get_running_loop().create_future()
+            t = asyncio.ensure_future(receive_hop(g, done))
             hops_in[t] = g
             t.add_done_callback(lambda t: hops_in.pop(t, None))
             t.add_done_callback(_raise_later)
@@ -850,8 +884,17 @@ async def worker_run(w) -> dict:
                 w.slots.clear_partials()
                 stats["rounds"] += 1
                 continue
-            t = asyncio.ensure_future(w.executor.run(Program(w.node, (tuple(g.steps),)), w.slots, None,
-                                                     exclude=dead_peers))
+            steps = tuple(g.steps)
+            if sent_tags and g.after is None:  # a hop a continuation already sent (granted again after a failure)
+                steps = tuple(s for s in steps if not (s.op == "send" and s.payload == "partial" and s.tag in sent_tags))
+                if not steps:
+                    continue
+            prog = Program(w.node, (steps,))
+            if g.after is not None:
+                prog = await continuation(g)
+                if prog is None:
+                    continue
+            t = asyncio.ensure_future(w.executor.run(prog, w.slots, None, exclude=dead_peers))
             current.update(grant=g, task=t)
             try:
                 reports = (await t).reports
@@ -860,12 +903,12 @@ async def worker_run(w) -> dict:
                 # so ``t.cancelled()`` alone cannot tell; swallowing it left this task waiting forever)
                 if not t.cancelled() or asyncio.current_task().cancelling():
                     raise
-                reports = [None] * len(g.steps)  # aborted: a peer died; every receive counts as failed
+                reports = [None] * len(prog.steps())  # aborted: a peer died; every receive counts as failed
             finally:
                 current.update(grant=None, task=None)
             events = []
             fresh = None
-            for s, r in zip(g.steps, reports):
+            for s, r in zip(prog.steps(), reports):
                 if (state["async"] and s.op == "recv" and s.payload == "params" and isinstance(r, RecvReport)
                         and r.complete):
                     kc = parse_chunk_slot(s.slot)
@@ -879,7 +922,7 @@ async def worker_run(w) -> dict:
                         fresh = v
             if not state["async"]:  # BSP: the chunks held and not yet reported (on_report), then the transfer ends
                 events, pending[:] = pending[:], []
-            events += transfer_events(w.node, g.steps, reports)
+            events += transfer_events(w.node, prog.steps(), reports)
             post(events)  # chunks first: the directory learns what we hold before the transfer ends
             if fresh is not None and state["computing"] != fresh:
                 # version ``fresh`` is complete: our last update was applied, so its partials are spent

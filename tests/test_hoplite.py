@@ -87,6 +87,28 @@ def test_stalled_sender_receiver_refetches_only_missing_chunks():
     assert h.src == "S"
 
 
+def test_a_receiver_never_fetches_from_its_own_downstream_copy():
+    """R2 streams from R1, R3 from R2.  R1 stalls; the only free location is R3's partial copy, which holds
+    nothing R2 did not pass it: R2 must wait for a real source (a cycle R2 <- R3 <- R2 held nothing until the
+    stall bound, and a round with a dead relay failed on it), and gets S once S is free."""
+    b = Broadcast("x", 4 * CHUNK_BYTES, "S", stall_timeout_s=0.5)
+    assert [f.src for f in b.get("R0", now=0.0)] == ["S"]
+    assert [f.src for f in b.get("R1", now=0.0)] == ["R0"]
+    assert [f.src for f in b.get("R2", now=0.0)] == ["R1"]
+    assert [f.src for f in b.get("R3", now=0.0)] == ["R2"]
+    b.on_chunk("R2", 0, now=0.3)
+    b.on_chunk("R3", 0, now=0.4)
+    for n in ("R0", "R1"):
+        b.on_chunk(n, 0, now=0.55)
+    assert b.on_timer(now=0.81) == []  # R2 gave up on R1 and waits: R3 is downstream of it
+    assert ("stalled", "R1", "R2") in b.log and "R2" in b.dir.waiting("x")
+    assert all(f.src != "R3" for f in b.active.values() if f.dst == "R2")
+    for i in range(4):
+        b.on_chunk("R0", i, now=0.9)
+    out = b.on_done("S", "R0", ok=True, now=0.9)
+    assert [(f.src, f.dst, f.chunks) for f in out] == [("S", "R2", (1, 2, 3))]
+
+
 def test_dead_receiver_gives_its_sender_back():
     b = Broadcast("x", 2 * CHUNK_BYTES, "S")
     b.get("R1", now=0)
@@ -248,6 +270,10 @@ class MemoryRun:
         self.applied = {}
         self.counts = {}
         self.max_parallel_sends = 0
+        self.recv_ok = {}  # (node, hop receive slot) -> every range arrived
+        self.combined = set()  # (node, hop receive slot) combined into its running sum
+        self.sent = collections.defaultdict(set)  # node -> tags its continuations sent
+        self.continuations = self.dropped_continuations = 0
 
     def feed(self, grants):
         for g in grants:
@@ -271,6 +297,21 @@ class MemoryRun:
                 if n in self.dead or not self.q[n]:
                     continue
                 g = self.q[n][0]
+                if g.after is not None:  # a continuation: as the worker role runs it (Grant.after)
+                    self.q[n].popleft()
+                    progress = True
+                    tags = {s.tag for s in g.steps if s.op == "send"}
+                    if not self.recv_ok.get((n, g.after)) or tags <= self.sent[n]:
+                        self.dropped_continuations += 1
+                        continue
+                    for s in g.steps:
+                        if s.op == "combine" and (n, s.src) not in self.combined:
+                            self._combine(n, s)
+                    self.combined.add((n, g.after))
+                    self.sent[n] |= tags
+                    self.continuations += 1
+                    self._post(n, g)
+                    continue
                 if self.entered.get(n) is not g:
                     self.entered[n] = g
                     progress = True
@@ -295,13 +336,8 @@ class MemoryRun:
                         else:
                             self.slots[n].setdefault(s.slot, {})[(s.lo, s.hi)] = msg
                         events.append(TransferDone(s.peer, n, s.tag, ok=True))
-                    elif s.op == "combine":  # as the executor: into the exact range, else a slice of a cover
-                        acc = self._acc(n, s.lo, s.hi) or Partial(s.hi - s.lo, lo=s.lo)
-                        src = self.slots[n].get(s.src)
-                        part = src.slice(s.lo, s.hi) if isinstance(src, Partial) else (src or {}).get((s.lo, s.hi))
-                        if part is not None:
-                            acc.merge(part)
-                        self.slots[n]["acc"][(s.lo, s.hi)] = acc
+                    elif s.op == "combine":
+                        self._combine(n, s)
                     elif s.op == "apply":  # one partial, or the pieces' (a reduce in pieces)
                         accs = self.slots[n]["acc"]
                         acc = accs.get((s.lo, s.hi)) or assemble(
@@ -309,10 +345,22 @@ class MemoryRun:
                         self.slots[n]["params"][s.lo:s.hi] = acc.mean()
                         self.applied[(s.lo, s.hi)] = acc.contributors
                         self.counts[(s.lo, s.hi)] = acc.counts()
+                for s in recvs:
+                    if s.payload == "partial":
+                        self.recv_ok[(n, s.slot)] = all(e.ok for e in events if isinstance(e, TransferDone))
                 for ev in events:
                     self.event(ev)
                 if until is not None and until(self):
                     return
+
+    def _combine(self, n, s):
+        """As the executor: into the exact range, else a slice of a cover."""
+        acc = self._acc(n, s.lo, s.hi) or Partial(s.hi - s.lo, lo=s.lo)
+        src = self.slots[n].get(s.src)
+        part = src.slice(s.lo, s.hi) if isinstance(src, Partial) else (src or {}).get((s.lo, s.hi))
+        if part is not None:
+            acc.merge(part)
+        self.slots[n]["acc"][(s.lo, s.hi)] = acc
 
     def _post(self, n, g):
         sends = [s for s in g.steps if s.op in ("send", "forward")]
@@ -333,23 +381,27 @@ class MemoryRun:
         return None if cover is None else cover.slice(lo, hi)
 
 
-def _setup(n=6, K=2, n_elems=3000, seed=0, chunk_elems=256, latency_s=125e-6, piece_bytes=None):
+def _setup(n=6, K=2, n_elems=3000, seed=0, chunk_elems=256, latency_s=125e-6, piece_bytes=None, cut_through=False):
     shards = [(round(n_elems * k / K), round(n_elems * (k + 1) / K)) for k in range(K)]
     rng = np.random.default_rng(seed)
     grads = {r: rng.standard_normal(n_elems).astype(np.float32) for r in range(n)}
     init = np.arange(n_elems, dtype=np.float32)
     ctrl = HopliteController(shards, chunk_bytes=chunk_elems * 4, rng=random.Random(seed), latency_s=latency_s,
-                             reduce_piece_bytes=piece_bytes)
+                             reduce_piece_bytes=piece_bytes, cut_through_hops=cut_through)
     run = MemoryRun(ctrl, range(n), shards, grads, n_elems, init)
     return ctrl, run, grads, init, shards
 
 
-PIECES = [None, 1000]  # one chain over the shards (store-and-forward hops), or ~250-element pieces (cut-through)
+# one chain over the shards (store-and-forward hops), ~250-element pieces (cut-through reduce), and pieces whose
+# hops are granted as continuations of the sender's incoming receive (no round trip per hop)
+PIECES = [pytest.param((None, False), id="whole"), pytest.param((1000, False), id="pieces"),
+          pytest.param((1000, True), id="continuations")]
 
 
-@pytest.mark.parametrize("piece_bytes", PIECES)
-def test_controller_round_broadcasts_then_reduces_to_the_mean(piece_bytes):
-    ctrl, run, grads, init, shards = _setup(piece_bytes=piece_bytes)
+@pytest.mark.parametrize("pieces", PIECES)
+def test_controller_round_broadcasts_then_reduces_to_the_mean(pieces):
+    piece_bytes, cut = pieces
+    ctrl, run, grads, init, shards = _setup(piece_bytes=piece_bytes, cut_through=cut)
     assert len(ctrl.reduces or [None]) >= 1
     run.feed(ctrl.start(0, [worker(r) for r in range(6)], now=0.0))
     run.run()
@@ -414,10 +466,11 @@ def test_a_node_dying_between_pieces_keeps_each_pieces_mean_exact():
     assert ctrl.contributions() == {worker(r) for r in range(n)}  # in at least one piece
 
 
-@pytest.mark.parametrize("piece_bytes", PIECES)
-def test_killing_a_chain_node_mid_round_closes_with_n_minus_1(piece_bytes):
+@pytest.mark.parametrize("pieces", PIECES)
+def test_killing_a_chain_node_mid_round_closes_with_n_minus_1(pieces):
     n = 6
-    ctrl, run, grads, init, shards = _setup(n=n, seed=4, latency_s=1e-9, piece_bytes=piece_bytes)  # 1D
+    ctrl, run, grads, init, shards = _setup(n=n, seed=4, latency_s=1e-9, piece_bytes=pieces[0],
+                                            cut_through=pieces[1])  # 1D
     ctrl.auto_get = False
     run.feed(ctrl.start(0, [worker(r) for r in range(n)], now=0.0))
     order = [2, 5, 0, 3, 1, 4]
@@ -439,10 +492,10 @@ def test_killing_a_chain_node_mid_round_closes_with_n_minus_1(piece_bytes):
         np.testing.assert_allclose(run.slots[server(k)]["params"][lo:hi], want[lo:hi], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("piece_bytes", PIECES)
-def test_killing_a_sender_in_flight_reroutes_from_its_predecessor(piece_bytes):
+@pytest.mark.parametrize("pieces", PIECES)
+def test_killing_a_sender_in_flight_reroutes_from_its_predecessor(pieces):
     n = 5
-    ctrl, run, grads, init, shards = _setup(n=n, seed=5, latency_s=1e-9, piece_bytes=piece_bytes)
+    ctrl, run, grads, init, shards = _setup(n=n, seed=5, latency_s=1e-9, piece_bytes=pieces[0], cut_through=pieces[1])
     ctrl.auto_get = False
     run.feed(ctrl.start(0, [worker(r) for r in range(n)], now=0.0))
     for r in (0, 1):
@@ -461,10 +514,66 @@ def test_killing_a_sender_in_flight_reroutes_from_its_predecessor(piece_bytes):
     np.testing.assert_allclose(run.slots[server(0)]["params"][lo:hi], want[lo:hi], rtol=1e-5, atol=1e-6)
 
 
+def _all_ready_at_once(cut, kill=None, n=6):
+    ctrl, run, grads, init, shards = _setup(n=n, K=1, n_elems=1000, seed=7, latency_s=1e-9, piece_bytes=1000,
+                                            cut_through=cut)  # 1D, 4 pieces
+    ctrl.auto_get = False
+    run.feed(ctrl.start(0, [worker(r) for r in range(n)], now=0.0))
+    combines = 0
+    for r in range(n):  # every gradient ready before any hop ran: each hop's sender is still receiving
+        grants = ctrl.on_event(NodeReady(worker(r), 0), now=0.0)
+        combines += sum(g.reason == "hoplite combine" for g in grants)
+        run.feed(grants)
+    if kill is not None:
+        run.kill(worker(kill))
+    real_event = run.event
+
+    def counting(ev):
+        nonlocal combines
+        grants = ctrl.on_event(ev, now=0.0)
+        combines += sum(g.reason == "hoplite combine" for g in grants)
+        run.feed(grants)
+    run.event = counting
+    run.run()
+    run.event = real_event
+    assert ctrl.done()
+    alive = [r for r in range(n) if r != kill]
+    want = np.mean([grads[r] for r in alive], axis=0)
+    lo, hi = shards[0]
+    np.testing.assert_allclose(run.slots[server(0)]["params"][lo:hi], want[lo:hi], rtol=1e-5, atol=1e-6)
+    assert run.applied[(lo, hi)] == len(alive) and ctrl.contributions() == {worker(r) for r in alive}
+    return ctrl, run, combines
+
+
+def test_continuations_take_the_controller_out_of_every_hop():
+    """All gradients ready together: without continuations each of the n - 1 worker hops of every piece waits
+    for its sender's receive to be reported and a Combine granted; with them the node combines and sends on by
+    itself (same sum, no Combine grant for a worker, one send per hop)."""
+    ctrl, run, combines = _all_ready_at_once(cut=False)
+    pieces = len(ctrl.reduces)
+    assert pieces == 4 and run.continuations == 0 and combines == pieces * 5  # hops 0->1 .. 4->5 into workers
+    ctrl, run, combines = _all_ready_at_once(cut=True)
+    assert run.continuations == pieces * 5 and run.dropped_continuations == 0  # 1->2 .. 4->5 and 5->PS
+    assert combines == 0
+    assert run.max_parallel_sends == 1
+
+
+@pytest.mark.parametrize("victim", [1, 2, 5])
+def test_a_dead_node_drops_its_continuations_and_the_round_closes_exactly(victim):
+    """A chain node dies before anything moved: hops into it are lost, hops out of it are re-granted from its
+    predecessor (again as continuations), and the PS applies the exact mean of the other five."""
+    ctrl, run, _ = _all_ready_at_once(cut=True, kill=victim)
+    assert run.continuations > 0
+
+
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(st.integers(2, 12), st.randoms(use_true_random=False), st.integers(0, 3), st.sampled_from(PIECES))
-def test_any_order_any_deaths_round_closes_with_the_exact_mean(n, rnd, n_dead, piece_bytes):
-    ctrl, run, grads, init, shards = _setup(n=n, K=1 + n % 2, n_elems=200, seed=n, piece_bytes=piece_bytes and 160,
+@given(st.integers(2, 12), st.randoms(use_true_random=False), st.integers(0, 3),
+       st.sampled_from([(None, False), (160, False), (160, True)]), st.booleans())
+def test_any_order_any_deaths_round_closes_with_the_exact_mean(n, rnd, n_dead, pieces, together):
+    """``together``: readies (and deaths) land while earlier hops are still in flight, so hops are deferred behind
+    their sender's incoming receive (and, with continuations, granted as continuations of it)."""
+    ctrl, run, grads, init, shards = _setup(n=n, K=1 + n % 2, n_elems=200, seed=n, piece_bytes=pieces[0],
+                                            cut_through=pieces[1],
                                             latency_s=rnd.choice([1e-9, 125e-6]))  # 1D or 2D chains
     ctrl.auto_get = False
     nodes = [worker(r) for r in range(n)]
@@ -476,10 +585,13 @@ def test_any_order_any_deaths_round_closes_with_the_exact_mean(n, rnd, n_dead, p
     for i, r in enumerate(order):
         if i in kill_at and worker(kill_at[i]) not in run.dead:
             run.kill(worker(kill_at[i]))
-            run.run()
+            if not together or rnd.random() < 0.5:
+                run.run()
         if worker(r) not in run.dead:
             run.event(NodeReady(worker(r), 0))
-            run.run()
+            if not together or rnd.random() < 0.3:
+                run.run()
+    run.run()
     for v in victims:  # victims never scheduled to die before the end die now
         if worker(v) not in run.dead and not ctrl.done():
             run.kill(worker(v))

@@ -233,8 +233,21 @@ class Broadcast:
         self.have.setdefault(node, set())
         return self._try(node, now)
 
+    def _downstream(self, node) -> set:
+        """Receivers fetching from ``node``, directly or through other partial copies: never a source for it (a
+        cycle of partial copies, each waiting for the other's chunks, would hold nothing until the stall bound;
+        seen when a relay died and its receiver re-queried, and the only free location fetched from it)."""
+        out, frontier = set(), [node]
+        while frontier:
+            n = frontier.pop()
+            for dst, f in self.active.items():
+                if f.src == n and dst not in out:
+                    out.add(dst)
+                    frontier.append(dst)
+        return out
+
     def _try(self, node, now) -> list[Fetch]:
-        src = self.dir.query(self.key, node, exclude=self.suspect | self.dead)
+        src = self.dir.query(self.key, node, exclude=self.suspect | self.dead | self._downstream(node))
         if src is None:
             self.log.append(("wait", node))
             return []
@@ -646,7 +659,7 @@ class HopliteController(Controller):
     def __init__(self, shards: Sequence[tuple[int, int]], *, elem_bytes: int = 4, bandwidth_bps: float = 10e9,
                  latency_s: float = PAPER_LATENCY_S, rng: random.Random | None = None,
                  chunk_bytes: int = CHUNK_BYTES, stall_timeout_s: float = STALL_TIMEOUT_S, auto_get: bool = True,
-                 suffix: str = "", reduce_piece_bytes: int | None = None):
+                 suffix: str = "", reduce_piece_bytes: int | None = None, cut_through_hops: bool = False):
         if not shards:
             raise ValueError("Hoplite needs at least one PS shard (the reduce receiver)")
         self.shards = [tuple(s) for s in shards]
@@ -666,6 +679,14 @@ class HopliteController(Controller):
         # arrivals, so a node sends piece j on while it still receives piece j + 1 (cut-through; see
         # :meth:`_pieces`).  Apply is granted once every piece's chain closed.
         self.reduce_piece_bytes = reduce_piece_bytes
+        # ``cut_through_hops`` (pieces only): a hop out of a node still receiving its incoming hop is granted at
+        # once as a *continuation* (``Grant.after`` = that receive's slot), so the node combines and sends on the
+        # moment the receive ends, without a round trip through the controller per hop and piece (see
+        # :meth:`_continuations`).  Off: the hop waits for the receive's TransferDone and a Combine grant.
+        self.cut_through_hops = cut_through_hops
+        self._cont: dict = {}  # (chain, hop seq) -> slot of the incoming receive its continuation waits for
+        self._continued_in: set = set()  # (chain, hop seq) of incoming hops whose Combine rides on a continuation
+        self._hop_attempt: dict = {}  # (chain, hop seq) -> transfer number of its tags and receive slot
         self.iteration = 0
         self.broadcasts: list[Broadcast] = []
         self.reduce: ReduceChain | None = None  # the first piece's chain (the only one without pieces)
@@ -684,6 +705,9 @@ class HopliteController(Controller):
         self._tags.clear()
         self._hop_pending.clear()
         self._hop_slot.clear()
+        self._cont.clear()
+        self._continued_in.clear()
+        self._hop_attempt.clear()
         d = ObjectDirectory()
         self.broadcasts = [Broadcast(f"params:{k}", (hi - lo) * self.elem_bytes, server(k), d,
                                      chunk_bytes=self.chunk_bytes, stall_timeout_s=self.stall_timeout_s)
@@ -736,6 +760,7 @@ class HopliteController(Controller):
             out = self.ready_grants(event.node)
             for c, rc in enumerate(self.reduces):
                 out += self._hop_grants(rc.ready(event.node, now=now), c)
+                out += self._continuations(c)
             return out + self._maybe_apply()
         if isinstance(event, ChunkArrived):
             k = self._shard_of_key(event.key)
@@ -761,13 +786,23 @@ class HopliteController(Controller):
                 return []
             if not event.ok:
                 del self._hop_pending[(c, h.seq)]
-                return self._hop_grants(rc.hop_done(h.src, h.dst, ok=False, now=now), c) + self._maybe_apply()
+                self._continued_in.discard((c, h.seq))  # its continuations were dropped at the node
+                out = self._hop_grants(rc.hop_done(h.src, h.dst, ok=False, now=now), c)
+                return out + self._continuations(c) + self._maybe_apply()
             pend.discard(k)
             if pend:
                 return []
             del self._hop_pending[(c, h.seq)]
-            out = self._combine_grants(h, c)
-            return out + self._hop_grants(rc.hop_done(h.src, h.dst, ok=True, now=now), c) + self._maybe_apply()
+            if (c, h.seq) in self._continued_in:  # the node combined it itself, in the continuation
+                self._continued_in.discard((c, h.seq))
+                slot = self._hop_slot.pop((c, h.seq), None)
+                out = []
+            else:
+                slot = None
+                out = self._combine_grants(h, c)
+            released = [x for x in rc.hop_done(h.src, h.dst, ok=True, now=now)
+                        if slot is None or self._cont.get((c, x.seq)) != slot]  # already running as continuations
+            return out + self._hop_grants(released, c) + self._continuations(c) + self._maybe_apply()
         if isinstance(event, NodeFailed):
             out = []
             for k, b in enumerate(self.broadcasts):
@@ -775,6 +810,7 @@ class HopliteController(Controller):
             if self.reduces and not event.node.startswith("server:"):
                 for c, rc in enumerate(self.reduces):
                     out += self._hop_grants(rc.failed(event.node, now=now), c)
+                    out += self._continuations(c)
                 out += self._maybe_apply()
             return out
         return []
@@ -827,40 +863,80 @@ class HopliteController(Controller):
                     Grant(f.dst, tuple(recvs), reason=f"hoplite bcast {k} <- {f.src}")]
         return out
 
-    def _hop_grants(self, hops, c: int = 0) -> list[Grant]:
+    def _ranges(self, c: int) -> tuple:
+        return self._chain_ranges[c] if self._chain_ranges else tuple(
+            (k, lo, hi) for k, (lo, hi) in enumerate(self.shards))
+
+    def _hop_grants(self, hops, c: int = 0, *, after: str | None = None) -> list[Grant]:
         """A hop of chain ``c``: the sender sends its running sum (per range of the chain), the receiver
         receives it.  The receiver's Combine is granted only once every range arrived
-        (:meth:`_combine_grants`), so a hop from a sender that died half-way is never combined."""
+        (:meth:`_combine_grants`), so a hop from a sender that died half-way is never combined.
+
+        ``after``: grant the sender's part as a continuation of its receive into that slot (Combine it, then
+        send).  A hop granted before (a continuation whose incoming receive failed, granted again on the one
+        that replaced it) keeps its tags and receive: only the sender's grant is issued again."""
         out = []
-        ranges = self._chain_ranges[c] if self._chain_ranges else tuple(
-            (k, lo, hi) for k, (lo, hi) in enumerate(self.shards))
+        ranges = self._ranges(c)
         for h in hops:
-            self._attempt += 1
-            a = self._attempt
+            a = self._hop_attempt.get((c, h.seq))
+            fresh = a is None
+            if fresh:
+                self._attempt += 1
+                a = self._hop_attempt[(c, h.seq)] = self._attempt
+                self._hop_slot[(c, h.seq)] = f"in{self.suffix}:{h.src}:{a}"
+                self._hop_pending[(c, h.seq)] = set(range(len(ranges)))
             slot = f"in{self.suffix}:{h.src}:{a}"
-            self._hop_slot[(c, h.seq)] = slot
-            self._hop_pending[(c, h.seq)] = set(range(len(ranges)))
-            sends, recvs = [], []
+            sends, recvs, server_recvs = [], [], []
             for i, (k, lo, hi) in enumerate(ranges):
                 tag = self._tag(PHASE_PUSH, a, i, KIND_PARTIAL)
-                self._tags[tag] = ("reduce", c, h, i)
                 dst = server(k) if h.final else h.dst
                 sends.append(Send(dst, self.acc_slot, lo, hi, tag, TOLERANT, "partial"))
+                if not fresh:
+                    continue
+                self._tags[tag] = ("reduce", c, h, i)
                 r = Recv(h.src, slot, lo, hi, tag, TOLERANT, "partial")
                 if h.final:
-                    out.append(Grant(server(k), (r,), reason=f"hoplite reduce <- {h.src}"))
+                    server_recvs.append(Grant(server(k), (r,), reason=f"hoplite reduce <- {h.src}"))
                 else:
                     recvs.append(r)
-            out.insert(len(out) - (len(ranges) if h.final else 0),
-                       Grant(h.src, tuple(sends), reason=f"hoplite reduce -> {'PS' if h.final else h.dst}"))
+            where = "PS" if h.final else h.dst
+            if after is None:
+                out.append(Grant(h.src, tuple(sends), reason=f"hoplite reduce -> {where}"))
+            else:
+                combines = tuple(Combine(self.acc_slot, after, lo, hi) for _, lo, hi in ranges)
+                out.append(Grant(h.src, combines + tuple(sends), reason=f"hoplite reduce -> {where} after {after}",
+                                 after=after))
+            out += server_recvs
             if recvs:
                 out.append(Grant(h.dst, tuple(recvs), reason=f"hoplite reduce <- {h.src}"))
         return out
 
+    def _continuations(self, c: int) -> list[Grant]:
+        """Cut-through hops: every hop of chain ``c`` deferred behind its sender's one incoming hop is granted now
+        as a continuation of that receive (once per incoming receive: if the receive fails the node drops the
+        continuation, and the hop is granted again on the receive that replaces it).  The incoming hop's Combine
+        then rides on the continuation (:meth:`on_event` grants none).  Chains of several ranges (no pieces) and
+        senders with several incoming hops (2D chains) keep the round trip."""
+        if not self.cut_through_hops or not self.reduces or len(self._ranges(c)) != 1:
+            return []
+        rc = self.reduces[c]
+        out = []
+        for src, hops in list(rc.deferred.items()):
+            inc = [h for (s, d), h in rc.in_flight.items() if d == src]
+            if src in rc.dead or len(inc) != 1 or (c, inc[0].seq) not in self._hop_slot:
+                continue
+            xslot = self._hop_slot[(c, inc[0].seq)]
+            for h in hops:
+                if rc.in_flight.get((h.src, h.dst)) is not h or self._cont.get((c, h.seq)) == xslot:
+                    continue
+                self._cont[(c, h.seq)] = xslot
+                self._continued_in.add((c, inc[0].seq))
+                out += self._hop_grants([h], c, after=xslot)
+        return out
+
     def _combine_grants(self, h: Hop, c: int = 0) -> list[Grant]:
         slot = self._hop_slot.pop((c, h.seq))
-        ranges = self._chain_ranges[c] if self._chain_ranges else tuple(
-            (k, lo, hi) for k, (lo, hi) in enumerate(self.shards))
+        ranges = self._ranges(c)
         if h.final and len(self.reduces) <= 1:
             return [Grant(server(k), (Combine(self.acc_slot, slot, lo, hi), Apply(self.acc_slot, lo, hi)),
                           reason="hoplite apply") for k, lo, hi in ranges]
@@ -968,7 +1044,8 @@ class HopliteSchedule(Schedule):
     def controller(self) -> HopliteController:
         rate, lat = self._link()
         return HopliteController(self.world.shards, bandwidth_bps=rate, latency_s=lat,
-                                 rng=random.Random(self.rng.random()), reduce_piece_bytes=REDUCE_PIECE_BYTES)
+                                 rng=random.Random(self.rng.random()), reduce_piece_bytes=REDUCE_PIECE_BYTES,
+                                 cut_through_hops=True)
 
     def async_controller(self, *, updates: int | None = None, quota: int | None = None, max_staleness=None):
         """``--mode async``: :class:`~ltp_ps.schedules.hoplite_async.AsyncHalfBatchController` (half-batch

@@ -351,22 +351,34 @@ Event = Union[NodeReady, ChunkArrived, TransferDone, NodeFailed]
 
 @dataclasses.dataclass(frozen=True)
 class Grant:
-    """A controller's directive to one node: run ``steps`` (one stage) at ``start_at``, or drop its update."""
+    """A controller's directive to one node: run ``steps`` (one stage) at ``start_at``, or drop its update.
+
+    ``after`` (a *continuation*, Hoplite's cut-through hops): the slot of a receive granted to the same node
+    earlier; the node runs this grant only once that receive ended well (a tolerant receive got bytes), and
+    then runs its local steps (the Combine of that slot, at most once per slot) *before* its transfers.  If
+    the receive failed the node drops the grant and the controller grants what replaces it."""
 
     node: str
     steps: tuple = ()
     start_at: float | None = None  # seconds, on the controller's clock; None: now
     drop: bool = False
     reason: str = ""
+    after: str | None = None
 
     def to_json(self) -> dict:
-        return {"node": self.node, "steps": [step_to_json(s) for s in self.steps], "start_at": self.start_at,
-                "drop": self.drop, "reason": self.reason}
+        d = {"node": self.node, "steps": [step_to_json(s) for s in self.steps], "start_at": self.start_at,
+             "drop": self.drop, "reason": self.reason}
+        if self.after is not None:
+            d["after"] = self.after
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> "Grant":
+        after = d.get("after")
+        if after is not None and not isinstance(after, str):
+            raise ValueError(f"grant 'after' must be a slot name, got {after!r}")
         return cls(d["node"], tuple(step_from_json(s) for s in d["steps"]), d.get("start_at"),
-                   bool(d.get("drop", False)), d.get("reason", ""))
+                   bool(d.get("drop", False)), d.get("reason", ""), after)
 
 
 class Controller(abc.ABC):
