@@ -48,10 +48,11 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "plans with that placement, so RAT roots tree k at worker k's host); K <= --workers, "
                         "--schedule direct or rat")
     p.add_argument("--mode", choices=("bsp", "async"), default="bsp")
-    p.add_argument("--compute-delay", type=float, default=0.0, help="extra seconds of compute per step (any model)")
+    p.add_argument("--compute-delay", type=bounded(float, 0.0, "extra compute seconds per step"), default=0.0, help="extra seconds of compute per step (any model)")
     p.add_argument("--batch-size", type=bounded(int, 1, "samples per worker step"), default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--store-timeout", type=float, default=120.0, help="seconds to wait for the rendezvous")
+    p.add_argument("--store-timeout", type=bounded(float, 0.0, "the rendezvous wait in seconds", strict=True),
+                   default=120.0, help="seconds to wait for the rendezvous")
     schedule_cli.add_options(p)
 
 
@@ -68,16 +69,18 @@ def _server_opts(p):
     p.add_argument("--weight-decay", type=bounded(float, 0.0, "L2 weight decay"), default=0.0)
     p.add_argument("--clip-factor", type=bounded(float, 0.0, "the norm guard's factor (0: off)"), default=2.0,
                    help="divergence guard: clip the aggregated gradient's norm to this x its running mean (0: off)")
-    p.add_argument("--gather-timeout", type=float, default=None,
+    p.add_argument("--gather-timeout", type=bounded(float, 0.0, "the gather timeout in seconds", strict=True),
+                   default=None,
                    help="seconds before a gather gives up on a worker (default: derived each round from the "
                         "message size, the workers' compute time and the measured link rate; docs/ps.md)")
-    p.add_argument("--broadcast-timeout", type=float, default=None,
+    p.add_argument("--broadcast-timeout", type=bounded(float, 0.0, "the broadcast timeout in seconds", strict=True),
+                   default=None,
                    help="seconds a reliable parameter broadcast may take before the worker is dropped (default: "
                         "derived each round from the message size and the measured link rate, at least 10 s)")
     p.add_argument("--max-missed", type=bounded(int, 1, "missed rounds before a drop"), default=3, help="missed rounds before a worker is dropped")
-    p.add_argument("--min-workers", type=int, default=None, help="start when this many joined (default: all)")
+    p.add_argument("--min-workers", type=bounded(int, 1, "the workers a BSP start waits for"), default=None, help="start when this many joined (default: all)")
     p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=int, default=0, help="rounds between checkpoints (0: at the end)")
+    p.add_argument("--checkpoint-every", type=bounded(int, 0, "rounds between checkpoints"), default=0, help="rounds between checkpoints (0: at the end)")
     p.add_argument("--metrics", default=None,
                    help="JSONL file for per-iteration metrics (shard s > 0 of a PS writes NAME.shard<s>.jsonl beside it)")
     p.add_argument("--progress", action="store_true", help="tqdm progress bar on stderr")
@@ -88,9 +91,11 @@ def _server_opts(p):
 
 def _worker_opts(p):
     p.add_argument("--error-feedback", action="store_true", help="re-send gradient the PS did not receive")
-    p.add_argument("--pull-timeout", type=float, default=60.0)
-    p.add_argument("--rejoin", type=int, default=1, help="times to rejoin after losing the PS's broadcasts")
-    p.add_argument("--max-iterations", type=int, default=None, help="exit after N pushes (failure drills)")
+    p.add_argument("--pull-timeout", type=bounded(float, 0.0, "seconds a worker waits for the PS", "a worker "
+                                                   "that waits for nothing is dropped at once", strict=True),
+                   default=60.0)
+    p.add_argument("--rejoin", type=bounded(int, 0, "times a worker rejoins"), default=1, help="times to rejoin after losing the PS's broadcasts")
+    p.add_argument("--max-iterations", type=bounded(int, 1, "pushes before a drilled worker exits"), default=None, help="exit after N pushes (failure drills)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,15 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--lab", choices=("auto", "on", "off"), default="auto",
                     help="network namespaces with impairments (auto: when root and supported)")
     la.add_argument("--loss", type=_loss_rate, default=0.0,
-                    help="lab: ingress loss rate at the PS, a fraction in [0, 1) or a percentage such as 1%% "
+                    help="lab: ingress loss rate at the PS (at every worker for ring/rsgcm, which have none), a fraction in [0, 1) or a percentage such as 1%% "
                          "(needs the lab: root + its packages; an error otherwise)")
     la.add_argument("--rate", type=_lab_rate, default=None,
-                    help="lab: PS ingress rate: bit/s, or with a unit such as 1gbit, 100mbit (needs the lab)")
+                    help="lab: PS ingress rate (every worker's for ring/rsgcm): bit/s, or with a unit such as 1gbit, 100mbit (needs the lab)")
     la.add_argument("--delay", type=_lab_delay, default=0.0,
-                    help="lab: one-way delay: seconds, or with a unit such as 20ms (needs the lab)")
-    la.add_argument("--ps-restarts", type=int, default=0,
+                    help="lab: one-way delay at the PS's ingress (every worker's for ring/rsgcm): seconds, or with a unit such as 20ms (needs the lab)")
+    la.add_argument("--ps-restarts", type=bounded(int, 0, "PS restarts"), default=0,
                     help="restart a PS that dies up to N times; it resumes from --checkpoint-dir (default 0)")
-    la.add_argument("--kill-worker-after", type=int, default=None,
+    la.add_argument("--kill-worker-after", type=bounded(int, 1, "iterations before the drilled worker exits"),
+                    default=None,
                     help="failure drill: worker 0 exits after this many iterations")
     return ap
 
@@ -539,9 +545,17 @@ def launch(args) -> int:
                           "resumes from its checkpoint instead of starting over")
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1 (got {args.workers})")
+    if args.min_workers is not None and not 1 <= args.min_workers <= args.workers:
+        raise ConfigError(f"--min-workers must be in 1..--workers ({args.workers}), got {args.min_workers}: the PS "
+                          f"would wait --store-timeout for workers that are never started")
     peer_job = schedule_cli.schedule_runs_without_ps(args)
     if peer_job:
         args.num_servers = 0  # the workers apply the optimizer: zero PS processes
+        schedule_cli.check_peer_schedule(args)
+        if args.kill_worker_after is not None:
+            raise ConfigError(f"--kill-worker-after drills a PS dropping a worker; --schedule {args.schedule} runs "
+                              f"without a PS (its workers wait for each other): leave the drill out, or run it with "
+                              f"--schedule direct, rat or hoplite")
     else:
         if args.num_servers < 1:  # no PS at all: the workers would wait for one forever
             raise ConfigError(f"--num-servers must be >= 1 for --schedule {args.schedule} (got {args.num_servers}); "
@@ -566,7 +580,9 @@ def launch(args) -> int:
             lab = Lab(n_hosts=args.workers if colocate else args.num_servers + args.workers).__enter__()
             hosts = lab.hosts
             store_host = hosts[0].addr
-            for h in hosts[:args.num_servers]:
+            # at the PS; a PS-less job (ring, rsgcm) has none: every worker's ingress then (each carries a ring
+            # step), so --loss/--rate/--delay are never ignored
+            for h in (hosts[:args.num_servers] if args.num_servers else hosts):
                 lab.impair(h, direction="ingress", loss=args.loss, rate_bps=args.rate, queue_bytes=None,
                            delay_s=args.delay)
             if getattr(args, "topology", None) is None:  # schedules plan for the lab as built
@@ -623,6 +639,8 @@ def launch(args) -> int:
                 fatal = fatal or c in servers or c is store_proc
             if fatal or all(c.poll() == 0 for c in (servers or workers)):
                 break
+            if not servers and failures and all(c.poll() is not None for c in workers):
+                break  # a PS-less job whose workers have all exited, one or more failed: nothing is left to wait for
             # Nobody restarts workers: once all have exited and one failed, none can rejoin the PS.
             if servers and no_worker_since is None and failures and all(c.poll() is not None for c in workers):
                 no_worker_since = time.monotonic()

@@ -74,8 +74,8 @@ def judge(pieces: list, n: int, world: int, min_fraction: float) -> ScheduleVerd
     copies could differ) -> repair; all contributions -> full; fewer than
     ``min_fraction`` of them -> repair; otherwise lossy.
     """
-    if not 0.0 < min_fraction <= 1.0:
-        raise ValueError(f"min_fraction must be in (0, 1], got {min_fraction}")
+    if not 0.0 <= min_fraction <= 1.0:  # as RoundPolicy: 0 accepts any lossy round (uncovered elements still repair)
+        raise ValueError(f"min_fraction must be in [0, 1], got {min_fraction}")
     covered = sum(p.n for p in pieces)
     if covered != n:
         return ScheduleVerdict(REPAIR, 0.0, f"the reduced chunks cover {covered} of {n} elements")

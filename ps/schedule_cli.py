@@ -159,6 +159,14 @@ def momentum_for(args) -> float:
     return ASYNC_MOMENTUM if asynchronous else BSP_MOMENTUM
 
 
+def check_peer_schedule(args) -> None:
+    """A PS-less schedule (ring, rsgcm) runs BSP all-reduce rounds: refuse ``--mode async`` instead of quietly
+    running BSP (with momentum 0)."""
+    if getattr(args, "mode", "bsp") != "bsp":
+        raise ConfigError(f"--schedule {args.schedule} runs BSP all-reduce rounds without a PS; use --mode bsp "
+                          f"(async runs with direct, hoplite or mlfabric)")
+
+
 def check_server_schedule(args) -> None:
     """A PS shard runs the schedules whose round the PS loop implements; say so for the others."""
     cls = schedule_class(args)
@@ -166,6 +174,10 @@ def check_server_schedule(args) -> None:
         raise ConfigError(f"--schedule {args.schedule} runs with zero PS processes (the workers apply the optimizer); "
                           f"start only workers (ltp-ps launch does this)")
     if cls.name == "direct":
+        if getattr(args, "mode", "bsp") == "async" and getattr(args, "num_servers", 1) != 1:
+            raise ConfigError(f"--mode async runs with one PS shard (got --num-servers {args.num_servers}): its "
+                              f"shards would apply updates at their own pace and a worker's pull spans versions no "
+                              f"shard agreed on; pass --num-servers 1, or --mode bsp to shard the model")
         return
     if cls.name in _async_controller_schedules():  # mlfabric: asynchronous by design, whatever --mode says
         return
@@ -315,6 +327,8 @@ def _wait_keys(store, keys, timeout_s: float) -> None:
 async def peer_work(args, store, open_transport, workload) -> dict:
     """Run one worker of a PS-less job (``--schedule ring``); returns its summary."""
     from .allreduce import PeerConfig, PeerWorker
+
+    check_peer_schedule(args)
     from .schedules import World, create
     from .schedules.program import worker as worker_node
 

@@ -44,8 +44,13 @@ def test_verdict_rules_in_order():
     assert v.action == S.REPAIR and "no rank's contribution" in v.reason  # never applied as zeros
     v = S.judge(full[:1], 8, 3, 0.8)
     assert v.action == S.REPAIR and "cover 4 of 8" in v.reason
-    with pytest.raises(ValueError, match="min_fraction"):
-        S.judge(full, 8, 3, 0.0)
+    # 0 accepts any lossy round, as the direct hook's RoundPolicy (register() allows [0, 1] for every schedule;
+    # before, the ring hooks raised this at the first backward pass); uncovered elements still repair
+    assert S.judge(lossy, 8, 3, 0.0).action == S.LOSSY
+    assert S.judge(zero, 8, 3, 0.0).action == S.REPAIR
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="min_fraction"):
+            S.judge(full, 8, 3, bad)
 
 
 def test_critical_bytes_become_element_ranges():

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ps_helpers import child_env, free_port, ps_cmd
+from ps_helpers import child_env, free_port, lab_reason, launch_and_kill, ps_cmd
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +29,51 @@ def test_launch_ring_trains_digits_with_zero_ps(tmp_path, transport):
     assert len(re.findall(r"\[ring w0\] epoch +\d+/8 +acc", p.stdout)) == 8
     s = json.loads(summary.read_text())
     assert s["final_accuracy"] >= 0.9 and s["iterations"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_ring_launch_whose_worker_is_killed_fails_instead_of_hanging(tmp_path):
+    """A PS-less job has no PS to outlive its workers: once every worker exited and one failed, the launch ends
+    and names the killed one (before: it waited forever for workers that could not come back)."""
+    text = launch_and_kill(["--schedule", "ring", "--workers", 3, "--epochs", 40, "--lab", "off", "--transport",
+                            "tcp", "--pull-timeout", 3, "--compute-delay", 0.05], tmp_path / "out.txt",
+                           tmp_path / "m.jsonl", rank=1, after_rows=3, start_s=60, end_s=60)
+    assert "worker 0" in text.split("[launch] FAILED:")[1] or "worker 2" in text.split("[launch] FAILED:")[1], text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_lab_impairments_apply_to_a_ps_less_job():
+    """--delay (as --loss and --rate) impairs every worker's ingress when there is no PS (before: the flags were
+    applied to zero PS hosts, silently)."""
+    why = lab_reason()
+    if why:
+        pytest.skip(why)
+    p = subprocess.run(ps_cmd("launch", "--schedule", "ring", "--workers", 2, "--epochs", 1, "--delay", "40ms",
+                              "--transport", "tcp"), env=child_env(), capture_output=True, text=True, timeout=170)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (ms,) = [float(x) for x in re.findall(r"reduce +([\d.]+) ms", p.stdout)]
+    assert ms >= 80, p.stdout  # two ring steps, each at least one 40 ms crossing
+
+
+@pytest.mark.parametrize("bad, says", [
+    (["--mode", "async"], "runs BSP all-reduce rounds without a PS"),
+    (["--kill-worker-after", "3"], "drills a PS dropping a worker"),
+    (["--pull-timeout", "0"], "seconds a worker waits for the PS must be > 0"),
+    (["--min-workers", "5"], "--min-workers must be in 1..--workers"),
+])
+def test_ring_launch_refuses_what_it_cannot_run(bad, says):
+    p = subprocess.run(ps_cmd("launch", "--schedule", "ring", "--workers", 3, "--lab", "off", *bad),
+                       env=child_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_async_with_several_shards_is_refused_before_anything_starts():
+    p = subprocess.run(ps_cmd("launch", "--mode", "async", "--num-servers", 2, "--workers", 2, "--lab", "off"),
+                       env=child_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--mode async runs with one PS shard" in p.stderr, p.stdout + p.stderr
+    assert "[launch] started" not in p.stdout
 
 
 @pytest.mark.slow
