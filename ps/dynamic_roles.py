@@ -65,6 +65,7 @@ from .wire import ELEM, HEADER_BYTES, KIND_PARAMS, ParamsHeader, params_message_
 
 ASYNC_CONTROLLER_SCHEDULES = ("mlfabric",)  # schedules whose controller serves asynchronous updates
 POLL_S = 0.05  # seconds between the PS's looks at its progress
+JOIN_POLL_S = 0.5  # seconds between the PS's looks at the store for workers that joined (again)
 
 
 def runs_async_controller(planner) -> bool:
@@ -201,7 +202,8 @@ class _ServerRole:
         slots = Slots()
         slots.bind("params", msg[:HEADER_BYTES + ELEM * ps.n])
         slots.bind_critical("params", ())
-        res = await ps.executor.run(Program(ps.node, ((Send(node, "params", 0, 0, params_tag(j), RELIABLE, "params",
+        res = await ps.executor.run(Program(ps.node, ((Send(node, "params", 0, 0, params_tag(j, self.channels[node].epoch),
+                                                            RELIABLE, "params",
                                                             timeout_s=ps.broadcast_timeout(1)),),)), slots)
         r = res.reports[0]
         if isinstance(r, BaseException):
@@ -209,9 +211,16 @@ class _ServerRole:
         self.driver.monitor.observe(r, src=ps.node, dst=node)
 
     async def deliver(self, node: str, grant) -> None:
-        await self.channels[node].send({"grant": grant.to_json()}, timeout_s=self.ps.broadcast_timeout(1))
-        if grant_uses_gradient(grant) and grant.drop and self.ps.version < self.total:
-            await self.send_params(node)  # dropped: compute again at once (applied ones: after their Apply)
+        try:
+            await self.channels[node].send({"grant": grant.to_json()}, timeout_s=self.ps.broadcast_timeout(1))
+            if grant_uses_gradient(grant) and grant.drop and self.ps.version < self.total:
+                await self.send_params(node)  # dropped: compute again at once (applied ones: after their Apply)
+        except Exception as exc:
+            # written off here, not only by the driver: the membership and the store's drop count say so, so the
+            # worker (paused, cut off) rejoins as soon as it runs instead of waiting out its --pull-timeout
+            if not self._closing:
+                self._fail(node, parse_node(node)[1], f"grant delivery failed: {type(exc).__name__}: {exc}")
+            raise
 
     async def listen(self, node: str) -> None:
         """Turn ``node``'s up-stream messages into controller events until it fails or the run ends."""
@@ -236,6 +245,7 @@ class _ServerRole:
             return
         self.ps.membership.failed(rank, why)
         self.ps.log(f"[ps{self.ps.shard}] dropped worker {rank}: {why}")
+        self.ps._write_member_events(self.ps.version)  # the metrics row, and the store's drop count the worker watches
         self.driver.feed(NodeFailed(node, why))
 
     # -- run ------------------------------------------------------------------------------------------------------
@@ -256,13 +266,17 @@ class _ServerRole:
                f"(tau_max {self.tau_max}, {self.ctrl.k} aggregator(s) per batch, batch window "
                f"{self.ctrl.batch_window_s:g} s, t_lag {t_lag:g} s), {self.total} gradients")
         self.driver.start(nodes)
-        listeners = [asyncio.ensure_future(self.listen(n)) for n in nodes]
+        listeners = {n: asyncio.ensure_future(self.listen(n)) for n in nodes}
         first = await asyncio.gather(*(self.send_params(n) for n in nodes), return_exceptions=True)
         for n, r in zip(nodes, first):
             if isinstance(r, BaseException):
                 self._fail(n, parse_node(n)[1], f"first parameters failed: {type(r).__name__}: {r}")
+        next_poll = time.monotonic() + JOIN_POLL_S
         try:
             while ps.version < self.total and self.failed is None:
+                if time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + JOIN_POLL_S
+                    self.admit_returns(nodes, listeners)
                 live = [n for n in nodes if n not in self.driver.failed]
                 if not live:
                     raise TrainingFailed(f"PS shard {ps.shard}: every worker was lost at version {ps.version} of "
@@ -287,11 +301,43 @@ class _ServerRole:
             for t in list(self._param_sends):
                 t.cancel()
             await self.driver.close()
-            for t in listeners + list(self._param_sends):
+            for t in [*listeners.values(), *self._param_sends]:
                 t.cancel()
-            await asyncio.gather(*listeners, *self._param_sends, return_exceptions=True)
+            await asyncio.gather(*listeners.values(), *self._param_sends, return_exceptions=True)
             ps.mlfabric_stats = self.stats()
             await self.stop_all()
+
+    def admit_returns(self, nodes: list, listeners: dict) -> list:
+        """Take in workers whose join the store verified since the last look: one the PS wrote off that joined
+        again, a restarted process, a late first join.  Fresh control and parameter streams (the join's ticket is
+        their epoch), the controller plans its updates again, and it gets the current parameters at once."""
+        ps = self.ps
+        ps._poll()
+        back = []
+        for m in ps.membership.active():
+            n = worker_node(m.rank)
+            epoch = ps.join_tickets.get(m.rank, 0)
+            ch = self.channels.get(n)
+            if ch is not None and ch.epoch == epoch:
+                continue
+            old = listeners.pop(n, None)
+            if old is not None:
+                old.cancel()
+            ps._address([m])
+            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP, epoch=epoch)
+            self.params_seq[n] = 0
+            if n not in nodes:
+                nodes.append(n)
+            self.driver.revive(n)
+            listeners[n] = asyncio.ensure_future(self.listen(n))
+            self.counters["readmitted"] = self.counters.get("readmitted", 0) + (ch is not None)
+            ps.log(f"[ps{ps.shard}] worker {m.rank} {'joined again' if ch is not None else 'joined'} "
+                   f"(generation {m.generation}); it gets the parameters of version {ps.version}")
+            self._send_params_soon(n)
+            back.append(n)
+        if back:
+            ps._write_member_events(ps.version)
+        return back
 
     async def stop_all(self) -> None:
         await stop_workers(self.channels, self.driver.failed)
@@ -347,7 +393,8 @@ async def worker_run(w) -> dict:
         j = 0
         while True:
             t0 = time.monotonic()
-            res = await w.executor.run(Program(w.node, ((Recv(ps, "params", 0, 0, params_tag(j), RELIABLE, "params",
+            res = await w.executor.run(Program(w.node, ((Recv(ps, "params", 0, 0, params_tag(j, ch.epoch), RELIABLE,
+                                                              "params",
                                                               timeout_s=w.cfg.pull_timeout_s),),)), pslots)
             r = res.reports[0]
             if not isinstance(r, RecvReport) or r.received_bytes == 0:

@@ -305,3 +305,21 @@ def test_an_unsized_update_is_planned_as_a_dense_partial_of_the_model():
     ctrl.on_timer(now=0.0)
     (g,) = ctrl.plans[-1].grants
     assert g.update.nbytes > 250 * 4 and g.arrive == pytest.approx(g.update.nbytes / 1000.0)
+
+
+def test_a_failed_worker_that_is_admitted_again_is_planned_again():
+    """NodeFailed writes a worker off (its updates are ignored); ``admit`` (it joined again) plans them again."""
+    net = FabricNetwork({h: 100 * MBIT for h in (PS, worker(0), worker(1))},
+                        {h: 100 * MBIT for h in (PS, worker(0), worker(1))})
+    ctrl = MLfabricController(net, PS, n_elems=1000, tau_max=4, k=0, rng=random.Random(0))
+    ctrl.start(0, [worker(0), worker(1)], now=0.0)
+    ctrl.on_event(NodeFailed(worker(1), "test"), now=0.1)
+    ctrl.on_event(NodeReady(worker(1), 0, 4000, 0, 1.0), now=0.2)
+    assert ctrl.ignored.get("ready_from_unknown_node") == 1 and worker(1) not in ctrl.pending
+    assert ctrl.admit(worker(1), now=0.3) == [] and ctrl.admit(worker(1), now=0.3) == []  # idempotent
+    assert ctrl.workers.count(worker(1)) == 1
+    ctrl.on_event(NodeReady(worker(1), 0, 4000, 0, 1.0), now=0.4)
+    grants = ctrl.flush(now=1.0)
+    assert any(g.node == worker(1) for g in grants) and ctrl.stats["planned"] == 1
+    with pytest.raises(ValueError):
+        ctrl.admit("nobody", now=1.0)

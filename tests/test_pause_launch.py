@@ -82,3 +82,20 @@ def test_a_hoplite_worker_paused_and_dropped_is_taken_in_again(tmp_path):
     assert back, [r for r in rows if r.get("event") not in ("iteration", "epoch")]
     late = [r for r in rows[back[0]:] if r.get("event") == "iteration"]
     assert late and late[-1]["contributors"] == 3 and "worker:1" in late[-1]["members"], late[-3:]
+
+
+def test_an_mlfabric_worker_paused_and_dropped_is_taken_in_again(tmp_path):
+    """The MLfabric PS writes off a worker it cannot reach (paused 12 s: a grant to it fails at LTP's dead-peer
+    limit) and posts the drop; resumed, the worker sees it in the store, joins again at once, and the PS takes it
+    in (fresh control and parameter streams, the controller plans its updates again).  Before: the PS never took
+    it back, and the driver's write-off was not posted, so the worker waited out its 60 s --pull-timeout."""
+    metrics = tmp_path / "m.jsonl"
+    rc, text = _pause_during(["--schedule", "mlfabric", "--workers", 3, "--epochs", 20, "--lab", "off", "--transport",
+                              "ltp", "--model", "digits", "--seed", 0], tmp_path / "out.txt", metrics,
+                             who="worker 1", after_rows=30, pause_s=12.0)
+    assert rc == 0, text
+    assert "dropped worker 1" in text and "worker 1 joined again" in text, text
+    rows = [r for r in map(json.loads, open(metrics))]
+    back = max(i for i, r in enumerate(rows) if r.get("event") == "rejoined")
+    later = [r for r in rows[back:] if r.get("event") == "iteration"]
+    assert any("worker:1" in r["members"] for r in later), later[-5:]

@@ -71,9 +71,10 @@ def control_tag(seq: int, direction: int, epoch: int = 0) -> int:
                       KIND_GRANT)
 
 
-def params_tag(seq: int) -> int:
-    """Tag of the ``seq``-th parameter message the host sends one node (asynchronous pulls)."""
-    return _tags.pack(seq % (_tags.MAX_ITERATION + 1), _tags.PHASE_PULL, 0, 0, KIND_PARAMS)
+def params_tag(seq: int, epoch: int = 0) -> int:
+    """Tag of the ``seq``-th parameter message the host sends one node (asynchronous pulls) in its incarnation
+    ``epoch`` (a worker that joined again starts at 0; an old message still buffered is never read as new)."""
+    return _tags.pack(seq % (_tags.MAX_ITERATION + 1), _tags.PHASE_PULL, 0, epoch % (_tags.MAX_CHUNK + 1), KIND_PARAMS)
 
 
 def encode_message(msg: Mapping) -> bytes:
@@ -260,6 +261,16 @@ class ControllerDriver:
         """``controller.start`` over ``nodes`` and the timer task."""
         self._dispatch(self.ctrl.start(self.iteration, list(nodes), now=self.clock()))
         self._timer = asyncio.ensure_future(self._timer_loop())
+
+    def revive(self, node: str) -> None:
+        """``node`` joined again (a new incarnation after it was written off): it gets grants again, from the
+        controller's ``admit``; what was still queued for the old incarnation is dropped."""
+        self.failed.discard(node)
+        q = self._queues.get(node)
+        while q is not None and not q.empty():
+            q.get_nowait()
+        self._dispatch(self.ctrl.admit(node, now=self.clock()))
+        self._wake.set()
 
     def feed(self, event) -> None:
         """One event for the controller; its grants are dispatched."""

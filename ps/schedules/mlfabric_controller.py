@@ -130,6 +130,7 @@ class MLfabricController(Controller):
         self.tau_max = tau_max
         self.k = int(k)
         self.candidates = None if aggregators is None else list(aggregators)  # None: every live worker
+        self._aggregators = tuple(self.candidates or ())  # as given (a failed one that joins again is one again)
         self.rng = rng or random.Random(0)
         self.batch_window_s = float(batch_window_s)
         self.workers: list = []
@@ -156,6 +157,16 @@ class MLfabricController(Controller):
             parse_node(n)
         if self.table is None:
             self.table = ReservationTable.for_network(self.net, now=now)
+        return []
+
+    def admit(self, node: str, *, now: float) -> list[Grant]:
+        """``node`` (a worker) joined mid-run, or again after it was written off: its updates are planned from now
+        on (its earlier ones were written off when it failed).  No grants until it sends one."""
+        parse_node(node)
+        if node != self.server and node not in self.workers:
+            self.workers.append(node)
+        if self.candidates is not None and node in self._aggregators and node not in self.candidates:
+            self.candidates.append(node)
         return []
 
     def on_event(self, event, *, now: float) -> list[Grant]:
