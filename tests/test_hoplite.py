@@ -492,6 +492,32 @@ def test_killing_a_chain_node_mid_round_closes_with_n_minus_1(pieces):
         np.testing.assert_allclose(run.slots[server(k)]["params"][lo:hi], want[lo:hi], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_hop_that_ends_after_its_senders_death_was_handled_is_not_combined(cut):
+    """A -> B -> C.  B dies right after its hop to C ended, and the PS hears of the death first: A re-sends its
+    sum to C.  B's late TransferDone must not add B's copy too (A's gradient would count twice)."""
+    ctrl = HopliteController([(0, 100)], latency_s=1e-9, reduce_piece_bytes=200 if cut else None,
+                             cut_through_hops=cut, auto_get=False)
+    a, b, c = worker(0), worker(1), worker(2)
+    ctrl.start(0, [a, b, c], now=0.0)
+    grants = [g for n in (a, b, c) for g in ctrl.on_event(NodeReady(n, 0), now=0.0)]
+    rc = ctrl.reduces[0]
+    ab = rc.in_flight[(a, b)]
+    hop_tags = {s.tag: g.node for g in grants for s in g.steps if s.op == "recv"}
+    a_to_b = [t for t, node in hop_tags.items() if node == b]
+    for t in a_to_b:  # A's hop into B completes
+        grants += ctrl.on_event(TransferDone(a, b, t, ok=True), now=0.1)
+    b_to_c = [s.tag for g in grants if g.node == c for s in g.steps if s.op == "recv" and s.peer == b]
+    assert b_to_c and (a, b) not in rc.in_flight and ab.seq
+    redo = ctrl.on_event(NodeFailed(b), now=0.2)  # B died after sending: its hop to C is replaced by A -> C
+    assert (a, c) in rc.in_flight
+    late = []
+    for t in b_to_c:
+        late += ctrl.on_event(TransferDone(b, c, t, ok=True), now=0.3)
+    assert not any(st.op == "combine" for g in late for st in g.steps), late
+    assert ctrl.superseded == len(ctrl.reduces) and redo
+
+
 @pytest.mark.parametrize("pieces", PIECES)
 def test_killing_a_sender_in_flight_reroutes_from_its_predecessor(pieces):
     n = 5

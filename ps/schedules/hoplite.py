@@ -687,6 +687,7 @@ class HopliteController(Controller):
         self._cont: dict = {}  # (chain, hop seq) -> slot of the incoming receive its continuation waits for
         self._continued_in: set = set()  # (chain, hop seq) of incoming hops whose Combine rides on a continuation
         self._hop_attempt: dict = {}  # (chain, hop seq) -> transfer number of its tags and receive slot
+        self.superseded = 0  # hops that ended well after a failure had replaced them (not combined)
         self.iteration = 0
         self.broadcasts: list[Broadcast] = []
         self.reduce: ReduceChain | None = None  # the first piece's chain (the only one without pieces)
@@ -793,6 +794,14 @@ class HopliteController(Controller):
             if pend:
                 return []
             del self._hop_pending[(c, h.seq)]
+            if rc.in_flight.get((h.src, h.dst)) is not h:
+                # superseded: its sender's death was handled first and the predecessor re-sent in its place, so
+                # combining this copy as well would count the predecessor's inputs twice (only the dead node's own
+                # gradient is lost).  A continuation on it may have combined it already; its hop is never re-sent.
+                self._hop_slot.pop((c, h.seq), None)
+                self._continued_in.discard((c, h.seq))
+                self.superseded += 1
+                return []
             if (c, h.seq) in self._continued_in:  # the node combined it itself, in the continuation
                 self._continued_in.discard((c, h.seq))
                 slot = self._hop_slot.pop((c, h.seq), None)
