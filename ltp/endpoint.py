@@ -205,6 +205,10 @@ class Endpoint:
         if len(peers) != len(into):
             raise LocalProtocolError(f"gather got {len(peers)} peers but {len(into)} buffers; pass one buffer per peer")
         peers = [await self._resolve(p) for p in peers]
+        if len(set(peers)) != len(peers):
+            dup = next(p for p in peers if peers.count(p) > 1)
+            raise LocalProtocolError(f"gather got peer {dup} more than once: one message per peer and tag is "
+                                     f"received; list each peer once (use recv() for several messages of one peer)")
         self._check_open()
         handle = self.engine.post_receive([(p, tag, b) for p, b in zip(peers, into)], now=_now(),
                                           timeout=timeout)

@@ -312,26 +312,21 @@ class _ServerRole:
         again, a restarted process, a late first join.  Fresh control and parameter streams (the join's ticket is
         their epoch), the controller plans its updates again, and it gets the current parameters at once."""
         ps = self.ps
-        ps._poll()
         back = []
-        for m in ps.membership.active():
-            n = worker_node(m.rank)
-            epoch = ps.join_tickets.get(m.rank, 0)
-            ch = self.channels.get(n)
-            if ch is not None and ch.epoch == epoch:
-                continue
+        for n, m, again in ps.returning_workers(self.channels):
             old = listeners.pop(n, None)
             if old is not None:
                 old.cancel()
             ps._address([m])
-            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP, epoch=epoch)
+            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP,
+                                              epoch=ps.join_tickets.get(m.rank, 0))
             self.params_seq[n] = 0
             if n not in nodes:
                 nodes.append(n)
             self.driver.revive(n)
             listeners[n] = asyncio.ensure_future(self.listen(n))
-            self.counters["readmitted"] = self.counters.get("readmitted", 0) + (ch is not None)
-            ps.log(f"[ps{ps.shard}] worker {m.rank} {'joined again' if ch is not None else 'joined'} "
+            self.counters["readmitted"] = self.counters.get("readmitted", 0) + again
+            ps.log(f"[ps{ps.shard}] worker {m.rank} {'joined again' if again else 'joined'} "
                    f"(generation {m.generation}); it gets the parameters of version {ps.version}")
             self._send_params_soon(n)
             back.append(n)

@@ -349,28 +349,21 @@ class _ServerRole:
         control streams (the join's ticket is their epoch, so nothing of the old streams is ever read as new),
         and every other worker is told it is back before any grant can name it.  Returns the nodes taken in."""
         ps = self.ps
-        ps._poll()
         back = []
-        for m in ps.membership.active():
-            n = worker_node(m.rank)
-            epoch = ps.join_tickets.get(m.rank, 0)
-            ch = self.channels.get(n)
-            if ch is not None and ch.epoch == epoch and n not in self.failed:
-                continue
-            if ch is not None and ch.epoch == epoch:
-                continue  # written off and not joined again: stays out
+        for n, m, again in ps.returning_workers(self.channels):
             old = listeners.pop(n, None)
             if old is not None:
                 old.cancel()
             ps._address([m])
-            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP, epoch=epoch)
+            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP,
+                                              epoch=ps.join_tickets.get(m.rank, 0))
             self.failed.discard(n)
             if n not in nodes:
                 nodes.append(n)
             listeners[n] = asyncio.ensure_future(self.listen(n))
             back.append(n)
-            self.counters["readmitted"] = self.counters.get("readmitted", 0) + (ch is not None)
-            ps.log(f"[ps{ps.shard}] worker {m.rank} {'joined again' if ch is not None else 'joined'} "
+            self.counters["readmitted"] = self.counters.get("readmitted", 0) + again
+            ps.log(f"[ps{ps.shard}] worker {m.rank} {'joined again' if again else 'joined'} "
                    f"(generation {m.generation}); it takes part from round {ps.iteration}")
         if back:
             await asyncio.gather(*self._notes, return_exceptions=True)  # earlier "failed" notes go first
@@ -635,6 +628,10 @@ async def worker_run(w) -> dict:
                           f"{os.environ.get(READY_STAGGER_ENV)!r}") from None
 
     async def compute(it: int, version: int) -> None:
+        if w.cfg.max_iterations is not None and w.iterations >= w.cfg.max_iterations:
+            state["drill_exit"] = True  # --max-iterations (launch --kill-worker-after): leave once the last one is in
+            reader.cancel()
+            return
         if w.model is not None:
             set_flat(w.model, w.flat)
         batch = await asyncio.to_thread(next, w._batches)  # off the loop: a batch can take seconds
@@ -962,6 +959,8 @@ async def worker_run(w) -> dict:
     except asyncio.CancelledError:
         if failure:
             raise failure[0] from None
+        if state.get("drill_exit") and asyncio.current_task().cancelling() == 0:
+            return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": False, **stats}
         raise
     finally:
         w.slots.on_report = None

@@ -173,6 +173,19 @@ class ParameterServer:
             self.log(f"[ps{self.shard}] refused worker {rank}: {reason}")
             self.metrics.write({"event": "refused", "t": time.time(), "rank": rank, "reason": reason})
 
+    def returning_workers(self, channels) -> list:
+        """Controller-driven PS loops (hoplite, mlfabric): poll the store, then every active member whose control
+        streams must start afresh -- joined again since it was written off, a restarted process (a new join ticket
+        than its streams' epoch), or a first join -- as ``(node, member, joined_before)``."""
+        self._poll()
+        out = []
+        for m in self.membership.active():
+            n = worker_node(m.rank)
+            ch = channels.get(n)
+            if ch is None or ch.epoch != self.join_tickets.get(m.rank, 0):
+                out.append((n, m, ch is not None))
+        return out
+
     async def _wait_workers(self, want: int) -> None:
         deadline = time.monotonic() + self.cfg.join_timeout_s
         while True:

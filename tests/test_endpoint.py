@@ -179,6 +179,8 @@ async def test_recv_timeout_and_misuse_errors():
             await b.recv(bytearray(100), timeout=0.05)
         with pytest.raises(LocalProtocolError, match="one buffer per peer"):
             await b.gather([a.local_addr], [bytearray(4), bytearray(4)])
+        with pytest.raises(LocalProtocolError, match="more than once"):  # it waited forever for a second message
+            await b.gather([a.local_addr, a.local_addr], [bytearray(4), bytearray(4)], timeout=1)
         with pytest.raises(LocalProtocolError, match="multiple of element_size"):
             await a.send(b.local_addr, b"123", element_size=4)
     with pytest.raises(LocalProtocolError, match="closed"):

@@ -250,3 +250,19 @@ def test_hoplite_cli_accepts_one_shard_bsp_or_async_and_names_the_fix_otherwise(
     schedule_cli.check_server_schedule(argparse.Namespace(**{**vars(ok), "mode": "async"}))  # half-batch updates
     with pytest.raises(ConfigError, match="--num-servers 1"):
         schedule_cli.check_server_schedule(argparse.Namespace(**{**vars(ok), "mode": "async", "num_servers": 3}))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_launch_hoplite_kill_worker_drill_drops_the_worker(tmp_path):
+    """``--kill-worker-after 5``: worker 0 leaves once its 5th gradient went up (it was ignored: the Hoplite
+    worker never looked at --max-iterations); the PS drops it and the others finish the run."""
+    metrics = tmp_path / "m.jsonl"
+    p = subprocess.run(ps_cmd("launch", "--schedule", "hoplite", "--workers", 3, "--epochs", 2, "--lab", "off",
+                              "--transport", "tcp", "--kill-worker-after", 5, "--metrics", metrics, "--model", "digits",
+                              "--seed", 0), env=child_env(), capture_output=True, text=True, timeout=110)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "dropped worker 0" in p.stdout, p.stdout[-3000:]
+    its = [r for r in map(json.loads, open(metrics)) if r.get("event") == "iteration"]
+    assert [r["contributors"] for r in its[:5]] == [3] * 5 and its[-1]["contributors"] == 2
+    assert all("worker:0" not in r["members"] for r in its[6:])
