@@ -449,19 +449,30 @@ class Endpoint:
         now = _now()
         # ACKs our timer could only send late (it fires a loop tick out at the earliest) go now
         eng.flush_acks(now, due_by=now + LOOP_TIMER_RESOLUTION_S)
+        refused: dict = {}  # peer -> the kernel's refusal of a send to it
         for tx in eng.datagrams_to_send(now):
+            if tx.addr in refused:
+                continue
             if self._pending:
                 self._pending.append((tx.addr, bytes(tx.data), tx.segment_size))
                 continue
-            if isinstance(tx, SegmentTransmit):
-                k = io.send_segments(tx.addr, tx.headers, tx.payload, tx.seqs, tx.seg_size, tx.total)
-                if k < len(tx):  # the socket buffer is full: keep the rest, assembled, for on_writable
-                    self._pending.append((tx.addr, tx.assemble(k), tx.segment_size))
+            try:
+                if isinstance(tx, SegmentTransmit):
+                    k = io.send_segments(tx.addr, tx.headers, tx.payload, tx.seqs, tx.seg_size, tx.total)
+                    if k < len(tx):  # the socket buffer is full: keep the rest, assembled, for on_writable
+                        self._pending.append((tx.addr, tx.assemble(k), tx.segment_size))
+                    continue
+                data = tx.data
+                sent = io.send(tx.addr, data, tx.segment_size)
+            except OSError as exc:  # the kernel will not send there (a broadcast address: EACCES; no route)
+                refused[tx.addr] = exc
                 continue
-            data = tx.data
-            sent = io.send(tx.addr, data, tx.segment_size)
             if sent < len(data):
                 self._pending.append((tx.addr, bytes(data[sent:]), tx.segment_size))
+        for peer, exc in refused.items():  # never raised into the loop: the transfers with that peer fail
+            self.loop_stats["send_refused"] = self.loop_stats.get("send_refused", 0) + 1
+            eng.peer_unreachable(peer, now=now, cause=f"the kernel refused to send there ({exc.strerror or exc}); "
+                                                      f"check the address (a broadcast or unroutable one?)")
         if self._pending and not self._watch.writing:
             self._watch.want_writable(True)
         while True:

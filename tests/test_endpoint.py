@@ -158,6 +158,26 @@ async def test_broadcast_with_a_mute_peer_runs_every_send_to_its_end():
             await e.close()
 
 
+async def test_a_send_the_kernel_refuses_fails_the_transfer_not_the_loop(caplog):
+    """A broadcast address (EACCES without SO_BROADCAST): the send fails with PeerUnreachable at once and nothing
+    is raised into the event loop (before: PermissionError from sendmmsg escaped into a timer callback)."""
+    import logging
+    import time
+
+    ep = await ltp.open_endpoint(("0.0.0.0", 0))
+    try:
+        caplog.set_level(logging.ERROR, logger="asyncio")
+        t0 = time.monotonic()
+        with pytest.raises(ltp.PeerUnreachable, match="refused to send"):
+            await ep.send(("255.255.255.255", 5000), b"x" * 100, timeout=3)
+        assert time.monotonic() - t0 < 1.0
+        assert ep.loop_stats.get("send_refused", 0) >= 1
+        await asyncio.sleep(0.05)
+        assert not [r for r in caplog.records if "Exception in callback" in r.getMessage()]
+    finally:
+        await ep.close()
+
+
 async def test_broadcast_misuse_sends_nothing():
     """A bad address anywhere in ``peers`` raises before any peer is sent to."""
     ps = await ltp.open_endpoint(("127.0.0.1", 0))
