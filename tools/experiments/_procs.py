@@ -222,6 +222,12 @@ def incast_tcp_worker(a) -> None:
 
 
 # --------------------------------------------------------------------------- fairness
+#: seconds of silence before a fairness flow declares its peer dead (LTP's floor is 1 s, as the PS's 5 s): on a slow
+#: bottleneck a TCP flow keeps full, every registration of a new message can be dropped for over a second (found:
+#: ``ltp-lab fairness --quick --ccs cubic --rate 5mbit`` lost the LTP sender to "registration unanswered")
+FAIR_PEER_SILENCE_S = 5.0
+
+
 def fair_ltp_recv(a) -> None:
     import random
 
@@ -230,7 +236,8 @@ def fair_ltp_recv(a) -> None:
     import ltp
 
     async def main():
-        ep = await ltp.open_endpoint(("0.0.0.0", a.port), config=ltp.Config(), rng=random.Random(a.seed))
+        ep = await ltp.open_endpoint(("0.0.0.0", a.port), config=ltp.Config(peer_silence_min_s=FAIR_PEER_SILENCE_S),
+                                     rng=random.Random(a.seed))
         buf = np.zeros(a.size, np.uint8)
         print("READY", flush=True)
         n = 0
@@ -258,7 +265,8 @@ def fair_ltp_send(a) -> None:
     import ltp
 
     async def main():
-        ep = await ltp.open_endpoint(("0.0.0.0", 0), config=ltp.Config(), rng=random.Random(a.seed))
+        ep = await ltp.open_endpoint(("0.0.0.0", 0), config=ltp.Config(peer_silence_min_s=FAIR_PEER_SILENCE_S),
+                                     rng=random.Random(a.seed))
         data = np.random.default_rng(a.seed).integers(0, 255, a.size, dtype=np.uint8)
         loop = asyncio.get_running_loop()
         print("READY", flush=True)
