@@ -38,7 +38,9 @@ import subprocess
 import sys
 import time
 
+import ltp
 from ltp.regimes import Regime
+from ltp_tools.argtypes import number
 from ltp_tools.machine_cpu import cpu_s_per_gb, machine_cpu_s
 
 __all__ = ["main", "parse_size", "parse_rate", "parse_time", "run_bench"]
@@ -246,6 +248,10 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
         result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
                       measured_loss=stats.get("measured_loss"), oversize_packets=stats.get("oversize"),
                       backend=lab.backend if lab is not None else "loopback", wall_s=round(time.time() - t_wall, 2))
+        if result.get("mode") == "reliable" and (result.get("delivered_fraction", 1.0) < 1.0
+                                                 or result.get("verified") is False):
+            result["error"] = (f"the reliable transfer did not complete: delivered {result['delivered_fraction']:.4f} "
+                               f"(close reason {result.get('close_reason')}, verified {result.get('verified')})")
         order = ["transport", "size_bytes", "loss", "rate", "goodput_gbps", "duration_s", "delivered_fraction",
                  "retransmitted_packets", "sender_cpu_s", "receiver_cpu_s", "machine_cpu_s", "machine_cpu_s_per_gb"]
         return {k: result[k] for k in order} | {k: v for k, v in result.items() if k not in order}
@@ -275,22 +281,33 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="ltp-bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--transport", default="ltp", choices=["ltp", "cubic", "bbr", "reno"])
     ap.add_argument("--size", type=parse_size, default=parse_size("200M"))
-    ap.add_argument("--loss", type=float, default=0.0, help="random drop probability of data packets (0.01 = 1%%)")
+    ap.add_argument("--loss", type=number(float, 0.0, 1.0, what="the drop probability", open_hi=True), default=0.0,
+                    help="random drop probability of data packets (0.01 = 1%%)")
     ap.add_argument("--loss-both", action="store_true", help="drop in both directions and all sizes")
     ap.add_argument("--rate", type=parse_rate, default=None, help="tbf rate, e.g. 1gbit (default: unlimited)")
     ap.add_argument("--delay", type=parse_time, default=0.0, help="one-way delay, e.g. 10ms")
-    ap.add_argument("--mtu", type=int, default=1500)
+    ap.add_argument("--mtu", type=number(int, 576, 65535, what="the link MTU"), default=1500)
     ap.add_argument("--mode", choices=["reliable", "tolerant"], default="reliable")
-    ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--warmup", type=int, default=0,
+    ap.add_argument("--timeout", type=number(float, 0.0, what="seconds a transfer may take", open_lo=True),
+                    default=300.0)
+    ap.add_argument("--repeats", type=number(int, 1, what="the number of runs"), default=1)
+    ap.add_argument("--warmup", type=number(int, 0, what="warm-up messages"), default=0,
                     help="LTP: messages sent on the same path before the measured one (Early Close learns the link)")
     args = ap.parse_args(argv)
     for _ in range(args.repeats):
-        res = run_bench(transport=args.transport, size=args.size, loss=args.loss, rate_bps=args.rate,
-                        delay_s=args.delay, mtu=args.mtu, mode=args.mode, loss_both=args.loss_both,
-                        timeout=args.timeout, warmup=args.warmup)
+        try:
+            res = run_bench(transport=args.transport, size=args.size, loss=args.loss, rate_bps=args.rate,
+                            delay_s=args.delay, mtu=args.mtu, mode=args.mode, loss_both=args.loss_both,
+                            timeout=args.timeout, warmup=args.warmup)
+        except (TimeoutError, subprocess.TimeoutExpired, ltp.LTPError, RuntimeError) as exc:
+            # a transfer that did not finish is a result to report, not a crash
+            print(f"ltp-bench: {args.transport} transfer of {args.size} B failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+            return 1
         print(json.dumps(res), flush=True)
+        if "error" in res:  # printed (it is a measurement), and the exit code says the transfer failed
+            print(f"ltp-bench: {res['error']}", file=sys.stderr, flush=True)
+            return 1
     return 0
 
 

@@ -186,8 +186,9 @@ def cmd_clean(args) -> int:
 def cmd_dissect(args) -> int:
     from ltp_tools.dissector import dissect_pcap
 
-    n = dissect_pcap(args.pcap, port=args.port)
-    print(f"{n} LTP packets", file=sys.stderr)
+    stats: dict = {}
+    n = dissect_pcap(args.pcap, port=args.port, stats=stats)
+    print(f"{n} LTP packets ({stats['malformed']} malformed)", file=sys.stderr)
     return 0
 
 
@@ -245,12 +246,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Entry point of ``ltp-lab``; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     from ltp_tools.netlab import LabUnsupported
+    from ltp_tools.experiments._common import ExperimentError
     try:
         return int(args.func(args) or 0)
     except LabUnsupported as e:
         print(f"ltp-lab: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, argparse.ArgumentTypeError, FileNotFoundError) as e:
+        # the experiments check their arguments as they start (an unknown row, a loss of 1.5, a missing file):
+        # a usage error, one line, no traceback (LTP_LAB_TRACEBACK=1 shows it)
+        if os.environ.get("LTP_LAB_TRACEBACK"):
+            raise
+        print(f"ltp-lab {getattr(args, 'command', '')}: error: {e}", file=sys.stderr)
+        return 2
+    except ExperimentError as e:
+        print(f"ltp-lab {getattr(args, 'command', '')}: the experiment failed: {e}", file=sys.stderr)
         return 1
 
 

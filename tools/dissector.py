@@ -24,12 +24,17 @@ from __future__ import annotations
 from scapy.fields import (BitEnumField, BitField, ByteEnumField, ByteField, ConditionalField, FieldLenField,
                           FieldListField, FlagsField, IntEnumField, IntField, LongField, PacketListField,
                           ShortField, XIntField, XStrFixedLenField)
+import struct
+
+from scapy.error import Scapy_Exception
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_layers
 
 LTP_PORT = 7447
 HEADER_LEN = 16  # bytes
 MAC_LEN = 16  # bytes (HMAC-SHA256 truncated)
+HEADER_LEN = 16  # bytes: the common header, words 1-4 (docs/protocol.md)
+REG_BODY_LEN = 36  # bytes of a REG after the header, before its ranges and MAC
 MAX_ACK_ENTRIES = 364
 MAX_CRITICAL_RANGES = 160
 
@@ -128,6 +133,30 @@ class LTPT(Packet):
                          _is(ACK)),
     ]
 
+    malformed: str | None = None  # why the bytes did not parse (truncated, absurd counts); None when they did
+
+    def do_dissect(self, s):
+        """As scapy's, but a truncated or absurd datagram never raises (as LTP's own codec drops and counts it): the
+        fields parsed so far stay, the rest of the bytes become the payload, ``malformed`` says why."""
+        try:
+            rest = super().do_dissect(s)
+        except (struct.error, Scapy_Exception) as exc:
+            self.malformed = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            return s if isinstance(s, bytes) else b""
+        need = self._wire_length()  # scapy stops quietly at the end of the bytes, leaving defaults: say so
+        if len(s) < need:
+            self.malformed = f"truncated: {len(s)} of {need} bytes"
+        return rest
+
+    def _wire_length(self) -> int:
+        """Bytes this datagram's header and body take on the wire (DATA: the header only)."""
+        n = HEADER_LEN
+        if self.type == REG:
+            n += REG_BODY_LEN + 8 * (self.range_count or 0) + (MAC_LEN if int(self.flags) & FLAG_MAC else 0)
+        elif self.type == ACK:
+            n += 4 * (self.count or 0)
+        return n
+
     def acked(self) -> list[tuple[int, int]]:
         """ACK entries as (seq, attempt) pairs."""
         return [(e >> 8, e & 0xFF) for e in (self.entries or [])] if self.type == ACK else []
@@ -138,6 +167,8 @@ class LTPT(Packet):
         head = f"LTPT {t} flow={self.flow_id} token={self.token:#010x}{fl}"
         if self.version != 1:
             head += f" version={self.version}"
+        if self.malformed:
+            return f"{head} MALFORMED ({self.malformed})"
         if self.type == DATA:
             n = len(self.payload) if self.payload else 0
             return f"{head} seq={self.seq} att={self.attempt} len={n}"
@@ -167,10 +198,12 @@ bind_layers(UDP, LTPT, sport=LTP_PORT)
 bind_layers(UDP, LTPT, dport=LTP_PORT)
 
 
-def dissect_pcap(path: str, port: int = LTP_PORT, out=None) -> int:
+def dissect_pcap(path: str, port: int = LTP_PORT, out=None, stats: dict | None = None) -> int:
     """Print one line per LTP packet found in the pcap/pcapng ``path``; return how many were printed.
 
-    A ``port`` other than 7447 is bound for the duration of the call.
+    A ``port`` other than 7447 is bound for the duration of the call.  Malformed datagrams (truncated by the
+    capture's snap length, absurd counts) are printed as such and counted in ``stats["malformed"]``, never
+    skipped silently.  A file that is not a capture raises ``ValueError``.
     """
     import sys
 
@@ -182,9 +215,17 @@ def dissect_pcap(path: str, port: int = LTP_PORT, out=None) -> int:
     if extra:
         bind_layers(UDP, LTPT, sport=port)
         bind_layers(UDP, LTPT, dport=port)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} is not a UDP port (1..65535)")
     n = 0
+    stats = stats if stats is not None else {}
+    stats.setdefault("malformed", 0)
     try:
-        with PcapReader(path) as rd:
+        try:
+            rd = PcapReader(path)
+        except Scapy_Exception as exc:
+            raise ValueError(f"{path} is not a pcap or pcapng capture ({exc})") from None
+        with rd:
             for i, pkt in enumerate(rd):
                 if LTPT not in pkt:
                     continue
@@ -193,6 +234,7 @@ def dissect_pcap(path: str, port: int = LTP_PORT, out=None) -> int:
                 where = f"{ip.src}:{udp.sport} > {ip.dst}:{udp.dport}" if ip else f"{udp.sport} > {udp.dport}"
                 print(f"{i + 1} {float(pkt.time):.6f} {where} {pkt[LTPT].mysummary()}", file=out)
                 n += 1
+                stats["malformed"] += bool(pkt[LTPT].malformed)
     finally:
         if extra:
             from scapy.packet import split_layers

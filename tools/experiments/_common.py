@@ -21,6 +21,8 @@ Theory of operation
 """
 from __future__ import annotations
 
+from ltp_tools.argtypes import number
+
 import argparse
 import csv
 import datetime as _dt
@@ -41,7 +43,7 @@ class ExperimentError(RuntimeError):
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     """The arguments every experiment takes."""
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--repeats", type=number(int, 1, what="measurements per point"), default=None,
                    help="measurements per point (default: 3, or 1 with --quick)")
     p.add_argument("--seed", type=int, default=1,
                    help="seeds the LTP endpoints' RNG and the message contents (the kernel's random "

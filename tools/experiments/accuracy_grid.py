@@ -41,6 +41,8 @@ Theory of operation
 """
 from __future__ import annotations
 
+from ltp_tools.argtypes import number
+
 import json
 import math
 import os
@@ -340,7 +342,7 @@ def register(subparsers) -> None:
                    help="explicit cells WORKERS:LOSS:DELAY_S,... instead of the cross product (e.g. 6:0.003:0.003)")
     p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list of ltp,tcp")
     p.add_argument("--seeds", default=None, help="number of seeds (0..N-1) or a comma list (default 3; --quick 1)")
-    p.add_argument("--epochs", type=int, default=None, help=f"epochs per run (default {FULL_EPOCHS}; "
+    p.add_argument("--epochs", type=number(int, 1, what="epochs per run"), default=None, help=f"epochs per run (default {FULL_EPOCHS}; "
                                                             f"--quick {QUICK_EPOCHS})")
     p.add_argument("--backend", choices=["lab", "memory"], default="lab",
                    help="lab: real transports in namespaces (root); memory: in-process, no delay")

@@ -28,6 +28,8 @@ Theory of operation
 """
 from __future__ import annotations
 
+from ltp_tools.argtypes import number
+
 import statistics
 import subprocess
 import sys
@@ -230,10 +232,10 @@ def register(subparsers) -> None:
     p.add_argument("--ccs", default=",".join(CCS), help="TCP variants, in turn (comma list of cubic,bbr,reno)")
     p.add_argument("--rate", type=parse_rate, default=500e6, help="bottleneck rate (default 500mbit)")
     p.add_argument("--loss", type=float, default=0.0, help="random drop probability at the receiver (default 0)")
-    p.add_argument("--duration", type=float, default=None, help="seconds each pair runs (default 10; --quick 2.5)")
+    p.add_argument("--duration", type=number(float, 0.0, what="seconds each pair runs", open_lo=True), default=None, help="seconds each pair runs (default 10; --quick 2.5)")
     p.add_argument("--message", type=parse_size, default=None,
                    help="LTP reliable message size, sent back to back (default 50M; --quick 5M)")
-    p.add_argument("--interval", type=float, default=0.1, help="sampling interval, s (default 0.1)")
+    p.add_argument("--interval", type=number(float, 0.0, what="the sampling interval", open_lo=True), default=0.1, help="sampling interval, s (default 0.1)")
     p.add_argument("--skip", type=float, default=None, help="start-up seconds left out of the fairness figures")
     C.add_common_args(p)
     p.set_defaults(func=_cli)

@@ -41,6 +41,8 @@ Theory of operation
 """
 from __future__ import annotations
 
+from ltp_tools.argtypes import number
+
 import statistics
 import subprocess
 import sys
@@ -314,9 +316,9 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(NAME, help="batch synchronisation time, N workers -> one PS (paper Fig. 3/14)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", type=int, default=None, help="worker hosts h1..hN (default 8; --quick 4)")
+    p.add_argument("--workers", type=number(int, 1, 60, what="worker hosts"), default=None, help="worker hosts h1..hN (default 8; --quick 4)")
     p.add_argument("--size", type=parse_size, default=None, help="gradient message bytes (default 98M; --quick 2M)")
-    p.add_argument("--iterations", type=int, default=None,
+    p.add_argument("--iterations", type=number(int, 1, what="iterations per point"), default=None,
                    help="measured iterations per run, after one warm-up (default 5; --quick 3)")
     p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list of ltp,cubic,bbr,reno")
     p.add_argument("--losses", default=",".join(f"{x:g}" for x in LOSSES),

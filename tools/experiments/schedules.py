@@ -66,6 +66,8 @@ Theory of operation
 """
 from __future__ import annotations
 
+from ltp_tools.argtypes import number
+
 import json
 import os
 import random
@@ -766,7 +768,7 @@ def register(subparsers) -> None:
     p.add_argument("--schedules", default=None,
                    help=f"comma list of rows (rsgcm: {','.join(SCHEDULES)}; mlfabric: {','.join(T.TTA_SCHEDULES)}; "
                         f"accuracy: {','.join(T.ACCURACY_SCHEDULES)}; default all)")
-    p.add_argument("--epochs", type=int, default=None,
+    p.add_argument("--epochs", type=number(int, 1, what="epochs per job"), default=None,
                    help=f"mlfabric/accuracy: training epochs (default {T.TTA_EPOCHS}/{T.ACC_EPOCHS}; --quick "
                         f"{T.QUICK_TTA_EPOCHS}/{T.QUICK_ACC_EPOCHS})")
     p.add_argument("--tau-max", type=int, default=8, help="mlfabric: the delay bound of the mlfabric row (default 8)")
@@ -783,7 +785,7 @@ def register(subparsers) -> None:
                    help="accuracy: comma list of loss rates at every host's ingress (default 0,0.01)")
     p.add_argument("--transports", default="ltp,tcp", help="accuracy: comma list of transports (default ltp,tcp)")
     p.add_argument("--model-bytes", type=int, default=None, help="model size (default 4000000; --quick 1000000)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds per job (default 12; --quick 6)")
+    p.add_argument("--rounds", type=number(int, 1, what="rounds per job"), default=None, help="rounds per job (default 12; --quick 6)")
     p.add_argument("--block-at", type=int, default=None, help="rsgcm+block: block after this many rounds")
     p.add_argument("--rate", type=float, default=100e6,
                    help="host link rate, bit/s (default 100e6; 0 = unlimited: the jobs' CPU floor)")
