@@ -314,6 +314,10 @@ class _ServerRole:
         ps = self.ps
         back = []
         for n, m, again in ps.returning_workers(self.channels):
+            if again and n not in self.driver.failed:
+                # it joined again before this PS wrote it off (it gave up on us first): what the controller holds
+                # for the old incarnation (a pending update, hops through it) is written off like a failure's
+                self.driver.feed(NodeFailed(n, "it joined again (a new incarnation)"))
             old = listeners.pop(n, None)
             if old is not None:
                 old.cancel()
