@@ -318,17 +318,11 @@ class _ServerRole:
                 # it joined again before this PS wrote it off (it gave up on us first): what the controller holds
                 # for the old incarnation (a pending update, hops through it) is written off like a failure's
                 self.driver.feed(NodeFailed(n, "it joined again (a new incarnation)"))
-            old = listeners.pop(n, None)
-            if old is not None:
-                old.cancel()
-            ps._address([m])
-            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP,
-                                              epoch=ps.join_tickets.get(m.rank, 0))
             self.params_seq[n] = 0
             if n not in nodes:
                 nodes.append(n)
             self.driver.revive(n)
-            listeners[n] = asyncio.ensure_future(self.listen(n))
+            ps.reopen_control(n, m, self.channels, listeners, self.listen)
             self.counters["readmitted"] = self.counters.get("readmitted", 0) + again
             ps.log(f"[ps{ps.shard}] worker {m.rank} {'joined again' if again else 'joined'} "
                    f"(generation {m.generation}); it gets the parameters of version {ps.version}")

@@ -351,16 +351,10 @@ class _ServerRole:
         ps = self.ps
         back = []
         for n, m, again in ps.returning_workers(self.channels):
-            old = listeners.pop(n, None)
-            if old is not None:
-                old.cancel()
-            ps._address([m])
-            self.channels[n] = ControlChannel(ps.executor, n, out_dir=DOWN, in_dir=UP,
-                                              epoch=ps.join_tickets.get(m.rank, 0))
             self.failed.discard(n)
             if n not in nodes:
                 nodes.append(n)
-            listeners[n] = asyncio.ensure_future(self.listen(n))
+            ps.reopen_control(n, m, self.channels, listeners, self.listen)
             back.append(n)
             self.counters["readmitted"] = self.counters.get("readmitted", 0) + again
             ps.log(f"[ps{ps.shard}] worker {m.rank} {'joined again' if again else 'joined'} "

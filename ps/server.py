@@ -186,6 +186,19 @@ class ParameterServer:
                 out.append((n, m, ch is not None))
         return out
 
+    def reopen_control(self, node: str, member, channels: dict, listeners: dict, listen) -> None:
+        """Fresh control streams with a returning worker (:meth:`returning_workers`): its old listener stops, its
+        address is refreshed, the new channel's epoch is its join ticket, and ``listen(node)`` runs for it."""
+        from .schedules.driver import DOWN, UP, ControlChannel
+
+        old = listeners.pop(node, None)
+        if old is not None:
+            old.cancel()
+        self._address([member])
+        channels[node] = ControlChannel(self.executor, node, out_dir=DOWN, in_dir=UP,
+                                        epoch=self.join_tickets.get(member.rank, 0))
+        listeners[node] = asyncio.ensure_future(listen(node))
+
     async def _wait_workers(self, want: int) -> None:
         deadline = time.monotonic() + self.cfg.join_timeout_s
         while True:

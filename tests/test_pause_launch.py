@@ -67,20 +67,25 @@ def test_a_direct_worker_paused_and_dropped_rejoins_at_once(tmp_path):
     assert late and max(r["contributors"] for r in late) == 3, late[-3:]
 
 
-def test_a_hoplite_worker_paused_and_dropped_is_taken_in_again(tmp_path):
-    """The Hoplite PS writes a worker silent for 10 s off; resumed, it joins again and the PS takes it in at the
-    next round (fresh control streams whose epoch is the join's ticket; the others are told it is back)."""
+def _paused_worker_returns(tmp_path, schedule: str, *, epochs: int, after_rows: int) -> list:
+    """Pause worker 1 of a 3-worker ``schedule`` job for 12 s; the launch must succeed with the worker dropped and
+    taken in again.  Returns the metrics rows from its return on."""
     metrics = tmp_path / "m.jsonl"
-    rc, text = _pause_during(["--schedule", "hoplite", "--workers", 3, "--epochs", 40, "--lab", "off", "--transport",
-                              "ltp", "--model", "digits", "--seed", 0], tmp_path / "out.txt", metrics,
-                             who="worker 1", after_rows=10, pause_s=12.0)
+    rc, text = _pause_during(["--schedule", schedule, "--workers", 3, "--epochs", epochs, "--lab", "off",
+                              "--transport", "ltp", "--model", "digits", "--seed", 0], tmp_path / "out.txt", metrics,
+                             who="worker 1", after_rows=after_rows, pause_s=12.0)
     assert rc == 0, text
     assert "dropped worker 1" in text and "worker 1 joined again" in text, text
     rows = [r for r in map(json.loads, open(metrics))]
-    drop = next(i for i, r in enumerate(rows) if r.get("event") == "dropped")
-    back = [i for i, r in enumerate(rows) if r.get("event") == "rejoined" and i > drop]
+    back = [i for i, r in enumerate(rows) if r.get("event") == "rejoined"]
     assert back, [r for r in rows if r.get("event") not in ("iteration", "epoch")]
-    late = [r for r in rows[back[0]:] if r.get("event") == "iteration"]
+    return [r for r in rows[back[-1]:] if r.get("event") == "iteration"]
+
+
+def test_a_hoplite_worker_paused_and_dropped_is_taken_in_again(tmp_path):
+    """The Hoplite PS writes a worker silent for 10 s off; resumed, it joins again and the PS takes it in at the
+    next round (fresh control streams whose epoch is the join's ticket; the others are told it is back)."""
+    late = _paused_worker_returns(tmp_path, "hoplite", epochs=40, after_rows=10)
     assert late and late[-1]["contributors"] == 3 and "worker:1" in late[-1]["members"], late[-3:]
 
 
@@ -89,13 +94,5 @@ def test_an_mlfabric_worker_paused_and_dropped_is_taken_in_again(tmp_path):
     limit) and posts the drop; resumed, the worker sees it in the store, joins again at once, and the PS takes it
     in (fresh control and parameter streams, the controller plans its updates again).  Before: the PS never took
     it back, and the driver's write-off was not posted, so the worker waited out its 60 s --pull-timeout."""
-    metrics = tmp_path / "m.jsonl"
-    rc, text = _pause_during(["--schedule", "mlfabric", "--workers", 3, "--epochs", 20, "--lab", "off", "--transport",
-                              "ltp", "--model", "digits", "--seed", 0], tmp_path / "out.txt", metrics,
-                             who="worker 1", after_rows=30, pause_s=12.0)
-    assert rc == 0, text
-    assert "dropped worker 1" in text and "worker 1 joined again" in text, text
-    rows = [r for r in map(json.loads, open(metrics))]
-    back = max(i for i, r in enumerate(rows) if r.get("event") == "rejoined")
-    later = [r for r in rows[back:] if r.get("event") == "iteration"]
+    later = _paused_worker_returns(tmp_path, "mlfabric", epochs=20, after_rows=30)
     assert any("worker:1" in r["members"] for r in later), later[-5:]
