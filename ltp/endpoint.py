@@ -50,6 +50,7 @@ from collections import deque
 from ltp_ext import load as _load
 
 from .config import Config
+from . import liveness
 from .engine import Engine, ReceiveDone, SendDone
 from .path import SegmentTransmit
 from .regimes import Regime
@@ -145,7 +146,7 @@ class Endpoint:
         self._closed = False
         self._family = sock.family
         #: wake-ups of this endpoint by cause (socket readable, timer, socket writable)
-        self.loop_stats = {"readable": 0, "timer": 0, "writable": 0}
+        self.loop_stats = {"readable": 0, "timer": 0, "writable": 0, "stalled_timeouts": 0}
         self._watch = _SocketWatch(self._loop, sock.fileno(), self._on_readable, self._on_writable)
 
     # ------------------------------------------------------------------ properties
@@ -316,7 +317,17 @@ class Endpoint:
         try:
             if timeout is None:
                 return await fut
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            deadline = started + timeout
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - _now()))
+                except (asyncio.TimeoutError, TimeoutError) as exc:
+                    if isinstance(exc, TransferTimeout) or not liveness.stalled(deadline, _now()):
+                        raise
+                    # the own-stall rule (ltp.liveness): this process did not run for part of the
+                    # caller's window, so the transfer gets the whole window again from now
+                    self.loop_stats["stalled_timeouts"] += 1
+                    deadline = _now() + timeout
         except TransferTimeout:
             raise  # the engine's own verdict (peer silent...), with its cause: never relabel it
         except (asyncio.TimeoutError, TimeoutError):

@@ -171,6 +171,8 @@ class Engine:
         self._next_handle = 1
         self._closed_engine = False
         self._wakes: dict = {}  # (peer, fid) -> when its Early Close decision can change (Timer.EARLY_CLOSE)
+        self._due: float | None = None  # the deadline get_timer last gave (the adapter's timer is armed there)
+        self._heard_floor = float("-inf")  # silence counts from no earlier than this (the own-stall rule)
 
     # ------------------------------------------------------------------ commands
     def send(self, peer, data, *, now: float, reliable: bool = False, critical=(), element_size: int | None = None,
@@ -657,6 +659,7 @@ class Engine:
         for t in self._deadlines():
             if t is not None and (best is None or t < best):
                 best = t
+        self._due = best
         return best
 
     def timers(self) -> TimerTable:
@@ -675,6 +678,7 @@ class Engine:
                 pacing = t
             pto = path.pto()
             limit = self.silence_limit(path)
+            floor = self._heard_floor
             for flow in path.flows:
                 if not flow.reg_confirmed:
                     t = flow.reg_next
@@ -688,7 +692,7 @@ class Engine:
                         t = max(oldest, flow.last_heard) + pto
                         if tail is None or t < tail:
                             tail = t
-                t = max(flow.last_heard, path.last_heard) + limit
+                t = max(flow.last_heard, path.last_heard, floor) + limit
                 if silence is None or t < silence:
                     silence = t
         early = min(self._wakes.values()) if self._wakes else None
@@ -717,13 +721,20 @@ class Engine:
         return liveness.silence_limit(self.config, path.srtt)
 
     def handle_timer(self, now: float) -> None:
-        """Run every timer due at ``now`` (REG repeat, tail-loss probe, idle, Early Close)."""
+        """Run every timer due at ``now`` (REG repeat, tail-loss probe, idle, Early Close).
+
+        A call over ``liveness.OWN_STALL_S`` after the deadline :meth:`get_timer` gave means this process
+        did not run meanwhile: every peer's silence counts afresh from ``now`` (the own-stall rule)."""
+        if liveness.stalled(self._due, now):
+            self._heard_floor = now
+            self.stats.own_stalls += 1
+        self._due = None
         for path in list(self._paths.values()):
             pto = path.pto()
             for flow in list(path.flows):
                 if flow.state != OPEN:
                     continue
-                heard = max(flow.last_heard, path.last_heard)
+                heard = max(flow.last_heard, path.last_heard, self._heard_floor)
                 limit = self.silence_limit(path)
                 if heard + limit <= now:
                     flow.fail(now, TransferTimeout(self._silence_message(flow, path, now - heard, limit, now)))
@@ -759,7 +770,8 @@ class Engine:
     def _expire_idle_receives(self, now: float) -> None:
         """Close receive flows whose sender has been silent for ``idle_timeout_s`` (regime ``timeout``)."""
         limit = self.config.idle_timeout_s
-        for flow in [f for f in self._rx.values() if f.regime is None and f.last_arrival + limit <= now]:
+        floor = self._heard_floor
+        for flow in [f for f in self._rx.values() if f.regime is None and max(f.last_arrival, floor) + limit <= now]:
             self._close_rx(flow, now, Regime.TIMEOUT, cause=liveness.idle_cause(
                 flow.peer, silent_s=now - flow.last_arrival, idle_timeout_s=limit, received=flow.window.received,
                 seg_count=flow.seg_count, ran_s=now - flow.start))

@@ -13,6 +13,14 @@ measured on the engine's clock from the last datagram heard:
 * **idle sender** (receiving side): a receive flow whose sender has sent
   nothing for ``idle_timeout_s`` closes with regime ``timeout``. The engine
   scans for such flows every ``IDLE_SCAN_FRACTION × idle_timeout_s``.
+* **own stall**: both rules judge a peer by a silence this process measured
+  while it ran. A timer that runs more than :data:`OWN_STALL_S` after its
+  deadline means this process did not run (SIGSTOP, a suspended VM, an event
+  loop blocked in one call): what the peer sent meanwhile may not have been
+  read, and what we meant to send was not sent, so every peer's silence is
+  counted afresh from that moment (``Engine.handle_timer``). A genuinely dead
+  peer is still declared dead one limit later: the timer that judges it runs
+  on time.
 
 Every error states the peer, the elapsed time, the limit and how far the
 transfer got. Pure functions: the engine passes in what they need.
@@ -20,12 +28,20 @@ transfer got. Pure functions: the engine passes in what they need.
 
 from __future__ import annotations
 
-__all__ = ["PEER_SILENCE_RTTS", "IDLE_SCAN_FRACTION", "silence_limit", "silence_message", "idle_cause"]
+__all__ = ["PEER_SILENCE_RTTS", "IDLE_SCAN_FRACTION", "OWN_STALL_S", "silence_limit", "silence_message",
+           "idle_cause", "stalled"]
 
 #: dead-peer rule: a send fails after this many smoothed RTTs of silence (floored, see Config)
 PEER_SILENCE_RTTS = 64
 #: how often receive flows are scanned for the idle rule, as a fraction of idle_timeout_s
 IDLE_SCAN_FRACTION = 0.25
+#: own-stall rule: a timer that runs this many seconds after its deadline means this process did not run
+OWN_STALL_S = 1.0
+
+
+def stalled(due: float | None, now: float) -> bool:
+    """True if a timer armed for ``due`` that runs at ``now`` tells of a stall of this process (the own-stall rule)."""
+    return due is not None and now - due > OWN_STALL_S
 
 
 def silence_limit(config, srtt_s: float | None) -> float:

@@ -77,6 +77,9 @@ class EndpointStats:
     reregistrations: int = 0
     #: ICMP unreachable reports fed in by the adapter (Engine.peer_unreachable)
     unreachable_reports: int = 0
+    #: timers that ran more than ``liveness.OWN_STALL_S`` late: this process did not run (SIGSTOP, a blocked
+    #: loop), and every peer's silence was counted afresh (the own-stall rule, :mod:`ltp.liveness`)
+    own_stalls: int = 0
 
     def drop(self, reason: str, n: int = 1) -> None:
         """Count ``n`` dropped datagrams under ``reason``."""

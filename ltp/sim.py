@@ -9,6 +9,10 @@ virtual time, after which the engine's output is routed through the links and
 its next timer is scheduled. All randomness comes from one seeded
 ``random.Random``, so a run is exactly repeatable. Used by the unit tests and
 handy for experimenting with protocol parameters without sockets.
+
+A host can be *stalled* (:meth:`SimNetwork.stall`), as SIGSTOP would: until it
+resumes, datagrams for it wait (as in a socket buffer) and its timer does not
+run; on resume it reads what waited, then runs its timer.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class SimNetwork:
         self.trace: list | None = None
         self._last_fire: dict = {}
         self._same_fire: dict = {}
+        self._stalled: dict = {}  # addr -> virtual time it runs again
 
     def add_host(self, addr, engine) -> None:
         """Attach ``engine`` at address ``addr`` (a ``(host, port)`` tuple)."""
@@ -69,6 +74,21 @@ class SimNetwork:
         if link is None:
             link = self.links[(src, dst)] = SimLink()
         return link
+
+    def stall(self, addr, seconds: float) -> None:
+        """Stop host ``addr`` from now for ``seconds`` (a SIGSTOPped process): its arrivals wait, its timer
+        does not run; on resume it reads what arrived, then runs its (by then late) timer."""
+        if addr not in self.hosts:
+            raise KeyError(f"no host {addr!r}: add_host it first")
+        self._stalled[addr] = self.now + seconds
+
+    def _deferred(self, addr, kind: str, payload) -> bool:
+        """Hold an event of a stalled host until it resumes (arrivals first); True if held."""
+        until = self._stalled.get(addr)
+        if until is None or self.now >= until:
+            return False
+        self._push(until if kind == "arrive" else until + 1e-9, kind, payload)
+        return True
 
     def _push(self, t: float, kind: str, payload) -> None:
         self._seq += 1
@@ -131,6 +151,8 @@ class SimNetwork:
             n += 1
             if kind == "arrive":
                 src, dst, data = payload
+                if self._deferred(dst, kind, payload):
+                    continue
                 if self.trace is not None:
                     self.trace.append((self.now, src, dst, data))
                 self.hosts[dst].receive_datagram(data, src, self.now)
@@ -138,6 +160,8 @@ class SimNetwork:
             else:
                 addr, version = payload
                 if version != self._timer_version[addr]:
+                    continue
+                if self._deferred(addr, kind, payload):
                     continue
                 if self.now == self._last_fire.get(addr):
                     self._same_fire[addr] = self._same_fire.get(addr, 0) + 1

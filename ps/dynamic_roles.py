@@ -100,7 +100,7 @@ class _ServerRole:
         self.last_apply = time.monotonic()
         self._planned = 0
         self.failed: TrainingFailed | None = None
-        self.counters = {"undecodable": 0, "silent": 0, "closed": 0}
+        self.counters = {"undecodable": 0, "silent": 0, "closed": 0, "after_end": 0}
         self.driver: ControllerDriver | None = None
         self._param_sends: set = set()  # parameter sends started by an Apply
         self._closing = False  # the run ended: a parameter send cut short now is no worker failure
@@ -151,6 +151,11 @@ class _ServerRole:
         members, versions = self.versions.pop(step.slot, ([], []))
         slots._partials.pop(step.slot, None)  # a commit's slot is used once
         if p is None or p.contributors == 0:
+            return None
+        if ps.version >= self.total:
+            # the run has every gradient it trains on; commits still in flight when the last one was applied
+            # (a burst after a stall of this PS) are not trained on, nor counted as another epoch
+            self.counters["after_end"] += 1
             return None
         c = p.contributors
         loss = p.loss_sum / c

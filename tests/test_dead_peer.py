@@ -108,6 +108,62 @@ def test_receive_from_a_sender_that_went_silent_closes_with_the_real_cause(harne
     assert 0.5 <= h.now - gone <= 0.5 * 1.25 + 0.05  # the idle scan runs every quarter of the limit
 
 
+def _stall_mid_transfer(h, floats, *, stall_s: float):
+    """Start a reliable 8 MB send 0 -> 1, then stall host 0 for ``stall_s`` while every ACK host 1 sends
+    meanwhile is lost (a paused process's socket buffer overflowing); returns the send's handle."""
+    a = h.engines[0]
+    data = floats(2_000_000)
+    hs = a.send(h.addrs[1], data, now=h.now, reliable=True)
+    h.engines[1].post_receive([(h.addrs[0], 0, np.zeros_like(data))], now=h.now)
+    h.net.run(until=h.now + 0.02)
+    assert a._tx, "the send finished before the stall: make it bigger"
+    h.link(1, 0, rate=GBIT, delay_s=0.001, loss=1.0, loss_min_size=0)
+    h.net.run(until=h.now + 0.003)  # the ACKs already on their way arrive; none after
+    h.net.stall(h.addrs[0], stall_s)
+    h.net.run(until=h.now + stall_s - 0.01)
+    return hs
+
+
+def test_a_stall_of_the_sender_itself_does_not_make_a_live_peer_dead(harness, floats):
+    """The own-stall rule (ltp.liveness): a sender that did not run for 10 s (far beyond the dead-peer
+    limit) counts its peer's silence from when it runs again.  Before, its first timer after the stall
+    failed the transfer at once: the peer, which had nothing to answer, was declared dead."""
+    h = harness(seed=54, config=Config(peer_silence_min_s=0.5))
+    h.links(rate=GBIT, delay_s=0.001)
+    hs = _stall_mid_transfer(h, floats, stall_s=10.0)
+    h.links(rate=GBIT, delay_s=0.001)  # ACKs flow again as the sender resumes
+    (ev,) = h.wait([(0, hs)], timeout=5)
+    assert ev.error is None, ev.error
+    assert h.engines[0].stats.own_stalls == 1
+
+
+def test_a_dead_peer_is_still_declared_dead_one_limit_after_a_stall(harness, floats):
+    h = harness(seed=55, config=Config(peer_silence_min_s=0.5))
+    h.links(rate=GBIT, delay_s=0.001)
+    hs = _stall_mid_transfer(h, floats, stall_s=3.0)
+    resumed = h.now + 0.01
+    (ev,) = h.wait([(0, hs)], timeout=5)
+    assert isinstance(ev.error, TransferTimeout), ev.error
+    limit = h.engines[0].silence_limit(h.engines[0]._paths[h.addrs[1]])
+    assert limit <= h.now - resumed <= limit + 0.05
+    assert h.engines[0].stats.own_stalls == 1
+
+
+def test_timers_run_on_time_are_no_stall(harness, floats):
+    """A peer that dies while the sender runs normally: the limit holds, and no stall is counted (the rule
+    must not postpone a verdict whose timer ran on time)."""
+    h = harness(seed=56, config=Config(peer_silence_min_s=0.5))
+    h.links(rate=GBIT, delay_s=0.001)
+    a = h.engines[0]
+    hs = a.send(h.addrs[1], floats(2_000_000), now=h.now, reliable=True)
+    h.net.run(until=h.now + 0.01)
+    h.links(rate=GBIT, delay_s=0.001, loss=1.0, loss_min_size=0)
+    died = h.now
+    (ev,) = h.wait([(0, hs)], timeout=5)
+    assert isinstance(ev.error, TransferTimeout) and h.now - died <= 0.5 + 0.05
+    assert a.stats.own_stalls == 0
+
+
 # ---------------------------------------------------------------- loopback tier
 async def test_send_to_a_closed_endpoint_fails_fast_naming_peer_and_cause():
     a = await ltp.open_endpoint(("127.0.0.1", 0))
@@ -219,3 +275,25 @@ async def test_engine_timeout_keeps_its_cause_under_a_caller_timeout():
     finally:
         await a.close()
         silent.close()
+
+
+async def test_a_caller_timeout_does_not_count_time_the_process_did_not_run():
+    """The loop blocked for 2.5 s (the process did not run) mid-send: the caller's 1 s timeout fired 1.5 s
+    late, so the send got its window again instead of failing (``loop_stats["stalled_timeouts"]``)."""
+    a = await ltp.open_endpoint(("127.0.0.1", 0))
+    b = await ltp.open_endpoint(("127.0.0.1", 0))
+    try:
+        data = np.random.default_rng(0).standard_normal(8_000_000).astype(np.float32)
+        out = np.zeros_like(data)
+        recv = asyncio.ensure_future(b.recv(out))
+        send = asyncio.ensure_future(a.send(b.local_addr, data, reliable=True, timeout=1.0))
+        await asyncio.sleep(0.005)
+        assert not send.done()
+        time.sleep(2.5)  # the whole process stops (both endpoints share this loop)
+        await asyncio.wait_for(asyncio.gather(send, recv), 20)
+        assert np.array_equal(out, data)
+        assert a.loop_stats["stalled_timeouts"] == 1
+    finally:
+        await a.close()
+        await b.close()
+

@@ -208,3 +208,35 @@ async def test_next_gradient_sees_the_workers_own_applied_update():
         for (_, after), (computed_next, _) in zip(v, v[1:]):
             assert computed_next >= after, (m, v)
     assert ps.mlfabric_stats["beyond_tau"] == 0
+
+
+def test_a_commit_applied_after_the_last_gradient_is_not_trained_on_nor_a_new_epoch():
+    """Commits still in flight when the run's last gradient was applied (a burst after a stall of the PS) are
+    dropped and counted (``after_end``).  Before, each one stepped the model again and ended the last epoch once
+    more: a PS paused for 10 s printed "epoch 6/6" twice."""
+    import types
+
+    import numpy as np
+
+    from ltp_ps.dynamic_roles import _ServerRole
+    from ltp_ps.schedules.executor import Slots
+    from ltp_ps.schedules.partial import Partial
+
+    ps, _ = make_mlf_job(3, epochs=2, lr=0.1, momentum=0.0)
+    role = _ServerRole(ps)
+    slots = Slots()
+    step = types.SimpleNamespace(slot="mlf:0:0:0", lo=0, hi=ps.n)
+
+    def commit(version):
+        slots.put_partial(step.slot, Partial.of_gradient(np.ones(ps.n, np.float32), samples=32, loss=1.0))
+        role.versions[step.slot] = (["worker:0"], [version])
+        return role.apply(step, slots)
+
+    ps.version = role.total - 1
+    commit(ps.version)
+    assert ps.version == role.total and len([r for r in ps.metrics.rows if r["event"] == "epoch"]) == 1
+    before = ps.params.copy()
+    commit(ps.version)
+    assert ps.version == role.total and np.array_equal(ps.params, before)
+    assert len([r for r in ps.metrics.rows if r["event"] == "epoch"]) == 1
+    assert role.counters["after_end"] == 1

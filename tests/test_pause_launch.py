@@ -67,13 +67,14 @@ def test_a_direct_worker_paused_and_dropped_rejoins_at_once(tmp_path):
     assert late and max(r["contributors"] for r in late) == 3, late[-3:]
 
 
-def _paused_worker_returns(tmp_path, schedule: str, *, epochs: int, after_rows: int) -> list:
-    """Pause worker 1 of a 3-worker ``schedule`` job for 12 s; the launch must succeed with the worker dropped and
-    taken in again.  Returns the metrics rows from its return on."""
+def _paused_worker_returns(tmp_path, schedule: str, *, epochs: int, after_rows: int, pause_s: float = 12.0,
+                           extra=()) -> list:
+    """Pause worker 1 of a 3-worker ``schedule`` job for ``pause_s``; the launch must succeed with the worker
+    dropped and taken in again.  Returns the metrics rows from its return on."""
     metrics = tmp_path / "m.jsonl"
     rc, text = _pause_during(["--schedule", schedule, "--workers", 3, "--epochs", epochs, "--lab", "off",
-                              "--transport", "ltp", "--model", "digits", "--seed", 0], tmp_path / "out.txt", metrics,
-                             who="worker 1", after_rows=after_rows, pause_s=12.0)
+                              "--transport", "ltp", "--model", "digits", "--seed", 0, *extra], tmp_path / "out.txt",
+                             metrics, who="worker 1", after_rows=after_rows, pause_s=pause_s)
     assert rc == 0, text
     assert "dropped worker 1" in text and "worker 1 joined again" in text, text
     rows = [r for r in map(json.loads, open(metrics))]
@@ -90,9 +91,12 @@ def test_a_hoplite_worker_paused_and_dropped_is_taken_in_again(tmp_path):
 
 
 def test_an_mlfabric_worker_paused_and_dropped_is_taken_in_again(tmp_path):
-    """The MLfabric PS writes off a worker it cannot reach (paused 12 s: a grant to it fails at LTP's dead-peer
-    limit) and posts the drop; resumed, the worker sees it in the store, joins again at once, and the PS takes it
-    in (fresh control and parameter streams, the controller plans its updates again).  Before: the PS never took
-    it back, and the driver's write-off was not posted, so the worker waited out its 60 s --pull-timeout."""
-    later = _paused_worker_returns(tmp_path, "mlfabric", epochs=20, after_rows=30)
+    """The MLfabric PS writes off a worker it cannot reach (a grant or parameters to it fail at LTP's dead-peer
+    limit) or that is silent for --store-timeout (paused while computing, nobody needs it: an asynchronous PS
+    waits for no one, so 20 s of silence is the only sign) and posts the drop; resumed after 25 s, the worker sees
+    it in the store, joins again at once, and the PS takes it in (fresh control and parameter streams, the
+    controller plans its updates again).  Before: the PS never took it back, and the driver's write-off was not
+    posted, so the worker waited out its 60 s --pull-timeout."""
+    later = _paused_worker_returns(tmp_path, "mlfabric", epochs=20, after_rows=30, pause_s=25.0,
+                                   extra=("--store-timeout", 20))
     assert any("worker:1" in r["members"] for r in later), later[-5:]
