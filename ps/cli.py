@@ -281,6 +281,10 @@ async def work(args, store=None) -> dict:
                                                             max_iterations=args.max_iterations,
                                                             max_missed=args.max_missed))
             w.join_tickets = tickets
+            rounds = [await asyncio.to_thread(rdv.admitted_round, store, s, t) for s, t in tickets.items()]
+            # a round program names each round's transfers: one that joins (again) mid-job starts where the
+            # shards are (the earliest, so no shard's round is skipped), not at round 0 of rounds long over
+            w.start_round = min((r for r in rounds if r is not None), default=0)
             await schedule_cli.prepare_worker(w, args, store, secret, rank, transport, wl, infos)
             # tree schedules agree on dead workers through their own board (a worker in a view stops: Excluded)
             drops = None if w.tree_board is not None and getattr(w.planner, "name", None) == "rat" else {

@@ -238,6 +238,7 @@ class _WorkerHandlers:
         self.param_slots = dict(param_slots or {})  # receive slot -> index of the shard (w.shards) it holds
         self.stopped = False
         self.orphaned = False  # every parameter source was declared dead: no gradient this round
+        self.sources_gone = False  # every parameter source is a worker whose connection closed (not yet declared)
 
     def _whole(self, slots, i: int) -> bool:
         """False when this round's parameter receive for shard index ``i`` ended incomplete."""
@@ -297,6 +298,12 @@ class _WorkerHandlers:
                 if self.param_sources and w.executor.excluded >= self.param_sources:
                     self.orphaned = True  # every parameter source was declared dead during the round
                     return None
+                if self.param_sources and all(parse_node(p)[0] == "worker" for p in self.param_sources) and \
+                        all(_source_gone(slots, slot) for slot in self.param_slots):
+                    # hard evidence (a TCP peer's connection closed) before the job's word on the board: the
+                    # round loop waits for the board to declare them (worker_run), instead of failing the worker
+                    self.sources_gone = True
+                    return None
                 raise TransportTimeout(f"worker {w.cfg.rank}: no parameters of any shard for round {self.it}")
             if not w.stale_param_slices and not self.it:
                 w.flat[:] = w.workload.initial_params(w.cfg.seed)  # what the PS starts from (same --seed)
@@ -316,6 +323,17 @@ class _WorkerHandlers:
         slots.put_partial(step.slot, Partial.of_gradient(np.asarray(grad, np.float32), samples=samples, loss=loss))
         w.last_loss = loss
         return None
+
+
+def _source_gone(slots, slot: str) -> bool:
+    """True when this round's receive into ``slot`` failed because its sender is gone (its connection closed or
+    it is unreachable), not merely late."""
+    return _gone(slots.reports.get(slot))
+
+
+def _gone(report) -> bool:
+    """A transfer's report (or error) that says the peer is gone (connection closed, unreachable)."""
+    return isinstance(report, ConnectionError) or getattr(report, "peer_gone", False)
 
 
 def _cut_short(slots, slot: str) -> bool:
@@ -383,6 +401,14 @@ async def worker_run(w, start: int = 0) -> dict:
             _orphan_round(w, it, sources, "declared dead while this round waited for them")
             it += 1
             continue
+        if h.sources_gone:
+            if views is not None and await _declared_dead(w, views, sources):
+                _orphan_round(w, it, sources, "their connections closed; the job declared them dead")
+                it += 1
+                continue
+            raise TransportTimeout(f"worker {w.cfg.rank}: no parameters of any shard for round {it}: "
+                                   f"{sorted(sources)} closed their connections, and the job did not declare them "
+                                   f"dead within --pull-timeout ({w.cfg.pull_timeout_s:g} s)")
         first = [r for st, r in zip(prog.steps(), res.reports) if st.op == "recv" and st.payload == "params"]
         if first and all(getattr(r, "received_bytes", 0) == 0 for r in first):
             raise TransportTimeout(f"worker {w.cfg.rank}: no parameters for round {it} within "
@@ -391,6 +417,19 @@ async def worker_run(w, start: int = 0) -> dict:
         it += 1
         if w.cfg.max_iterations is not None and w.iterations >= w.cfg.max_iterations:
             return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": False}
+
+
+async def _declared_dead(w, v: "_Views", nodes) -> bool:
+    """Wait (up to ``--pull-timeout``, looking every ``BOARD_POLL_S``) until the board declares every node of
+    ``nodes`` dead, or the PS posts stop (the next round's board sync ends the run); False if neither came."""
+    deadline = time.monotonic() + w.cfg.pull_timeout_s
+    while True:
+        stop, newest = await asyncio.to_thread(_poll_board, v)
+        if stop is not None or set(nodes) <= {worker_node(r) for r in newest.dead}:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(tree_views.BOARD_POLL_S)
 
 
 def _orphan_round(w, it: int, sources, why: str) -> None:
@@ -519,7 +558,7 @@ def _observe_peers(w, v: _Views, prog: Program, res) -> list:
     excluded = v.excluded()
     oks: dict = {}  # rank -> any exchange with it succeeded this round
     whys: dict = {}  # rank -> the first failure
-    gone: set = set()  # ranks a send found gone (unreachable, connection closed): suspects at once
+    gone: set = set()  # ranks a send or receive found gone (unreachable, connection closed): suspects at once
     for step, rep in zip(prog.steps(), res.reports):
         if step.op not in ("send", "recv", "forward") or step.peer in excluded:
             continue
@@ -529,6 +568,10 @@ def _observe_peers(w, v: _Views, prog: Program, res) -> list:
         if step.op == "recv":
             ok = isinstance(rep, RecvReport) and rep.received_bytes > 0
             why = f"nothing from it ({getattr(rep, 'regime', type(rep).__name__)})"
+            if _gone(rep):  # its connection closed (TCP): gone, not late
+                gone.add(rank)
+                why = "its connection closed" if not isinstance(rep, BaseException) else \
+                    f"its connection closed ({type(rep).__name__}: {rep})"
         else:
             ok = not isinstance(rep, BaseException) or isinstance(rep, (ExecutorError, MissingInput))
             why = f"a send to it failed ({type(rep).__name__}: {rep})"

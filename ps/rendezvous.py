@@ -149,8 +149,11 @@ class ServerRendezvous:
         """Tell the workers (``failed/<s>``) that this shard stopped the job with an error."""
         self.store.set(f"failed/{self.info.shard}", reason)
 
-    def poll(self) -> tuple[list[dict], list[tuple[int, str]]]:
-        """New join requests: (accepted requests, [(rank, reason)] rejected)."""
+    def poll(self, round_: int | None = None) -> tuple[list[dict], list[tuple[int, str]]]:
+        """New join requests: (accepted requests, [(rank, reason)] rejected).
+
+        ``round_``: the round the PS is at; an accepted worker reads it (:func:`admitted_round`) and starts
+        there, rather than at round 0 of a job far past it."""
         s = self.info.shard
         last = int(self.store.add(f"joins/{s}", 0))
         accepted, rejected = [], []
@@ -162,6 +165,8 @@ class ServerRendezvous:
             self._next_ticket += 1
             req = json.loads(self.store.get(key))
             reason = self.check(req)
+            if reason is None and round_ is not None:
+                self.store.set(f"admitted/{s}/{t}", str(int(round_)))  # before the verdict the worker waits for
             self.store.set(f"verdict/{s}/{t}", "ok" if reason is None else f"rejected: {reason}")
             if reason is None:
                 accepted.append({**req, "ticket": t})
@@ -243,6 +248,15 @@ def join(store, secret: bytes, info: ServerInfo, *, rank: int, addr: tuple, n_pa
             raise AuthError(f"PS shard {s} refused worker {rank}: {reason}")
         raise MembershipError(f"PS shard {s} refused worker {rank}: {reason}")
     return t
+
+
+def admitted_round(store, shard: int, ticket: int) -> int | None:
+    """The round PS shard ``shard`` was at when it accepted join ``ticket`` (:meth:`ServerRendezvous.poll`),
+    or None if it did not say."""
+    key = f"admitted/{shard}/{ticket}"
+    if not store.check([key]):
+        return None
+    return int(store.get(key).decode())
 
 
 def current_nonce(store, shard: int) -> str | None:

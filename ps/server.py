@@ -166,7 +166,7 @@ class ParameterServer:
     def _poll(self) -> None:
         if self.rendezvous is None:
             return
-        accepted, rejected = self.rendezvous.poll()
+        accepted, rejected = self.rendezvous.poll(self.iteration)
         for req in accepted:
             self.admit(int(req["rank"]), tuple(req["addr"]), int(req.get("ticket", 0)))
         for rank, reason in rejected:

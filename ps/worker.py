@@ -78,6 +78,7 @@ class Worker:
         self.relay_budget_s: float | None = None  # tree schedules: seconds a parameter relay may take (last bound)
         self.tree_board = None  # tree schedules: where views of dead workers are agreed (ltp_ps.tree_views)
         self.join_tickets: dict[int, int] = {}  # shard -> ticket of this incarnation's join (ControlChannel epoch)
+        self.start_round = 0  # the round a round-program worker starts at (the PS's round when it was admitted)
         self._in = [np.zeros(params_message_capacity(s.hi - s.lo), dtype=np.uint8) for s in self.shards]
         self._out = [np.zeros(HEADER_BYTES + ELEM * (s.hi - s.lo), dtype=np.uint8) for s in self.shards]
         layout = workload.layout()
@@ -170,7 +171,7 @@ class Worker:
         if not hasattr(self.planner, "worker_program"):  # trees etc.: run the schedule's whole round program
             from .program_roles import worker_run
 
-            return await worker_run(self)
+            return await worker_run(self, self.start_round)
         if self._batches is None:
             self._batches = self.workload.batches(self.cfg.rank, self.cfg.world_size, self.cfg.seed)
         while True:

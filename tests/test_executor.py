@@ -248,6 +248,34 @@ async def test_abandon_ends_a_waiting_reliable_receive_at_once_and_keeps_the_oth
     assert (sl.buffer("p2") == np.arange(64, dtype=np.uint8)).all()
 
 
+async def test_a_receive_whose_sender_is_gone_says_so_and_an_abandoned_one_does_not():
+    """A receive that ends because its sender's connection closed (TCP's ``PeerClosed``) is a missing report
+    with ``peer_gone``: hard evidence a tree worker acts on at once (``program_roles``), where a receive
+    abandoned or timed out is only late."""
+    from ltp_ps.transport.mailbox import PeerClosed
+
+    net = MemoryNetwork(loss=0.0, segment_size=256, seed=0)
+    a, b, c, addrs = _pair(net)
+
+    async def closed_recv(into, *, peer=None, tag=None, timeout=None):
+        if peer == b.local_addr:
+            raise PeerClosed(f"peer {peer} closed its connection")
+        await asyncio.sleep(timeout)
+        raise TimeoutError
+
+    a.recv = closed_recv
+    ex = Executor(a, "worker:0", addrs, timeout_s=0.2)
+    sl = Slots()
+    sl.bind("p1", np.zeros(64, np.uint8))
+    sl.bind("p2", np.zeros(64, np.uint8))
+    prog = Program("worker:0", ((Recv("worker:1", "p1", 0, 16, 7, "reliable", "params", group="params"),
+                                 Recv("worker:2", "p2", 0, 16, 7, "reliable", "params", group="params")),))
+    res = await asyncio.wait_for(ex.run(prog, sl), 5)
+    gone, late = res.reports
+    assert gone.received_bytes == 0 and gone.peer_gone and sl.reports["p1"].peer_gone
+    assert late.received_bytes == 0 and late.regime == "timeout" and not late.peer_gone
+
+
 async def test_a_send_that_finds_its_peer_gone_skips_the_later_receive_from_it():
     from ltp_ps.errors import PeerGone
 

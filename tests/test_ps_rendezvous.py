@@ -41,7 +41,7 @@ def _join_kw(**kw):
     return d
 
 
-def _serve_until_verdict(srv, fn):
+def _serve_until_verdict(srv, fn, round_=None):
     """Run the worker side in a thread while the PS polls (what the server loop does)."""
     import threading
 
@@ -57,11 +57,11 @@ def _serve_until_verdict(srv, fn):
     t.start()
     acc, rej = [], []
     while t.is_alive():
-        a, r = srv.poll()
+        a, r = srv.poll(round_)
         acc += a
         rej += r
         t.join(0.02)
-    a, r = srv.poll()
+    a, r = srv.poll(round_)
     return out, acc + a, rej + r
 
 
@@ -73,6 +73,23 @@ def test_join_accepted_and_published_info_verified(stores):
     out, acc, rej = _serve_until_verdict(srv, lambda: rdv.join(w_store, b"s3cret", info, **_join_kw(rank=1)))
     assert "err" not in out and rej == []
     assert [a["rank"] for a in acc] == [1] and tuple(acc[0]["addr"]) == ("127.0.0.1", 999)
+
+
+def test_a_worker_learns_the_round_it_was_admitted_at(stores):
+    """A round-program worker that joins (again) mid-job starts at the PS's round, not at round 0 of rounds long
+    over (a RAT worker that rejoined used to walk rounds 0..R, each waiting for parameters that never came)."""
+    ps_store, w_store = stores
+    srv = rdv.ServerRendezvous(ps_store, b"s3cret", _info())
+    info = rdv.fetch_server(w_store, b"s3cret", 0, timeout_s=5)
+    out, acc, _ = _serve_until_verdict(srv, lambda: rdv.join(w_store, b"s3cret", info, **_join_kw(rank=1)),
+                                       round_=37)
+    assert rdv.admitted_round(w_store, 0, out["ok"]) == 37 == rdv.admitted_round(w_store, 0, acc[0]["ticket"])
+    out, _, _ = _serve_until_verdict(srv, lambda: rdv.join(w_store, b"s3cret", info, **_join_kw(rank=1)))
+    assert rdv.admitted_round(w_store, 0, out["ok"]) is None  # a PS that did not say: the worker starts at 0
+    out, _, rej = _serve_until_verdict(srv, lambda: rdv.join(w_store, b"s3cret", info, **_join_kw(rank=1, n_params=5)),
+                                       round_=40)
+    assert rej and isinstance(out["err"], MembershipError)
+    assert rdv.admitted_round(w_store, 0, acc[0]["ticket"] + 2) is None  # refused: no round is published
 
 
 def test_worker_with_wrong_secret_fails_before_writing(stores):

@@ -43,6 +43,10 @@ def test_worker_leaving_mid_run_is_cut_out_and_the_job_succeeds(tmp_path, transp
     assert p.returncode == 0, out[-4000:]
     assert "tree view 1: workers [0] are dead" in out, out[-4000:]
     assert "planning the trees without workers [0]" in out
+    # nobody rejoins: a receive from the dead aggregator is hard evidence (TCP: its connection closed) or waits
+    # for the board's word (LTP).  Before, over TCP every worker rejoined at once and restarted at round 0; a
+    # second loss of the same kind exhausted --rejoin and hung the job (seen in CI)
+    assert "rejoining" not in out, out[-4000:]
     _check(metrics, 0, 4)
 
 

@@ -487,7 +487,8 @@ class Executor:
         except (TimeoutError, asyncio.TimeoutError):
             return missing_report(peer, s.tag or 0, as_bytes_view(buf).nbytes, TIMEOUT, time.monotonic() - t0)
         except (ConnectionError, OSError):
-            return missing_report(peer, s.tag or 0, as_bytes_view(buf).nbytes, CANCELLED, time.monotonic() - t0)
+            return missing_report(peer, s.tag or 0, as_bytes_view(buf).nbytes, CANCELLED, time.monotonic() - t0,
+                                  peer_gone=True)
 
 
 def _raw_critical(elements, lo: int, max_ranges: int) -> list:

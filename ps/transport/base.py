@@ -58,6 +58,8 @@ class RecvReport:
     regime: str = COMPLETE
     duration_s: float = 0.0  # seconds
     raw: object = dataclasses.field(default=None, compare=False, repr=False)
+    #: nothing came because the sender is gone (its connection closed, it is unreachable), not merely late
+    peer_gone: bool = False
 
     @property
     def ok(self) -> bool:
@@ -87,11 +89,11 @@ class SendReport:
 
 
 def missing_report(peer: Address, tag: int, total_bytes: int, regime: str = TIMEOUT,
-                   duration_s: float = 0.0) -> RecvReport:
-    """The report of a peer that delivered nothing (dead, dropped, late)."""
+                   duration_s: float = 0.0, *, peer_gone: bool = False) -> RecvReport:
+    """The report of a peer that delivered nothing (dead, dropped, late; ``peer_gone``: known to be gone)."""
     return RecvReport(peer=peer, tag=tag, total_bytes=total_bytes, received_bytes=0,
                       delivered_fraction=0.0, bubbles=((0, total_bytes),) if total_bytes else (),
-                      critical_complete=False, regime=regime, duration_s=duration_s)
+                      critical_complete=False, regime=regime, duration_s=duration_s, peer_gone=peer_gone)
 
 
 class Transport(abc.ABC):
