@@ -63,3 +63,21 @@ async def test_rat_under_loss_counts_fewer_contributions_but_trains():
     fr = [r["delivered"]["all"] for r in rows]
     assert 0.8 < np.mean(fr) < 1.0
     assert workload().evaluate(servers[0].params)["accuracy"] >= 0.9
+
+
+async def test_workers_that_join_mid_job_start_at_the_round_they_were_admitted_at():
+    """A round-program worker that joins a job at round R (rejoined, or the PS resumed from a checkpoint) starts
+    at R (``Worker.start_round``, which the CLI reads from ``rdv.admitted_round``).  At round 0 it would wait for
+    round 0's parameters, which the PS sent long ago: every worker fails at its --pull-timeout."""
+    servers, workers = make_tree_job(4, epochs=4, lr=0.1)
+    ps = servers[0]
+    start = 2 * ps.ipe  # the job is half done
+    ps.iteration = ps.version = start
+    for w in workers:
+        w.cfg.pull_timeout_s = 5.0
+        w.start_round = start
+    out = await asyncio.wait_for(asyncio.gather(ps.run(), *(w.run() for w in workers)), 120)
+    assert all(o.get("stopped") for o in out[1:]), out
+    rows = [r for r in ps.metrics.rows if r["event"] == "iteration"]
+    assert [r["iteration"] for r in rows] == list(range(start, ps.total))
+    assert all(r["contributors"] == 4 for r in rows)
