@@ -670,6 +670,7 @@ class Engine:
         """The earliest deadline of each timer kind (None: not armed), in :class:`~ltp.timers.Timer` order."""
         # plain local minima: get_timer runs once per event-loop turn, over every open flow
         pacing = reg = tail = silence = None
+        floor = self._heard_floor
         for path in self._paths.values():
             if not path.flows:
                 continue
@@ -678,7 +679,6 @@ class Engine:
                 pacing = t
             pto = path.pto()
             limit = self.silence_limit(path)
-            floor = self._heard_floor
             for flow in path.flows:
                 if not flow.reg_confirmed:
                     t = flow.reg_next

@@ -299,7 +299,7 @@ class _WorkerHandlers:
                     self.orphaned = True  # every parameter source was declared dead during the round
                     return None
                 if self.param_sources and all(parse_node(p)[0] == "worker" for p in self.param_sources) and \
-                        all(_source_gone(slots, slot) for slot in self.param_slots):
+                        all(_gone(slots.reports.get(slot)) for slot in self.param_slots):
                     # hard evidence (a TCP peer's connection closed) before the job's word on the board: the
                     # round loop waits for the board to declare them (worker_run), instead of failing the worker
                     self.sources_gone = True
@@ -323,12 +323,6 @@ class _WorkerHandlers:
         slots.put_partial(step.slot, Partial.of_gradient(np.asarray(grad, np.float32), samples=samples, loss=loss))
         w.last_loss = loss
         return None
-
-
-def _source_gone(slots, slot: str) -> bool:
-    """True when this round's receive into ``slot`` failed because its sender is gone (its connection closed or
-    it is unreachable), not merely late."""
-    return _gone(slots.reports.get(slot))
 
 
 def _gone(report) -> bool:
