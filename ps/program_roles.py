@@ -62,7 +62,7 @@ import numpy as np
 
 from . import tree_views
 from .deadlines import BROADCAST_FLOOR_S
-from .errors import Excluded, PeerGone, RemoteError, TransportTimeout
+from .errors import Excluded, PeerGone, RemoteError, TrainingFailed, TransportTimeout
 from .membership import State
 from .schedules.executor import MIN_TIMEOUT_S, STOP, ExecutorError, MissingInput
 from .schedules.partial import Partial, assemble
@@ -359,7 +359,7 @@ async def worker_run(w, start: int = 0) -> dict:
     it = start
     while True:
         if views is not None:
-            if await asyncio.to_thread(_sync_worker_views, w, views, it):
+            if await _await_decided(w, views, it) or await asyncio.to_thread(_sync_worker_views, w, views, it):
                 return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True}
         plan = w.planner.plan(it)
         prog = plan.program(w.node)
@@ -445,6 +445,7 @@ class _Views:
         self.applied: frozenset = frozenset()  # the dead set the planner's world is built without
         self.posted: set = set()  # ranks this process posted as suspects
         self.started = False
+        self.decided = -1  # PS shard 0's decided-through mark, as last read (or written, at shard 0)
 
     def excluded(self) -> set:
         """Nodes known dead: not sent to, not waited for (also in rounds before their view takes effect)."""
@@ -473,6 +474,7 @@ def _sync_server_views(ps, v: _Views, it: int) -> None:
     board = v.board
     if not v.started:
         v.tracker.learn(board.latest())  # a restarted shard continues the board's numbering
+        v.decided = board.decided()  # ... and never takes back a round an earlier incarnation declared final
         board.clear_stop()  # an earlier incarnation's stop: this one runs on
         v.started = True
     ranks = set(v.base.workers)
@@ -481,20 +483,63 @@ def _sync_server_views(ps, v: _Views, it: int) -> None:
         for r in sorted(dropped - v.posted):
             board.suspect(r, ps.node, f"dropped by {ps.node}")
             v.posted.add(r)
+        _wait_decided(ps, v, it)
         v.tracker.learn(board.latest())
     else:
         suspects = {r for r in board.suspects() if r in ranks} | dropped
-        view = tree_views.next_view(v.tracker.newest, suspects, it)
+        view = tree_views.next_view(v.tracker.newest, suspects, it, v.decided)
         if view is not None:
             board.publish(view)
             v.tracker.learn(view)
             ps.log(f"[ps{ps.shard}] round {it}: tree view {view.number}: workers {sorted(view.dead)} are dead; the "
                    f"trees are rebuilt without them from round {view.from_round}")
+        if tree_views.decided_through(it) > v.decided:  # after the view: a reader of the mark finds the view
+            v.decided = tree_views.decided_through(it)
+            board.post_decided(v.decided)
     for r in sorted(v.tracker.newest.dead):
         ps.membership.failed(r, f"excluded from the trees (tree view {v.tracker.newest.number})")
     dead = v.apply(ps.planner, it)
     if dead is not None:
         ps.log(f"[ps{ps.shard}] round {it}: planning the trees without workers {sorted(dead)}")
+
+
+def _wait_decided(ps, v: _Views, it: int) -> None:
+    """PS shard > 0, before round ``it`` (blocking): wait until shard 0 has declared round ``it``'s view final
+    (``tree_views``: the decided-through mark), at most ``join_timeout_s`` or ``SHARD0_WAIT_MIN_S``."""
+    wait_s = max(ps.cfg.join_timeout_s, tree_views.SHARD0_WAIT_MIN_S)
+    deadline = time.monotonic() + wait_s
+    while v.decided < it:
+        v.decided = v.board.decided()
+        if v.decided >= it:
+            return
+        if time.monotonic() >= deadline:
+            raise TrainingFailed(f"PS shard {ps.shard}: PS shard 0 has not started round "
+                                 f"{it - tree_views.VIEW_LAG_ROUNDS} within {wait_s:g} s, so the trees "
+                                 f"of round {it} are not known (is PS shard 0 alive? see its log)")
+        time.sleep(tree_views.DECIDED_POLL_S)
+
+
+async def _await_decided(w, v: _Views, it: int) -> bool:
+    """Worker, before round ``it``: wait until PS shard 0 has declared round ``it``'s view final (at most
+    ``--pull-timeout``); True if the PS posted ``stop`` for this round meanwhile."""
+    deadline = time.monotonic() + w.cfg.pull_timeout_s
+    while v.decided < it:
+        v.decided, stop = await asyncio.to_thread(_poll_decided, v, it)
+        if v.decided >= it:
+            return False
+        if stop is not None and it >= stop:
+            return True
+        if time.monotonic() >= deadline:
+            raise TransportTimeout(f"worker {w.cfg.rank}: PS shard 0 has not started round "
+                                   f"{it - tree_views.VIEW_LAG_ROUNDS} within --pull-timeout "
+                                   f"({w.cfg.pull_timeout_s:g} s), so the trees of round {it} are not known")
+        await asyncio.sleep(tree_views.DECIDED_POLL_S)
+    return False
+
+
+def _poll_decided(v: _Views, it: int):
+    decided = v.board.decided()
+    return decided, (v.board.stopped_at() if decided < it else None)
 
 
 def _sync_worker_views(w, v: _Views, it: int) -> bool:

@@ -23,6 +23,17 @@ the roles (``ltp_ps.program_roles``) move their inputs and outputs to a
   :class:`TreeView` taking effect at round ``r + VIEW_LAG_ROUNDS``, so every
   process can read it before it plans that round (a worker reads the board
   before each round and every ``BOARD_POLL_S`` while a round runs).
+* The *decided-through* mark (:func:`decided_through`): with the view it
+  may write at the start of its round ``r``, shard 0 posts ``r +
+  VIEW_LAG_ROUNDS``, the last round whose view is now final (a later view
+  takes effect later).  No other process plans a round beyond the mark: it
+  waits for shard 0 first.  ``VIEW_LAG_ROUNDS`` alone does not keep them in
+  step: a process whose parameters of shard 0 do not come (its tree for
+  shard 0 is orphaned) is clocked by the other shards and can run two
+  rounds ahead of shard 0 (seen with ``--num-servers 2``: shard 0 spent
+  0.2 s evaluating at an epoch's end, shard 1 planned round 18 with the old
+  trees and shard 0 with the new ones, and the PS shards dropped live
+  workers that were waiting on the other trees).
 * :class:`ViewTracker` (every process): the views seen so far.  Round ``r``
   is planned without ``dead_for(r)`` (the newest view with ``from_round <=
   r``); rounds before a view takes effect already *exclude* its dead workers
@@ -49,6 +60,11 @@ from typing import Iterable, Mapping
 VIEW_LAG_ROUNDS = 2
 #: seconds between a worker's looks at the board while one of its rounds runs
 BOARD_POLL_S = 0.5
+#: seconds between a process's looks at the decided-through mark while it waits for PS shard 0
+DECIDED_POLL_S = 0.05
+#: seconds a PS shard > 0 waits for shard 0's mark at least (or the job's join timeout, if longer): shard 0 may
+#: be evaluating or writing a checkpoint of a large model, or restarting from one
+SHARD0_WAIT_MIN_S = 60.0
 #: most worker ranks a view may name (a peer cannot make a process build an unbounded set)
 MAX_VIEW_RANKS = 1 << 16
 
@@ -110,12 +126,20 @@ class ViewTracker:
         return frozenset()
 
 
-def next_view(current: TreeView, suspects: Iterable[int], round_: int) -> TreeView | None:
-    """PS shard 0's decision at the start of its round ``round_``: a new view when any suspect is not yet dead."""
+def decided_through(round_: int) -> int:
+    """The last round whose view is final once PS shard 0 has started round ``round_`` (see the module doc)."""
+    return round_ + VIEW_LAG_ROUNDS
+
+
+def next_view(current: TreeView, suspects: Iterable[int], round_: int, decided: int = -1) -> TreeView | None:
+    """PS shard 0's decision at the start of its round ``round_``: a new view when any suspect is not yet dead.
+
+    ``decided``: the board's decided-through mark; the view takes effect after it (a restarted shard 0 that
+    resumes at an earlier round must not change a round it already declared final)."""
     new = frozenset(int(r) for r in suspects) - current.dead
     if not new:
         return None
-    return TreeView(current.number + 1, round_ + VIEW_LAG_ROUNDS, current.dead | new)
+    return TreeView(current.number + 1, max(decided_through(round_), decided + 1), current.dead | new)
 
 
 class Suspicion:
@@ -151,9 +175,16 @@ class MemoryBoard:
         self._suspects: dict[int, str] = {}
         self._view: TreeView | None = None
         self._stop: int | None = None
+        self._decided = -1
 
     def suspect(self, rank: int, by: str, why: str) -> None:
         self._suspects.setdefault(int(rank), f"{by}: {why}")
+
+    def post_decided(self, round_: int) -> None:
+        self._decided = max(self._decided, int(round_))
+
+    def decided(self) -> int:
+        return self._decided
 
     def suspects(self) -> dict[int, str]:
         return dict(self._suspects)
@@ -179,7 +210,8 @@ class StoreBoard:
     """A board on the job's ``TCPStore`` (every value signed with the job's secret; bad entries are skipped).
 
     Keys (under the job's prefix): ``tree/suspects`` (a counter) and ``tree/suspect/<i>``; ``tree/views`` (a
-    counter) and ``tree/view/<n>``; ``tree/stop``.  Reading costs one store round trip when nothing changed."""
+    counter) and ``tree/view/<n>``; ``tree/decided``; ``tree/stop``.  Reading costs one store round trip when
+    nothing changed."""
 
     def __init__(self, store, secret: bytes, log=None):
         self.store, self.secret = store, secret
@@ -188,6 +220,7 @@ class StoreBoard:
         self._suspects: dict[int, str] = {}
         self._n_views = 0
         self._view: TreeView | None = None
+        self._decided = -1  # the highest decided-through mark seen or written (it only grows)
         self.rejected = 0  # entries not signed with the job's secret or malformed: skipped
 
     def _put(self, key: str, d: dict) -> None:
@@ -241,6 +274,26 @@ class StoreBoard:
                     self.log(f"[tree-views] skipped view {n}: {exc}")
             self._n_views = n
         return self._view
+
+    def post_decided(self, round_: int) -> None:
+        """Raise the decided-through mark to ``round_`` (PS shard 0, after any view of that round is published);
+        a mark not above the highest one seen is not written (the mark only grows: a restarted shard 0 reads
+        :meth:`decided` before it writes)."""
+        if int(round_) > self._decided:  # the writer read decided() when it started
+            self._put("tree/decided", {"round": int(round_)})
+            self._decided = int(round_)
+
+    def decided(self) -> int:
+        """The decided-through mark (-1 before shard 0 has posted one)."""
+        if self.store.check(["tree/decided"]):
+            d = self._get("tree/decided")
+            r = d.get("round") if d is not None else None
+            if isinstance(r, int) and not isinstance(r, bool) and r >= 0:
+                self._decided = max(self._decided, r)
+            elif d is not None:
+                self.rejected += 1
+                self.log(f"[tree-views] skipped tree/decided: {d!r} is not a round")
+        return self._decided
 
     def post_stop(self, round_: int) -> None:
         self.store.set("tree/stop", json.dumps(int(round_)))

@@ -8,6 +8,7 @@ writes a view on the store, and the other workers train on in trees without it.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -21,14 +22,14 @@ def _rows(metrics, event):
     return [r for r in map(json.loads, open(metrics)) if r.get("event") == event]
 
 
-def _check(metrics, dead: int, n: int):
+def _check(metrics, dead: int, n: int, min_accuracy: float = 0.9):
     its = _rows(metrics, "iteration")
     drops = _rows(metrics, "dropped")
     assert [d["rank"] for d in drops] == [dead], drops
     after = [r for r in its if r["iteration"] >= drops[0]["iteration"] + 4]
     assert after and all(r["contributors"] == n - 1 for r in after), [r["contributors"] for r in its]
     acc = [r["accuracy"] for r in _rows(metrics, "epoch") if r.get("accuracy") is not None]
-    assert max(acc) >= 0.9, acc
+    assert max(acc) >= min_accuracy, acc
     return its
 
 
@@ -57,3 +58,22 @@ def test_sigkilled_aggregator_is_cut_out_and_the_others_finish(tmp_path):
                            after_rows=10, start_s=90, end_s=130)
     assert "final / best accuracy" in text, text[-4000:]  # the PS finished with the four others
     _check(metrics, 0, 5)
+
+
+def test_two_shards_switch_trees_at_the_same_round_when_the_dead_worker_carried_tree_0(tmp_path):
+    # worker 0 aggregates all of tree 0: once it is dead nobody waits for shard 0, and shard 1 and the workers ran
+    # ahead of it; shard 1 planned the view's first round with the old trees, the shards dropped live workers
+    # and the job failed (exit 3 in 3 of 6 seeds before the decided-through mark, tree_views)
+    metrics = tmp_path / "m.jsonl"
+    p = subprocess.run(ps_cmd("launch", "--schedule", "rat", "--workers", 6, "--num-servers", 2, "--epochs", 6,
+                              "--lab", "off", "--transport", "tcp", "--metrics", metrics, "--model", "digits",
+                              "--seed", 3, "--kill-worker-after", 15),
+                       env=child_env(), capture_output=True, text=True, timeout=140)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    first = re.search(r"tree view 1: workers \[0\] are dead; the trees are rebuilt without them from round (\d+)", out)
+    assert first, out[-4000:]
+    switched = re.findall(r"\[(ps\d|w\d)\] round (\d+): planning the trees without workers \[0\]", out)
+    assert sorted(n for n, _ in switched) == ["ps0", "ps1", "w1", "w2", "w3", "w4", "w5"], switched
+    assert {int(r) for _, r in switched} == {int(first.group(1))}, switched
+    _check(metrics, 0, 6, min_accuracy=0.8)

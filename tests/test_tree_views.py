@@ -298,3 +298,71 @@ async def test_every_worker_dead_fails_the_job_instead_of_waiting():
     res = await asyncio.wait_for(run_rat_job(servers, workers), 60)
     assert isinstance(res[0], TrainingFailed), res[0]  # no live worker left: the PS says so, exits non-zero
     assert servers[0].iteration < 20
+
+
+@pytest.mark.parametrize("lag_s", [0.3, 1.0, 1.6])
+async def test_every_process_switches_trees_at_the_view_s_round_when_shard_0_lags(monkeypatch, lag_s):
+    # found with `ltp-ps launch --schedule rat --workers 6 --num-servers 2 --kill-worker-after 15` (exit 3 in 2 of
+    # 4 runs): worker 0 aggregates all of tree 0, so once it is dead no process waits for shard 0; the workers and
+    # shard 1 ran on, clocked by shard 1, while shard 0 spent 0.2 s evaluating at an epoch's end; shard 1 planned
+    # round 18 with the old trees and shard 0 with the new ones, and the shards dropped live workers
+    from ltp_ps import program_roles
+
+    servers, workers, board = rat_job(6, shards=2, iterations=30, worker_kw={"pull_timeout_s": 5.0}, **_fast())
+    ps0 = servers[0]
+    dead = int(next(iter(_children(ps0.planner, ps0.node))).split(":")[1])
+    assert _children(ps0.planner, ps0.node) == {worker(dead)}  # the dead worker carries all of tree 0
+    workers[dead].cfg.max_iterations = 6
+    sync = program_roles._sync_server_views
+    switched: dict = {}  # node -> (round, dead set) of its first plan without a worker
+    slept: list = []
+
+    def slow_shard_0(ps, v, it):
+        if ps.shard == 0 and not slept and ps.membership.members[dead].state is not State.ACTIVE:
+            slept.append(it)  # the round in which shard 0 will write the view: busy first (an evaluation), while
+            time.sleep(lag_s)  # the others run on, a round each 0.27 s
+        return sync(ps, v, it)
+
+    apply = program_roles._Views.apply
+
+    def recording(self, planner, round_):
+        dead_set = apply(self, planner, round_)
+        if dead_set is not None:
+            switched.setdefault(planner.world.me, (round_, dead_set))
+        return dead_set
+
+    monkeypatch.setattr(program_roles, "_sync_server_views", slow_shard_0)
+    monkeypatch.setattr(program_roles._Views, "apply", recording)
+    res = await asyncio.wait_for(run_rat_job(servers, workers), 110)
+    assert all(isinstance(r, dict) for r in res), res
+    view = ps0._tree_views.tracker.newest
+    assert view.number == 1 and view.dead == {dead} and slept and view.from_round == slept[0] + VIEW_LAG_ROUNDS
+    live = [ps.node for ps in servers] + [w.node for w in workers if w.cfg.rank != dead]
+    assert {n: switched.get(n) for n in live} == {n: (view.from_round, frozenset({dead})) for n in live}
+    _check_repaired(servers, workers, dead, 30)
+
+
+def _children(sched, node):
+    return {c for t in sched.trees() for c, p, _ in t.edges() if p == node}
+
+
+def test_the_decided_mark_only_grows_and_a_restarted_shard_0_never_rewrites_a_final_round():
+    from torch.distributed import HashStore
+
+    store = HashStore()
+    a = StoreBoard(store, b"s" * 32)
+    assert a.decided() == -1
+    a.post_decided(12)
+    a.post_decided(9)  # lower: not written
+    restarted = StoreBoard(store, b"s" * 32)
+    assert restarted.decided() == 12
+    # the restarted shard resumes at round 5 (its checkpoint): a view it writes takes effect after round 12
+    v = tree_views.next_view(NO_VIEW, {3}, 5, restarted.decided())
+    assert v.from_round == 13
+    assert tree_views.next_view(NO_VIEW, {3}, 20, 12).from_round == 20 + VIEW_LAG_ROUNDS
+    store.set("tree/decided", b"forged")  # not signed with the job's secret: skipped, the mark stays
+    assert restarted.decided() == 12 and restarted.rejected == 1
+    m = MemoryBoard()
+    m.post_decided(4)
+    m.post_decided(2)
+    assert m.decided() == 4
