@@ -180,6 +180,9 @@ def check_server_schedule(args) -> None:
                               f"shard agreed on; pass --num-servers 1, or --mode bsp to shard the model")
         return
     if cls.name in _async_controller_schedules():  # mlfabric: asynchronous by design, whatever --mode says
+        if getattr(args, "num_servers", 1) != 1:
+            raise ConfigError(f"--schedule {args.schedule} runs with one PS shard (paper §5: one PS orders and "
+                              f"applies the updates); pass --num-servers 1 (got {args.num_servers})")
         return
     if cls.name == "hoplite":  # ltp_ps.hoplite_roles: BSP rounds or async half-batch; the PS holds the directory
         if getattr(args, "num_servers", 1) != 1:

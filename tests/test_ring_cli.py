@@ -69,10 +69,15 @@ def test_ring_launch_refuses_what_it_cannot_run(bad, says):
     assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
-def test_async_with_several_shards_is_refused_before_anything_starts():
-    p = subprocess.run(ps_cmd("launch", "--mode", "async", "--num-servers", 2, "--workers", 2, "--lab", "off"),
+@pytest.mark.parametrize("args, says", [
+    (("--mode", "async"), "--mode async runs with one PS shard"),
+    (("--schedule", "mlfabric"), "--schedule mlfabric runs with one PS shard"),  # was a traceback from each shard
+    (("--schedule", "hoplite"), "--schedule hoplite runs with one PS shard"),
+])
+def test_one_shard_schedules_with_several_shards_are_refused_before_anything_starts(args, says):
+    p = subprocess.run(ps_cmd("launch", *args, "--num-servers", 2, "--workers", 2, "--lab", "off"),
                        env=child_env(), capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "--mode async runs with one PS shard" in p.stderr, p.stdout + p.stderr
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stdout + p.stderr
     assert "[launch] started" not in p.stdout
 
 
