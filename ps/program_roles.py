@@ -45,6 +45,13 @@ partials, so its round is simply its program, run end to end by the executor:
   from the children its relay reached (``only_if``); the PS likewise waits only
   for the children its parameter send reached.  A child that keeps failing
   becomes a suspect and the trees are repaired around it.
+* A stalled *parent* must not make its children late in the other trees
+  (with K trees every aggregator is a leaf of the others): once a worker
+  holds a parameter message of the round, a relay still missing gets one
+  level's share more, then it is cut off (``straggler_bound``); and the PS's
+  farthest-first send stages each get that share before the next starts
+  beside them, a child missing rounds no more than the share for its
+  parameters (``_late_children``).
 
 Workers need each other's addresses (a tree's edges join workers); the CLI
 publishes them through the store (``schedule_cli``).  Round numbers: workers
@@ -64,7 +71,7 @@ from . import tree_views
 from .deadlines import BROADCAST_FLOOR_S
 from .errors import Excluded, PeerGone, RemoteError, TrainingFailed, TransportTimeout
 from .membership import State
-from .schedules.executor import MIN_TIMEOUT_S, STOP, ExecutorError, MissingInput
+from .schedules.executor import MIN_TIMEOUT_S, STOP, ExecutorError
 from .schedules.partial import Partial, assemble
 from .schedules.program import Program, parse_node, worker as worker_node
 from .transport.base import CANCELLED, TIMEOUT, RecvReport
@@ -104,6 +111,22 @@ class _ServerHandlers:
         return None
 
 
+def _late_children(prog: Program, late, share_s: float) -> Program:
+    """The PS's program with each parameter send to a child in ``late`` (missing rounds) bounded by ``share_s``
+    (one level's share of the round bound, as a worker's relay).
+
+    A tree's PS sends to its farthest subtree first, a stage of its own, so that the long path starts early. A
+    child that stopped answering (SIGSTOP) then held every later send of the round, and the round, for the
+    send's whole bound: the PS's other children reached the other shards that late, and the other shards
+    dropped them (in memory, racks [4, 4] with K = 4: the stalled worker's four live rack peers).  The head start
+    (``Executor.run``) bounds the first such round; this, the rounds after it."""
+    n = len(_send_only_prefix(prog).stages)
+    if not any(s.peer in late for st in prog.stages[:n] for s in st):
+        return prog
+    lead = tuple(tuple(_with_timeout(s, share_s) if s.peer in late else s for s in st) for st in prog.stages[:n])
+    return Program(prog.node, lead + tuple(prog.stages[n:]))
+
+
 def _send_only_prefix(prog: Program) -> Program:
     out = []
     for st in prog.stages:
@@ -134,12 +157,19 @@ async def server_round(ps) -> dict:
     ps._address(members)
     ps._slots.bind("params", msg)
     ps._slots.clear_partials()
-    prog = ps.planner.plan(it).program(ps.node)
+    plan = ps.planner.plan(it)
+    prog = plan.program(ps.node)
+    # a stalled child must not hold the round (see _late_children): a send stage gets one level's share of the
+    # bound to finish before the next starts beside it, and a child missing rounds gets that share, no more
+    levels = max(1, int(plan.notes.get("levels", 1))) if isinstance(plan.notes, dict) else 1
+    share = max(MIN_TIMEOUT_S, bound / (levels + 1))
+    late = {worker_node(r) for r, m in ps.membership.members.items() if m.state is State.ACTIVE and m.missed}
+    prog = _late_children(prog, late, share)
     ps.executor.payload_timeouts.update(params=bt, partial=bound)
     dead = {worker_node(r) for r, m in ps.membership.members.items() if m.state is not State.ACTIVE}
     h = _ServerHandlers(ps, it)
     t0 = time.monotonic()
-    res = await ps.executor.run(prog, ps._slots, h, iteration=it, exclude=dead)
+    res = await ps.executor.run(prog, ps._slots, h, iteration=it, exclude=dead, head_start_s=share)
     wall = time.monotonic() - t0
     _observe_partial_wait(ps, prog, res)
     n_active = len(ps.membership.active())
@@ -243,6 +273,28 @@ class _WorkerHandlers:
     def _whole(self, slots, i: int) -> bool:
         """False when this round's parameter receive for shard index ``i`` ended incomplete."""
         return not any(k == i and _cut_short(slots, slot) for slot, k in self.param_slots.items())
+
+    def straggler_bound(self, steps, slots, arrived=None):
+        """The executor's straggler rule for this round's parameter receives from relaying workers: once this
+        worker holds a parameter message of the round (``arrived``, or one received in an earlier stage), the
+        other relays get one level's share of the round bound more (see the module docstring); None when the
+        group is not parameters from workers or no message of this round is held yet."""
+        if any(s.payload != "params" or parse_node(s.peer)[0] != "worker" for s in steps):
+            return None  # a PS's message is never cut off (and skipping the PS would skip its partial too)
+        if arrived is not None:
+            held = [arrived]
+        else:
+            mine = {s.slot for s in steps}
+            held = [slots.buffer(slot) for slot in self.param_slots
+                    if slot not in mine and not _cut_short(slots, slot)]
+        for buf in held:
+            try:
+                h = _fresh_header(buf, self.it)
+            except RemoteError:
+                continue
+            if h is not None and h.kind != KIND_STOP and h.round_bound_ms:
+                return max(MIN_TIMEOUT_S, h.round_bound_ms / 1000.0 / (self.levels + 1))
+        return None
 
     def prepare_transfer(self, step, slots):
         """A relay of parameters (``Forward``): bounded by this level's share of the round bound, and an empty
@@ -612,7 +664,9 @@ def _observe_peers(w, v: _Views, prog: Program, res) -> list:
                 why = "its connection closed" if not isinstance(rep, BaseException) else \
                     f"its connection closed ({type(rep).__name__}: {rep})"
         else:
-            ok = not isinstance(rep, BaseException) or isinstance(rep, (ExecutorError, MissingInput))
+            if isinstance(rep, ExecutorError):
+                continue  # skipped (its receive was cut off, or nothing to send): says nothing about the peer
+            ok = not isinstance(rep, BaseException)
             why = f"a send to it failed ({type(rep).__name__}: {rep})"
             if isinstance(rep, PeerGone):
                 gone.add(rank)

@@ -347,3 +347,69 @@ async def test_prepare_transfer_lets_the_role_replace_a_transfer_after_the_stage
     assert rep.total_bytes == 8 and (got[:8] == 9).all()
     assert res.reports[1].delivered_bytes == 8
     assert seen == [("recv", "in"), ("forward", "in")]
+
+
+async def test_leading_send_stages_with_a_head_start_do_not_wait_on_a_stalled_peer():
+    # a tree's PS sends to its farthest subtree first (a stage of its own); a stalled child there held the sends to
+    # everyone else for the send's whole bound.  With a head start each leading send stage gets that long, then
+    # the next starts beside it; the first stage that receives still waits for all of them
+    net = MemoryNetwork(loss=0.0, segment_size=256, seed=0)
+    a, b, c, addrs = _pair(net)
+    net.stall(c.local_addr)
+    prog = Program("worker:0", (
+        (Send("worker:2", "params", 0, 16, 3, "reliable", "params", timeout_s=1.0),),
+        (Send("worker:1", "params", 0, 16, 3, "reliable", "params"),),
+        (Recv("worker:1", "in1", 0, 16, 5, "reliable", "partial", group="up"),)))
+    loop = asyncio.get_running_loop()
+    for head_start, first_by in ((0.1, 0.6), (None, 0.9)):
+        ex = Executor(a, "worker:0", addrs, timeout_s=30.0)
+        sl = Slots()
+        sl.bind("params", np.ones(64, np.uint8))
+        t0 = loop.time()
+        task = asyncio.ensure_future(ex.run(prog, sl, head_start_s=head_start))
+        got = np.zeros(64, np.uint8)
+        await b.recv(got, peer=a.local_addr, tag=3, timeout=5)
+        reached = loop.time() - t0
+        assert (reached < first_by) if head_start else (reached >= first_by), (head_start, reached)
+        part = Partial.of_gradient(np.full(16, 2.0, np.float32))
+        buf = np.zeros(message_capacity(16), np.uint8)
+        await b.send(a.local_addr, part.encode_into(buf, kind=5, origin=1, iteration=0), tag=5)
+        res = await asyncio.wait_for(task, 5)
+        assert res.reports[0].__class__.__name__ == "TransportTimeout"  # the stalled send still ran to its bound
+        assert loop.time() - t0 >= 1.0  # ... and the receiving stage waited for it
+        assert res.reports[2].received_bytes > 0
+
+
+async def test_a_role_s_straggler_bound_cuts_off_the_rest_of_a_reliable_group():
+    # a worker holding one parameter relay of the round waits for the others a bounded time, not --pull-timeout:
+    # the cut-off peer is abandoned for the rest of the program (its later send is skipped)
+    net = MemoryNetwork(loss=0.0, segment_size=256, seed=0)
+    a, b, c, addrs = _pair(net)
+    net.stall(c.local_addr)
+    calls = []
+
+    class Role:
+        def straggler_bound(self, steps, slots, arrived=None):
+            calls.append(arrived is not None)
+            return 0.1 if arrived is not None else None
+
+    ex = Executor(a, "worker:0", addrs, timeout_s=30.0)
+    sl = Slots()
+    sl.bind("p1", np.zeros(64, np.uint8))
+    sl.bind("p2", np.zeros(64, np.uint8))
+    sl.bind("out", np.ones(64, np.uint8))
+    prog = Program("worker:0", (
+        (Recv("worker:1", "p1", 0, 16, 7, "reliable", "params", group="params"),
+         Recv("worker:2", "p2", 0, 16, 7, "reliable", "params", group="params")),
+        (Send("worker:2", "out", 0, 16, 8, "reliable", "params"),)))
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    task = asyncio.ensure_future(ex.run(prog, sl, Role()))
+    await asyncio.sleep(0.05)
+    await b.send(a.local_addr, np.arange(64, dtype=np.uint8), reliable=True, tag=7)
+    res = await asyncio.wait_for(task, 5)
+    assert loop.time() - t0 < 1.0  # not the group's 30 s
+    assert calls == [False, True]  # asked at the start (nothing held), then when worker 1's message came
+    assert res.reports[0].received_bytes == 64
+    assert res.reports[1].received_bytes == 0 and res.reports[1].regime == "cancelled"
+    assert isinstance(res.reports[2], ExecutorError) and ex.counters["stragglers_cut"] == 1

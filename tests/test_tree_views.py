@@ -366,3 +366,38 @@ def test_the_decided_mark_only_grows_and_a_restarted_shard_0_never_rewrites_a_fi
     m.post_decided(4)
     m.post_decided(2)
     assert m.decided() == 4
+
+
+@pytest.mark.parametrize("racks,shards", [([4, 4], 4), ([3, 5], 3), ([2, 2, 2], 3)])
+async def test_a_stalled_aggregator_of_one_tree_is_cut_out_alone_with_several_trees(racks, shards):
+    # an aggregator that stops answering (SIGSTOP) in one tree is a leaf of the others.  Before: its children in
+    # its own tree waited --pull-timeout for its parameter relay, so they reached their parents in the other trees
+    # late, and the PS it sits under sent to it first and to its own rack only after the send's bound; the other
+    # shards dropped its rack peers or the PS's rack with it (racks [4, 4], K = 4: 2 of 5 runs declared 4 workers
+    # dead).  Now a relay that lags the round's first parameter message by a level's share is cut off, and while a
+    # child misses rounds its PS sends to all children at once, to that child for a level's share of the bound
+    n = sum(racks)
+    # the PS's sends get 2 s (its gather 0.5 s): a send to the stalled child that holds the PS's round makes
+    # every worker miss the other shards' gathers
+    servers, workers, board = rat_job(n, racks=racks, shards=shards, iterations=30,
+                                      worker_kw={"pull_timeout_s": 5.0}, **{**_fast(), "broadcast_timeout_s": 1.0, "max_missed": 3})
+    ps = servers[0]
+    t0 = ps.planner.trees()[0]
+    roots = {worker(k) for k in range(shards)}
+    agg = int(sorted({p for c, p, e in t0.edges() if p.startswith("worker:")} - roots)[0].split(":")[1])
+    net, addr = workers[agg].transport.net, workers[agg].transport.local_addr
+
+    async def stall_then_resume():
+        while ps.iteration < 3:
+            await asyncio.sleep(0.01)
+        net.stall(addr)
+        while ps._tree_views.tracker.newest.number == 0 and not all(p.iteration >= 30 for p in servers):
+            await asyncio.sleep(0.01)
+        net.resume(addr)
+
+    res, _ = await asyncio.wait_for(asyncio.gather(run_rat_job(servers, workers), stall_then_resume()), 110)
+    r = res[shards + agg]
+    assert isinstance(r, Excluded) or (isinstance(r, dict) and r.get("stopped")), r
+    assert all(isinstance(r, dict) for i, r in enumerate(res) if i != shards + agg), res
+    assert sum(w.executor.counters["stragglers_cut"] for w in workers) >= 1  # its relays were cut off
+    _check_repaired(servers, workers, agg, 30)

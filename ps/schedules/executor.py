@@ -20,7 +20,13 @@ stage run concurrently:
   READY handshake); its timeout counts from the start of that earlier group,
   so the two together never wait longer than one bound.  A peer that delivers
   nothing yields a ``missing_report`` (never an exception), so a dead peer
-  costs at most the bound.  Received partials are decoded with the
+  costs at most the bound.  A role may bound a reliable group's stragglers
+  (``handlers.straggler_bound``): once a member's message has arrived (or the
+  role already holds one that dates the round), the rest get that many
+  seconds more; a member cut off there is abandoned for the rest of the
+  program (its receive reports ``cancelled``, later sends to it are skipped),
+  so one stalled sender of several costs the round a bounded wait, not the
+  group's whole timeout.  Received partials are decoded with the
   transport's bubbles (lost elements count as not delivered for all their
   contributors).
 * ``Combine`` merges partials natively; ``Compute``, ``Apply``, ``Adopt`` and
@@ -181,7 +187,8 @@ class Executor:
         self._exclude: set = set()
         self._group_timeouts: dict = {}
         self._pending: dict = {}  # node -> its reliable receives now waiting (tasks: abandon() ends them)
-        self.counters = {"sent": 0, "received": 0, "missing": 0, "undecodable": 0}
+        self._handlers = None
+        self.counters = {"sent": 0, "received": 0, "missing": 0, "undecodable": 0, "stragglers_cut": 0}
 
     # -- helpers -------------------------------------------------------------
     def addr(self, node: str) -> tuple:
@@ -237,27 +244,48 @@ class Executor:
 
     # -- running ---------------------------------------------------------------
     async def run(self, program: Program, slots: Slots, handlers: Any = None, *, iteration: int = 0,
-                  exclude=(), group_timeouts: Mapping | None = None) -> RunResult:
+                  exclude=(), group_timeouts: Mapping | None = None, head_start_s: float | None = None) -> RunResult:
         """Run ``program``'s stages in order; returns every transfer's report.
 
         ``exclude``: peers known dead (their receives report missing at once,
         sends to them are skipped); ``group_timeouts``: seconds per receive
         group, overriding the steps' own (bounds the role computes at run time).
+        ``head_start_s``: the program's leading send-only stages are an order of
+        preference (a tree's farthest subtree first): each gets this long to
+        finish before the next one starts beside it, and the first stage with
+        anything else waits for all of them.
         """
         steps = program.steps()
         res = RunResult(reports=[None] * len(steps), group_s={})
         self._exclude = set(exclude)
         self._group_timeouts = dict(group_timeouts or {})
+        self._handlers = handlers
         group_t0: dict = {}
         group_ok: dict = {}
         i0 = 0
-        for stage in program.stages:
-            idx = list(range(i0, i0 + len(stage)))
-            i0 += len(stage)
-            stop = await self._run_stage(stage, idx, slots, handlers, res, group_t0, group_ok, iteration)
-            if stop:
-                res.stopped = True
-                break
+        ahead: list = []  # leading send-only stages still running beside later ones
+        leading = head_start_s is not None
+        try:
+            for k, stage in enumerate(program.stages):
+                idx = list(range(i0, i0 + len(stage)))
+                i0 += len(stage)
+                leading = leading and all(s.op in ("send", "forward") for s in stage)
+                if leading and k + 1 < len(program.stages):
+                    t = asyncio.ensure_future(
+                        self._run_stage(stage, idx, slots, handlers, res, group_t0, group_ok, iteration))
+                    ahead.append(t)
+                    await asyncio.wait({t}, timeout=head_start_s)
+                    continue
+                if ahead:
+                    await asyncio.gather(*ahead)
+                    ahead = []
+                stop = await self._run_stage(stage, idx, slots, handlers, res, group_t0, group_ok, iteration)
+                if stop:
+                    res.stopped = True
+                    break
+        finally:
+            for t in ahead:
+                t.cancel()
         return res
 
     async def _run_stage(self, stage, idx, slots, handlers, res, group_t0, group_ok, iteration) -> bool:
@@ -306,7 +334,7 @@ class Executor:
         bcast: dict = {}
         for i, s in transfers:
             if s.op in ("send", "forward") and s.mode == RELIABLE and s.payload != "partial":
-                bcast.setdefault((s.slot, s.tag, s.payload), []).append((i, s))
+                bcast.setdefault((s.slot, s.tag, s.payload, self._timeout(s)), []).append((i, s))  # one bound each
         in_bcast = {i for v in bcast.values() if len(v) > 1 for i, _ in v}
         for key, members in bcast.items():
             if len(members) > 1:
@@ -428,8 +456,7 @@ class Executor:
             if isinstance(g, str) and s0.mode != RELIABLE and len(tags) == 1 and None not in tags:
                 reps = await self.transport.gather(peers, lbufs, tag=s0.tag, timeout=timeout)
             else:  # one receive per peer, each abandonable, one deadline (``gather_by_recv``'s semantics)
-                reps = await asyncio.gather(*(self._recv_abandonable(members[k][1], p, b, timeout)
-                                              for p, b, k in zip(peers, lbufs, live)))
+                reps = await self._recv_reliable([members[k][1] for k in live], peers, lbufs, timeout, slots)
             for k, r in zip(live, reps):
                 res.reports[members[k][0]] = r
         if isinstance(g, str):
@@ -456,6 +483,41 @@ class Executor:
                     res.missing.append((i, f"partial covers [{p.lo}, {p.hi}), expected [{s.lo}, {s.hi})"))
                     continue
                 slots.put_partial(s.slot, p)
+
+    async def _recv_reliable(self, steps, peers, bufs, timeout, slots) -> list:
+        """Parallel reliable receives under one ``timeout``; with the role's ``straggler_bound(steps, slots,
+        arrived)`` (seconds, or None for no bound), the members still waiting that long after a message of the
+        group arrived (``arrived``: its buffer), or after the group started when the role already holds one
+        (``arrived`` None), are cut off: abandoned for the rest of the program."""
+        tasks = [asyncio.ensure_future(self._recv_abandonable(s, p, b, timeout)) for s, p, b in zip(steps, peers, bufs)]
+        bound = getattr(self._handlers, "straggler_bound", None)
+        if bound is None:
+            return list(await asyncio.gather(*tasks))
+        loop = asyncio.get_running_loop()
+        b = bound(steps, slots, None)
+        t_end = None if b is None else loop.time() + b
+        pending = set(tasks)
+        try:
+            while pending:
+                wait_s = None if t_end is None else max(0.0, t_end - loop.time())
+                done, pending = await asyncio.wait(pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    break  # the bound passed
+                for t in done:
+                    r = t.result()
+                    if isinstance(r, RecvReport) and r.received_bytes > 0:
+                        b = bound(steps, slots, bufs[tasks.index(t)])
+                        if b is not None:
+                            t_end = min(t_end if t_end is not None else float("inf"), loop.time() + b)
+            if pending:
+                cut = [s.peer for s, t in zip(steps, tasks) if t in pending]
+                self.counters["stragglers_cut"] += len(cut)
+                self.abandon(cut)
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
 
     def _recv_buf(self, i, s, slots):
         if s.payload == "partial":
