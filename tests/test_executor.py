@@ -413,3 +413,22 @@ async def test_a_role_s_straggler_bound_cuts_off_the_rest_of_a_reliable_group():
     assert res.reports[0].received_bytes == 64
     assert res.reports[1].received_bytes == 0 and res.reports[1].regime == "cancelled"
     assert isinstance(res.reports[2], ExecutorError) and ex.counters["stragglers_cut"] == 1
+
+
+async def test_a_program_of_sends_only_with_a_head_start_ends_when_every_send_has():
+    net = MemoryNetwork(loss=0.0, segment_size=256, seed=0)
+    a, b, c, addrs = _pair(net)
+    net.stall(c.local_addr)
+    prog = Program("worker:0", ((Send("worker:2", "params", 0, 16, 3, "reliable", "params", timeout_s=0.5),),
+                                (Send("worker:1", "params", 0, 16, 3, "reliable", "params"),)))
+    ex = Executor(a, "worker:0", addrs, timeout_s=30.0)
+    sl = Slots()
+    sl.bind("params", np.ones(64, np.uint8))
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    task = asyncio.ensure_future(ex.run(prog, sl, head_start_s=0.05))
+    await b.recv(np.zeros(64, np.uint8), peer=a.local_addr, tag=3, timeout=5)
+    assert loop.time() - t0 < 0.4  # worker 1 did not wait for the stalled worker 2's send
+    res = await asyncio.wait_for(task, 5)
+    assert loop.time() - t0 >= 0.5 and res.reports[0].__class__.__name__ == "TransportTimeout"
+    assert res.reports[1] is not None and not isinstance(res.reports[1], BaseException)

@@ -270,11 +270,14 @@ class Executor:
                 idx = list(range(i0, i0 + len(stage)))
                 i0 += len(stage)
                 leading = leading and all(s.op in ("send", "forward") for s in stage)
-                if leading and k + 1 < len(program.stages):
-                    t = asyncio.ensure_future(
-                        self._run_stage(stage, idx, slots, handlers, res, group_t0, group_ok, iteration))
-                    ahead.append(t)
-                    await asyncio.wait({t}, timeout=head_start_s)
+                if leading:  # send-only: nothing here can STOP the program
+                    ahead.append(asyncio.ensure_future(
+                        self._run_stage(stage, idx, slots, handlers, res, group_t0, group_ok, iteration)))
+                    if k + 1 < len(program.stages):
+                        await asyncio.wait({ahead[-1]}, timeout=head_start_s)
+                    else:  # the program is all sends: it ends when every one has
+                        await asyncio.gather(*ahead)
+                        ahead = []
                     continue
                 if ahead:
                     await asyncio.gather(*ahead)
