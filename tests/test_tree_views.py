@@ -167,6 +167,24 @@ def _check_repaired(servers, workers, dead: int, iterations: int):
     assert ps.membership.members[dead].state is State.DROPPED
 
 
+async def _run_with_a_stall(servers, workers, rank: int, iterations: int):
+    """Run the job with worker ``rank`` stalled (SIGSTOP in memory) from round 3 until a view is written (or the
+    job ends); returns every process's result, PS shards first."""
+    ps = servers[0]
+    net, addr = workers[rank].transport.net, workers[rank].transport.local_addr
+
+    async def stall_then_resume():
+        while ps.iteration < 3:
+            await asyncio.sleep(0.01)
+        net.stall(addr)
+        while ps._tree_views.tracker.newest.number == 0 and not all(p.iteration >= iterations for p in servers):
+            await asyncio.sleep(0.01)
+        net.resume(addr)  # it wakes up excluded
+
+    res, _ = await asyncio.wait_for(asyncio.gather(run_rat_job(servers, workers), stall_then_resume()), 110)
+    return res
+
+
 async def test_a_dead_aggregator_below_the_ps_is_cut_out_and_the_job_finishes():
     # without a board this job fails (test_ps_tree_health): the PS's only child is the rack's aggregator
     servers, workers, board = rat_job(4, iterations=40, worker_kw={"pull_timeout_s": 5.0}, **_fast())
@@ -207,18 +225,7 @@ async def test_a_stalled_leaf_is_cut_out_and_its_live_aggregator_kept(racks, sha
     aggs = {p for c, p, e in t0.edges() if p.startswith("worker:")}
     leaf = next(int(c.split(":")[1]) for c, p, e in t0.edges() if p in aggs and c not in aggs)
     agg = int(t0.parent[worker(leaf)].split(":")[1])
-    net = workers[leaf].transport.net
-    addr = workers[leaf].transport.local_addr
-
-    async def stall_then_resume():
-        while ps.iteration < 3:
-            await asyncio.sleep(0.01)
-        net.stall(addr)
-        while ps._tree_views.tracker.newest.number == 0 and not all(p.iteration >= 36 for p in servers):
-            await asyncio.sleep(0.01)
-        net.resume(addr)  # it wakes up excluded
-
-    res, _ = await asyncio.wait_for(asyncio.gather(run_rat_job(servers, workers), stall_then_resume()), 110)
+    res = await _run_with_a_stall(servers, workers, leaf, 36)
     # it wakes up excluded, or, when the job's stop reached the board before its next round, stopped
     r = res[shards + leaf]
     assert isinstance(r, Excluded) or (isinstance(r, dict) and r.get("stopped")), r
@@ -385,17 +392,7 @@ async def test_a_stalled_aggregator_of_one_tree_is_cut_out_alone_with_several_tr
     t0 = ps.planner.trees()[0]
     roots = {worker(k) for k in range(shards)}
     agg = int(sorted({p for c, p, e in t0.edges() if p.startswith("worker:")} - roots)[0].split(":")[1])
-    net, addr = workers[agg].transport.net, workers[agg].transport.local_addr
-
-    async def stall_then_resume():
-        while ps.iteration < 3:
-            await asyncio.sleep(0.01)
-        net.stall(addr)
-        while ps._tree_views.tracker.newest.number == 0 and not all(p.iteration >= 30 for p in servers):
-            await asyncio.sleep(0.01)
-        net.resume(addr)
-
-    res, _ = await asyncio.wait_for(asyncio.gather(run_rat_job(servers, workers), stall_then_resume()), 110)
+    res = await _run_with_a_stall(servers, workers, agg, 30)
     r = res[shards + agg]
     assert isinstance(r, Excluded) or (isinstance(r, dict) and r.get("stopped")), r
     assert all(isinstance(r, dict) for i, r in enumerate(res) if i != shards + agg), res
