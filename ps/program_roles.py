@@ -120,11 +120,22 @@ def _late_children(prog: Program, late, share_s: float) -> Program:
     send's whole bound: the PS's other children reached the other shards that late, and the other shards
     dropped them (in memory, racks [4, 4] with K = 4: the stalled worker's four live rack peers).  The head start
     (``Executor.run``) bounds the first such round; this, the rounds after it."""
-    n = len(_send_only_prefix(prog).stages)
-    if not any(s.peer in late for st in prog.stages[:n] for s in st):
+    if not late:
         return prog
-    lead = tuple(tuple(_with_timeout(s, share_s) if s.peer in late else s for s in st) for st in prog.stages[:n])
-    return Program(prog.node, lead + tuple(prog.stages[n:]))
+    return Program(prog.node, tuple(
+        tuple(_with_timeout(s, share_s) if s.op in ("send", "forward") and s.payload == "params" and s.peer in late
+              else s for s in st) for st in prog.stages))
+
+
+def _levels(plan) -> int:
+    """The aggregation levels of a round's trees (``RoundPlan.notes``; 1 when the schedule names none)."""
+    return max(1, int(plan.notes.get("levels", 1))) if isinstance(plan.notes, dict) else 1
+
+
+def _level_share(bound_s: float, levels: int) -> float:
+    """One tree level's share of a round bound: what each hop (the PS's send, a relay, an aggregator's wait for
+    its children's partials) may take, so that ``levels + 1`` hops fit in the PS's bound."""
+    return max(MIN_TIMEOUT_S, bound_s / (max(1, levels) + 1))
 
 
 def _send_only_prefix(prog: Program) -> Program:
@@ -161,8 +172,7 @@ async def server_round(ps) -> dict:
     prog = plan.program(ps.node)
     # a stalled child must not hold the round (see _late_children): a send stage gets one level's share of the
     # bound to finish before the next starts beside it, and a child missing rounds gets that share, no more
-    levels = max(1, int(plan.notes.get("levels", 1))) if isinstance(plan.notes, dict) else 1
-    share = max(MIN_TIMEOUT_S, bound / (levels + 1))
+    share = _level_share(bound, _levels(plan))
     late = {worker_node(r) for r, m in ps.membership.members.items() if m.state is State.ACTIVE and m.missed}
     prog = _late_children(prog, late, share)
     ps.executor.payload_timeouts.update(params=bt, partial=bound)
@@ -293,7 +303,7 @@ class _WorkerHandlers:
             except RemoteError:
                 continue
             if h is not None and h.kind != KIND_STOP and h.round_bound_ms:
-                return max(MIN_TIMEOUT_S, h.round_bound_ms / 1000.0 / (self.levels + 1))
+                return _level_share(h.round_bound_ms / 1000.0, self.levels)
         return None
 
     def prepare_transfer(self, step, slots):
@@ -305,7 +315,7 @@ class _WorkerHandlers:
         buf = slots.buffer(step.slot)
         h = _fresh_header(buf, self.it)
         if h is not None and h.round_bound_ms:
-            w.relay_budget_s = max(MIN_TIMEOUT_S, h.round_bound_ms / 1000.0 / (self.levels + 1))
+            w.relay_budget_s = _level_share(h.round_bound_ms / 1000.0, self.levels)
         budget = w.relay_budget_s
         if h is not None and h.kind == KIND_STOP:
             return None  # STOP goes down as it came (bounded by the PS's own stop timeout)
@@ -344,7 +354,7 @@ class _WorkerHandlers:
         if bound_s > 0:
             # an aggregating worker must send its partial up before its parent gives up on it: each level of
             # the tree waits for its children a 1/(levels+1) share of the PS's bound for the round
-            w.executor.payload_timeouts["partial"] = max(MIN_TIMEOUT_S, bound_s / (self.levels + 1))
+            w.executor.payload_timeouts["partial"] = _level_share(bound_s, self.levels)
         if stale:
             if len(stale) == len(w.shards) and not heard:
                 if self.param_sources and w.executor.excluded >= self.param_sources:
@@ -429,8 +439,7 @@ async def worker_run(w, start: int = 0) -> dict:
                 i = next(k for k, s in enumerate(w.shards) if (s.lo, s.hi) == (st.lo, st.hi))
                 w.slots.bind(st.slot, w._in[i])
                 param_slots[st.slot] = i
-        h = _WorkerHandlers(w, it, plan.notes.get("levels", 1) if isinstance(plan.notes, dict) else 1, sources,
-                            param_slots)
+        h = _WorkerHandlers(w, it, _levels(plan), sources, param_slots)
         run = w.executor.run(prog, w.slots, h, iteration=it, exclude=excluded)
         if views is None:
             res = await run

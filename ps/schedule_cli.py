@@ -179,15 +179,14 @@ def check_server_schedule(args) -> None:
                               f"shards would apply updates at their own pace and a worker's pull spans versions no "
                               f"shard agreed on; pass --num-servers 1, or --mode bsp to shard the model")
         return
-    if cls.name in _async_controller_schedules():  # mlfabric: asynchronous by design, whatever --mode says
+    # mlfabric: asynchronous by design, whatever --mode says; hoplite (ltp_ps.hoplite_roles): BSP rounds or async
+    # half-batch. Both run their own PS loop, with one shard
+    one_shard = {**{n: "paper §5: one PS orders and applies the updates" for n in _async_controller_schedules()},
+                 "hoplite": "it holds the object directory and receives the reduce"}
+    if cls.name in one_shard:
         if getattr(args, "num_servers", 1) != 1:
-            raise ConfigError(f"--schedule {args.schedule} runs with one PS shard (paper §5: one PS orders and "
-                              f"applies the updates); pass --num-servers 1 (got {args.num_servers})")
-        return
-    if cls.name == "hoplite":  # ltp_ps.hoplite_roles: BSP rounds or async half-batch; the PS holds the directory
-        if getattr(args, "num_servers", 1) != 1:
-            raise ConfigError(f"--schedule hoplite runs with one PS shard (it holds the object directory and "
-                              f"receives the reduce); pass --num-servers 1 (got {args.num_servers})")
+            raise ConfigError(f"--schedule {cls.name} runs with one PS shard ({one_shard[cls.name]}); pass "
+                              f"--num-servers 1 (got {args.num_servers})")
         return
     if getattr(cls, "controller", None) is not None and cls.controller is not _base_controller():
         raise ConfigError(f"--schedule {args.schedule} decides its steps at run time (a controller); its PS loop is "
