@@ -6,12 +6,13 @@ import argparse
 import math
 
 
-def bounded(kind, lo, what: str, fix: str = "", *, strict: bool = False):
-    """An argparse ``type``: a finite ``kind`` (``int`` or ``float``) ``>= lo`` (``> lo`` when ``strict``).
+def bounded(kind, lo, what: str, fix: str = "", *, strict: bool = False, below=None):
+    """An argparse ``type``: a finite ``kind`` (``int`` or ``float``) ``>= lo`` (``> lo`` when ``strict``),
+    and ``< below`` when given.
 
     A refused value raises ``ArgumentTypeError`` saying ``<what> must be >= <lo> (<fix>)``, so argparse
     exits 2 with a line that names the option's meaning and how to set it."""
-    bound = f"{'>' if strict else '>='} {lo}"
+    bound = f"{'>' if strict else '>='} {lo}" + (f" and < {below}" if below is not None else "")
     tail = f" ({fix})" if fix else ""
 
     def parse(text: str):
@@ -20,7 +21,18 @@ def bounded(kind, lo, what: str, fix: str = "", *, strict: bool = False):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number; "
                                              f"{what} must be {bound}{tail}") from None
-        if not math.isfinite(v) or v < lo or (strict and v == lo):
+        if not math.isfinite(v) or v < lo or (strict and v == lo) or (below is not None and v >= below):
             raise argparse.ArgumentTypeError(f"{text} is out of range: {what} must be {bound}{tail}")
         return v
     return parse
+
+
+def model_name(text: str) -> str:
+    """An argparse ``type`` for ``--model``: refused at parse time, before ``launch`` spawns anything."""
+    from .errors import ConfigError
+    from .model_names import check_model_name
+
+    try:
+        return check_model_name(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -24,7 +24,7 @@ import time
 
 from . import rendezvous as rdv
 from . import schedule_cli
-from .argtypes import bounded
+from .argtypes import bounded, model_name
 from .errors import ConfigError, PSError, TrainingFailed
 
 EXIT_CONFIG = 2  # setup, rendezvous or transport error (the message names the fix)
@@ -32,7 +32,7 @@ EXIT_TRAINING_FAILED = 3  # no live worker, no usable gradient, non-finite loss
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="digits", help="digits | resnet50 | vgg16 | synthetic:<n> (default digits)")
+    p.add_argument("--model", type=model_name, default="digits", help="digits | resnet50 | vgg16 | synthetic:<n> (default digits)")
     p.add_argument("--workers", type=int, default=4, help="number of workers in the job (default 4)")
     p.add_argument("--transport", choices=("auto", "ltp", "tcp"), default="auto",
                    help="gradient/parameter transport (auto: ltp when ltp.open_endpoint exists, else tcp)")
@@ -63,7 +63,8 @@ def _server_opts(p):
     p.add_argument("--aggregation", choices=("unbiased", "zero_fill"), default="unbiased")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--lr", type=bounded(float, 0.0, "the learning rate"), default=0.1)
-    p.add_argument("--momentum", type=bounded(float, 0.0, "SGD momentum"), default=None,
+    p.add_argument("--momentum", type=bounded(float, 0.0, "SGD momentum", "1 or more never forgets a gradient and "
+                                              "diverges", below=1.0), default=None,
                    help="SGD momentum (default 0.9 for BSP rounds; 0 for asynchronous updates, --mode async or "
                         "--schedule mlfabric, whose staleness already acts as momentum: docs/ps.md)")
     p.add_argument("--weight-decay", type=bounded(float, 0.0, "L2 weight decay"), default=0.0)
@@ -231,7 +232,7 @@ async def work(args, store=None) -> dict:
     incarnation up to ``--store-timeout``.  Being dropped by a live PS is retried
     ``--rejoin`` times.
     """
-    from .errors import JobEnded, StaleIncarnation, TransportError
+    from .errors import Excluded, JobEnded, StaleIncarnation, TransportError
     from .worker import ShardRef, Worker, WorkerConfig
 
     secret = rdv.load_secret(args.secret_file)
@@ -291,6 +292,15 @@ async def work(args, store=None) -> dict:
                 i.shard: await asyncio.to_thread(rdv.drop_count, store, i.shard, rank) for i in infos}
             try:
                 st = await _run_watching(w, store, infos, rank=rank, drops=drops)
+            except Excluded as exc:
+                # the job goes on without this worker and cannot take it back (tree schedules): its verdict is the
+                # job's, so wait for the job to end and exit with it, whichever transport told this worker first
+                print(f"[worker {rank}] {exc}; waiting for the job's verdict", flush=True)
+                await _await_job_over(store, len(infos))
+                _raise_if_failed(store, len(infos))
+                print(f"[worker {rank}] the job finished without this worker (excluded)", flush=True)
+                stats.update(stopped=True, dropped=True, excluded=True)
+                return stats
             except (TransportError, ConnectionError) as exc:
                 if await asyncio.to_thread(rdv.job_over, store, len(infos)):
                     _raise_if_failed(store, len(infos))
@@ -317,6 +327,18 @@ async def work(args, store=None) -> dict:
             return stats
     finally:
         await transport.close()
+
+
+async def _await_job_over(store, num_servers: int) -> None:
+    """Return once shard 0 finished or a shard failed, or once the store is gone (its PS's exit code then
+    carries the verdict, as in :func:`_raise_if_failed`)."""
+    while True:
+        try:
+            if await asyncio.to_thread(rdv.job_over, store, num_servers):
+                return
+        except (RuntimeError, OSError):  # DistNetworkError is a RuntimeError: the store went away with the job
+            return
+        await asyncio.sleep(PS_WATCH_S)
 
 
 def _raise_if_failed(store, num_servers: int) -> None:

@@ -656,6 +656,9 @@ def _poll_board(v: _Views):
 def _observe_peers(w, v: _Views, prog: Program, res) -> list:
     """Feed the round's exchanges with worker peers to the suspicion; the ranks that became suspects now."""
     excluded = v.excluded()
+    # a send that completed proves the peer alive only where the transport says so (not kernel TCP, whose buffers
+    # take a paused peer's share for many rounds: its tree parent went on "hearing" it and never suspected it)
+    sends_prove = getattr(w.transport, "sends_confirm_peer", True)
     oks: dict = {}  # rank -> any exchange with it succeeded this round
     whys: dict = {}  # rank -> the first failure
     gone: set = set()  # ranks a send or receive found gone (unreachable, connection closed): suspects at once
@@ -679,6 +682,8 @@ def _observe_peers(w, v: _Views, prog: Program, res) -> list:
             why = f"a send to it failed ({type(rep).__name__}: {rep})"
             if isinstance(rep, PeerGone):
                 gone.add(rank)
+            if ok and not sends_prove:
+                continue  # neutral: the round's receives from it (if any) decide
         oks[rank] = oks.get(rank, False) or ok
         if not ok:
             whys.setdefault(rank, why)

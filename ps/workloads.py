@@ -22,9 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from .model_names import SYNTHETIC_SIZES, check_model_name
 
-SYNTHETIC_SIZES = {"resnet50": 25_557_032, "vgg16": 138_357_544}
 
 
 def flat_layout(module: nn.Module) -> list[tuple]:
@@ -222,10 +221,9 @@ class SyntheticWorkload(Workload):
 
 
 def get_workload(name: str, *, compute_delay_s: float = 0.0, batch_size: int = 32, seed: int = 0) -> Workload:
+    check_model_name(name)
     if name == "digits":
         return DigitsWorkload(batch_size=batch_size, seed=seed, compute_delay_s=compute_delay_s)
     if name in SYNTHETIC_SIZES:
         return SyntheticWorkload(name, SYNTHETIC_SIZES[name], compute_delay_s)
-    if name.startswith("synthetic:"):
-        return SyntheticWorkload(name, int(float(name.split(":", 1)[1])), compute_delay_s)
-    raise ConfigError(f"unknown model {name!r}; use digits, resnet50, vgg16 or synthetic:<n_params>")
+    return SyntheticWorkload(name, int(float(name.split(":", 1)[1])), compute_delay_s)

@@ -86,16 +86,18 @@ def stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
-def rat_job(n_workers, *, wl=None, racks=None, shards=1, board=True, worker_kw=None, **server_kw):
+def rat_job(n_workers, *, wl=None, racks=None, shards=1, board=True, worker_kw=None, buffered_sends=False,
+            **server_kw):
     """A ``rat`` job in memory: K shards (colocated with workers 0..K-1 when racks are given) and, with ``board``,
-    one tree-view board; returns ``(servers, workers, board)``."""
+    one tree-view board; returns ``(servers, workers, board)``.  ``buffered_sends``: sends to a stalled process
+    complete, as over kernel TCP (:class:`MemoryNetwork`)."""
     from ltp_ps.schedules import World, create
     from ltp_ps.schedules.program import server, worker
     from ltp_ps.schedules.topology import Topology
     from ltp_ps.tree_views import MemoryBoard
 
     wl = wl or workload()
-    net = MemoryNetwork(loss=0.0, segment_size=1024, seed=0)
+    net = MemoryNetwork(loss=0.0, segment_size=1024, seed=0, buffered_sends=buffered_sends)
     plan = ShardPlan(wl.n_params, shards)
     topo, placement = None, {}
     if racks is not None:

@@ -100,3 +100,36 @@ def test_an_mlfabric_worker_paused_and_dropped_is_taken_in_again(tmp_path):
     later = _paused_worker_returns(tmp_path, "mlfabric", epochs=20, after_rows=30, pause_s=25.0,
                                    extra=("--store-timeout", 20))
     assert any("worker:1" in r["members"] for r in later), later[-5:]
+
+
+def test_a_rat_worker_declared_dead_while_paused_waits_for_the_job_and_exits_with_its_verdict(tmp_path):
+    """A RAT worker paused (SIGSTOP) past --max-missed rounds is written out of the trees, and tree schedules cannot
+    take it back.  Found by trying it over TCP, two bugs:
+    * its tree parent never suspected it: the kernel buffered the parameter sends to the paused worker, and a
+      completed send counted as an exchange with a live peer, so every round waited out its timeout and the job
+      crawled on with 3 of 4 workers (LTP's sends need the peer's own ACKs, so there it was suspected);
+    * a worker declared dead while alive exited 3 (``Excluded``) on waking, failing the launch although the PS
+      trained on and finished (with LTP the PS's STOP often reached it first and the same job exited 0).
+    Now the parent suspects it from what does not come from it, and the excluded worker waits for the job's end and
+    exits with the job's verdict.  The worker is resumed as soon as the view is out, while the job still runs."""
+    metrics, out = tmp_path / "m.jsonl", tmp_path / "out.txt"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(ps_cmd("launch", "--schedule", "rat", "--workers", 4, "--epochs", 40, "--lab", "off",
+                                       "--transport", "tcp", "--model", "digits", "--seed", 0, "--metrics", metrics),
+                                env=child_env(), stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            pid = wait_for_rows(proc, out, metrics, after_rows=20, within_s=60, who="worker 1")
+            os.kill(pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 90
+            while "tree view 1:" not in open(out).read() and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.1)
+            os.kill(pid, signal.SIGCONT)
+            rc = proc.wait(150)
+        finally:
+            stop(proc)
+    text = open(out).read()
+    assert "[w0] suspects worker 1 is dead" in text, text[-4000:]
+    assert "tree view 1: workers [1] are dead" in text, text[-4000:]
+    assert rc == 0, text[-4000:]
+    assert "[worker 1] the job finished without this worker (excluded)" in text, text[-4000:]
+    assert len(_epochs(metrics)) == 40, text[-4000:]

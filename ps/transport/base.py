@@ -100,6 +100,10 @@ class Transport(abc.ABC):
     """One endpoint.  Subclasses: TcpTransport, LtpTransport, MemoryTransport."""
 
     name: str = "abstract"
+    #: a completed send is evidence that the peer's *process* is alive: LTP's ACKs come from the peer's engine,
+    #: and the in-memory transport holds a send to a stalled peer.  Kernel TCP completes a send into the socket
+    #: buffers of a paused (SIGSTOP) or hung peer, so there only what comes *from* a peer proves it is alive
+    sends_confirm_peer: bool = True
 
     @property
     @abc.abstractmethod

@@ -57,6 +57,7 @@ class TcpTransport(Transport):
     """Asyncio-streams TCP endpoint; create with ``await TcpTransport.open(...)``."""
 
     name = "tcp"
+    sends_confirm_peer = False  # the kernel buffers a send for a paused peer
 
     def __init__(self, cc: str | None = "cubic", *, max_receive_memory: int = 1 << 31,
                  connect_timeout: float = 10.0):

@@ -1,0 +1,28 @@
+"""The ``--model`` names every ``ltp-ps`` command accepts, checked without building a model (no torch import),
+so ``launch`` refuses a bad name before it spawns a process."""
+
+from __future__ import annotations
+
+from .errors import ConfigError
+
+#: parameter counts of the named synthetic models (``ltp_ps.workloads.SyntheticWorkload``)
+SYNTHETIC_SIZES = {"resnet50": 25_557_032, "vgg16": 138_357_544}
+#: the largest ``synthetic:<n>``: 2**31 float32 (8 GiB per copy), beyond what a PS here should allocate
+MAX_SYNTHETIC_PARAMS = 2 ** 31
+
+
+def check_model_name(name: str) -> str:
+    """``name`` if it is ``digits``, a key of :data:`SYNTHETIC_SIZES` or ``synthetic:<n>`` with a whole ``n`` in
+    1..:data:`MAX_SYNTHETIC_PARAMS`; else :class:`ConfigError` naming the accepted forms."""
+    if name == "digits" or name in SYNTHETIC_SIZES:
+        return name
+    if name.startswith("synthetic:"):
+        try:
+            n = float(name.split(":", 1)[1])
+        except ValueError:
+            n = float("nan")
+        if not (1 <= n <= MAX_SYNTHETIC_PARAMS and n == int(n)):  # NaN fails the first test
+            raise ConfigError(f"bad model {name!r}: synthetic:<n> needs a whole number of parameters in "
+                              f"1..{MAX_SYNTHETIC_PARAMS} (such as synthetic:1e6)")
+        return name
+    raise ConfigError(f"unknown model {name!r}; use digits, resnet50, vgg16 or synthetic:<n_params>")
