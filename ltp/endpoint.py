@@ -173,7 +173,11 @@ class Endpoint:
         ``element_size`` (bytes) defaults to the item size of ``data`` (8 for a
         float64 array, 1 for bytes): no element is ever split between packets."""
         _check_timeout(timeout)
-        peer = await self._resolve(peer)
+        return await self._send_resolved(await self._resolve(peer), data, reliable=reliable, critical=critical,
+                                         element_size=element_size, tag=tag, timeout=timeout)
+
+    async def _send_resolved(self, peer: tuple, data, *, reliable, critical, element_size, tag, timeout):
+        """:meth:`send` to a peer :meth:`_resolve` already checked (broadcast resolves each peer once)."""
         self._check_open()
         self._note_source(peer)
         handle = self.engine.send(peer, data, now=_now(), reliable=reliable, critical=critical,
@@ -232,7 +236,8 @@ class Endpoint:
         resolved = [await self._resolve(p) for p in peers]
         self._check_open()
         outcomes = list(await asyncio.gather(*[
-            self.send(p, data, reliable=True, critical=critical, element_size=element_size, tag=tag, timeout=timeout)
+            self._send_resolved(p, data, reliable=True, critical=critical, element_size=element_size, tag=tag,
+                                timeout=timeout)
             for p in resolved], return_exceptions=True))
         for o in outcomes:  # a misuse or a cancellation is not a peer's failure: raise it as it is
             if isinstance(o, LocalProtocolError) or (isinstance(o, BaseException) and not isinstance(o, Exception)):
