@@ -9,25 +9,9 @@ allowance covers user-space pacing; ``extra_acked`` is BBR's ACK-aggregation
 estimate (the windowed maximum, over 10 rounds, of data acknowledged beyond
 what BtlBw predicts since an aggregation epoch began), which covers ACKs that
 arrive in batches and timers that fire a millisecond late — both are normal
-for a user-space transport — capped at two timer periods of BtlBw. **Random loss is not a
-congestion signal**: it never shrinks the window — the property LTP needs
-(§III-D).
-
-**Congestion loss** (*choice*, issue 8; the paper has none). Several senders
-whose BtlBw estimates each stand above their share of one shallow queue (the
-PS's incast: measured 2.4× the fair share with six workers at 100 Mbit/s)
-keep 2 BDP each in flight and overflow it round after round: 11–31% of the
-packets dropped, and Early Close cut what was missing from every gradient at
-0% configured loss. So a round that lost more than ``CONGESTION_LOSS`` (2%,
-BBRv2's threshold) of the bytes it acknowledged and lost, *while* its
-freshest RTT sample stood ``QUEUE_RTPROPS`` RTprops (at least
-``QUEUE_MIN_S``) above RTprop — a queue that overflowed, which random loss on
-an empty path does not show — caps the window at one BDP plus the pacer's
-burst (cwnd gain 1, no aggregation allowance) for ``CONGESTED_ROUNDS``
-rounds. Never below one BDP: a lone flow still fills its path whatever it
-loses. Pacing is unchanged. BBRv2 cuts an ``inflight_hi`` by 0.7 per
-congested round instead; tried in the simulator, a lone flow at 5% random
-loss whose own bandwidth probe filled the queue lost 10–30% of its rate to it.
+for a user-space transport — capped at two timer periods of BtlBw. **Loss is not a
+congestion signal**: nothing here looks at losses, so random (non-congestion)
+loss does not shrink the window — the property LTP needs (§III-D).
 
 States, as in BBR:
 
@@ -49,8 +33,7 @@ import math
 import random
 from collections import deque
 
-__all__ = ["BBR", "STARTUP", "DRAIN", "PROBE_BW", "PROBE_RTT", "CONGESTION_LOSS", "QUEUE_RTPROPS", "QUEUE_MIN_S",
-           "CONGESTED_ROUNDS"]
+__all__ = ["BBR", "STARTUP", "DRAIN", "PROBE_BW", "PROBE_RTT"]
 
 STARTUP = "startup"
 DRAIN = "drain"
@@ -62,15 +45,6 @@ CYCLE = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
 BTLBW_ROUNDS = 10
 FULL_BW_THRESH = 1.25
 FULL_BW_ROUNDS = 3
-#: a round that lost more than this share of the bytes it acknowledged and lost ... (BBRv2's loss threshold)
-CONGESTION_LOSS = 0.02
-#: ... while its freshest RTT stood this many RTprops above RTprop (at least ``QUEUE_MIN_S``): a queue that
-#: overflowed, not random loss on an empty path
-QUEUE_RTPROPS = 0.5
-QUEUE_MIN_S = 0.001
-#: rounds after such a round during which at most one BDP (plus the pacer's burst) is in flight: cwnd
-#: gain 1 and no aggregation allowance.  Never below one BDP, so a lone flow keeps its rate whatever the loss
-CONGESTED_ROUNDS = 10
 
 
 class _MaxFilter:
@@ -130,11 +104,6 @@ class BBR:
         self._extra_acked = _MaxFilter(BTLBW_ROUNDS)
         self._ack_epoch_start: float | None = None
         self._ack_epoch_acked = 0
-        self._round_acked = 0
-        self._round_lost = 0
-        self._round_max_rtt = 0.0
-        self._congested_until = -1  # the last round count of the congestion response
-        self.congested_rounds = 0  # rounds found congested (lost + queued), for reports and tests
 
     # -- model outputs -------------------------------------------------
     @property
@@ -161,8 +130,6 @@ class BBR:
         """Bytes allowed in flight, given the pacer's burst size."""
         if self.state == PROBE_RTT:
             return 4 * self.mss
-        if self.congested:
-            return int(max(self.bdp() + burst_bytes, 4 * self.mss))
         target = self.cwnd_gain * self.bdp() + self.extra_acked + burst_bytes
         return int(max(target, 4 * self.mss, self.initial_cwnd if not self.filled_pipe else 0))
 
@@ -176,26 +143,6 @@ class BBR:
         times the queue in flight: measured in the simulator, that tripled losses.
         """
         return min(self._extra_acked.value, self.btlbw * self.aggregation_cap_s)
-
-    @property
-    def congested(self) -> bool:
-        """A round within the last ``CONGESTED_ROUNDS`` lost more than ``CONGESTION_LOSS`` of its bytes while
-        its RTT showed a standing queue: the window is one BDP until then."""
-        return self.round_count <= self._congested_until
-
-    def on_loss(self, lost_bytes: int) -> None:
-        """Bytes the sender just declared lost (counted towards this round's loss share)."""
-        self._round_lost += lost_bytes
-
-    def _end_round(self) -> None:
-        total = self._round_acked + self._round_lost
-        rtprop = self.rtprop
-        if total and rtprop and self._round_lost > CONGESTION_LOSS * total and \
-                self._round_max_rtt > rtprop + max(QUEUE_MIN_S, QUEUE_RTPROPS * rtprop):
-            self._congested_until = self.round_count + CONGESTED_ROUNDS
-            self.congested_rounds += 1
-        self._round_acked = self._round_lost = 0
-        self._round_max_rtt = 0.0
 
     def _update_ack_aggregation(self, now: float, acked: int) -> None:
         bw = self.btlbw
@@ -212,8 +159,7 @@ class BBR:
 
     # -- inputs --------------------------------------------------------
     def on_ack(self, now: float, *, delivered: int, prior_delivered: int, rate_bps: float | None,
-               rtt_s: float | None, inflight: int, app_limited: bool = False, acked: int = 0,
-               fresh_rtt_s: float | None = None) -> None:
+               rtt_s: float | None, inflight: int, app_limited: bool = False, acked: int = 0) -> None:
         """Feed one ACK's worth of samples.
 
         ``delivered`` is the path's delivered-bytes counter after this ACK,
@@ -224,14 +170,10 @@ class BBR:
         """
         round_start = False
         if prior_delivered >= self._next_round_delivered:
-            self._end_round()
             self._next_round_delivered = delivered
             self.round_count += 1
             round_start = True
             self._btlbw.expire(self.round_count)
-        self._round_acked += acked
-        if fresh_rtt_s is not None and fresh_rtt_s > self._round_max_rtt:
-            self._round_max_rtt = fresh_rtt_s
         if rate_bps is not None and rate_bps > 0 and (not app_limited or rate_bps >= self.btlbw):
             self._btlbw.update(self.round_count, rate_bps)
         # the filter can only expire once it holds a sample (the clock's origin is arbitrary)

@@ -228,13 +228,10 @@ class Path:
             else:
                 self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - fresh)
                 self.srtt = 0.875 * self.srtt + 0.125 * fresh
-        if lost.shape[0]:
-            self.bbr.on_loss(int(lost.shape[0]) * flow.seg_size)
         if newly:
             self.bbr.on_ack(now, delivered=self.delivered, prior_delivered=prior_delivered,
                             rate_bps=rate, rtt_s=rtt if rtt >= 0 else None,
                             inflight=self.inflight_bytes(),
-                            app_limited=0 <= prior_delivered < self.app_limited_until, acked=newly_bytes,
-                            fresh_rtt_s=now - sample_sent if prior_delivered >= 0 else None)
+                            app_limited=0 <= prior_delivered < self.app_limited_until, acked=newly_bytes)
             self.pacer.set_rate(self.bbr.pacing_rate)
         return lost
