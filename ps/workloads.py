@@ -25,7 +25,6 @@ from torch import nn
 from .model_names import SYNTHETIC_SIZES, check_model_name
 
 
-
 def flat_layout(module: nn.Module) -> list[tuple]:
     out, off = [], 0
     for p in module.parameters():
