@@ -1,5 +1,5 @@
-"""The ``--model`` names every ``ltp-ps`` command accepts, checked without building a model (no torch import),
-so ``launch`` refuses a bad name before it spawns a process."""
+"""The ``--model`` names every ``ltp-ps`` command accepts, checked without building a model, so ``launch``
+refuses a bad name when it parses its command line, before it spawns a process."""
 
 from __future__ import annotations
 
