@@ -30,9 +30,10 @@ def bounded(kind, lo, what: str, fix: str = "", *, strict: bool = False, below=N
 def model_name(text: str) -> str:
     """An argparse ``type`` for ``--model``: refused at parse time, before ``launch`` spawns anything."""
     from .errors import ConfigError
-    from .model_names import check_model_name
+    from .model_names import synthetic_params
 
     try:
-        return check_model_name(text)
+        synthetic_params(text)
+        return text
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None

@@ -267,10 +267,7 @@ async def work(args, store=None) -> dict:
                 print(f"[worker {rank}] {exc}; joining the new one", flush=True)
                 continue
             except JobEnded as exc:
-                _raise_if_failed(store, len(infos))
-                print(f"[worker {rank}] the job finished without this worker ({exc})", flush=True)
-                stats.update(stopped=True, dropped=True)
-                return stats
+                return _finished_without(stats, store, len(infos), rank, exc)
             nonces = [i.nonce for i in infos]
             if joined is not None and nonces != joined:
                 attempts = 0  # a restarted PS is not this worker's fault
@@ -297,16 +294,10 @@ async def work(args, store=None) -> dict:
                 # job's, so wait for the job to end and exit with it, whichever transport told this worker first
                 print(f"[worker {rank}] {exc}; waiting for the job's verdict", flush=True)
                 await _await_job_over(store, len(infos))
-                _raise_if_failed(store, len(infos))
-                print(f"[worker {rank}] the job finished without this worker (excluded)", flush=True)
-                stats.update(stopped=True, dropped=True, excluded=True)
-                return stats
+                return _finished_without(stats, store, len(infos), rank, "excluded", excluded=True)
             except (TransportError, ConnectionError) as exc:
                 if await asyncio.to_thread(rdv.job_over, store, len(infos)):
-                    _raise_if_failed(store, len(infos))
-                    print(f"[worker {rank}] the job finished without this worker ({exc})", flush=True)
-                    stats.update(stopped=True, dropped=True)
-                    return stats
+                    return _finished_without(stats, store, len(infos), rank, exc)
                 restarted = await asyncio.to_thread(rdv.wait_new_incarnation, store, infos, PS_WATCH_S, 0.0)
                 if not restarted:
                     attempts += 1
@@ -327,6 +318,15 @@ async def work(args, store=None) -> dict:
             return stats
     finally:
         await transport.close()
+
+
+def _finished_without(stats: dict, store, num_servers: int, rank: int, why, **extra) -> dict:
+    """The end of a worker whose job ended (or goes on) without it: the job's verdict (raises if a shard failed),
+    else ``stats`` marked stopped and dropped, so the worker exits 0."""
+    _raise_if_failed(store, num_servers)
+    print(f"[worker {rank}] the job finished without this worker ({why})", flush=True)
+    stats.update(stopped=True, dropped=True, **extra)
+    return stats
 
 
 async def _await_job_over(store, num_servers: int) -> None:

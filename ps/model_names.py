@@ -11,11 +11,14 @@ SYNTHETIC_SIZES = {"resnet50": 25_557_032, "vgg16": 138_357_544}
 MAX_SYNTHETIC_PARAMS = 2 ** 31
 
 
-def check_model_name(name: str) -> str:
-    """``name`` if it is ``digits``, a key of :data:`SYNTHETIC_SIZES` or ``synthetic:<n>`` with a whole ``n`` in
-    1..:data:`MAX_SYNTHETIC_PARAMS`; else :class:`ConfigError` naming the accepted forms."""
-    if name == "digits" or name in SYNTHETIC_SIZES:
-        return name
+def synthetic_params(name: str) -> int | None:
+    """The parameter count of model ``name``: None for ``digits`` (a real model), the size of a key of
+    :data:`SYNTHETIC_SIZES`, or ``n`` of ``synthetic:<n>`` (a whole ``n`` in 1..:data:`MAX_SYNTHETIC_PARAMS`);
+    else :class:`ConfigError` naming the accepted forms."""
+    if name == "digits":
+        return None
+    if name in SYNTHETIC_SIZES:
+        return SYNTHETIC_SIZES[name]
     if name.startswith("synthetic:"):
         try:
             n = float(name.split(":", 1)[1])
@@ -24,5 +27,5 @@ def check_model_name(name: str) -> str:
         if not (1 <= n <= MAX_SYNTHETIC_PARAMS and n == int(n)):  # NaN fails the first test
             raise ConfigError(f"bad model {name!r}: synthetic:<n> needs a whole number of parameters in "
                               f"1..{MAX_SYNTHETIC_PARAMS} (such as synthetic:1e6)")
-        return name
+        return int(n)
     raise ConfigError(f"unknown model {name!r}; use digits, resnet50, vgg16 or synthetic:<n_params>")

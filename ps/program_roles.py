@@ -658,7 +658,7 @@ def _observe_peers(w, v: _Views, prog: Program, res) -> list:
     excluded = v.excluded()
     # a send that completed proves the peer alive only where the transport says so (not kernel TCP, whose buffers
     # take a paused peer's share for many rounds: its tree parent went on "hearing" it and never suspected it)
-    sends_prove = getattr(w.transport, "sends_confirm_peer", True)
+    sends_prove = w.transport.sends_confirm_peer
     oks: dict = {}  # rank -> any exchange with it succeeded this round
     whys: dict = {}  # rank -> the first failure
     gone: set = set()  # ranks a send or receive found gone (unreachable, connection closed): suspects at once

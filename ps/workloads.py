@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .model_names import SYNTHETIC_SIZES, check_model_name
+from .model_names import synthetic_params
 
 
 def flat_layout(module: nn.Module) -> list[tuple]:
@@ -220,9 +220,7 @@ class SyntheticWorkload(Workload):
 
 
 def get_workload(name: str, *, compute_delay_s: float = 0.0, batch_size: int = 32, seed: int = 0) -> Workload:
-    check_model_name(name)
-    if name == "digits":
+    n = synthetic_params(name)
+    if n is None:
         return DigitsWorkload(batch_size=batch_size, seed=seed, compute_delay_s=compute_delay_s)
-    if name in SYNTHETIC_SIZES:
-        return SyntheticWorkload(name, SYNTHETIC_SIZES[name], compute_delay_s)
-    return SyntheticWorkload(name, int(float(name.split(":", 1)[1])), compute_delay_s)
+    return SyntheticWorkload(name, n, compute_delay_s)
