@@ -34,6 +34,21 @@ def test_predictions_of_the_hoplite_rows():
     assert S.predict("hoplite+stagger", _topology(50e6), 5, S_BYTES) > after_last  # slower hosts, later end
 
 
+def test_the_flat_staggered_row_is_predicted_on_its_own_topology_and_bounded_by_its_slowest_host():
+    """hoplite7+stagger: the issue's setup (PS + six workers, flat, every host at 100 Mbit/s).  Its hops never
+    cross a rack uplink, so its pipelined chain ends about one S/B after the last arrival, sooner than the racks
+    row's; the bound is 1.5 S/B of the slowest host."""
+    flat = Topology(hosts=tuple(HostLink(f"h{i}", 0, 100e6, 100e6) for i in range(S.FLAT_HOSTS)), uplinks=())
+    sb = 8 * S_BYTES / 100e6
+    after_last = S.predict("hoplite7+stagger", flat, S.FLAT_HOSTS - 1, S_BYTES)
+    assert sb * 0.99 <= after_last <= 1.2 * sb
+    assert after_last < S.predict("hoplite+stagger", _topology(), 5, S_BYTES)
+    assert S.stagger_bound_s(flat, S_BYTES) == pytest.approx(1.5 * sb)
+    slow = Topology(hosts=flat.hosts[:-1] + (HostLink("h6", 0, 50e6, 50e6),), uplinks=())
+    assert S.stagger_bound_s(slow, S_BYTES) == pytest.approx(3 * sb)
+    assert S.FLAT_ROWS["hoplite7+stagger"] == "hoplite" and "hoplite7+stagger" in S.STAGGER_ROWS
+
+
 def _rows(schedule, ts, contributors=None, gather=None):
     rows = []
     for i, t in enumerate(ts):
@@ -54,23 +69,28 @@ def test_async_rows_report_gradients_per_second_after_the_warm_up():
                                             "error": None}, 10)
     assert hop["grads_per_s"] == pytest.approx(6.0) and hop["updates_per_s"] == pytest.approx(2.0)
     assert hop["round_s_median"] == pytest.approx(0.5)
-    stag = S._summarise_job("hoplite+stagger", {"rows": _rows("s", [1, 2, 3, 4, 5], gather=[9, 9, 0.3, 0.5, 0.4]),
-                                               "error": None}, 5)
-    assert stag["reduce_after_last_s"] == stag["round_s_median"] == pytest.approx(0.4)  # warm-up rounds left out
+    for row in S.STAGGER_ROWS:
+        stag = S._summarise_job(row, {"rows": _rows("s", [1, 2, 3, 4, 5], gather=[9, 9, 0.3, 0.5, 0.4]),
+                                      "error": None}, 5)
+        assert stag["reduce_after_last_s"] == stag["round_s_median"] == pytest.approx(0.4)  # warm-up rounds left out
 
 
 def test_checks_of_the_hoplite_rows_pass_and_fail():
-    def checks(hop_gps, after_last):
+    def checks(hop_gps, after_last, flat_after_last=None):
         summary = [{"schedule": "direct+async", "n": 1, "grads_per_s": 3.0},
                    {"schedule": "hoplite+async", "n": 1, "grads_per_s": hop_gps},
-                   {"schedule": "hoplite+stagger", "n": 1, "reduce_after_last_s": after_last}]
-        runs = [{"schedule": "hoplite+stagger", "stagger_bound_s": 0.48}]
-        return {c["target"].split(",")[0].split(":")[0]: c["passed"] for c in S.check(summary, runs)}
-    ok = checks(6.5, 0.4)
-    assert ok["hoplite async half-batch / async direct"] is True
-    assert ok["hoplite staggered arrivals"] is True
-    bad = checks(3.0, 0.7)
-    assert bad["hoplite async half-batch / async direct"] is False and bad["hoplite staggered arrivals"] is False
+                   {"schedule": "hoplite+stagger", "n": 1, "reduce_after_last_s": after_last},
+                   {"schedule": "hoplite7+stagger", "n": 1, "reduce_after_last_s": flat_after_last}]
+        runs = [{"schedule": "hoplite+stagger", "stagger_bound_s": 0.48},
+                {"schedule": "hoplite7+stagger", "stagger_bound_s": 0.48}]
+        return {c["target"].split(":")[0]: c["passed"] for c in S.check(summary, runs)}
+    ok = checks(6.5, 0.4, 0.45)
+    assert ok["hoplite async half-batch / async direct, gradients applied per second (issue 11)"] is True
+    assert ok["hoplite staggered arrivals"] is True and ok["hoplite staggered arrivals, flat"] is True
+    bad = checks(3.0, 0.7, 0.5)
+    assert bad["hoplite async half-batch / async direct, gradients applied per second (issue 11)"] is False
+    assert bad["hoplite staggered arrivals"] is False and bad["hoplite staggered arrivals, flat"] is False
+    assert "hoplite staggered arrivals, flat" not in checks(6.5, 0.4)  # a row that did not run is not checked
 
 
 @needs_lab

@@ -53,7 +53,9 @@ Theory of operation
     Rows (issue 11, Hoplite in the issue's own setup): ``hoplite7`` and ``direct7`` run in a
     second, flat lab of ``FLAT_HOSTS`` (7) hosts built for them in the same repeat, every host at
     ``--rate`` and no racks, the PS alone on the first host and six workers on the others; target
-    ``hoplite7 <= 0.4 x direct7`` (batch synchronisation: broadcast + reduce).
+    ``hoplite7 <= 0.4 x direct7`` (batch synchronisation: broadcast + reduce).  ``hoplite7+stagger`` is
+    ``hoplite+stagger`` in that flat lab (six workers, the issue's setup; the racks row's hops cross the
+    rack uplinks).
     Every row carries the fluid simulator's prediction for the same topology
     (``Schedule.predict_s`` on ``Topology.from_lab``, hosts in rank order; ``rsgcm+block``
     after the block uses the topology with the pair failed) and the ratio measured/predicted;
@@ -85,11 +87,14 @@ from . import schedules_training as T
 NAME = "schedules"
 EXPERIMENTS = ("rsgcm", "mlfabric", "accuracy")  # --experiment: this module's rows, then schedules_training's
 SCHEDULES = ("ring", "rsgcm", "direct", "rsgcm+block", "rat", "hoplite", "direct+async", "hoplite+async",
-             "hoplite+stagger", "rat6", "rat6c4", "direct6", "ring+pause", "rat6+pause", "hoplite7", "direct7")
-FLAT_ROWS = {"hoplite7": "hoplite", "direct7": "direct"}  # row -> schedule, in the flat lab of FLAT_HOSTS hosts
+             "hoplite+stagger", "rat6", "rat6c4", "direct6", "ring+pause", "rat6+pause", "hoplite7", "direct7",
+             "hoplite7+stagger")
+FLAT_ROWS = {"hoplite7": "hoplite", "direct7": "direct",  # row -> schedule, in the flat lab of FLAT_HOSTS hosts
+             "hoplite7+stagger": "hoplite"}
+STAGGER_ROWS = ("hoplite+stagger", "hoplite7+stagger")  # workers' gradients ready STAGGER_S apart (rank r: r x it)
 FLAT_HOSTS = 7  # issue 11's Hoplite setup: the PS on its own host and six workers, every host at --rate, no racks
 ASYNC_ROWS = ("direct+async", "hoplite+async")  # issue 11: Hoplite's half-batch async PS vs async direct
-PS_ALONE_ROWS = ASYNC_ROWS + ("hoplite+stagger",) + tuple(FLAT_ROWS)  # the PS alone on rank 0's host, workers on the other five (a
+PS_ALONE_ROWS = ASYNC_ROWS + STAGGER_ROWS + tuple(FLAT_ROWS)  # the PS alone on rank 0's host, workers on the other five (a
 #                                                    colocated worker's loopback transfers are not rate limited)
 STAGGER_S = 0.1  # seconds between workers' gradient arrivals in the hoplite+stagger row (rank r: r x this)
 PS_SCHEDULES = ("direct", "rat", "hoplite")  # rows that run one `ltp-ps server` (colocated with rank 0)
@@ -154,7 +159,7 @@ def predict(schedule: str, topo, n_workers: int, model_bytes: int) -> float | No
 
     n = max(1, int(model_bytes) // 4)
     names = topo.names
-    if schedule in ASYNC_ROWS or schedule == "hoplite+stagger":
+    if schedule in ASYNC_ROWS or schedule in STAGGER_ROWS:
         return _predict_hoplite_rows(schedule, topo, n_workers, model_bytes)
     if schedule in COLOCATED_ROWS or schedule in PAUSE_ROWS:
         return _predict_colocated_or_paused(schedule, topo, n_workers, model_bytes)
@@ -226,6 +231,11 @@ def _predict_colocated_or_paused(schedule: str, topo, n_workers: int, model_byte
     flows = plan_flows(sched.plan(0), w, int(model_bytes))
     return statistics.median(simulate(net, flows, pauses=_HostPauses(rotating_pauses(topo, n_workers, s), w))
                              .completion_s for s in PAUSE_SEEDS)
+
+
+def stagger_bound_s(topo, model_bytes: int) -> float:
+    """Issue 11's bound on a staggered row's reduce end after the last arrival: ``1.5 S/B``, B the slowest host."""
+    return TARGET_STAGGER_SB * 8 * model_bytes / min(h.up_bps for h in topo.hosts)
 
 
 def _predict_hoplite_rows(schedule: str, topo, n_workers: int, model_bytes: int) -> float:
@@ -313,7 +323,7 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
         common += ["--num-servers", str(shards), "--colocate"]
     for opt, value in ROW_OPTIONS.get(schedule, {}).items():
         common += [f"--rat-{opt}", str(value)]
-    if schedule == "hoplite+stagger":
+    if schedule in STAGGER_ROWS:
         from ltp_ps.hoplite_roles import READY_STAGGER_ENV
 
         env[READY_STAGGER_ENV] = str(STAGGER_S)
@@ -432,7 +442,7 @@ def _summarise_job(schedule: str, job: dict, rounds: int) -> dict:
             grads = sum(r.get("contributors", 1) for r in after[1:])
             row["grads_per_s"] = grads / (after[-1]["t"] - after[0]["t"])
             row["updates_per_s"] = (len(after) - 1) / (after[-1]["t"] - after[0]["t"])
-    if schedule == "hoplite+stagger":  # from the last worker's arrival at the PS to the apply
+    if schedule in STAGGER_ROWS:  # from the last worker's arrival at the PS to the apply
         g = [r["gather_s"] for r in rows[WARMUP_ROUNDS:] if r.get("gather_s") is not None]
         row["reduce_after_last_s"] = row["round_s_median"] = statistics.median(g) if g else None
         return row  # its prediction is the same quantity
@@ -520,9 +530,8 @@ def run(*, schedules=SCHEDULES, model_bytes: int | None = None, rounds: int | No
                     row = _summarise_job(s, job, n_rounds)
                     row.update(repeat=rep, transport=transport, predicted_s=predictions[s],
                                loadavg_1m=os.getloadavg()[0])  # this shared machine's load: CPU-bound rows
-                    if s == "hoplite+stagger":
-                        row["stagger_bound_s"] = TARGET_STAGGER_SB * 8 * model_bytes / min(
-                            h.up_bps for h in topo.hosts)
+                    if s in STAGGER_ROWS:
+                        row["stagger_bound_s"] = stagger_bound_s(topo, model_bytes)
                     if job.get("block_pair") is not None:
                         a, b = job["block_pair"]
                         names = topo.names
@@ -574,6 +583,8 @@ def _run_flat_rows(lab, rows, work, *, rep, runs, predictions, bar, model_bytes,
                       transport=transport, seed=seed + rep, workdir=work, rate_bps=rate_bps)
         row = _summarise_job(s, job, rounds)
         row.update(repeat=rep, transport=transport, predicted_s=predictions[s], loadavg_1m=os.getloadavg()[0])
+        if s in STAGGER_ROWS:
+            row["stagger_bound_s"] = stagger_bound_s(topo, model_bytes)
         if row.get("round_s_median") and row["predicted_s"]:
             row["measured_over_predicted"] = row["round_s_median"] / row["predicted_s"]
         row["metrics"] = job["rows"]
@@ -682,14 +693,16 @@ def check(summary: list[dict], runs: list[dict]) -> list[dict]:
         v = g("hoplite+async") / g("direct+async")
         add("hoplite async half-batch / async direct, gradients applied per second (issue 11)", v,
             TARGET_HOPLITE_ASYNC, v >= TARGET_HOPLITE_ASYNC, "the paper's metric: training steps per second")
-    st = by.get("hoplite+stagger") or {}
-    if st.get("reduce_after_last_s") is not None and runs:
-        p = next((r for r in runs if r["schedule"] == "hoplite+stagger"), {})
+    for row_name, where in (("hoplite+stagger", "racks [3,3], the PS and five workers"),
+                            ("hoplite7+stagger", f"the issue's setup: {FLAT_HOSTS} hosts, the PS on its own")):
+        st = by.get(row_name) or {}
+        p = next((r for r in runs if r["schedule"] == row_name), {})
         bound = p.get("stagger_bound_s")
-        if bound:
+        if st.get("reduce_after_last_s") is not None and bound:
             v = st["reduce_after_last_s"]
-            add("hoplite staggered arrivals: reduce end after the last arrival (s) (issue 11)", v, bound,
-                v <= bound, f"{TARGET_STAGGER_SB} S/B; arrivals {STAGGER_S:g} s apart")
+            flat = ", flat" if row_name in FLAT_ROWS else ""
+            add(f"hoplite staggered arrivals{flat}: reduce end after the last arrival (s) (issue 11)", v, bound,
+                v <= bound, f"{TARGET_STAGGER_SB} S/B; arrivals {STAGGER_S:g} s apart; {where}")
     b = by.get("rsgcm+block")
     if b and b["n"]:
         att = b.get("replanned_after_attempts")
