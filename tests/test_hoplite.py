@@ -100,6 +100,7 @@ def test_a_receiver_never_fetches_from_its_own_downstream_copy():
     b.on_chunk("R3", 0, now=0.4)
     for n in ("R0", "R1"):
         b.on_chunk(n, 0, now=0.55)
+        b.on_chunk(n, 1, now=0.55)  # R1 holds chunk 1, which it never passes on to R2
     assert b.on_timer(now=0.81) == []  # R2 gave up on R1 and waits: R3 is downstream of it
     assert ("stalled", "R1", "R2") in b.log and "R2" in b.dir.waiting("x")
     assert all(f.src != "R3" for f in b.active.values() if f.dst == "R2")
@@ -107,6 +108,49 @@ def test_a_receiver_never_fetches_from_its_own_downstream_copy():
         b.on_chunk("R0", i, now=0.9)
     out = b.on_done("S", "R0", ok=True, now=0.9)
     assert [(f.src, f.dst, f.chunks) for f in out] == [("S", "R2", (1, 2, 3))]
+
+
+def test_a_silently_dead_receiver_never_costs_the_broadcast_its_source():
+    """R1 dies (no word of it yet) while it fetches from S; R2 streams from R1, R3 from R2.  A fetch from the
+    source that stalls is the receiver's doing (the source is the PS running this controller): R1 is set
+    aside and S serves the others.  R3's source R2 holds nothing R3 lacks (it starves behind R1), so R2 is not
+    blamed.  Before: S was suspected at the first stall, never handed out again, and R2 and R3 waited until
+    the workers' pull timeout (a lab run with a killed worker stalled 80 s)."""
+    b = Broadcast("x", 4 * CHUNK_BYTES, "S", stall_timeout_s=0.5)
+    assert [f.src for f in b.get("R1", now=0.0)] == ["S"]
+    assert [f.src for f in b.get("R2", now=0.0)] == ["R1"]
+    assert [f.src for f in b.get("R3", now=0.0)] == ["R2"]
+    out = b.on_timer(now=0.6)
+    assert "S" not in b.suspect and "R2" not in b.suspect and "R1" in b.suspect
+    assert ("receiver stalled", "S", "R1") in b.log
+    assert [(f.src, f.dst) for f in out] == [("S", "R2")]
+    t = 0.6
+    for i in range(4):  # R2 streams from S, R3 from R2 again once R2 holds what it lacks
+        t += 0.1
+        b.on_chunk("R2", i, now=t)
+        out += b.on_timer(now=t)
+    b.on_done("S", "R2", ok=True, now=t)
+    for i in range(4):
+        b.on_chunk("R3", i, now=t)
+    assert b.complete("R2") and b.complete("R3") and "R2" not in b.suspect
+    # R1 is tried again after the hold-off; it stays silent; then it is reported dead: the broadcast is done
+    t += 1.0
+    later = b.on_timer(now=t)
+    assert [f.dst for f in later] == ["R1"] and b.complete(later[0].src)  # from a complete copy
+    b.on_failed("R1", now=t + 0.1)
+    for f in [x for x in b.active.values()]:
+        b.on_done(f.src, f.dst, ok=True, now=t + 0.2)
+    assert b.done() and "S" not in b.suspect
+
+
+def test_a_set_aside_receiver_that_shows_life_fetches_again_at_once():
+    """A receiver set aside after a stalled fetch from the source (a paused process) that reports a chunk again
+    (the source's sends reached it after all) fetches what it still lacks at once."""
+    b = Broadcast("x", 4 * CHUNK_BYTES, "S", stall_timeout_s=0.5)
+    b.get("R1", now=0.0)
+    assert b.on_timer(now=0.6) == [] and b.active == {}
+    out = b.on_chunk("R1", 0, now=0.7)
+    assert [(f.src, f.dst, f.chunks) for f in out] == [("S", "R1", (1, 2, 3))]
 
 
 def test_dead_receiver_gives_its_sender_back():

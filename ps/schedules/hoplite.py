@@ -31,7 +31,14 @@ Faults (the paper leaves them to the framework; our choices, also in
 
 1. A stalled broadcast sender (no chunk for :data:`STALL_TIMEOUT_S`) is
    dropped from the directory; its receiver re-queries and fetches only the
-   chunks it is missing.  A receiver that dies gives its sender back.
+   chunks it is missing.  A receiver that dies gives its sender back.  Who
+   stalled is decided per fetch: the *source* (the PS running this
+   controller) never stalls, so a fetch from it that makes no progress is
+   the receiver's doing (dead before anyone said so, or paused): the
+   receiver is set aside and tried again after
+   :data:`RECEIVER_HOLD_OFF` stall timeouts or as soon as it reports a
+   chunk.  A partial copy that holds nothing its receiver lacks is starved
+   behind its own upstream, not stalled: its receiver keeps waiting.
 2. A reduce sender keeps its partial (``acc``) until the hop after the next
    one has succeeded.  If the node it sent to dies before forwarding, the
    sender takes its place again: it becomes the tail (to be chained to the
@@ -75,6 +82,7 @@ CHUNK_BYTES = 256 * 1024  # bytes per broadcast chunk (the issue's choice; the p
 REDUCE_PIECE_BYTES = 512 * 1024  # bytes per reduce piece: each piece has its own chain (cut-through reduce)
 MAX_REDUCE_PIECES = 32  # pieces per shard at most (control messages grow with pieces x hops)
 STALL_TIMEOUT_S = 0.5  # seconds without a chunk before a broadcast receiver gives up on its sender
+RECEIVER_HOLD_OFF = 2  # stall timeouts a receiver set aside (its fetch from the source stalled) waits to be served
 PAPER_LATENCY_S = 125e-6  # seconds: the paper's conservative point-to-point latency estimate (§6.1)
 KIND_PARAMS = 2  # ltp_ps.wire.KIND_PARAMS
 KIND_PARTIAL = 5  # ltp_ps.wire.KIND_PARTIAL
@@ -216,6 +224,7 @@ class Broadcast:
         self.active: dict = {}  # dst -> Fetch
         self.suspect: set = set()
         self.dead: set = set()
+        self.held: dict = {}  # receivers set aside after a stalled fetch from the source -> when to try them again
         self.log: list = []  # (event, details) in order, for tests and traces
         self._seq = 0
 
@@ -268,6 +277,8 @@ class Broadcast:
             f.progress_s = now
         if self.complete(node):
             self.dir.publish(self.key, node, complete=True)
+        if self.held.pop(node, None) is not None and f is None and not self.complete(node):
+            return self._try(node, now)  # set aside, and alive after all: fetch the rest at once
         return []
 
     def on_done(self, src, dst, *, ok: bool, now: float) -> list[Fetch]:
@@ -283,24 +294,45 @@ class Broadcast:
         return out + self._serve_waiting(now)
 
     def on_timer(self, *, now: float) -> list[Fetch]:
-        """Receivers whose sender stalled re-query and fetch only their missing chunks."""
+        """Fetches without progress for the stall timeout: a receiver whose sender stalled re-queries and
+        fetches only its missing chunks; a receiver that stalls a fetch from the source is set aside (the
+        source serves the next one); a receiver whose partial source is starved behind its own upstream waits.
+        Receivers set aside long enough are tried again."""
         out = []
         for dst, f in sorted(self.active.items(), key=lambda kv: kv[1].seq):
-            if now - f.progress_s >= self.stall_timeout_s:
-                self.log.append(("stalled", f.src, dst))
-                self.suspect.add(f.src)
-                self.dir.forget(self.key, f.src)
+            if now - f.progress_s < self.stall_timeout_s:
+                continue
+            if f.src == self.source:
+                self.log.append(("receiver stalled", f.src, dst))
                 del self.active[dst]
-                out += self._try(dst, now)
+                self.suspect.add(dst)  # its partial copy serves nobody this round
+                self.dir.forget(self.key, dst)
+                self.dir.put_back(self.key, f.src)
+                self.held[dst] = now + RECEIVER_HOLD_OFF * self.stall_timeout_s
+                continue
+            if (f.src not in self.suspect and f.src not in self.dead
+                    and not self.have.get(f.src, set()) - self.have.get(dst, set())):
+                f.progress_s = now  # starved, not stalled: it has passed on all it holds
+                continue
+            self.log.append(("stalled", f.src, dst))
+            self.suspect.add(f.src)
+            self.dir.forget(self.key, f.src)
+            del self.active[dst]
+            out += self._try(dst, now)
+        for node, when in sorted(self.held.items(), key=lambda kv: kv[1]):
+            if when <= now:
+                del self.held[node]
+                if node not in self.active and not self.complete(node) and node not in self.dead:
+                    out += self._try(node, now)
         return out + self._serve_waiting(now)
 
     def next_deadline(self) -> float | None:
-        if not self.active:
-            return None
-        return min(f.progress_s for f in self.active.values()) + self.stall_timeout_s
+        ds = [f.progress_s + self.stall_timeout_s for f in self.active.values()] + list(self.held.values())
+        return min(ds) if ds else None
 
     def on_failed(self, node, *, now: float) -> list[Fetch]:
         self.dead.add(node)
+        self.held.pop(node, None)
         self.dir.forget(self.key, node)
         out = []
         f = self.active.pop(node, None)
