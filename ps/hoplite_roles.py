@@ -696,7 +696,11 @@ async def worker_run(w) -> dict:
                 if errors:  # a relay that cannot run fails this worker, as a receive-lane grant would
                     raise errors[0]
             except asyncio.CancelledError:
-                if not t.cancelled() or asyncio.current_task().cancelling():
+                # only the lane's own cancellation ends the lane.  ``t.cancelled()`` cannot tell: a cancelled
+                # gather ends with a CancelledError *exception* (not cancelled), and treating that as ours ended
+                # the lane for good when a round note or a peer's death aborted a relay -- every later forward
+                # grant then waited in the queue, and its receiver's whole round for the 60 s receive timeout
+                if asyncio.current_task().cancelling():
                     raise
                 stats["aborted"] = stats.get("aborted", 0) + 1
             finally:

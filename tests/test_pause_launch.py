@@ -133,3 +133,23 @@ def test_a_rat_worker_declared_dead_while_paused_waits_for_the_job_and_exits_wit
     assert rc == 0, text[-4000:]
     assert "[worker 1] the job finished without this worker (excluded)" in text, text[-4000:]
     assert len(_epochs(metrics)) == 40, text[-4000:]
+
+
+def test_a_hoplite_relay_aborted_by_a_pause_leaves_the_relay_lane_running(tmp_path):
+    """A 2 M-parameter model, so parameters travel in 31 chunks relayed by partial copies.  Worker 2 is paused
+    after three rounds (``after_rows`` counts the four join rows too) while others relay to it; the PS's
+    `failed` note (or the next round's note) aborts those relays.  Before, that abort ended the worker's relay
+    lane for good (a cancelled gather ends with a CancelledError exception, which the lane took for its own
+    cancellation): its later forward grants waited in the queue and every round from then on took the 60 s
+    receive timeout of the worker downstream.  Now the lane goes on, and the rounds after the paused worker's
+    return are as fast as before it."""
+    metrics = tmp_path / "m.jsonl"
+    rc, text = _pause_during(["--schedule", "hoplite", "--workers", 4, "--iterations", 16, "--lab", "off",
+                              "--transport", "ltp", "--model", "synthetic:2000000", "--seed", 0],
+                             tmp_path / "out.txt", metrics, who="worker 2", after_rows=7, pause_s=15.0, end_s=120)
+    assert rc == 0, text
+    assert "dropped worker 2" in text, text
+    rows = [r for r in map(json.loads, open(metrics)) if r.get("event") == "iteration"]
+    assert len(rows) == 16, text
+    slow = [(r["iteration"], round(r["round_s"], 1)) for r in rows if r["round_s"] > 12.0]
+    assert len(slow) <= 1, slow  # at most the round that waited for the paused worker to be written off
