@@ -772,10 +772,6 @@ async def worker_run(w) -> dict:
                     if any(getattr(s, "peer", None) == msg["failed"] for s in g.steps):
                         aborted[t] = True
                         t.cancel()
-                for t, g in list(sending.items()):
-                    if any(getattr(s, "peer", None) == msg["failed"] for s in g.steps):
-                        aborted[t] = True
-                        t.cancel()
                 for lane in (current, relay):
                     g, t = lane["grant"], lane["task"]
                     if g is not None and t is not None and any(getattr(s, "peer", None) == msg["failed"]
@@ -875,65 +871,10 @@ async def worker_run(w) -> dict:
         else:
             work.put_nowait(g)
 
-    sending: dict = {}  # task -> grant: BSP reduce-hop sends the work lane started and left running (in order)
-
-    def sends_behind(prog: Program) -> Program | None:
-        """The send stages of a BSP reduce-hop program (its local Combines first, then only partial sends), which
-        the work lane leaves running while it goes on; None for any other program.  The next piece's send then
-        queues right behind this one on the path (LTP serves one peer's messages in order) instead of waiting
-        for this one's last acknowledgement: one round trip per piece and hop that the chain would otherwise
-        idle the link for."""
-        if state["async"]:
-            return None
-        k = next((i for i, st in enumerate(prog.stages) if any(s.op in ("send", "forward", "recv") for s in st)),
-                 None)
-        if k is None:
-            return None
-        rest = prog.tail(k)
-        if not all(s.op == "send" and s.payload == "partial" for s in rest.steps()):
-            return None
-        return rest
-
-    def writes_under(prog: Program) -> bool:
-        """Whether ``prog`` combines into elements a running send reads (a send encodes its partial when it
-        starts, but it may not have started yet)."""
-        reads = [s for g in sending.values() for s in g.steps]
-        return any(c.op == "combine" and r.slot == c.dst and r.lo < c.hi and c.lo < r.hi
-                   for c in prog.steps() for r in reads)
-
-    async def send_behind(prog: Program) -> None:
-        """Run a reduce hop's sends beside the work lane and report them (a send to a peer the PS wrote off is
-        aborted, and counts as failed)."""
-        reports = [None] * len(prog.steps())
-        try:
-            reports = (await w.executor.run(prog, w.slots, None, exclude=dead_peers)).reports
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if me.cancelling() > 1 or not aborted.pop(me, False):
-                raise
-            me.uncancel()
-        post(transfer_events(w.node, prog.steps(), reports))
-
-    def start_behind(g: Grant, behind: Program | None) -> None:
-        if behind is None:
-            return
-        bt = asyncio.ensure_future(send_behind(behind))
-        sending[bt] = Grant(g.node, tuple(behind.steps()), reason=g.reason)
-        bt.add_done_callback(lambda t: sending.pop(t, None))
-        bt.add_done_callback(_raise_later)
-
-    async def drain_sends(keep: int = 0) -> None:
-        """Wait until at most ``keep`` of the sends left running are still in flight (oldest first)."""
-        while len(sending) > keep:
-            oldest = next(iter(sending))
-            await asyncio.gather(oldest, return_exceptions=True)
-            sending.pop(oldest, None)
-
     async def follow() -> None:
         while True:
             g = await work.get()
-            if isinstance(g, dict):  # a round note, in order with the grants around it (after the sends before it)
-                await drain_sends()
+            if isinstance(g, dict):  # a round note, in order with the grants around it
                 state.update(round=int(g["round"]), version=int(g.get("version", 0)), have=set())
                 w.slots.clear_partials()
                 stats["rounds"] += 1
@@ -948,16 +889,6 @@ async def worker_run(w) -> dict:
                 prog = await continuation(g)
                 if prog is None:
                     continue
-            behind = sends_behind(prog)
-            if behind is not None:  # its local steps run here (in order), then its sends are left running
-                prog = prog.head(len(prog.stages) - len(behind.stages))
-            if behind is None or writes_under(prog):
-                await drain_sends()  # a grant of another kind, or one writing what a running send reads, waits
-            else:
-                await drain_sends(IN_ORDER_WINDOW - 1)
-            if not prog.stages:
-                start_behind(g, behind)
-                continue
             t = asyncio.ensure_future(w.executor.run(prog, w.slots, None, exclude=dead_peers))
             current.update(grant=g, task=t)
             try:
@@ -988,7 +919,6 @@ async def worker_run(w) -> dict:
                 events, pending[:] = pending[:], []
             events += transfer_events(w.node, prog.steps(), reports)
             post(events)  # chunks first: the directory learns what we hold before the transfer ends
-            start_behind(g, behind)
             if fresh is not None and state["computing"] != fresh:
                 # version ``fresh`` is complete: our last update was applied, so its partials are spent
                 state["have_v"] = {v: h for v, h in state["have_v"].items() if v > fresh}
@@ -1032,7 +962,7 @@ async def worker_run(w) -> dict:
         raise
     finally:
         w.slots.on_report = None
-        for t in [fol, beat, lane, prog, disp, sender, *tasks, *hops_in, *sending,
+        for t in [fol, beat, lane, prog, disp, sender, *tasks, *hops_in,
                   *([relay["task"]] if relay["task"] is not None else [])]:
             t.cancel()
         await asyncio.gather(fol, beat, lane, prog, disp, sender, *tasks, return_exceptions=True)

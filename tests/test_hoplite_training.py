@@ -112,51 +112,6 @@ async def test_hoplite_reduce_in_rank_order_is_bitwise_direct(monkeypatch, piece
     assert np.abs(direct).max() > 0
 
 
-async def test_a_chain_node_sends_its_next_piece_before_the_last_one_is_acknowledged(monkeypatch):
-    """With pieces, a node's reduce sends overlap (``IN_ORDER_WINDOW`` in flight; they leave in order on the
-    path): piece j + 1 queues behind piece j instead of one acknowledgement round trip later.  Each send here
-    takes 5 ms to be acknowledged; the sums stay bitwise those of direct (chain in rank order)."""
-    from ltp_ps.hoplite_roles import READY_STAGGER_ENV
-    from ltp_ps.schedules import hoplite
-    from ltp_ps.schedules.executor import IN_ORDER_WINDOW
-    from ltp_ps.schedules.tags import unpack
-
-    monkeypatch.setattr(hoplite, "REDUCE_PIECE_BYTES", 16 * 1024)
-    peak: dict = {}
-
-    def slow_partial_sends(w):
-        real, now_in = w.executor.transport.send, {}
-
-        async def send(peer, data, *, tag=0, **kw):
-            if unpack(tag).kind != hoplite.KIND_PARTIAL:
-                return await real(peer, data, tag=tag, **kw)
-            now_in[peer] = now_in.get(peer, 0) + 1
-            peak[w.node] = max(peak.get(w.node, 0), now_in[peer])
-            try:
-                await asyncio.sleep(0.005)
-                return await real(peer, data, tag=tag, **kw)
-            finally:
-                now_in[peer] -= 1
-
-        w.executor.transport.send = send
-
-    async def train(schedule, stagger):
-        monkeypatch.setenv(READY_STAGGER_ENV, str(stagger))
-        ps, workers = make_job(4, iterations=3, lr=0.1, schedule=schedule)
-        for p in [ps.planner] + [w.planner for w in workers]:
-            p._link = lambda: (1e9, 1e-9)  # n B L << S: one 1D chain
-        for w in workers:
-            slow_partial_sends(w)
-        await asyncio.gather(ps.run(), *(w.run() for w in workers))
-        return ps.params.copy()
-
-    direct = await train("direct", 0)
-    peak.clear()
-    ranked = await train("hoplite", 0.25)
-    assert np.array_equal(ranked, direct)
-    assert max(peak.values()) == IN_ORDER_WINDOW, peak  # overlapped, and never more than the window
-
-
 class _Recording:
     """The job's workload, recording each worker's gradient by the parameters it was computed on."""
 
