@@ -250,6 +250,8 @@ async def work(args, store=None) -> dict:
     transport = await _open_transport(args, secret)
     stats = {"iterations": 0}
     try:
+        # before any join: a worker the PS counts as joined can always be found by its peers
+        await asyncio.to_thread(schedule_cli.publish_address, args, store, secret, rank, transport)
         attempts = 0
         joined: list | None = None  # nonces of the incarnations joined last time
         while True:

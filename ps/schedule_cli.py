@@ -165,6 +165,7 @@ def check_peer_schedule(args) -> None:
     if getattr(args, "mode", "bsp") != "bsp":
         raise ConfigError(f"--schedule {args.schedule} runs BSP all-reduce rounds without a PS; use --mode bsp "
                           f"(async runs with direct, hoplite or mlfabric)")
+    _check_every_worker(args)
 
 
 def check_server_schedule(args) -> None:
@@ -193,6 +194,16 @@ def check_server_schedule(args) -> None:
                           f"not wired into ltp-ps server yet; available PS schedules: direct, rat, mlfabric")
     if getattr(args, "mode", "bsp") != "bsp":
         raise ConfigError(f"--schedule {args.schedule} runs BSP rounds; use --mode bsp (async runs with direct)")
+    _check_every_worker(args)
+
+
+def _check_every_worker(args) -> None:
+    """Round-program schedules name every worker in every round: a start without all of them cannot run."""
+    mw = getattr(args, "min_workers", None)
+    if mw is not None and mw < args.workers:
+        raise ConfigError(f"--schedule {args.schedule} plans every round over all {args.workers} workers, so it cannot "
+                          f"start with --min-workers {mw}; leave --min-workers out (or use --schedule direct, hoplite "
+                          f"or mlfabric, whose PS grants transfers only among the workers that joined)")
 
 
 def _async_controller_schedules():
@@ -274,10 +285,39 @@ def tree_board(args, store, secret: bytes, log=None):
     return StoreBoard(store, secret, log=log)
 
 
+CONTROLLER_SCHEDULES = ("hoplite", "mlfabric")  # the PS grants every transfer, only ever between workers it admitted
+
+
+def publish_address(args, store, secret: bytes, rank: int, transport) -> None:
+    """A worker of a schedule with worker-to-worker transfers publishes its signed address, *before* it joins a PS.
+
+    So every worker a PS counts as joined can be found by its peers: one paused (or slow) between its join and
+    its publishing never holds the others in their look-up while the PS waits on their heartbeats."""
+    if (args.schedule or "direct") == "direct":
+        return
+    store.set(f"tree/{rank}", _sign(secret, {"rank": rank, "addr": list(transport.local_addr)}))
+
+
+def _peer_address(store, secret: bytes, rank: int) -> tuple | None:
+    """Worker ``rank``'s published address, or None if it has published none (yet)."""
+    key = f"tree/{rank}"
+    if not store.check([key]):
+        return None
+    d = _verify(secret, store.get(key), key)
+    if d.get("rank") != rank:
+        raise RendezvousError(f"{key} in the store names rank {d.get('rank')!r}; the store holds another job's keys")
+    return tuple(d["addr"])
+
+
 async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl, infos) -> None:
-    """Give worker ``w`` its schedule's planner; tree schedules also need every peer's address (store)."""
+    """Give worker ``w`` its schedule's planner and its peers' addresses (published by :func:`publish_address`).
+
+    Round-program schedules wait for every peer's address (their rounds name every worker).  Under a PS's
+    controller (``CONTROLLER_SCHEDULES``) the PS grants transfers only with workers that joined it, and a worker
+    publishes before it joins: such a worker never waits for absent peers (``--min-workers``, a late or paused
+    one); an address it lacks is looked up when a grant first names that peer."""
     from .schedules import create
-    from .schedules.program import server, worker
+    from .schedules.program import ROLE_WORKER, parse_node, server, worker
 
     if (args.schedule or "direct") == "direct":
         return
@@ -285,12 +325,18 @@ async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl
                        **schedule_options(args))
     w.executor.addresses.update({server(i.shard): tuple(i.addr) for i in infos})
     w.tree_board = tree_board(args, store, secret)
-    store.set(f"tree/{rank}", _sign(secret, {"rank": rank, "addr": list(transport.local_addr)}))
-    keys = [f"tree/{r}" for r in range(args.workers)]
-    await asyncio.to_thread(_wait_keys, store, keys, args.store_timeout)
-    for k in keys:
-        d = _verify(secret, store.get(k), k)
-        w.executor.addresses[worker(d["rank"])] = tuple(d["addr"])
+    if args.schedule in CONTROLLER_SCHEDULES:
+        def resolve(node: str) -> tuple | None:
+            role, r = parse_node(node)
+            return _peer_address(store, secret, r) if role == ROLE_WORKER else None
+
+        w.executor.resolve = resolve
+    else:
+        await asyncio.to_thread(_wait_keys, store, [f"tree/{r}" for r in range(args.workers)], args.store_timeout)
+    for r in range(args.workers):
+        a = await asyncio.to_thread(_peer_address, store, secret, r)
+        if a is not None:
+            w.executor.addresses[worker(r)] = a
 
 
 # -- PS-less jobs ---------------------------------------------------------------------------------------------------

@@ -189,6 +189,23 @@ def test_handler_stop_ends_the_program_and_unknown_slots_name_the_fix():
     asyncio.run(main())
 
 
+def test_an_address_missing_from_the_book_is_resolved_once_and_kept():
+    """``resolve`` (the CLI's store look-up for controller schedules) is asked only for nodes the book lacks;
+    its answer is kept, and a node it cannot place is still an error naming the address book."""
+    asked = []
+    ex = Executor(MemoryNetwork().endpoint(), "worker:0", {"server:0": ("h", 1)})
+
+    def resolve(node):
+        asked.append(node)
+        return ("h", 7) if node == "worker:3" else None
+
+    ex.resolve = resolve
+    assert ex.addr("server:0") == ("h", 1) and asked == []
+    assert ex.addr("worker:3") == ("h", 7) and ex.addr("worker:3") == ("h", 7) and asked == ["worker:3"]
+    with pytest.raises(ExecutorError, match="address book"):
+        ex.addr("worker:5")
+
+
 def test_raw_sends_only_mark_gradient_headers_critical():
     """A reliable note or parameter message carries no critical ranges (LTP refuses ranges outside a short
     buffer); a tolerant raw gradient's 64-byte header is critical."""

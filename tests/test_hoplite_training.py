@@ -237,6 +237,38 @@ def test_launch_hoplite_killed_worker_does_not_hang(tmp_path, model, transport, 
     assert all(r["delivered"]["all"] == 1.0 for r in its)  # every element of every round reduced from someone
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("schedule", ["hoplite", "mlfabric"])
+def test_a_controller_job_starts_with_min_workers_while_one_worker_never_comes(schedule):
+    """``--min-workers 3`` of 4, the fourth never started (processes by hand): the PS grants transfers only among
+    the three that joined, so they must not wait for the absent one's address.  They did: every worker sat in
+    the look-up until --store-timeout while the PS wrote all three off as silent."""
+    from ltp_ps import rendezvous as rdv
+    from ps_helpers import stop
+
+    port = free_port()
+    store = rdv.make_store("127.0.0.1", port, is_master=True, timeout_s=60)
+    common = ["--store", f"127.0.0.1:{port}", "--workers", 4, "--model", "digits", "--transport", "ltp",
+              "--store-timeout", 60, "--schedule", schedule]
+    env = child_env()
+    server = subprocess.Popen(ps_cmd("server", *common, "--iterations", 20, "--min-workers", 3), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers = [subprocess.Popen(ps_cmd("worker", *common, "--rank", r), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for r in range(3)]
+    try:
+        out, _ = server.communicate(timeout=100)
+        assert server.returncode == 0, out
+        assert "final / best accuracy" in out and "dropped worker" not in out, out
+        for w in workers:
+            w_out, _ = w.communicate(timeout=30)
+            assert w.returncode == 0, w_out
+    finally:
+        for p in (server, *workers):
+            stop(p)
+        del store
+
+
 def test_hoplite_cli_accepts_one_shard_bsp_or_async_and_names_the_fix_otherwise():
     import argparse
 

@@ -90,6 +90,23 @@ def test_a_hoplite_worker_paused_and_dropped_is_taken_in_again(tmp_path):
     assert late and late[-1]["contributors"] == 3 and "worker:1" in late[-1]["members"], late[-3:]
 
 
+def test_a_hoplite_worker_paused_right_after_joining_costs_the_job_only_itself(tmp_path):
+    """Worker 2 stopped the moment the PS has logged the four joins (``after_rows=4``: join rows carry an
+    iteration field), 15 s.  Before: a worker published its address for its peers only after its join, and
+    every worker waited for every peer's address before its first heartbeat -- so one stopped between the two
+    held all of them, and the PS wrote off all four as silent at 10 s (rc 3, most runs).  Now the address goes
+    out before the join and controller schedules never wait for peers: the job loses worker 2 only."""
+    metrics = tmp_path / "m.jsonl"
+    rc, text = _pause_during(["--schedule", "hoplite", "--workers", 4, "--iterations", 30, "--lab", "off",
+                              "--transport", "ltp", "--model", "digits", "--seed", 0], tmp_path / "out.txt",
+                             metrics, who="worker 2", after_rows=4, pause_s=15.0, end_s=120)
+    assert rc == 0, text
+    for r in (0, 1, 3):
+        assert f"dropped worker {r}" not in text, text
+    its = [r for r in map(json.loads, open(metrics)) if r.get("event") == "iteration"]
+    assert len(its) == 30 and min(r["contributors"] for r in its) >= 3, its[:3]
+
+
 def test_an_mlfabric_worker_paused_and_dropped_is_taken_in_again(tmp_path):
     """The MLfabric PS writes off a worker it cannot reach (a grant or parameters to it fail at LTP's dead-peer
     limit) or that is silent for --store-timeout (paused while computing, nobody needs it: an asynchronous PS

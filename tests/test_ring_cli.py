@@ -69,6 +69,16 @@ def test_ring_launch_refuses_what_it_cannot_run(bad, says):
     assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("schedule", ["ring", "rat"])
+def test_round_program_schedules_refuse_a_start_without_every_worker(schedule):
+    """Their rounds name every worker: --min-workers below --workers would leave the joined ones waiting for the
+    absent one's address until --store-timeout, and then fail the job."""
+    p = subprocess.run(ps_cmd("launch", "--schedule", schedule, "--workers", 3, "--min-workers", 2, "--lab", "off"),
+                       env=child_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "cannot start with --min-workers 2" in p.stderr, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr and "[launch] started" not in p.stdout
+
+
 @pytest.mark.parametrize("args, says", [
     (("--mode", "async"), "--mode async runs with one PS shard"),
     (("--schedule", "mlfabric"), "--schedule mlfabric runs with one PS shard"),  # was a traceback from each shard

@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -188,6 +188,7 @@ class Executor:
         self._group_timeouts: dict = {}
         self._pending: dict = {}  # node -> its reliable receives now waiting (tasks: abandon() ends them)
         self._handlers = None
+        self.resolve: Callable[[str], tuple | None] | None = None  # looks up a node missing from ``addresses``
         self.counters = {"sent": 0, "received": 0, "missing": 0, "undecodable": 0, "stragglers_cut": 0}
 
     # -- helpers -------------------------------------------------------------
@@ -195,6 +196,10 @@ class Executor:
         try:
             return tuple(self.addresses[node])
         except KeyError:
+            a = self.resolve(node) if self.resolve is not None else None
+            if a is not None:
+                self.addresses[node] = tuple(a)
+                return tuple(a)
             raise ExecutorError(f"{self.me}: no address for {node}; pass it in the executor's address book "
                                 f"(the rendezvous publishes every node's address)") from None
 
