@@ -243,11 +243,11 @@ def test_a_generous_bound_drops_nothing_and_a_tight_one_drops_to_keep_it():
 
 
 def test_events_naming_unknown_nodes_are_counted_not_raised():
-    net = FabricNetwork({PS: 10.0, worker(0): 10.0}, {PS: 10.0, worker(0): 10.0})
+    net = FabricNetwork({PS: 10.0, worker(0): 10.0, worker(1): 10.0}, {PS: 10.0, worker(0): 10.0, worker(1): 10.0})
     ctrl = MLfabricController(net, PS, n_elems=4)
     with pytest.raises(RuntimeError, match="start"):
         ctrl.on_event(NodeReady(worker(0), 0, 16, 0), now=0.0)
-    ctrl.start(0, [worker(0)], now=0.0)
+    ctrl.start(0, [worker(0), worker(1)], now=0.0)
     assert ctrl.on_event(NodeReady(worker(9), 0, 16, 0), now=0.0) == []
     assert ctrl.on_event(TransferDone(worker(0), PS, 12345), now=0.0) == []
     assert ctrl.on_event(NodeReady(worker(0), 0, 16, 0), now=0.0) == []
@@ -260,6 +260,28 @@ def test_events_naming_unknown_nodes_are_counted_not_raised():
     assert [(g.node, g.steps[0].op) for g in grants] == [(worker(0), "send"), (PS, "recv"), (PS, "apply")]
     assert Grant.from_json(grants[0].to_json()) == grants[0]
     assert not ctrl.done()
+
+
+def test_a_batch_holding_every_live_worker_closes_without_waiting_out_its_window():
+    """The window waits for updates that may still join the batch; once every live worker's is in (one worker,
+    or the last of n), none can, so the batch is planned at once.  A worker written off shrinks the set."""
+    net = FabricNetwork({PS: 10.0, **{worker(i): 10.0 for i in range(3)}},
+                        {PS: 10.0, **{worker(i): 10.0 for i in range(3)}})
+    ctrl = MLfabricController(net, PS, n_elems=4)
+    ctrl.start(0, [worker(0), worker(1), worker(2)], now=0.0)
+    ctrl.on_event(NodeReady(worker(0), 0, 16, 0), now=1.0)
+    ctrl.on_event(NodeReady(worker(1), 0, 16, 0), now=1.02)
+    assert ctrl.next_deadline() == pytest.approx(1.0 + BATCH_WINDOW_S)
+    ctrl.on_event(NodeReady(worker(0), 0, 16, 0), now=1.03)  # a second update: ignored, changes nothing
+    assert ctrl.next_deadline() == pytest.approx(1.0 + BATCH_WINDOW_S)
+    ctrl.on_event(NodeFailed(worker(2), "gone"), now=1.04)  # the batch waited only for worker 2
+    assert ctrl.next_deadline() == pytest.approx(1.04)
+    solo = MLfabricController(net, PS, n_elems=4)
+    solo.start(0, [worker(0), worker(1)], now=0.0)
+    solo.on_event(NodeReady(worker(1), 0, 16, 0), now=2.0)
+    solo.on_event(NodeReady(worker(0), 0, 16, 0), now=2.01)
+    assert solo.next_deadline() == pytest.approx(2.01)
+    assert {g.node for g in solo.on_timer(now=2.01)} >= {worker(0), worker(1), PS}
 
 
 def test_schedule_face_builds_a_controller_from_the_world():

@@ -217,6 +217,8 @@ class MLfabricController(Controller):
         self._seq += 1
         if self._batch_due is None:
             self._batch_due = now + self.batch_window_s
+        if set(self.pending) >= set(self.workers):  # every live worker is in the batch: nothing more can join it
+            self._batch_due = now
         return []
 
     def _write_off(self, key, worker: str | None = None) -> None:
@@ -255,6 +257,8 @@ class MLfabricController(Controller):
         self.pending.pop(node, None)
         if not self.pending:
             self._batch_due = None
+        elif set(self.pending) >= set(self.workers):  # the batch waited only for the node just lost
+            self._batch_due = now
         for key, p in list(self.outstanding.items()):
             if p.source == node:  # its transfer to the PS (a direct update or an aggregate) will not come
                 self._write_off(key)
