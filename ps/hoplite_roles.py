@@ -30,7 +30,8 @@ serves its partial parameter copy) runs in a second lane beside the receive
 lane, and each chunk leaves the moment this round's copy of it is held
 (``Slots.on_report``), so a broadcast chain is pipelined per 256 KiB chunk
 instead of store-and-forward per hop; a relay whose chunk never arrives gives
-up after the step's timeout, and its receiver is re-routed by the directory.
+up after the step's timeout, and its receiver is re-routed by the directory (a fetch of the same shard from
+another source supersedes the one running: the receiver drops it at once).
 Chunks are reported to the directory every ``PROGRESS_REPORT_S`` as they
 arrive.  Reduce hops stay store-and-forward: a node sends its running sum on
 once its incoming hop is combined.  Faults: workers send an
@@ -869,7 +870,30 @@ async def worker_run(w) -> dict:
             t.add_done_callback(lambda t: hops_in.pop(t, None))
             t.add_done_callback(_raise_later)
         else:
+            if not state["async"]:
+                supersede(g)
             work.put_nowait(g)
+
+    def fetch_object(g: Grant):
+        """The shard whose parameter chunks grant ``g`` fetches, with its source; None if it is no such fetch."""
+        kcs = [parse_chunk_slot(st.slot) if st.op == "recv" and st.payload == "params" else None for st in g.steps]
+        if not kcs or any(kc is None for kc in kcs) or len({kc[0] for kc in kcs}) != 1 or len(
+                {st.peer for st in g.steps}) != 1:
+            return None
+        return kcs[0][0], g.steps[0].peer
+
+    def supersede(g: Grant) -> None:
+        """A fetch of an object from another source than the fetch of it now running (BSP): the directory keeps one
+        fetch per receiver and object, so it gave up on the running one (its sender stalled, and was suspected):
+        stop waiting for it now -- else the new fetch queues behind it until its receive timeout.  What arrived
+        of it was reported chunk by chunk; the new fetch names only the chunks still missing."""
+        new, cur, t = fetch_object(g), current["grant"], current["task"]
+        if new is None or cur is None or t is None or t.done():
+            return
+        old = fetch_object(cur)
+        if old is not None and old[0] == new[0] and old[1] != new[1]:
+            t.cancel()
+            stats["superseded"] = stats.get("superseded", 0) + 1
 
     async def follow() -> None:
         while True:

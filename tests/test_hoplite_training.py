@@ -92,6 +92,34 @@ async def test_hoplite_round_closes_without_a_dead_worker(piece_bytes):
     assert workload().evaluate(ps.params)["accuracy"] >= 0.5  # 3 epochs; chance is 0.1
 
 
+async def test_a_receiver_stops_waiting_for_a_relay_the_directory_gave_up_on(monkeypatch):
+    """Every worker's relaying hangs (alive, heartbeats flowing, no chunk ever forwarded): the directory suspects a
+    stalled relay after its stall timeout and sends the receiver to another source.  The receiver must drop the
+    stalled fetch at once -- before, the new fetch queued behind it until its 20 s receive timeout, every round."""
+    from ltp_ps import hoplite_roles
+
+    monkeypatch.setattr(hoplite_roles, "PROCESS_STALL_TIMEOUT_S", 0.5)
+    ps, workers = make_job(4, iterations=4, lr=0.1, join_timeout_s=60.0)
+    for w in workers:
+        w.cfg.pull_timeout_s = 20.0
+        w.executor.payload_timeouts["params"] = 20.0
+        run = w.executor.run
+
+        async def hang_forwards(prog, *a, _run=run, **k):
+            if any(st.op == "forward" for st in prog.steps()):
+                await asyncio.sleep(3600)  # a relay that never forwards (cancelled with its round)
+            return await _run(prog, *a, **k)
+
+        w.executor.run = hang_forwards
+    t0 = asyncio.get_running_loop().time()
+    out = await asyncio.wait_for(asyncio.gather(ps.run(), *(w.run() for w in workers)), 60)
+    took = asyncio.get_running_loop().time() - t0
+    rows = [r for r in ps.metrics.rows if r["event"] == "iteration"]
+    assert len(rows) == 4 and all(r["contributors"] == 4 for r in rows), rows
+    assert sum(o.get("superseded", 0) for o in out[1:]) >= 1, out[1:]
+    assert took < 15, took  # 4 rounds of about 1.5 s (a stall bound per relay tried); before: >= 20 s a round
+
+
 async def test_hoplite_reduce_in_rank_order_is_bitwise_direct(monkeypatch, piece_bytes):
     """Issue 11's accuracy gap (hoplite 0.9583 vs direct 0.9500 at 5 workers) is float summation order: with the
     chain in rank order (1D, rank r ready r x 0.25 s late) Hoplite's parameters after 4 rounds are bitwise those
