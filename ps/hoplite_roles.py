@@ -42,7 +42,9 @@ closes, whose grant delivery fails, or that stays silent for ``SILENT_S``
 re-routed grants queue behind it); the controller re-routes the
 broadcast and the chain (``ltp_ps.schedules.hoplite``) and the round closes
 with the contributions of the live workers (``contributors`` in the metrics
-row).  A round with no progress for ``--join-timeout``, or that loses every
+row).  A worker the PS takes back (``{"back": node}``) may be a restarted process on a new port: its peers
+look its address up again.  A round with no progress (:func:`is_progress`: a failed transfer is none) for
+``--join-timeout``, or that loses every
 worker fails the job with :class:`TrainingFailed` (never a hang).
 
 Asynchronous mode (``_AsyncServerRole``): one controller and one driver for
@@ -72,7 +74,7 @@ from .schedules.hoplite import chunk_slot, parse_chunk_slot
 from .schedules.hoplite_async import UpdateApplied, batch_of_slot, half_batch, params_key
 from .schedules.partial import Partial
 from .schedules.tags import unpack as unpack_tag
-from .schedules.program import (SLOT_GRAD, ChunkArrived, Grant, NodeFailed, NodeReady, Program,
+from .schedules.program import (SLOT_GRAD, ChunkArrived, Grant, NodeFailed, NodeReady, Program, TransferDone,
                                 parse_node, server as server_node, worker as worker_node)
 from .transport.base import RecvReport
 
@@ -89,6 +91,13 @@ IN_ORDER_PAYLOADS = frozenset({"params"})  # a parameter chunk grant's sends com
 PROGRESS_REPORT_S = 0.5  # seconds between a worker's reports of the parameter chunks it received (BSP)
 PROCESS_STALL_TIMEOUT_S = 5.0  # seconds without a chunk before a broadcast receiver re-queries (real processes:
 #                               a grant's chunks arrive as one stage, so progress is coarser than in memory)
+
+
+def is_progress(ev) -> bool:
+    """Whether a worker's event moves a round (or update) on: anything but a failed transfer.  Transfers failing
+    over and over (a livelock: say, sends to an address nobody listens on any more) must meet the stall bound
+    (``--join-timeout``) and fail the job, not hold it forever."""
+    return not (isinstance(ev, TransferDone) and not ev.ok)
 
 
 def runs_hoplite(planner) -> bool:
@@ -245,8 +254,11 @@ class _ServerRole:
         return ev.iteration == self.ps.iteration
 
     def _observe(self, ev) -> None:
-        """Progress bookkeeping after an event (BSP: when every worker held the parameters / was ready)."""
-        now = self._progress = time.monotonic()
+        """Progress bookkeeping after an event (BSP: when every worker held the parameters / was ready).  A failed
+        transfer is no progress: transfers failing over and over (a livelock) must meet the round's stall bound."""
+        now = time.monotonic()
+        if is_progress(ev):
+            self._progress = now
         if isinstance(ev, NodeReady) and self._t_ready is None and set(self.ctrl.reduce.ready_nodes) >= {
                 n for n in self._live if n not in self.failed}:
             self._t_ready = now
@@ -461,7 +473,8 @@ class _AsyncServerRole(_ServerRole):
         return True  # the controller checks the version it expects from that worker
 
     def _observe(self, ev) -> None:
-        self._progress = time.monotonic()
+        if is_progress(ev):
+            self._progress = time.monotonic()
 
     def _on_grants(self, grants) -> None:
         for g in grants:
@@ -764,6 +777,8 @@ async def worker_run(w) -> dict:
                 return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True, **stats}
             if "back" in msg:  # the PS took that worker in again (it joined anew): its transfers run again
                 dead_peers.discard(msg["back"])
+                if w.executor.resolve is not None:  # a restarted process listens elsewhere: look its address up anew
+                    w.executor.addresses.pop(msg["back"], None)
                 continue
             if "failed" in msg:
                 # a grant with that peer that has not started yet must not wait for it either: until the PS

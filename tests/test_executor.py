@@ -206,6 +206,28 @@ def test_an_address_missing_from_the_book_is_resolved_once_and_kept():
         ex.addr("worker:5")
 
 
+def test_a_send_that_finds_its_peer_gone_looks_the_peer_up_again():
+    """A worker restarted as a new process listens elsewhere: after a send to its old address bounces (PeerGone),
+    ``resolve`` is asked again and the next send goes to the address it gives."""
+    async def main():
+        net = MemoryNetwork()
+        a, old, new = net.endpoint(), net.endpoint(), net.endpoint()
+        ex = Executor(a, "worker:0", {"worker:1": old.local_addr})
+        ex.resolve = lambda node: new.local_addr if node == "worker:1" else None
+        sl = Slots()
+        sl.bind("x", np.arange(8, dtype=np.uint8))
+        send = Program("worker:0", ((Send("worker:1", "x", 0, 8, 5, payload="note"),),))
+        await old.close()
+        res = await ex.run(send, sl)
+        assert type(res.reports[0]).__name__ == "PeerGone" and ex.addr("worker:1") == tuple(new.local_addr)
+        res = await ex.run(send, sl)
+        assert not isinstance(res.reports[0], BaseException), res.reports
+        into = np.zeros(8, np.uint8)
+        await new.recv(into, tag=5, timeout=2)
+        assert into.tolist() == list(range(8))
+    asyncio.run(main())
+
+
 def test_raw_sends_only_mark_gradient_headers_critical():
     """A reliable note or parameter message carries no critical ranges (LTP refuses ranges outside a short
     buffer); a tolerant raw gradient's 64-byte header is critical."""

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -118,6 +119,37 @@ async def test_a_receiver_stops_waiting_for_a_relay_the_directory_gave_up_on(mon
     assert len(rows) == 4 and all(r["contributors"] == 4 for r in rows), rows
     assert sum(o.get("superseded", 0) for o in out[1:]) >= 1, out[1:]
     assert took < 15, took  # 4 rounds of about 1.5 s (a stall bound per relay tried); before: >= 20 s a round
+
+
+async def test_transfers_failing_over_and_over_fail_the_job_at_the_stall_bound_instead_of_hanging():
+    """Worker 2 is alive (heartbeats) but every parameter fetch of its comes back empty at once: the directory
+    re-issues the fetch, which fails again, forever.  A failed transfer is no progress, so the round meets its
+    stall bound (--join-timeout) and the job fails naming it; before, each failure counted as progress and the
+    PS waited forever."""
+    from types import SimpleNamespace
+
+    from ltp_ps.errors import TrainingFailed
+
+    ps, workers = make_job(3, iterations=3, lr=0.1, join_timeout_s=2.0)
+    w2, run = workers[2], workers[2].executor.run
+    fetches = []
+
+    async def empty_fetches(prog, *a, **k):
+        steps = prog.steps()
+        if steps and all(st.op == "recv" and st.payload == "params" for st in steps):
+            fetches.append(len(steps))
+            await asyncio.sleep(0.01)
+            return SimpleNamespace(reports=[None] * len(steps))
+        return await run(prog, *a, **k)
+
+    w2.executor.run = empty_fetches
+    tasks = [asyncio.ensure_future(w.run()) for w in workers]
+    with pytest.raises(TrainingFailed, match="made no progress for 2 s"):
+        await asyncio.wait_for(ps.run(), 30)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert len(fetches) > 10  # it was a livelock: fetch after failed fetch
 
 
 async def test_hoplite_reduce_in_rank_order_is_bitwise_direct(monkeypatch, piece_bytes):
@@ -291,6 +323,46 @@ def test_a_controller_job_starts_with_min_workers_while_one_worker_never_comes(s
         for w in workers:
             w_out, _ = w.communicate(timeout=30)
             assert w.returncode == 0, w_out
+    finally:
+        for p in (server, *workers):
+            stop(p)
+        del store
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_restarted_hoplite_worker_process_is_reached_at_its_new_address(tmp_path):
+    """Worker 2's process killed mid-run and started anew (new port; processes by hand): the PS takes it back and
+    tells the others; they must look its address up again.  Before, they kept sending relays and reduce hops to
+    the dead process's port, every transfer failed, and the round never ended -- a failed transfer counted as
+    progress, so the PS's --join-timeout bound never fired either (both fixed)."""
+    from ltp_ps import rendezvous as rdv
+    from ps_helpers import stop
+
+    port = free_port()
+    store = rdv.make_store("127.0.0.1", port, is_master=True, timeout_s=60)
+    metrics = tmp_path / "m.jsonl"
+    common = ["--store", f"127.0.0.1:{port}", "--workers", 3, "--model", "digits", "--transport", "ltp",
+              "--store-timeout", 30, "--schedule", "hoplite"]
+    env = child_env()
+    server = subprocess.Popen(ps_cmd("server", *common, "--iterations", 150, "--metrics", metrics), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers = [subprocess.Popen(ps_cmd("worker", *common, "--rank", r), env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL) for r in range(3)]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+                metrics.exists() and sum('"event": "iteration"' in x for x in open(metrics)) >= 20):
+            time.sleep(0.05)
+        workers[2].kill()
+        workers[2].wait()
+        workers.append(subprocess.Popen(ps_cmd("worker", *common, "--rank", 2), env=env, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL))
+        out, _ = server.communicate(timeout=110)
+        assert server.returncode == 0, out
+        assert "worker 2 joined again" in out, out
+        its = [r for r in map(json.loads, open(metrics)) if r.get("event") == "iteration"]
+        assert len(its) == 150 and its[-1]["contributors"] == 3 and "worker:2" in its[-1]["members"], its[-1]
     finally:
         for p in (server, *workers):
             stop(p)

@@ -114,7 +114,7 @@ def test_an_mlfabric_worker_paused_and_dropped_is_taken_in_again(tmp_path):
     it in the store, joins again at once, and the PS takes it in (fresh control and parameter streams, the
     controller plans its updates again).  Before: the PS never took it back, and the driver's write-off was not
     posted, so the worker waited out its 60 s --pull-timeout."""
-    later = _paused_worker_returns(tmp_path, "mlfabric", epochs=20, after_rows=30, pause_s=25.0,
+    later = _paused_worker_returns(tmp_path, "mlfabric", epochs=120, after_rows=30, pause_s=25.0,
                                    extra=("--store-timeout", 20))
     assert any("worker:1" in r["members"] for r in later), later[-5:]
 

@@ -399,6 +399,9 @@ class Executor:
         its later receives do not wait (the PS's partial gather skips a child whose parameters bounced)."""
         if isinstance(report, PeerGone):
             self.abandon([node])
+            a = self.resolve(node) if self.resolve is not None else None
+            if a is not None:  # the node may be back as a new process elsewhere: the next send goes there
+                self.addresses[node] = tuple(a)
 
     async def _send_in_order(self, members, slots, res, iteration) -> None:
         window = asyncio.Semaphore(IN_ORDER_WINDOW)  # FIFO: the sends take it in program order
