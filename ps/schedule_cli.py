@@ -309,6 +309,23 @@ def _peer_address(store, secret: bytes, rank: int) -> tuple | None:
     return tuple(d["addr"])
 
 
+def store_resolver(store, secret: bytes):
+    """``Executor.resolve`` for a worker: a worker node's published address from the store, else None (a server
+    node, a worker that published nothing, or a store that is gone because the job ended)."""
+    from .schedules.program import ROLE_WORKER, parse_node
+
+    def resolve(node: str) -> tuple | None:
+        role, r = parse_node(node)
+        if role != ROLE_WORKER:
+            return None
+        try:
+            return _peer_address(store, secret, r)
+        except (RuntimeError, OSError):  # DistNetworkError is a RuntimeError
+            return None
+
+    return resolve
+
+
 async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl, infos) -> None:
     """Give worker ``w`` its schedule's planner and its peers' addresses (published by :func:`publish_address`).
 
@@ -317,7 +334,7 @@ async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl
     publishes before it joins: such a worker never waits for absent peers (``--min-workers``, a late or paused
     one); an address it lacks is looked up when a grant first names that peer."""
     from .schedules import create
-    from .schedules.program import ROLE_WORKER, parse_node, server, worker
+    from .schedules.program import server, worker
 
     if (args.schedule or "direct") == "direct":
         return
@@ -326,11 +343,7 @@ async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl
     w.executor.addresses.update({server(i.shard): tuple(i.addr) for i in infos})
     w.tree_board = tree_board(args, store, secret)
     if args.schedule in CONTROLLER_SCHEDULES:
-        def resolve(node: str) -> tuple | None:
-            role, r = parse_node(node)
-            return _peer_address(store, secret, r) if role == ROLE_WORKER else None
-
-        w.executor.resolve = resolve
+        w.executor.resolve = store_resolver(store, secret)
     else:
         await asyncio.to_thread(_wait_keys, store, [f"tree/{r}" for r in range(args.workers)], args.store_timeout)
     for r in range(args.workers):

@@ -61,3 +61,36 @@ def test_momentum_defaults_to_zero_for_asynchronous_updates_only(argv, want):
     from ltp_ps import schedule_cli
 
     assert schedule_cli.momentum_for(args) == want
+
+
+def test_the_store_resolver_finds_published_workers_only_and_survives_a_store_that_is_gone():
+    """``Executor.resolve`` of controller-schedule workers: a worker's signed address once it published it, None for
+    a server node or a worker not (yet) published, None once the store is gone (the job ended), and a clear
+    error for an address signed with another secret."""
+    from ltp_ps import schedule_cli
+    from ltp_ps.errors import RendezvousError
+
+    class Store(dict):
+        gone = False
+
+        def check(self, keys):
+            if self.gone:
+                raise RuntimeError("connection refused")  # what a vanished TCPStore raises (DistNetworkError)
+            return all(k in self for k in keys)
+
+        def get(self, k):
+            return self[k]
+
+        def set(self, k, v):
+            self[k] = v.encode() if isinstance(v, str) else v
+
+    store = Store()
+    resolve = schedule_cli.store_resolver(store, b"s3cret")
+    assert resolve("worker:2") is None and resolve("server:0") is None
+    store.set("tree/2", schedule_cli._sign(b"s3cret", {"rank": 2, "addr": ["10.0.0.2", 7447]}))
+    assert resolve("worker:2") == ("10.0.0.2", 7447)
+    store.set("tree/3", schedule_cli._sign(b"other", {"rank": 3, "addr": ["10.0.0.3", 7447]}))
+    with pytest.raises(RendezvousError, match="LTP_PS_SECRET"):
+        resolve("worker:3")
+    store.gone = True
+    assert resolve("worker:2") is None
