@@ -777,8 +777,7 @@ async def worker_run(w) -> dict:
                 return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True, **stats}
             if "back" in msg:  # the PS took that worker in again (it joined anew): its transfers run again
                 dead_peers.discard(msg["back"])
-                if w.executor.resolve is not None:  # a restarted process listens elsewhere: look its address up anew
-                    w.executor.addresses.pop(msg["back"], None)
+                w.executor.refresh_address(msg["back"])  # a restarted process listens elsewhere
                 continue
             if "failed" in msg:
                 # a grant with that peer that has not started yet must not wait for it either: until the PS

@@ -285,9 +285,6 @@ def tree_board(args, store, secret: bytes, log=None):
     return StoreBoard(store, secret, log=log)
 
 
-CONTROLLER_SCHEDULES = ("hoplite", "mlfabric")  # the PS grants every transfer, only ever between workers it admitted
-
-
 def publish_address(args, store, secret: bytes, rank: int, transport) -> None:
     """A worker of a schedule with worker-to-worker transfers publishes its signed address, *before* it joins a PS.
 
@@ -330,7 +327,7 @@ async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl
     """Give worker ``w`` its schedule's planner and its peers' addresses (published by :func:`publish_address`).
 
     Round-program schedules wait for every peer's address (their rounds name every worker).  Under a PS's
-    controller (``CONTROLLER_SCHEDULES``) the PS grants transfers only with workers that joined it, and a worker
+    controller (Hoplite, MLfabric) the PS grants transfers only with workers that joined it, and a worker
     publishes before it joins: such a worker never waits for absent peers (``--min-workers``, a late or paused
     one); an address it lacks is looked up when a grant first names that peer."""
     from .schedules import create
@@ -342,7 +339,10 @@ async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl
                        **schedule_options(args))
     w.executor.addresses.update({server(i.shard): tuple(i.addr) for i in infos})
     w.tree_board = tree_board(args, store, secret)
-    if args.schedule in CONTROLLER_SCHEDULES:
+    from .dynamic_roles import runs_async_controller
+    from .hoplite_roles import runs_hoplite
+
+    if runs_async_controller(w.planner) or runs_hoplite(w.planner):
         w.executor.resolve = store_resolver(store, secret)
     else:
         await asyncio.to_thread(_wait_keys, store, [f"tree/{r}" for r in range(args.workers)], args.store_timeout)

@@ -86,6 +86,43 @@ def stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
+class JobByHand:
+    """A rendezvous store and ``ltp-ps server`` / ``ltp-ps worker`` processes started one by one, as a user without
+    the launcher would (every process gets ``--store`` and ``common``).  A context manager: on exit every process
+    started is stopped and the store goes away.  A process's output is piped (``communicate()`` reads it), or
+    dropped with ``quiet=True``."""
+
+    def __init__(self, *common, store_timeout_s: float = 60):
+        from ltp_ps import rendezvous as rdv
+
+        port = free_port()
+        self.store = rdv.make_store("127.0.0.1", port, is_master=True, timeout_s=store_timeout_s)
+        self.common = ["--store", f"127.0.0.1:{port}", *common]
+        self.env = child_env()
+        self.procs: list = []
+
+    def server(self, *args, quiet: bool = False) -> subprocess.Popen:
+        return self._start("server", *args, quiet=quiet)
+
+    def worker(self, rank: int, *args, quiet: bool = False) -> subprocess.Popen:
+        return self._start("worker", *args, "--rank", rank, quiet=quiet)
+
+    def _start(self, role: str, *args, quiet: bool) -> subprocess.Popen:
+        out = subprocess.DEVNULL if quiet else subprocess.PIPE
+        p = subprocess.Popen(ps_cmd(role, *self.common, *args), env=self.env, stdout=out,
+                             stderr=subprocess.STDOUT, text=True)
+        self.procs.append(p)
+        return p
+
+    def __enter__(self) -> "JobByHand":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            stop(p)
+        self.store = None
+
+
 def rat_job(n_workers, *, wl=None, racks=None, shards=1, board=True, worker_kw=None, buffered_sends=False,
             **server_kw):
     """A ``rat`` job in memory: K shards (colocated with workers 0..K-1 when racks are given) and, with ``board``,

@@ -304,29 +304,18 @@ def test_a_controller_job_starts_with_min_workers_while_one_worker_never_comes(s
     """``--min-workers 3`` of 4, the fourth never started (processes by hand): the PS grants transfers only among
     the three that joined, so they must not wait for the absent one's address.  They did: every worker sat in
     the look-up until --store-timeout while the PS wrote all three off as silent."""
-    from ltp_ps import rendezvous as rdv
-    from ps_helpers import stop
+    from ps_helpers import JobByHand
 
-    port = free_port()
-    store = rdv.make_store("127.0.0.1", port, is_master=True, timeout_s=60)
-    common = ["--store", f"127.0.0.1:{port}", "--workers", 4, "--model", "digits", "--transport", "ltp",
-              "--store-timeout", 60, "--schedule", schedule]
-    env = child_env()
-    server = subprocess.Popen(ps_cmd("server", *common, "--iterations", 20, "--min-workers", 3), env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    workers = [subprocess.Popen(ps_cmd("worker", *common, "--rank", r), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for r in range(3)]
-    try:
+    with JobByHand("--workers", 4, "--model", "digits", "--transport", "ltp", "--store-timeout", 60,
+                   "--schedule", schedule) as job:
+        server = job.server("--iterations", 20, "--min-workers", 3)
+        workers = [job.worker(r) for r in range(3)]
         out, _ = server.communicate(timeout=100)
         assert server.returncode == 0, out
         assert "final / best accuracy" in out and "dropped worker" not in out, out
         for w in workers:
             w_out, _ = w.communicate(timeout=30)
             assert w.returncode == 0, w_out
-    finally:
-        for p in (server, *workers):
-            stop(p)
-        del store
 
 
 @pytest.mark.slow
@@ -336,37 +325,25 @@ def test_a_restarted_hoplite_worker_process_is_reached_at_its_new_address(tmp_pa
     tells the others; they must look its address up again.  Before, they kept sending relays and reduce hops to
     the dead process's port, every transfer failed, and the round never ended -- a failed transfer counted as
     progress, so the PS's --join-timeout bound never fired either (both fixed)."""
-    from ltp_ps import rendezvous as rdv
-    from ps_helpers import stop
+    from ps_helpers import JobByHand
 
-    port = free_port()
-    store = rdv.make_store("127.0.0.1", port, is_master=True, timeout_s=60)
     metrics = tmp_path / "m.jsonl"
-    common = ["--store", f"127.0.0.1:{port}", "--workers", 3, "--model", "digits", "--transport", "ltp",
-              "--store-timeout", 30, "--schedule", "hoplite"]
-    env = child_env()
-    server = subprocess.Popen(ps_cmd("server", *common, "--iterations", 150, "--metrics", metrics), env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    workers = [subprocess.Popen(ps_cmd("worker", *common, "--rank", r), env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL) for r in range(3)]
-    try:
+    with JobByHand("--workers", 3, "--model", "digits", "--transport", "ltp", "--store-timeout", 30,
+                   "--schedule", "hoplite") as job:
+        server = job.server("--iterations", 150, "--metrics", metrics)
+        workers = [job.worker(r, quiet=True) for r in range(3)]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (
                 metrics.exists() and sum('"event": "iteration"' in x for x in open(metrics)) >= 20):
             time.sleep(0.05)
         workers[2].kill()
         workers[2].wait()
-        workers.append(subprocess.Popen(ps_cmd("worker", *common, "--rank", 2), env=env, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL))
+        job.worker(2, quiet=True)
         out, _ = server.communicate(timeout=110)
         assert server.returncode == 0, out
         assert "worker 2 joined again" in out, out
         its = [r for r in map(json.loads, open(metrics)) if r.get("event") == "iteration"]
         assert len(its) == 150 and its[-1]["contributors"] == 3 and "worker:2" in its[-1]["members"], its[-1]
-    finally:
-        for p in (server, *workers):
-            stop(p)
-        del store
 
 
 def test_hoplite_cli_accepts_one_shard_bsp_or_async_and_names_the_fix_otherwise():

@@ -135,27 +135,16 @@ def test_job_whose_only_worker_died_exits_3_not_0(tmp_path):
 
 def test_worker_under_a_failed_ps_exits_non_zero(tmp_path):
     """A worker stopped by a PS that failed must not exit 0 (it reads failed/<s> from the store)."""
-    from ltp_ps import rendezvous as rdv
-    from ps_helpers import free_port
+    from ps_helpers import JobByHand
 
-    port = free_port()
-    store = rdv.make_store("127.0.0.1", port, is_master=True, timeout_s=30)
-    env = child_env()
-    common = ["--store", f"127.0.0.1:{port}", "--workers", 1, "--model", "digits", "--transport", "tcp",
-              "--store-timeout", 30]
-    server = subprocess.Popen(ps_cmd("server", *common, "--epochs", 5, "--lr", "1e38"),  # diverges at once (inf itself is refused)
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    worker = subprocess.Popen(ps_cmd("worker", *common, "--rank", 0), env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with JobByHand("--workers", 1, "--model", "digits", "--transport", "tcp", "--store-timeout", 30,
+                   store_timeout_s=30) as job:
+        server = job.server("--epochs", 5, "--lr", "1e38")  # diverges at once (inf itself is refused)
+        worker = job.worker(0)
         s_out, _ = server.communicate(timeout=120)
         w_out, _ = worker.communicate(timeout=60)
         assert server.returncode == 3 and "non-finite" in s_out, s_out
         assert worker.returncode == 3 and "PS shard 0 stopped the job" in w_out, w_out
-    finally:
-        stop(server)
-        stop(worker)
-        del store
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ltp"])

@@ -196,12 +196,20 @@ class Executor:
         try:
             return tuple(self.addresses[node])
         except KeyError:
-            a = self.resolve(node) if self.resolve is not None else None
+            a = self.refresh_address(node)
             if a is not None:
-                self.addresses[node] = tuple(a)
-                return tuple(a)
+                return a
             raise ExecutorError(f"{self.me}: no address for {node}; pass it in the executor's address book "
                                 f"(the rendezvous publishes every node's address)") from None
+
+    def refresh_address(self, node: str) -> tuple | None:
+        """Look ``node`` up again through ``resolve`` (a restarted process listens elsewhere) and keep the answer;
+        None, and the book unchanged, where ``resolve`` is unset or cannot place it."""
+        a = self.resolve(node) if self.resolve is not None else None
+        if a is None:
+            return None
+        self.addresses[node] = tuple(a)
+        return tuple(a)
 
     def _timeout(self, step) -> float:
         if step.timeout_s is not None:
@@ -399,9 +407,7 @@ class Executor:
         its later receives do not wait (the PS's partial gather skips a child whose parameters bounced)."""
         if isinstance(report, PeerGone):
             self.abandon([node])
-            a = self.resolve(node) if self.resolve is not None else None
-            if a is not None:  # the node may be back as a new process elsewhere: the next send goes there
-                self.addresses[node] = tuple(a)
+            self.refresh_address(node)  # it may be back as a new process elsewhere: the next send goes there
 
     async def _send_in_order(self, members, slots, res, iteration) -> None:
         window = asyncio.Semaphore(IN_ORDER_WINDOW)  # FIFO: the sends take it in program order

@@ -217,9 +217,13 @@ class MLfabricController(Controller):
         self._seq += 1
         if self._batch_due is None:
             self._batch_due = now + self.batch_window_s
-        if set(self.pending) >= set(self.workers):  # every live worker is in the batch: nothing more can join it
+        if self._batch_full():
             self._batch_due = now
         return []
+
+    def _batch_full(self) -> bool:
+        """Every live worker's update is in the batch: nothing more can join it, so it need not wait its window."""
+        return set(self.pending) >= set(self.workers)
 
     def _write_off(self, key, worker: str | None = None) -> None:
         p = self.outstanding.get(key)
@@ -257,7 +261,7 @@ class MLfabricController(Controller):
         self.pending.pop(node, None)
         if not self.pending:
             self._batch_due = None
-        elif set(self.pending) >= set(self.workers):  # the batch waited only for the node just lost
+        elif self._batch_full():  # the batch waited only for the node just lost
             self._batch_due = now
         for key, p in list(self.outstanding.items()):
             if p.source == node:  # its transfer to the PS (a direct update or an aggregate) will not come
