@@ -54,7 +54,7 @@ def test_a_ps_paused_past_the_dead_peer_limit_does_not_end_a_controller_job(tmp_
 
 def test_a_direct_worker_paused_and_dropped_rejoins_at_once(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    rc, text = _pause_during(["--workers", 3, "--epochs", 60, "--lab", "off", "--transport", "ltp", "--model",
+    rc, text = _pause_during(["--workers", 3, "--epochs", 150, "--lab", "off", "--transport", "ltp", "--model",
                               "digits", "--seed", 0], tmp_path / "out.txt", metrics,
                              who="worker 1", after_rows=20, pause_s=12.0)
     assert rc == 0, text
