@@ -211,14 +211,16 @@ class Admission:
         self.ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES[code or reason], 0), addr))
 
     def on_reg(self, data, addr, flags: int, fid: int, token: int, w3: int, now: float, wall: float, *,
-               existing=None, find_slot=None):
+               existing=None, find_slot=None, attempt: int = 0):
         """Admit, repeat-answer or refuse one REG from ``addr`` (layers 1-3).
 
         ``existing``: the open receive flow with this ``(addr, fid)``, if any;
         ``find_slot(addr, tag)``: the posted receive slot the message would fill,
-        or None. Returns None, or ``(slot, total)`` when the ``total``-byte message
-        does not fit the slot: the sender was refused (``too_large``) and the
-        caller fails the slot.
+        or None. ``attempt``: the REG's attempt byte (header word 2), echoed in a
+        RESET ``stale`` so the sender can tell an answer to its latest copy from
+        one to a copy that sat in a queue. Returns None, or ``(slot, total)`` when
+        the ``total``-byte message does not fit the slot: the sender was refused
+        (``too_large``) and the caller fails the slot.
         """
         cfg = self.config
         key = (addr, fid)
@@ -235,9 +237,9 @@ class Admission:
             if why is not None:
                 self.stats.drop(why)
                 self.stats.refused[why] = self.stats.refused.get(why, 0) + 1
-                if why == "stale":  # a live sender whose clock is off learns why; a replay gets nothing
-                    self.ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES["stale"], 0),
-                                      addr))
+                if why == "stale":  # a live sender whose clock is off learns why (and which copy); a replay: nothing
+                    self.ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES["stale"],
+                                                       attempt & 0xFF), addr))
                 return None
         pend = self.pending.get(key)
         if existing is not None or pend is not None:

@@ -368,7 +368,8 @@ class Engine:
             self.stats.drop("bad_data")
         elif ptype == wire.T_REG:
             too_small = self._admission.on_reg(data, addr, flags, fid, token, w3, now, now + self.wall_offset,
-                                               existing=self._rx.get(key), find_slot=self._matcher.waiting_slot)
+                                               existing=self._rx.get(key), find_slot=self._matcher.waiting_slot,
+                                               attempt=w2)
             if too_small is not None:
                 self._fail_too_small(*too_small, addr, now)
         elif ptype == wire.T_ACK:
@@ -407,6 +408,13 @@ class Engine:
                         flow.reregister(now, 2 * self._paths[addr].pto()):
                     self.stats.reregistrations += 1
                     return
+                if reason == "stale" and flow.state == OPEN:
+                    if not flow.answers_latest_reg(w3):
+                        self.stats.drop("stale_old_copy")  # a newer, fresher copy is on its way or admitted
+                        return
+                    if flow.retry_stale(now):
+                        self.stats.stale_retries += 1
+                        return
                 flow.fail(now, TransferRefused(reason))
                 self._end_send(flow, now)
                 return

@@ -75,6 +75,8 @@ class EndpointStats:
     refused: dict = field(default_factory=dict)
     #: RESET "unregistered" answers received for open sends (each may make the send register again)
     reregistrations: int = 0
+    #: RESET "stale" answers that made an open send register again with a fresh stamp (``sender.STALE_RETRIES``)
+    stale_retries: int = 0
     #: ICMP unreachable reports fed in by the adapter (Engine.peer_unreachable)
     unreachable_reports: int = 0
     #: timers that ran more than ``liveness.OWN_STALL_S`` late: this process did not run (SIGSTOP, a blocked

@@ -44,6 +44,11 @@ FAILED = "failed"
 #: a receiver that lost (expired) our registration asks again this many times before the flow fails
 MAX_REREGISTRATIONS = 8
 
+#: a REG refused as ``stale`` is stamped afresh and sent again this many times before the flow fails: a process
+#: that stopped (SIGSTOP, a long pause) between taking ``now`` and sending, on either side, makes one REG look
+#: old; a clock that is really off draws ``stale`` every time and fails after these few round trips
+STALE_RETRIES = 2
+
 
 class FlowSender:
     """Sender state machine of one message to one peer."""
@@ -105,6 +110,7 @@ class FlowSender:
         self._job_key = job_key
         self.source = source  # our address as the peer sees it (bound into the MAC)
         self.reregistrations = 0
+        self.stale_retries = 0
         self.reg_sent_at = now
         self.reg_confirmed = False
         self.reg_attempts = 0
@@ -145,6 +151,23 @@ class FlowSender:
         if self.reregistrations > MAX_REREGISTRATIONS:
             return False
         self.reg_confirmed = False
+        self.reg_next = now
+        return True
+
+    def answers_latest_reg(self, echoed_attempt: int) -> bool:
+        """True when a RESET ``stale`` echoing ``echoed_attempt`` refers to our latest REG copy (0: a peer that
+        echoes nothing, taken as the latest).  An answer to an older copy, one that sat in a queue or a stopped
+        peer's socket buffer past the window, says nothing about the copies stamped since."""
+        return echoed_attempt == 0 or echoed_attempt == self.reg_attempts & 0xFF
+
+    def retry_stale(self, now: float) -> bool:
+        """The receiver refused our REG as ``stale``: register again now with a fresh stamp, holding DATA until
+        a REG is answered.  False after :data:`STALE_RETRIES` such retries (the clocks really differ)."""
+        if self.stale_retries >= STALE_RETRIES:
+            return False
+        self.stale_retries += 1
+        self.reg_confirmed = False
+        self.hold_data = True
         self.reg_next = now
         return True
 

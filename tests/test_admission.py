@@ -20,6 +20,7 @@ from ltp.admission import PENDING_MAX_S, ReplayCache, address_bytes, pending_lif
 from ltp.config import Config
 from ltp.engine import Engine
 from ltp.errors import TransferRefused
+from ltp.sender import STALE_RETRIES
 
 KEY = b"job-secret"
 A = ("10.0.0.1", 7447)
@@ -97,17 +98,83 @@ def test_replay_from_the_same_source_is_refused_and_not_answered():
     assert out(b, 2.0) == []  # a replay gets no answer (a RESET could hurt the real sender)
 
 
+def exchange(a, b, to_b, now, hs=None, hr=None, *, step=0.001, rounds=2000):
+    """Run sender ``a`` and receiver ``b`` in lock step from ``now``, delivering ``to_b`` (datagrams from A)
+    first, until the send ``hs`` (on ``a``) and the receive ``hr`` (on ``b``) have their events, where given;
+    returns (a's events, b's events), each {handle: event}."""
+    done = ({}, {})
+    for _ in range(rounds):
+        now += step
+        for d in to_b:
+            b.receive_datagram(d, A, now)
+        a.handle_timer(now)
+        b.handle_timer(now)
+        for d, _ in out(b, now):
+            a.receive_datagram(d, B, now)
+        to_b = [d for d, _ in out(a, now)]
+        a.get_timer(), b.get_timer()  # armed, as the adapter does after every step
+        for eng, events in zip((a, b), done):
+            while (ev := eng.next_event()) is not None:
+                events[ev.handle] = ev
+        if (hs is None or hs in done[0]) and (hr is None or hr in done[1]):
+            break
+    return done
+
+
 def test_stale_registration_is_refused_and_the_sender_learns_why():
-    # the receiver's clock is 60 s ahead: outside the 10 s freshness window
+    # the receiver's clock is 60 s ahead: outside the 10 s freshness window, every time
     a, b = engines(wall_b=T0 + 60)
     h = a.send(B, np.ones(1000, np.float32), now=0.0)
-    for d, _ in out(a, 0.0):
-        b.receive_datagram(d, A, 0.001)
+    ev = exchange(a, b, [d for d, _ in out(a, 0.0)], 0.0, h)[0][h]
+    assert isinstance(ev.error, TransferRefused) and ev.error.reason == "stale"
+    # each fresh REG drew 'stale' again: a skewed clock fails after STALE_RETRIES round trips, not at once
+    assert b.stats.refused == {"stale": 1 + STALE_RETRIES} and a.stats.stale_retries == STALE_RETRIES
+
+
+@pytest.mark.parametrize("pause", [10.5, 30.0])
+def test_a_reg_stamped_before_a_pause_is_stamped_afresh_and_the_transfer_completes(pause):
+    """A process stopped (SIGSTOP) between stamping a REG and sending it, or a receiver that took its ``now``
+    before a stop, sees a REG older than the freshness window although both clocks agree.  Found in CI: a
+    PS paused for 10 s refused a worker's round note as 'stale' and dropped the worker.  The sender stamps
+    the REG afresh and the transfer completes."""
+    a, b = engines()
+    data = np.arange(20_000, dtype=np.float32)
+    hs = a.send(B, data, now=0.0)
+    first = [d for d, _ in out(a, 0.0)]  # stamped at 0 s, delivered `pause` seconds later
+    a.get_timer()  # armed, as the adapter does: the stop makes it fire `pause` late (liveness's own-stall rule)
+    buf = np.zeros_like(data)
+    hr = b.post_receive([(A, 0, buf)], now=pause, timeout=60.0)
+    for d in first:
+        b.receive_datagram(d, A, pause)
+    for d, _ in out(b, pause):  # the answers reach A before its late timer runs
+        a.receive_datagram(d, B, pause + 0.0005)
+    assert b.stats.refused == {"stale": 1} and a.stats.stale_retries == 1
+    sent, received = exchange(a, b, [], pause + 0.0005, hs, hr)
     assert b.stats.refused == {"stale": 1}
-    for d, _ in out(b, 0.001):
-        a.receive_datagram(d, B, 0.002)
-    ev = a.next_event()
-    assert ev.handle == h and isinstance(ev.error, TransferRefused) and ev.error.reason == "stale"
+    assert sent[hs].error is None and received[hr].error is None
+    assert np.array_equal(buf, data)
+
+
+def test_a_stale_answer_to_an_old_copy_is_ignored_while_a_fresh_copy_is_admitted():
+    """A stopped receiver reads, on waking, every REG copy its socket buffer held: the oldest are stale, the
+    newest fresh.  The RESETs for the old copies (their attempt echoed) must neither fail the send nor spend
+    its stale retries."""
+    a = Engine(Config(job_key=KEY, peer_silence_min_s=5.0), rng=random.Random(1), local_addr=A, wall_offset=T0)
+    b = Engine(Config(job_key=KEY, reg_freshness_s=1.0), rng=random.Random(2), local_addr=B, wall_offset=T0)
+    data = np.arange(5_000, dtype=np.float32)
+    hs = a.send(B, data, now=0.0)
+    held, now = [], 0.0
+    while now < 1.5:  # nobody answers: the REG is repeated, each copy stamped when sent
+        held += [d for d, _ in out(a, now)]
+        now = max(now + 0.001, a.get_timer())
+        a.handle_timer(now)
+    assert len(regs([(d, B) for d in held])) >= 3
+    buf = np.zeros_like(data)
+    hr = b.post_receive([(A, 0, buf)], now=now, timeout=30.0)
+    sent, received = exchange(a, b, held, now, hs, hr)
+    assert b.stats.refused.get("stale", 0) >= 1 and a.stats.dropped.get("stale_old_copy", 0) >= 1
+    assert a.stats.stale_retries == 0
+    assert sent[hs].error is None and received[hr].error is None and np.array_equal(buf, data)
 
 
 def test_every_repeated_reg_is_fresh_and_accepted():
@@ -171,26 +238,9 @@ def test_sender_registers_again_when_the_receiver_forgot_it():
     assert not b._pending
     buf = np.zeros_like(data)
     hr = b.post_receive([(A, 0, buf)], now=0.3)
-    now = 0.3
-    pending = [d for d, _ in dg[1:]]
-    done = {}
-    for _ in range(2000):
-        now += 0.001
-        for d in pending:
-            b.receive_datagram(d, A, now)
-        a.handle_timer(now)
-        b.handle_timer(now)
-        back = out(b, now)
-        for d, _ in back:
-            a.receive_datagram(d, B, now)
-        pending = [d for d, _ in out(a, now)]
-        for eng in (a, b):
-            while (ev := eng.next_event()) is not None:
-                done[ev.handle, eng is a] = ev
-        if (hs, True) in done and (hr, False) in done:
-            break
+    sent, received = exchange(a, b, [d for d, _ in dg[1:]], 0.3, hs, hr)
     assert a.stats.reregistrations >= 1
-    assert done[hs, True].error is None and done[hr, False].error is None
+    assert sent[hs].error is None and received[hr].error is None
     assert np.array_equal(buf, data)
 
 

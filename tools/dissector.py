@@ -13,7 +13,7 @@ Theory of operation
               ranges[range_count] (first(32), end(32)) [mac(16 B) if flag MAC]
         ACK   held(32) | ack_delay(uf16) count(16) | entries[count] (u32: seq << 8 | attempt)
         STOP  held(32) | close_reason(8) reserved(24)
-        RESET reset_reason(32) | reserved(32)
+        RESET reset_reason(32) | reset_attempt(32: for stale, the refused REG's attempt; else 0)
 
     ``count`` and ``range_count`` are computed when left as None. ``uf16`` fields hold the
     raw 16-bit code; :func:`uf16_encode`/:func:`uf16_decode` convert, and the fields display
@@ -114,7 +114,7 @@ class LTPT(Packet):
         ConditionalField(FieldLenField("count", None, fmt="H", count_of="entries"), _is(ACK)),
         ConditionalField(ByteEnumField("close_reason", 0, CLOSE_REASONS), _is(STOP)),
         ConditionalField(BitField("stop_reserved", 0, 24), _is(STOP)),
-        ConditionalField(IntField("reset_reserved", 0), _is(RESET)),
+        ConditionalField(IntField("reset_attempt", 0), _is(RESET)),
         # REG body
         ConditionalField(LongField("total", 0), _is(REG)),
         ConditionalField(ShortField("segment_size", 0), _is(REG)),
