@@ -91,7 +91,7 @@ from .path import Path, Transmit
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .regimes import CloseReason, Regime, stop_reason
 from .reports import EndpointStats, SendReport
-from .sender import OPEN, FlowSender
+from .sender import OPEN, FlowSender, holds_objects
 from .timers import TimerTable
 
 __all__ = ["Engine", "SendDone", "ReceiveDone"]
@@ -132,6 +132,9 @@ def _writable_view(buf) -> memoryview:
         raise LocalProtocolError("receive buffer is read-only; pass a bytearray or a writable numpy array")
     if not mv.c_contiguous:
         raise LocalProtocolError("receive buffer must be C-contiguous; use numpy.ascontiguousarray")
+    if holds_objects(buf, mv):
+        raise LocalProtocolError("receive buffer holds Python objects (dtype object): writing a peer's bytes over "
+                                 "object pointers would crash this process; receive into a numeric array or bytearray")
     return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
 
 

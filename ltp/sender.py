@@ -50,6 +50,12 @@ MAX_REREGISTRATIONS = 8
 STALE_RETRIES = 2
 
 
+def holds_objects(obj, mv: memoryview) -> bool:
+    """True when buffer ``mv`` of ``obj`` holds Python object pointers (a numpy ``dtype=object`` array)."""
+    dtype = getattr(obj, "dtype", None)
+    return bool(getattr(dtype, "hasobject", False)) or mv.format == "O"
+
+
 class FlowSender:
     """Sender state machine of one message to one peer."""
 
@@ -62,6 +68,9 @@ class FlowSender:
             raise LocalProtocolError("data must support the buffer protocol (bytes, bytearray, numpy array)") from None
         if not mv.c_contiguous:
             raise LocalProtocolError("data must be C-contiguous; pass numpy.ascontiguousarray(x)")
+        if holds_objects(data, mv):
+            raise LocalProtocolError("data holds Python objects (dtype object): its bytes are this process's memory "
+                                     "addresses, meaningless to the peer; send a numeric array or serialized bytes")
         mv = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
         total = mv.nbytes
         if total == 0:

@@ -347,6 +347,14 @@ def test_api_misuse_raises_clear_errors():
         eng.send("127.0.0.1:1", bytes(4), now=0.0)
     with pytest.raises(LocalProtocolError, match="C-contiguous"):
         eng.send(peer, np.zeros((4, 4), np.float32)[:, 1], now=0.0)
+    # an object array's bytes are pointers: sent they mean nothing to the peer, received into they crash us
+    objects = np.array([object() for _ in range(8)])
+    with pytest.raises(LocalProtocolError, match="Python objects"):
+        eng.send(peer, objects, now=0.0)
+    with pytest.raises(LocalProtocolError, match="Python objects"):
+        eng.post_receive([(peer, None, objects)], now=0.0)
+    with pytest.raises(LocalProtocolError, match="Python objects"):
+        eng.send(peer, np.zeros(2, dtype=[("a", np.float32), ("o", object)]), now=0.0)
     eng.close(now=0.0)
     with pytest.raises(LocalProtocolError, match="closed"):
         eng.send(peer, bytes(4), now=0.0)
