@@ -165,6 +165,14 @@ class Endpoint:
         """Counters of the batched socket layer (syscalls, EAGAIN, ICMP errors...)."""
         return self._io.stats
 
+    def _clock(self) -> float:
+        """``now`` (monotonic), with the engine's wall-clock offset brought up to date: REGs are stamped, and
+        peers' REG stamps checked, on the wall clock (``ltp/admission.py``), and a wall clock stepped since this
+        endpoint opened (NTP) must not leave this host's stamps behind its peers' clocks."""
+        now = _now()
+        self.engine.wall_offset = time.time() - now
+        return now
+
     # ------------------------------------------------------------------ API
     async def send(self, peer, data, *, reliable: bool = False, critical=(), element_size: int | None = None,
                    tag: int = 0, timeout: float | None = None):
@@ -180,7 +188,7 @@ class Endpoint:
         """:meth:`send` to a peer :meth:`_resolve` already checked (broadcast resolves each peer once)."""
         self._check_open()
         self._note_source(peer)
-        handle = self.engine.send(peer, data, now=_now(), reliable=reliable, critical=critical,
+        handle = self.engine.send(peer, data, now=self._clock(), reliable=reliable, critical=critical,
                                   element_size=element_size, tag=tag)
         return await self._wait(handle, timeout)
 
@@ -374,13 +382,13 @@ class Endpoint:
             if n == 0:
                 break
             empty = False
-            now = _now()
+            now = self._clock()
             buf, offs, lens = io.buffer, io.offsets, io.lengths
             times = shift = None
             if io.timestamps_enabled:
                 # kernel arrival times (CLOCK_REALTIME), moved onto the monotonic clock by the
                 # engine for the datagrams that need them (not every DATA datagram)
-                times, shift = io.times, time.time() - now
+                times, shift = io.times, eng.wall_offset
             for addr, start, stop in io.runs():
                 try:
                     eng.receive_batch(buf, offs, lens, start, stop, addr[:2], now, times, times_offset=shift)
@@ -427,7 +435,7 @@ class Endpoint:
         # read what already arrived first: a loss timer must not fire on ACKs that are
         # sitting in the socket buffer because the loop ran this callback before the reader
         self._receive_pending()
-        now = _now()
+        now = self._clock()
         try:
             self.engine.handle_timer(now)
         except Exception:

@@ -251,3 +251,50 @@ def test_hostname_peers_resolve():
             return np.array_equal(out, data)
 
     assert ltp.run(main())
+
+
+class _SteppedClock:
+    """``time`` as ``ltp.endpoint`` sees it, with the wall clock stepped ``step`` seconds (NTP)."""
+
+    def __init__(self, real, step: float) -> None:
+        self._real, self.step = real, step
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def time(self) -> float:
+        return self._real.time() + self.step
+
+
+class _NoKernelTimes:
+    """The adapter's UdpIO without kernel receive times: those read the real, unstepped clock."""
+
+    timestamps_enabled = False
+
+    def __init__(self, io) -> None:
+        self._io = io
+
+    def __getattr__(self, name):
+        return getattr(self._io, name)
+
+
+async def test_a_wall_clock_stepped_after_opening_still_stamps_fresh_registrations(monkeypatch):
+    """A's wall clock is stepped 30 s after A opened (B, opened after the step, has it right).  REG stamps
+    follow the wall clock as it is now, not as it was when the endpoint opened: without that every send of a
+    long-running job fails as 'stale' once NTP has stepped its host's clock past the freshness window."""
+    import time as real_time
+
+    from ltp import endpoint as ep
+
+    cfg = Config(job_key=b"job-secret")
+    a = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
+    monkeypatch.setattr(ep, "time", _SteppedClock(real_time, 30.0))
+    b = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
+    a._io, b._io = _NoKernelTimes(a._io), _NoKernelTimes(b._io)
+    async with a, b:
+        data = np.arange(50_000, dtype=np.float32)
+        into = np.zeros_like(data)
+        sent, got = await asyncio.gather(a.send(b.local_addr, data, reliable=True, tag=3, timeout=10),
+                                         b.recv(into, peer=a.local_addr, tag=3, timeout=10))
+        assert np.array_equal(into, data) and sent.delivered_fraction == 1.0
+        assert b.stats.refused == {} and a.stats.stale_retries == 0
