@@ -23,7 +23,7 @@ import sys
 import time
 
 from . import rendezvous as rdv
-from . import schedule_cli
+from . import schedule_cli, tree_views
 from .argtypes import bounded, model_name
 from .errors import ConfigError, PSError, TrainingFailed
 
@@ -79,6 +79,11 @@ def _server_opts(p):
                    help="seconds a reliable parameter broadcast may take before the worker is dropped (default: "
                         "derived each round from the message size and the measured link rate, at least 10 s)")
     p.add_argument("--max-missed", type=bounded(int, 1, "missed rounds before a drop"), default=3, help="missed rounds before a worker is dropped")
+    p.add_argument("--max-returns", type=bounded(int, 0, "times a worker declared dead may come back",
+                                                 below=tree_views.RETURNS_LIMIT + 1),
+                   default=tree_views.MAX_RETURNS,
+                   help="tree schedules (rat): times a worker declared dead while alive (paused, cut off, a "
+                        f"straggler) may come back into the trees (0: never; default {tree_views.MAX_RETURNS})")
     p.add_argument("--min-workers", type=bounded(int, 1, "the workers a BSP start waits for"), default=None, help="start when this many joined (default: all)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=bounded(int, 0, "rounds between checkpoints"), default=0, help="rounds between checkpoints (0: at the end)")
@@ -184,7 +189,7 @@ async def serve(args, store=None) -> dict:
                            aggregation=args.aggregation, optimizer=args.optimizer, lr=args.lr,
                            momentum=schedule_cli.momentum_for(args), weight_decay=args.weight_decay, clip_factor=args.clip_factor,
                            gather_timeout_s=args.gather_timeout, broadcast_timeout_s=args.broadcast_timeout,
-                           max_missed=args.max_missed,
+                           max_missed=args.max_missed, max_returns=args.max_returns,
                            min_workers=args.min_workers, join_timeout_s=args.store_timeout,
                            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                            metrics_path=args.metrics and shard_path(args.metrics, args.shard), progress=args.progress,
@@ -279,20 +284,22 @@ async def work(args, store=None) -> dict:
                                                             error_feedback=args.error_feedback,
                                                             pull_timeout_s=args.pull_timeout, seed=args.seed,
                                                             max_iterations=args.max_iterations,
-                                                            max_missed=args.max_missed))
+                                                            max_missed=args.max_missed,
+                                                            max_returns=args.max_returns))
             w.join_tickets = tickets
             rounds = [await asyncio.to_thread(rdv.admitted_round, store, s, t) for s, t in tickets.items()]
             # a round program names each round's transfers: one that joins (again) mid-job starts where the
             # shards are (the earliest, so no shard's round is skipped), not at round 0 of rounds long over
             w.start_round = min((r for r in rounds if r is not None), default=0)
             await schedule_cli.prepare_worker(w, args, store, secret, rank, transport, wl, infos)
-            # tree schedules agree on dead workers through their own board (a worker in a view stops: Excluded)
+            # tree schedules agree on dead workers through their own board (a worker in a view asks to come back;
+            # Excluded once it has come back --max-returns times)
             drops = None if w.tree_board is not None and getattr(w.planner, "name", None) == "rat" else {
                 i.shard: await asyncio.to_thread(rdv.drop_count, store, i.shard, rank) for i in infos}
             try:
                 st = await _run_watching(w, store, infos, rank=rank, drops=drops)
             except Excluded as exc:
-                # the job goes on without this worker and cannot take it back (tree schedules): its verdict is the
+                # the job goes on without this worker, which came back --max-returns times already: its verdict is the
                 # job's, so wait for the job to end and exit with it, whichever transport told this worker first
                 print(f"[worker {rank}] {exc}; waiting for the job's verdict", flush=True)
                 await _await_job_over(store, len(infos))
@@ -481,8 +488,8 @@ COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "job", 
           "batch-size", "seed", "store-timeout", *schedule_cli.PASSTHROUGH]
 SERVER = ["epochs", "iterations", "aggregation", "optimizer", "lr", "momentum", "weight-decay", "clip-factor",
           "gather-timeout", "broadcast-timeout",
-          "max-missed", "min-workers", "checkpoint-dir", "checkpoint-every", "metrics", "progress", "summary-json"]
-WORKER = ["error-feedback", "pull-timeout", "rejoin", "max-missed"]
+          "max-missed", "max-returns", "min-workers", "checkpoint-dir", "checkpoint-every", "metrics", "progress", "summary-json"]
+WORKER = ["error-feedback", "pull-timeout", "rejoin", "max-missed", "max-returns"]
 
 
 def _lab_choice(args) -> tuple[bool, str]:

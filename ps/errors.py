@@ -61,7 +61,7 @@ class TrainingFailed(PSError):
 
 
 class Excluded(TrainingFailed):
-    """This worker was declared dead by the job while alive (tree schedules cannot take it back)."""
+    """This worker was declared dead by the job while alive, after coming back ``tree_views.MAX_RETURNS`` times."""
 
 
 class Stopped(PSError):

@@ -27,7 +27,8 @@ partials, so its round is simply its program, run end to end by the executor:
   the broadcast floor.  The bound rides in the parameter header: aggregating
   workers wait for their children a ``1/(levels+1)`` share of it.
 * Dead workers (``ltp_ps.tree_views``): with a board (every ``ltp-ps`` job),
-  the trees are rebuilt without them; see the section at the end.
+  the trees are rebuilt without them, and with a live one again once it
+  comes back; see the section at the end.
 * Worker ``w`` (:func:`worker_run`): each round binds every raw ``params``
   slot of its program to its receive buffer for the shard whose range the
   step names, runs the program; ``Compute`` reads the parameter messages (a
@@ -56,7 +57,8 @@ partials, so its round is simply its program, run end to end by the executor:
 Workers need each other's addresses (a tree's edges join workers); the CLI
 publishes them through the store (``schedule_cli``).  Round numbers: workers
 count rounds from the PS's first round (0, or the resumed iteration given
-as ``start``); a worker joining mid-run is not supported by tree schedules.
+as ``start``); a worker declared dead while alive comes back through the board
+(``tree_views``, "Coming back"); a first join mid-run is not supported by tree schedules.
 """
 
 from __future__ import annotations
@@ -421,11 +423,18 @@ async def worker_run(w, start: int = 0) -> dict:
     it = start
     while True:
         if views is not None:
-            if await _await_decided(w, views, it) or await asyncio.to_thread(_sync_worker_views, w, views, it):
+            if await _await_decided(w, views, it):
                 return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True}
+            what = await asyncio.to_thread(_sync_worker_views, w, views, it)
+            if what == ROUND_STOP:
+                return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True}
+            if what == ROUND_OUT:
+                w.out_rounds += 1
+                it += 1
+                continue
         plan = w.planner.plan(it)
         prog = plan.program(w.node)
-        excluded = views.excluded() if views is not None else set()
+        excluded = views.excluded(it) if views is not None else set()
         sources = {st.peer for st in prog.steps() if st.op == "recv" and st.payload == "params"}
         if sources and sources <= excluded:
             # an orphan round: every parameter slice would come through a dead worker, and the trees without it
@@ -447,7 +456,10 @@ async def worker_run(w, start: int = 0) -> dict:
             res = await _run_watched(w, views, run, prog, it)
             if res is None:  # the PS has stopped (posted on the board) while this round waited
                 return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True}
-            fresh = _observe_peers(w, views, prog, res)
+            if res is DECLARED_DEAD:  # the next round's board sync steps it out and asks to come back
+                it += 1
+                continue
+            fresh = _observe_peers(w, views, prog, res, it)
             if fresh:
                 await asyncio.to_thread(_post_suspects, w, views, fresh)
         if h.stopped or res.stopped:
@@ -507,10 +519,14 @@ class _Views:
         self.posted: set = set()  # ranks this process posted as suspects
         self.started = False
         self.decided = -1  # PS shard 0's decided-through mark, as last read (or written, at shard 0)
+        self.max_returns = tree_views.MAX_RETURNS  # --max-returns (set by _views from the role's config)
+        self.revived: dict = {}  # PS: rank -> the generation its membership was taken back for
+        self.asked = -1  # worker: the generation it asked to come back as (-1: none)
 
-    def excluded(self) -> set:
-        """Nodes known dead: not sent to, not waited for (also in rounds before their view takes effect)."""
-        return {worker_node(r) for r in self.tracker.newest.dead}
+    def excluded(self, round_: int) -> set:
+        """Nodes not sent to nor waited for in round ``round_``: its view's dead, and the newest view's (known
+        dead, also in rounds before that view takes effect; a worker coming back stays out until its round)."""
+        return {worker_node(r) for r in self.tracker.dead_for(round_) | self.tracker.newest.dead}
 
     def apply(self, planner, round_: int) -> frozenset | None:
         """Plan round ``round_`` without its view's dead workers; the new dead set if it changed."""
@@ -527,6 +543,7 @@ def _views(role) -> _Views | None:
     v = getattr(role, "_tree_views", None)
     if v is None and getattr(role, "tree_board", None) is not None:
         v = role._tree_views = _Views(role.tree_board, role.planner.world, getattr(role.cfg, "max_missed", 3))
+        v.max_returns = getattr(role.cfg, "max_returns", tree_views.MAX_RETURNS)
     return v
 
 
@@ -539,26 +556,38 @@ def _sync_server_views(ps, v: _Views, it: int) -> None:
         board.clear_stop()  # an earlier incarnation's stop: this one runs on
         v.started = True
     ranks = set(v.base.workers)
-    dropped = {r for r, m in ps.membership.members.items() if m.state is not State.ACTIVE} & ranks
+    newest = v.tracker.newest
+    dropped = {(r, newest.gen(r)) for r, m in ps.membership.members.items()
+               if m.state is not State.ACTIVE and r in ranks}
     if ps.shard != 0:
-        for r in sorted(dropped - v.posted):
-            board.suspect(r, ps.node, f"dropped by {ps.node}")
-            v.posted.add(r)
+        for r, g in sorted(dropped - v.posted):
+            board.suspect(r, ps.node, f"dropped by {ps.node}", gen=g)
+            v.posted.add((r, g))
         _wait_decided(ps, v, it)
         v.tracker.learn(board.latest())
     else:
-        suspects = {r for r in board.suspects() if r in ranks} | dropped
-        view = tree_views.next_view(v.tracker.newest, suspects, it, v.decided)
+        suspects = {s for s in board.suspicions() if s[0] in ranks} | dropped
+        view = tree_views.next_view(newest, suspects, it, v.decided, backs=board.backs(), max_returns=v.max_returns)
         if view is not None:
             board.publish(view)
             v.tracker.learn(view)
-            ps.log(f"[ps{ps.shard}] round {it}: tree view {view.number}: workers {sorted(view.dead)} are dead; the "
-                   f"trees are rebuilt without them from round {view.from_round}")
+            back = sorted(newest.dead - view.dead)
+            ps.log(f"[ps{ps.shard}] round {it}: tree view {view.number}: workers {sorted(view.dead)} are dead"
+                   + (f", workers {back} come back" if back else "")
+                   + f"; the trees are rebuilt from round {view.from_round}")
         if tree_views.decided_through(it) > v.decided:  # after the view: a reader of the mark finds the view
             v.decided = tree_views.decided_through(it)
             board.post_decided(v.decided)
-    for r in sorted(v.tracker.newest.dead):
-        ps.membership.failed(r, f"excluded from the trees (tree view {v.tracker.newest.number})")
+    newest = v.tracker.newest
+    for r, g, since in newest.returns:  # taken back: a member again (its rounds are planned with it from `since`)
+        m = ps.membership.members.get(r)
+        if g > v.revived.get(r, 0) and r not in newest.dead and m is not None:
+            v.revived[r] = g
+            ps.membership.admit(r, m.addr, iteration=since)
+            ps.log(f"[ps{ps.shard}] round {it}: worker {r} is taken back into the trees (generation {g}) from round "
+                   f"{since}")
+    for r in sorted(newest.dead):
+        ps.membership.failed(r, f"excluded from the trees (tree view {newest.number})")
     dead = v.apply(ps.planner, it)
     if dead is not None:
         ps.log(f"[ps{ps.shard}] round {it}: planning the trees without workers {sorted(dead)}")
@@ -603,25 +632,52 @@ def _poll_decided(v: _Views, it: int):
     return decided, (v.board.stopped_at() if decided < it else None)
 
 
-def _sync_worker_views(w, v: _Views, it: int) -> bool:
-    """Worker side, before round ``it`` (blocking board I/O); True if the PS has stopped."""
-    stop, _ = _poll_board(v)
+#: what a worker does with a round (:func:`_sync_worker_views`)
+ROUND_RUN, ROUND_OUT, ROUND_STOP = "run", "out", "stop"
+
+
+def _sync_worker_views(w, v: _Views, it: int) -> str:
+    """Worker side, before round ``it`` (blocking board I/O): :data:`ROUND_STOP` if the PS has stopped,
+    :data:`ROUND_OUT` while this worker is declared dead (it asks to come back, once per generation, and steps
+    through the rounds until a view takes it back: ``tree_views``, "Coming back"), else :data:`ROUND_RUN`."""
+    stop, newest = _poll_board(v)
     if stop is not None and it >= stop:
-        return True
-    if w.cfg.rank in v.tracker.newest.dead:
-        raise Excluded(f"worker {w.cfg.rank}: the job declared this worker dead (tree view {v.tracker.newest.number}, "
-                       f"from round {v.tracker.newest.from_round}: it missed its tree peers --max-missed rounds in a "
-                       f"row); tree schedules cannot take a worker back")
+        return ROUND_STOP
+    rank = w.cfg.rank
+    if rank in newest.dead:
+        gen = newest.gen(rank) + 1
+        if gen > v.max_returns:
+            raise Excluded(f"worker {rank}: the job declared this worker dead (tree view {newest.number}, from round "
+                           f"{newest.from_round}: it missed its tree peers --max-missed rounds in a row) after taking "
+                           f"it back {gen - 1} times (--max-returns {v.max_returns}); it stays out")
+        if v.asked < gen:
+            v.asked = gen
+            v.board.ask_back(rank, gen)
+            print(f"[w{rank}] round {it}: declared dead (tree view {newest.number}); asking to come back "
+                  f"(generation {gen})", flush=True)
+        return ROUND_OUT
+    if rank in v.tracker.dead_for(it) or it < newest.since(rank):
+        return ROUND_OUT  # taken back from a later round: until then the trees are planned without it
+    if v.asked == newest.gen(rank) and v.asked > 0:
+        v.asked = 0
+        w.returns += 1
+        v.suspicion = tree_views.Suspicion(v.suspicion.max_missed)  # what it saw while it was out means nothing
+        print(f"[w{rank}] round {it}: back in the trees (generation {newest.gen(rank)}) after {w.out_rounds} "
+              f"rounds out", flush=True)
     dead = v.apply(w.planner, it)
     if dead is not None:
-        print(f"[w{w.cfg.rank}] round {it}: planning the trees without workers {sorted(dead)}", flush=True)
-    return False
+        print(f"[w{rank}] round {it}: planning the trees without workers {sorted(dead)}", flush=True)
+    return ROUND_RUN
+
+
+#: :func:`_run_watched`'s answer when the board declared this worker itself dead while its round ran
+DECLARED_DEAD = "declared dead"
 
 
 async def _run_watched(w, v: _Views, run, prog: Program, it: int):
     """Run one round while looking at the board every ``BOARD_POLL_S``: a peer of the round declared dead
-    meanwhile is abandoned (no more waiting for it); returns the round's result, or None when the PS posted
-    ``stop`` (the round is cancelled: nothing more will come)."""
+    meanwhile is abandoned (no more waiting for it); returns the round's result, None when the PS posted
+    ``stop``, or :data:`DECLARED_DEAD` when this worker was (the round is cancelled: nothing more will come)."""
     task = asyncio.ensure_future(run)
     peers = {st.peer for st in prog.steps() if st.op in ("send", "recv", "forward")}
     try:
@@ -637,6 +693,13 @@ async def _run_watched(w, v: _Views, run, prog: Program, it: int):
                 except (asyncio.CancelledError, Exception):
                     pass
                 return None
+            if w.cfg.rank in newest.dead:  # declared dead itself: nothing of this round will come; step out
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+                return DECLARED_DEAD
             gone = peers & {worker_node(r) for r in newest.dead}
             if gone - w.executor.excluded:
                 print(f"[w{w.cfg.rank}] round {it}: {sorted(gone)} declared dead; no longer waiting for them",
@@ -653,9 +716,10 @@ def _poll_board(v: _Views):
     return stop, v.tracker.newest
 
 
-def _observe_peers(w, v: _Views, prog: Program, res) -> list:
-    """Feed the round's exchanges with worker peers to the suspicion; the ranks that became suspects now."""
-    excluded = v.excluded()
+def _observe_peers(w, v: _Views, prog: Program, res, it: int) -> list:
+    """Feed round ``it``'s exchanges with worker peers to the suspicion (about each peer's generation in the
+    newest view); the ranks that became suspects now."""
+    excluded = v.excluded(it)
     # a send that completed proves the peer alive only where the transport says so (not kernel TCP, whose buffers
     # take a paused peer's share for many rounds: its tree parent went on "hearing" it and never suspected it)
     sends_prove = w.transport.sends_confirm_peer
@@ -690,7 +754,7 @@ def _observe_peers(w, v: _Views, prog: Program, res) -> list:
     fresh = []
     for rank, ok in oks.items():
         why = whys.get(rank) if rank in gone else f"{whys.get(rank)}, {v.suspicion.max_missed} rounds in a row"
-        if v.suspicion.observe(rank, ok, why, fatal=rank in gone):
+        if v.suspicion.observe(rank, ok, why, fatal=rank in gone, gen=v.tracker.newest.gen(rank)):
             fresh.append(rank)
     return fresh
 
@@ -698,5 +762,5 @@ def _observe_peers(w, v: _Views, prog: Program, res) -> list:
 def _post_suspects(w, v: _Views, ranks) -> None:
     """Post new suspects on the board (blocking I/O)."""
     for rank in ranks:
-        v.board.suspect(rank, w.node, v.suspicion.suspects[rank])
+        v.board.suspect(rank, w.node, v.suspicion.suspects[rank], gen=v.suspicion.gen_of(rank))
         print(f"[w{w.cfg.rank}] suspects worker {rank} is dead: {v.suspicion.suspects[rank]}", flush=True)

@@ -82,6 +82,7 @@ class ServerConfig:
     gather_timeout_s: float | None = None  # seconds; None: derived per round (ltp_ps.deadlines)
     broadcast_timeout_s: float | None = None  # seconds; None: derived per round (ltp_ps.deadlines)
     max_missed: int = 3
+    max_returns: int = 3  # tree schedules: times a worker declared dead while alive may come back (--max-returns)
     min_workers: int | None = None  # BSP starts when this many joined (default: world_size)
     join_timeout_s: float = 120.0  # seconds to wait for workers to (re)join
     checkpoint_dir: str | None = None

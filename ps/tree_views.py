@@ -41,13 +41,29 @@ the roles (``ltp_ps.program_roles``) move their inputs and outputs to a
   tree ancestor is among them has nothing to do in that round (an orphan
   round: no parameters can come down, its partial has nowhere to go).
 
-A worker that finds itself in a view was declared dead while alive (e.g. a
-straggler that missed ``max_missed`` rounds): tree schedules cannot take it
-back (rounds are counted from the start, ``docs/schedules.md``), so it stops
-with an error naming the cause.  The PS posts ``stop`` on the board when it
-ends the run, so a worker that waits on a round that will not come (an
-orphan when the job ends) stops too; a PS shard clears it when it starts
-(a restarted PS runs on from its checkpoint).
+**Coming back.** A worker that finds itself in a view was declared dead
+while alive (paused, cut off, or a straggler that missed ``max_missed``
+rounds).  It asks to come back (:meth:`MemoryBoard.ask_back`, naming the
+*generation* it would return as: one more than the view's count of its
+returns) and keeps stepping through rounds without taking part, clocked by
+the decided-through mark like every process, so it is never more than
+``VIEW_LAG_ROUNDS`` rounds ahead of shard 0.  Shard 0 folds the request into
+its next view (:func:`next_view`): the worker leaves the dead set and its
+generation goes up, from the view's ``from_round``.  That round is past
+every mark the worker has seen, so the worker reaches it in step and plans
+it with the trees that include it again; parameters come down the tree in
+that round as in any other.  Generations keep old news from excluding it
+again: a suspicion names the generation it was about (every process keys its
+:class:`Suspicion` by it), and shard 0 folds only suspicions of the current
+generation.  A worker comes back at most ``--max-returns`` times
+(:data:`MAX_RETURNS` by default; 0: never, as before returns existed): a
+straggler that keeps missing would otherwise cost the job its bound every few
+rounds, for good; after that it stops with an error naming the cause.
+
+The PS posts ``stop`` on the board when it ends the run, so a worker that
+waits on a round that will not come (an orphan when the job ends) stops too;
+a PS shard clears it when it starts (a restarted PS runs on from its
+checkpoint).
 """
 
 from __future__ import annotations
@@ -67,18 +83,35 @@ DECIDED_POLL_S = 0.05
 SHARD0_WAIT_MIN_S = 60.0
 #: most worker ranks a view may name (a peer cannot make a process build an unbounded set)
 MAX_VIEW_RANKS = 1 << 16
+#: times a worker declared dead may come back by default (``--max-returns``; see "Coming back" above)
+MAX_RETURNS = 3
+#: the most ``--max-returns`` may say, and the highest generation a view read from the board may name
+RETURNS_LIMIT = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeView:
-    """Workers excluded from the trees from round ``from_round`` on; views are numbered from 1 (0: everyone)."""
+    """Workers excluded from the trees from round ``from_round`` on; views are numbered from 1 (0: everyone).
+
+    ``returns``: ``(rank, generation, since)`` triples, sorted, of the workers that came back: how many times
+    (absent = 0) and the round their latest return took effect."""
 
     number: int
     from_round: int
     dead: frozenset = frozenset()
+    returns: tuple = ()
+
+    def gen(self, rank: int) -> int:
+        """How many times worker ``rank`` came back (its generation)."""
+        return next((g for r, g, _ in self.returns if r == int(rank)), 0)
+
+    def since(self, rank: int) -> int:
+        """The round from which worker ``rank``'s latest return took effect (0: it never came back)."""
+        return next((s for r, _, s in self.returns if r == int(rank)), 0)
 
     def to_dict(self) -> dict:
-        return {"number": self.number, "from_round": self.from_round, "dead": sorted(self.dead)}
+        return {"number": self.number, "from_round": self.from_round, "dead": sorted(self.dead),
+                "returns": [list(p) for p in self.returns]}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "TreeView":
@@ -88,11 +121,18 @@ class TreeView:
             if not isinstance(dead, list) or len(dead) > MAX_VIEW_RANKS:
                 raise ValueError("dead must be a list of at most MAX_VIEW_RANKS ranks")
             ranks = frozenset(int(r) for r in dead)
+            rets = d.get("returns", [])
+            if not isinstance(rets, list) or len(rets) > MAX_VIEW_RANKS:
+                raise ValueError("returns must be a list of at most MAX_VIEW_RANKS triples")
+            triples = {int(r): (int(g), int(since)) for r, g, since in rets}
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed tree view {d!r}: {exc}") from None
-        if number < 0 or from_round < 0 or any(r < 0 for r in ranks):
-            raise ValueError(f"malformed tree view {d!r}: negative number, round or rank")
-        return cls(number, from_round, ranks)
+        if number < 0 or from_round < 0 or any(r < 0 for r in ranks) or \
+                any(r < 0 or not 0 < g <= RETURNS_LIMIT or not 0 <= since <= from_round
+                    for r, (g, since) in triples.items()):
+            raise ValueError(f"malformed tree view {d!r}: negative number, round or rank, a generation outside "
+                             f"1..RETURNS_LIMIT, or a return after the view's round")
+        return cls(number, from_round, ranks, tuple(sorted((r, g, since) for r, (g, since) in triples.items())))
 
 
 NO_VIEW = TreeView(0, 0, frozenset())
@@ -112,9 +152,12 @@ class ViewTracker:
         """Take ``view`` if it is newer than every view seen; True if it was."""
         if view is None or view.number <= self.newest.number:
             return False
-        if not view.dead >= self.newest.dead:
-            raise ValueError(f"tree view {view.number} brings back workers {sorted(self.newest.dead - view.dead)}; "
-                             f"views only grow (a worker declared dead cannot rejoin a tree schedule)")
+        old = self.newest
+        back = old.dead - view.dead
+        if any(view.gen(r) <= old.gen(r) for r in back) or any(view.gen(r) < g for r, g, _ in old.returns):
+            raise ValueError(f"tree view {view.number} brings back workers {sorted(back)} without a new generation "
+                             f"(returns {list(view.returns)} after {list(old.returns)}); a dead worker leaves the "
+                             f"dead set only by coming back, one generation up")
         self._views.append(view)
         return True
 
@@ -131,15 +174,36 @@ def decided_through(round_: int) -> int:
     return round_ + VIEW_LAG_ROUNDS
 
 
-def next_view(current: TreeView, suspects: Iterable[int], round_: int, decided: int = -1) -> TreeView | None:
-    """PS shard 0's decision at the start of its round ``round_``: a new view when any suspect is not yet dead.
+def next_view(current: TreeView, suspects: Iterable, round_: int, decided: int = -1,
+              backs: Mapping | None = None, max_returns: int = MAX_RETURNS) -> TreeView | None:
+    """PS shard 0's decision at the start of its round ``round_``: a new view when a suspect is not yet dead or
+    a dead worker asked to come back.
 
-    ``decided``: the board's decided-through mark; the view takes effect after it (a restarted shard 0 that
-    resumes at an earlier round must not change a round it already declared final)."""
-    new = frozenset(int(r) for r in suspects) - current.dead
-    if not new:
+    ``suspects``: ranks (about their current generation) or ``(rank, generation)`` pairs; a suspicion about
+    an older generation is old news and ignored.  ``backs``: rank -> the generation a dead worker asked to
+    come back as (one more than its current, at most ``max_returns``).  ``decided``: the board's
+    decided-through mark; the view takes effect after it (a restarted shard 0 that resumes at an earlier round
+    must not change a round it already declared final, and a worker stepping through rounds while dead is never
+    past it)."""
+    new = set()
+    for s in suspects:
+        r, g = (int(s), current.gen(s)) if isinstance(s, int) else (int(s[0]), int(s[1]))
+        if g == current.gen(r) and r not in current.dead:
+            new.add(r)
+    # a return waits until the current view is in effect: trees rebuilt twice within VIEW_LAG_ROUNDS put the
+    # PS shards out of step for rounds (a round without the worker, then at once one with it: the returning
+    # worker's first round met its peers' relays late, cut them as stragglers, and the shards dropped them)
+    back = {int(r) for r, g in (backs or {}).items()
+            if int(r) in current.dead and int(g) == current.gen(r) + 1 <= min(max_returns, RETURNS_LIMIT)} \
+        if round_ >= current.from_round else set()
+    if not new and not back:
         return None
-    return TreeView(current.number + 1, max(decided_through(round_), decided + 1), current.dead | new)
+    start = max(decided_through(round_), decided + 1)
+    rets = {r: (g, since) for r, g, since in current.returns}
+    for r in back:
+        rets[r] = (current.gen(r) + 1, start)
+    return TreeView(current.number + 1, start, (current.dead | new) - back,
+                    tuple(sorted((r, g, since) for r, (g, since) in rets.items())))
 
 
 class Suspicion:
@@ -150,12 +214,23 @@ class Suspicion:
             raise ValueError(f"max_missed must be >= 1, got {max_missed}")
         self.max_missed = max_missed
         self._missed: dict[int, int] = {}
-        self.suspects: dict[int, str] = {}  # rank -> why
+        self._gen: dict[int, int] = {}  # rank -> the generation the counts are about
+        self.suspects: dict[int, str] = {}  # rank -> why (about its generation in ``gen_of``)
 
-    def observe(self, rank: int, ok: bool, why: str = "", *, fatal: bool = False) -> bool:
-        """Record one exchange with worker ``rank``; True when it became a suspect now.
+    def gen_of(self, rank: int) -> int:
+        return self._gen.get(rank, 0)
 
-        ``fatal``: the transport reported the peer gone (closed or unreachable): a suspect at once."""
+    def observe(self, rank: int, ok: bool, why: str = "", *, fatal: bool = False, gen: int = 0) -> bool:
+        """Record one exchange with worker ``rank`` of generation ``gen``; True when it became a suspect now.
+
+        ``fatal``: the transport reported the peer gone (closed or unreachable): a suspect at once.  A newer
+        generation (the worker came back) starts from a clean slate; news about an older one is ignored."""
+        if gen < self._gen.get(rank, 0):
+            return False
+        if gen > self._gen.get(rank, 0):
+            self._gen[rank] = gen
+            self._missed.pop(rank, None)
+            self.suspects.pop(rank, None)
         if rank in self.suspects:
             return False
         if ok:
@@ -168,17 +243,37 @@ class Suspicion:
         return False
 
 
+def _by_rank(suspicions: Mapping) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for (r, _g), why in sorted(suspicions.items()):
+        out.setdefault(r, why)
+    return out
+
+
 class MemoryBoard:
     """A board in memory, shared by the processes of an in-memory job (tests, simulations)."""
 
     def __init__(self):
-        self._suspects: dict[int, str] = {}
+        self._suspicions: dict[tuple, str] = {}
+        self._backs: dict[int, int] = {}
         self._view: TreeView | None = None
         self._stop: int | None = None
         self._decided = -1
 
-    def suspect(self, rank: int, by: str, why: str) -> None:
-        self._suspects.setdefault(int(rank), f"{by}: {why}")
+    def suspect(self, rank: int, by: str, why: str, gen: int = 0) -> None:
+        self._suspicions.setdefault((int(rank), int(gen)), f"{by}: {why}")
+
+    def suspicions(self) -> dict[tuple, str]:
+        """``(rank, generation) -> why`` of every suspicion posted."""
+        return dict(self._suspicions)
+
+    def ask_back(self, rank: int, gen: int) -> None:
+        """Worker ``rank``, declared dead, asks to come back as generation ``gen``."""
+        self._backs[int(rank)] = max(self._backs.get(int(rank), 0), int(gen))
+
+    def backs(self) -> dict[int, int]:
+        """rank -> the highest generation it asked to come back as."""
+        return dict(self._backs)
 
     def post_decided(self, round_: int) -> None:
         self._decided = max(self._decided, int(round_))
@@ -187,7 +282,8 @@ class MemoryBoard:
         return self._decided
 
     def suspects(self) -> dict[int, str]:
-        return dict(self._suspects)
+        """rank -> why, any generation (the first posted)."""
+        return _by_rank(self._suspicions)
 
     def publish(self, view: TreeView) -> None:
         if self._view is None or view.number > self._view.number:
@@ -206,18 +302,24 @@ class MemoryBoard:
         return self._stop
 
 
+def _rank_ok(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 class StoreBoard:
     """A board on the job's ``TCPStore`` (every value signed with the job's secret; bad entries are skipped).
 
-    Keys (under the job's prefix): ``tree/suspects`` (a counter) and ``tree/suspect/<i>``; ``tree/views`` (a
-    counter) and ``tree/view/<n>``; ``tree/decided``; ``tree/stop``.  Reading costs one store round trip when
-    nothing changed."""
+    Keys (under the job's prefix): ``tree/suspects`` (a counter) and ``tree/suspect/<i>``; ``tree/backs`` (a
+    counter) and ``tree/back/<i>``; ``tree/views`` (a counter) and ``tree/view/<n>``; ``tree/decided``;
+    ``tree/stop``.  Reading costs one store round trip when nothing changed."""
 
     def __init__(self, store, secret: bytes, log=None):
         self.store, self.secret = store, secret
         self.log = log or (lambda msg: None)
         self._n_suspects = 0
-        self._suspects: dict[int, str] = {}
+        self._suspicions: dict[tuple, str] = {}
+        self._n_backs = 0
+        self._backs: dict[int, int] = {}
         self._n_views = 0
         self._view: TreeView | None = None
         self._decided = -1  # the highest decided-through mark seen or written (it only grows)
@@ -239,18 +341,37 @@ class StoreBoard:
             self.log(f"[tree-views] skipped {key}: {exc}")
             return None
 
-    def suspect(self, rank: int, by: str, why: str) -> None:
+    def suspect(self, rank: int, by: str, why: str, gen: int = 0) -> None:
         i = self.store.add("tree/suspects", 1)
-        self._put(f"tree/suspect/{i}", {"rank": int(rank), "by": by, "why": why})
+        self._put(f"tree/suspect/{i}", {"rank": int(rank), "by": by, "why": why, "gen": int(gen)})
+
+    def suspicions(self) -> dict[tuple, str]:
+        """``(rank, generation) -> why`` of every suspicion posted (entries not signed or malformed: skipped)."""
+        n = self.store.add("tree/suspects", 0)
+        for i in range(self._n_suspects + 1, min(n, MAX_VIEW_RANKS * (MAX_RETURNS + 1)) + 1):
+            d = self._get(f"tree/suspect/{i}")
+            if d is not None and _rank_ok(d.get("rank")) and _rank_ok(d.get("gen", 0)):
+                self._suspicions.setdefault((d["rank"], d.get("gen", 0)), f"{d.get('by')}: {d.get('why')}")
+        self._n_suspects = max(self._n_suspects, n)
+        return dict(self._suspicions)
 
     def suspects(self) -> dict[int, str]:
-        n = self.store.add("tree/suspects", 0)
-        for i in range(self._n_suspects + 1, min(n, MAX_VIEW_RANKS) + 1):
-            d = self._get(f"tree/suspect/{i}")
-            if d is not None and isinstance(d.get("rank"), int) and d["rank"] >= 0:
-                self._suspects.setdefault(d["rank"], f"{d.get('by')}: {d.get('why')}")
-        self._n_suspects = max(self._n_suspects, n)
-        return dict(self._suspects)
+        """rank -> why, any generation (the first posted)."""
+        return _by_rank(self.suspicions())
+
+    def ask_back(self, rank: int, gen: int) -> None:
+        i = self.store.add("tree/backs", 1)
+        self._put(f"tree/back/{i}", {"rank": int(rank), "gen": int(gen)})
+
+    def backs(self) -> dict[int, int]:
+        """rank -> the highest generation it asked to come back as."""
+        n = self.store.add("tree/backs", 0)
+        for i in range(self._n_backs + 1, min(n, MAX_VIEW_RANKS * (MAX_RETURNS + 1)) + 1):
+            d = self._get(f"tree/back/{i}")
+            if d is not None and _rank_ok(d.get("rank")) and _rank_ok(d.get("gen")):
+                self._backs[d["rank"]] = max(self._backs.get(d["rank"], 0), d["gen"])
+        self._n_backs = max(self._n_backs, n)
+        return dict(self._backs)
 
     def publish(self, view: TreeView) -> None:
         """Write ``view`` (its key first, then the counter readers poll); a view not newer than the board's is

@@ -59,6 +59,7 @@ class WorkerConfig:
     seed: int = 0
     max_iterations: int | None = None  # stop after this many pushes (tests: simulate a crash)
     max_missed: int = 3  # tree schedules: rounds in a row a tree peer may miss before it is a suspect
+    max_returns: int = 3  # tree schedules: times this worker, declared dead while alive, may come back
 
 
 class Worker:
@@ -74,6 +75,8 @@ class Worker:
         self.flat = np.zeros(self.n, dtype=np.float32)
         self.stale_param_slices = 0  # tree schedules: shard slices computed on an earlier round's parameters
         self.orphan_rounds = 0  # tree schedules: rounds skipped because a tree ancestor was dead
+        self.out_rounds = 0  # tree schedules: rounds stepped through while declared dead (until taken back)
+        self.returns = 0  # tree schedules: times this worker was declared dead and came back
         self.empty_relays = 0  # tree schedules: parameter relays sent empty (this worker had no whole copy)
         self.relay_budget_s: float | None = None  # tree schedules: seconds a parameter relay may take (last bound)
         self.tree_board = None  # tree schedules: where views of dead workers are agreed (ltp_ps.tree_views)

@@ -119,20 +119,14 @@ def test_an_mlfabric_worker_paused_and_dropped_is_taken_in_again(tmp_path):
     assert any("worker:1" in r["members"] for r in later), later[-5:]
 
 
-def test_a_rat_worker_declared_dead_while_paused_waits_for_the_job_and_exits_with_its_verdict(tmp_path):
-    """A RAT worker paused (SIGSTOP) past --max-missed rounds is written out of the trees, and tree schedules cannot
-    take it back.  Found by trying it over TCP, two bugs:
-    * its tree parent never suspected it: the kernel buffered the parameter sends to the paused worker, and a
-      completed send counted as an exchange with a live peer, so every round waited out its timeout and the job
-      crawled on with 3 of 4 workers (LTP's sends need the peer's own ACKs, so there it was suspected);
-    * a worker declared dead while alive exited 3 (``Excluded``) on waking, failing the launch although the PS
-      trained on and finished (with LTP the PS's STOP often reached it first and the same job exited 0).
-    Now the parent suspects it from what does not come from it, and the excluded worker waits for the job's end and
-    exits with the job's verdict.  The worker is resumed as soon as the view is out, while the job still runs."""
-    metrics, out = tmp_path / "m.jsonl", tmp_path / "out.txt"
+def _pause_rat_worker_until_view_1(tmp_path, metrics, transport: str, *extra):
+    """A 4-worker, 40-epoch ``rat`` launch with worker 1 SIGSTOPped after 20 metric rows and resumed as soon as the
+    PS logs tree view 1 (while the job still runs); returns (exit status, output)."""
+    out = tmp_path / "out.txt"
     with open(out, "w") as f:
         proc = subprocess.Popen(ps_cmd("launch", "--schedule", "rat", "--workers", 4, "--epochs", 40, "--lab", "off",
-                                       "--transport", "tcp", "--model", "digits", "--seed", 0, "--metrics", metrics),
+                                       "--transport", transport, "--model", "digits", "--seed", 0, *extra,
+                                       "--metrics", metrics),
                                 env=child_env(), stdout=f, stderr=subprocess.STDOUT, text=True)
         try:
             pid = wait_for_rows(proc, out, metrics, after_rows=20, within_s=60, who="worker 1")
@@ -144,10 +138,44 @@ def test_a_rat_worker_declared_dead_while_paused_waits_for_the_job_and_exits_wit
             rc = proc.wait(150)
         finally:
             stop(proc)
-    text = open(out).read()
-    assert "[w0] suspects worker 1 is dead" in text, text[-4000:]
+    return rc, open(out).read()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ltp"])
+def test_a_rat_worker_declared_dead_while_paused_comes_back_into_the_trees(tmp_path, transport):
+    """A RAT worker paused (SIGSTOP) past --max-missed rounds is written out of the trees; resumed, it asks to come
+    back and the trees take it in again (``tree_views``, "Coming back").  Found by trying it over TCP, two bugs
+    before that:
+    * its tree parent never suspected it: the kernel buffered the parameter sends to the paused worker, and a
+      completed send counted as an exchange with a live peer, so every round waited out its timeout and the job
+      crawled on with 3 of 4 workers (LTP's sends need the peer's own ACKs, so there it was suspected);
+    * a worker declared dead while alive exited 3 (``Excluded``) on waking, failing the launch although the PS
+      trained on and finished.
+    Until this stop such a worker stayed out for the rest of the job.  The worker is resumed as soon as the view
+    is out, while the job still runs."""
+    metrics = tmp_path / "m.jsonl"
+    rc, text = _pause_rat_worker_until_view_1(tmp_path, metrics, transport)
+    if transport == "tcp":
+        assert "[w0] suspects worker 1 is dead" in text, text[-4000:]
     assert "tree view 1: workers [1] are dead" in text, text[-4000:]
     assert rc == 0, text[-4000:]
+    assert "worker 1 is taken back into the trees (generation 1)" in text, text[-4000:]
+    assert "[w1] round" in text and "back in the trees (generation 1)" in text, text[-4000:]
+    rows = [r for r in map(json.loads, open(metrics))]
+    back = next(i for i, r in enumerate(rows) if r.get("event") == "rejoined" and r.get("rank") == 1)
+    late = [r for r in rows[back:] if r.get("event") == "iteration"]
+    assert late and late[-1]["contributors"] == 4, [(r["iteration"], r["contributors"]) for r in late[-5:]]
+    assert len(_epochs(metrics)) == 40, text[-4000:]
+
+
+def test_a_rat_worker_that_may_not_come_back_waits_for_the_job_and_exits_with_its_verdict(tmp_path):
+    """``--max-returns 0``: a worker declared dead while alive stays out (``Excluded``).  It waits for the job's end
+    and exits with the job's verdict (before, it exited 3 at once and failed a launch whose PS trained on)."""
+    metrics = tmp_path / "m.jsonl"
+    rc, text = _pause_rat_worker_until_view_1(tmp_path, metrics, "tcp", "--max-returns", 0)
+    assert "tree view 1: workers [1] are dead" in text, text[-4000:]
+    assert rc == 0, text[-4000:]
+    assert "--max-returns 0" in text and "taken back" not in text, text[-4000:]
     assert "[worker 1] the job finished without this worker (excluded)" in text, text[-4000:]
     assert len(_epochs(metrics)) == 40, text[-4000:]
 
