@@ -516,7 +516,7 @@ class _Views:
         self.tracker = tree_views.ViewTracker()
         self.suspicion = tree_views.Suspicion(max_missed)
         self.applied: frozenset = frozenset()  # the dead set the planner's world is built without
-        self.posted: set = set()  # ranks this process posted as suspects
+        self.posted: set = set()  # (rank, generation) pairs this process posted as suspects
         self.started = False
         self.decided = -1  # PS shard 0's decided-through mark, as last read (or written, at shard 0)
         self.max_returns = tree_views.MAX_RETURNS  # --max-returns (set by _views from the role's config)
@@ -583,6 +583,8 @@ def _sync_server_views(ps, v: _Views, it: int) -> None:
         m = ps.membership.members.get(r)
         if g > v.revived.get(r, 0) and r not in newest.dead and m is not None:
             v.revived[r] = g
+            if m.state is State.ACTIVE:
+                continue  # a restarted shard learning the board: the worker joined it as a member already
             ps.membership.admit(r, m.addr, iteration=since)
             ps.log(f"[ps{ps.shard}] round {it}: worker {r} is taken back into the trees (generation {g}) from round "
                    f"{since}")

@@ -342,9 +342,9 @@ async def prepare_worker(w, args, store, secret: bytes, rank: int, transport, wl
     from .dynamic_roles import runs_async_controller
     from .hoplite_roles import runs_hoplite
 
-    if runs_async_controller(w.planner) or runs_hoplite(w.planner):
-        w.executor.resolve = store_resolver(store, secret)
-    else:
+    # a peer missing from the book, or whose send bounced (a restarted process: a new port), is looked up again
+    w.executor.resolve = store_resolver(store, secret)
+    if not (runs_async_controller(w.planner) or runs_hoplite(w.planner)):
         await asyncio.to_thread(_wait_keys, store, [f"tree/{r}" for r in range(args.workers)], args.store_timeout)
     for r in range(args.workers):
         a = await asyncio.to_thread(_peer_address, store, secret, r)

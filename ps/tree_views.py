@@ -348,7 +348,7 @@ class StoreBoard:
     def suspicions(self) -> dict[tuple, str]:
         """``(rank, generation) -> why`` of every suspicion posted (entries not signed or malformed: skipped)."""
         n = self.store.add("tree/suspects", 0)
-        for i in range(self._n_suspects + 1, min(n, MAX_VIEW_RANKS * (MAX_RETURNS + 1)) + 1):
+        for i in range(self._n_suspects + 1, min(n, MAX_VIEW_RANKS * (RETURNS_LIMIT + 1)) + 1):
             d = self._get(f"tree/suspect/{i}")
             if d is not None and _rank_ok(d.get("rank")) and _rank_ok(d.get("gen", 0)):
                 self._suspicions.setdefault((d["rank"], d.get("gen", 0)), f"{d.get('by')}: {d.get('why')}")
@@ -366,7 +366,7 @@ class StoreBoard:
     def backs(self) -> dict[int, int]:
         """rank -> the highest generation it asked to come back as."""
         n = self.store.add("tree/backs", 0)
-        for i in range(self._n_backs + 1, min(n, MAX_VIEW_RANKS * (MAX_RETURNS + 1)) + 1):
+        for i in range(self._n_backs + 1, min(n, MAX_VIEW_RANKS * (RETURNS_LIMIT + 1)) + 1):
             d = self._get(f"tree/back/{i}")
             if d is not None and _rank_ok(d.get("rank")) and _rank_ok(d.get("gen")):
                 self._backs[d["rank"]] = max(self._backs.get(d["rank"], 0), d["gen"])

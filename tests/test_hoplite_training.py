@@ -294,7 +294,14 @@ def test_launch_hoplite_killed_worker_does_not_hang(tmp_path, model, transport, 
     assert "final / best accuracy" in text  # the PS finished with the two others
     its = [r for r in map(json.loads, open(metrics)) if r.get("event") == "iteration"]
     assert its[0]["contributors"] == 3 and its[-1]["contributors"] == 2
-    assert all(r["delivered"]["all"] == 1.0 for r in its)  # every element of every round reduced from someone
+    delivered = [r["delivered"]["all"] for r in its]
+    if transport == "tcp":
+        assert min(delivered) == 1.0, delivered  # every element of every round reduced from someone
+    else:
+        # no piece (a fifth of the model) is lost to the dead worker; LTP's loss-tolerant hops may still close
+        # with a few packets missing when this 2-core box is loaded (CI saw one round at 0.960, 347 rounds after
+        # the kill, with both live workers contributing: Early Close at the hop's deadline, not a lost piece)
+        assert min(delivered) > 0.9 and sum(delivered) / len(delivered) > 0.99, sorted(delivered)[:5]
 
 
 @pytest.mark.slow
