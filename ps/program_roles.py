@@ -521,7 +521,7 @@ class _Views:
         self.decided = -1  # PS shard 0's decided-through mark, as last read (or written, at shard 0)
         self.max_returns = tree_views.MAX_RETURNS  # --max-returns (set by _views from the role's config)
         self.revived: dict = {}  # PS: rank -> the generation its membership was taken back for
-        self.asked = -1  # worker: the generation it asked to come back as (-1: none)
+        self.asked = 0  # worker: the generation it asked to come back as (0: none)
 
     def excluded(self, round_: int) -> set:
         """Nodes not sent to nor waited for in round ``round_``: its view's dead, and the newest view's (known
@@ -660,7 +660,7 @@ def _sync_worker_views(w, v: _Views, it: int) -> str:
         return ROUND_OUT
     if rank in v.tracker.dead_for(it) or it < newest.since(rank):
         return ROUND_OUT  # taken back from a later round: until then the trees are planned without it
-    if v.asked == newest.gen(rank) and v.asked > 0:
+    if v.asked and v.asked == newest.gen(rank):
         v.asked = 0
         w.returns += 1
         v.suspicion = tree_views.Suspicion(v.suspicion.max_missed)  # what it saw while it was out means nothing

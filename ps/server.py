@@ -61,6 +61,7 @@ from .schedules.program import RELIABLE, Program, Send, server as server_node, w
 from . import sharded_eval
 from .sharding import ShardPlan
 from .verdict import AccuracyVerdict
+from .tree_views import MAX_RETURNS
 from .transport.base import CANCELLED, TIMEOUT, Transport
 from .wire import (ELEM, HEADER_BYTES, KIND_PARAMS, KIND_STOP, MAX_BUBBLES, READY_BYTES, ParamsHeader,
                    encode_bubbles, params_message_capacity, tag_of)
@@ -82,7 +83,7 @@ class ServerConfig:
     gather_timeout_s: float | None = None  # seconds; None: derived per round (ltp_ps.deadlines)
     broadcast_timeout_s: float | None = None  # seconds; None: derived per round (ltp_ps.deadlines)
     max_missed: int = 3
-    max_returns: int = 3  # tree schedules: times a worker declared dead while alive may come back (--max-returns)
+    max_returns: int = MAX_RETURNS  # tree schedules: times a worker declared dead while alive may come back (--max-returns)
     min_workers: int | None = None  # BSP starts when this many joined (default: world_size)
     join_timeout_s: float = 120.0  # seconds to wait for workers to (re)join
     checkpoint_dir: str | None = None

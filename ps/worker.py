@@ -31,6 +31,7 @@ from .schedule import DirectSchedule, Schedule
 from .schedules import World, create as create_schedule
 from .schedules.executor import Executor, Slots
 from .schedules.program import Program, server as server_node, worker as worker_node
+from .tree_views import MAX_RETURNS
 from .transport.base import TIMEOUT, Transport
 from .wire import (BUBBLE_BYTES, ELEM, HEADER_BYTES, KIND_STOP, READY_BYTES, GradHeader, ParamsHeader,
                    decode_bubbles, params_message_capacity)
@@ -59,7 +60,7 @@ class WorkerConfig:
     seed: int = 0
     max_iterations: int | None = None  # stop after this many pushes (tests: simulate a crash)
     max_missed: int = 3  # tree schedules: rounds in a row a tree peer may miss before it is a suspect
-    max_returns: int = 3  # tree schedules: times this worker, declared dead while alive, may come back
+    max_returns: int = MAX_RETURNS  # tree schedules: times this worker, declared dead while alive, may come back
 
 
 class Worker:
