@@ -61,6 +61,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from . import wire
+from .link_share import datagram_share
 from .regimes import CloseReason
 from .timers import DeadlineHeap
 
@@ -245,7 +246,7 @@ class Admission:
         if existing is not None or pend is not None:
             if (existing or pend).token == token:
                 received = existing.window.received if existing is not None else 0
-                self.ctrl.append((wire.pack_ack(fid, token, received, 0, ()), addr))
+                self.ctrl.append((wire.pack_ack(fid, token, received, 0, (), self.grant(seg)), addr))
                 self.stats.drop("duplicate_reg")
                 if pend is not None:
                     pend.expires = max(pend.expires, now + pending_lifetime(self._rtt_hint(addr, w3)))
@@ -298,8 +299,17 @@ class Admission:
         self.expiries.push(pend.expires, key)
         self.per_peer[addr] = self.per_peer.get(addr, 0) + 1
         self.per_host[host] = self.per_host.get(host, 0) + 1
-        self.ctrl.append((wire.pack_ack(fid, token, 0, 0, ()), addr))
+        self.ctrl.append((wire.pack_ack(fid, token, 0, 0, (), self.grant(seg)), addr))
         return None
+
+    def grant(self, seg_size: int) -> int:
+        """The rate grant (datagram bytes/s) for a sender of ``seg_size``-byte segments: this host's link
+        rate split equally among the peers it holds open or registered flows from (``ltp/link_share.py``);
+        0 (no grant) without ``Config.link_rate``."""
+        rate = self.config.link_rate
+        if rate is None:
+            return 0
+        return max(1, int(datagram_share(rate, len(self.per_peer), wire.HEADER_SIZE + seg_size)))
 
     def _rtt_hint(self, addr, w3: int) -> float:
         """Round-trip estimate for a registration: the sender's advertised RTprop or our own srtt."""

@@ -84,6 +84,10 @@ class Config:
     socket_buffer_bytes: int = 64 * _MiB
     #: datagrams per recvmmsg/GRO batch in the adapter
     io_batch: int = 64
+    #: this host's link rate in wire bytes/s (e.g. 125e6 for 1 Gbit/s; None = unknown, the default). When
+    #: set, every ACK grants its sender an equal share of it and the endpoint splits it among the paths it
+    #: sends on, so N senders into one link (a PS's gather) do not overflow its queue (ltp/link_share.py)
+    link_rate: float | None = None
     #: adapters send DATA by gather (header + segment straight from the message: one copy, by the kernel)
     gather_send: bool = True
 
@@ -98,6 +102,11 @@ class Config:
             raise LocalProtocolError("deadline_slack_s must be >= 0 (30 ms for DCN, 100 ms for WAN)")
         if self.max_receive_memory_per_host is not None and self.max_receive_memory_per_host <= 0:
             raise LocalProtocolError("max_receive_memory_per_host must be positive (or None for the total cap)")
+        if self.link_rate is not None and not (isinstance(self.link_rate, (int, float))
+                                               and not isinstance(self.link_rate, bool) and self.link_rate > 0
+                                               and self.link_rate < float("inf")):
+            raise LocalProtocolError(f"link_rate={self.link_rate!r}: pass the link's rate in bytes/s "
+                                     "(125e6 for 1 Gbit/s), or None when it is unknown")
         if self.job_key is not None and not isinstance(self.job_key, (bytes, bytearray)):
             raise LocalProtocolError("job_key must be bytes (e.g. secret.encode())")
         for name in ("max_flow_bytes", "max_flows_per_peer", "max_receive_memory", "lt_window",

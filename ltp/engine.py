@@ -85,6 +85,7 @@ from .config import Config
 from .early_close import EarlyClose
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
                      TransferTimeout, WireError)
+from .link_share import SenderCount, datagram_share
 from .liveness import PEER_SILENCE_RTTS  # noqa: F401  (re-exported: the dead-peer rule's constant)
 from .matching import ReceiveMatcher
 from .path import Path, Transmit
@@ -159,6 +160,7 @@ class Engine:
         self._admission = Admission(self.config, self.stats, self._ctrl, srtt=self._srtt_of,
                                     make_room=self._evict_stale_unclaimed)
         self._pending = self._admission.pending  # (peer, fid) -> PendingRegistration
+        self._egress_paths = SenderCount()  # paths sharing it outbound (egress shares)
         self._rx_per_peer = self._admission.per_peer  # source address -> open + pending receive flows
         self._per_host = self._admission.per_host  # source host -> open + pending receive flows
         self._paths: dict = {}
@@ -213,6 +215,8 @@ class Engine:
         flow = FlowSender(handle=handle, peer=peer, flow_id=fid, token=token, data=data,
                           element_size=element_size, segment_size=seg, reliable=reliable, critical=critical,
                           tag=tag, now=now, job_key=self.config.job_key, source=source)
+        if not path.flows:
+            path.begin_busy(now)
         path.flows.append(flow)
         self._tx[(peer, fid)] = flow
         self._tx_by_handle[handle] = flow
@@ -380,10 +384,15 @@ class Engine:
             if flow is None or flow.token != token:
                 self.stats.drop("unknown_flow" if flow is None else "bad_token")
                 return
-            entries = wire.unpack_ack_entries(data, w3)
+            entries = wire.unpack_ack_entries(data, w3, 0, flags)
+            grant = wire.ack_grant(data, flags)
+            if flags & wire.F_GRANT and grant <= 0:
+                raise WireError("bad_grant", "a zero grant")
             flow.on_heard(now)
             flow.receiver_count = max(flow.receiver_count, w2)
             path = self._paths[addr]
+            if grant:
+                path.on_grant(grant, now)
             lost = path.on_ack(flow, entries, now)
             if lost.shape[0]:
                 flow.requeue_lost(lost)
@@ -605,10 +614,22 @@ class Engine:
         entries = w.take_acks()
         delay_us = int((now - flow.ack_since) * 1e6) if flow.ack_since is not None else 0
         flow.ack_since = None
-        step = wire.MAX_ACK_ENTRIES
+        grant = self._admission.grant(flow.seg_size)  # 0 without Config.link_rate (ltp/link_share.py)
+        step = wire.MAX_ACK_ENTRIES - (1 if grant else 0)
         for k in range(0, entries.shape[0], step):
             self._ctrl.append((wire.pack_ack(flow.flow_id, flow.token, w.received, delay_us,
-                                             entries[k:k + step]), flow.peer))
+                                             entries[k:k + step], grant), flow.peer))
+
+    def _share_egress(self, now: float) -> None:
+        """Split this host's link rate equally among the paths with data to send or in flight."""
+        count = self._egress_paths
+        if not count.stale(now):
+            return
+        active = [p for p in self._paths.values() if p.flows]
+        count.update(now, active)
+        rate = self.config.link_rate
+        for path in active:
+            path.set_egress_share(datagram_share(rate, count.value, path.mss), now)
 
     def flush_acks(self, now: float, *, due_by: float | None = None) -> int:
         """Queue pending ACKs now instead of at their ACK-delay deadline; returns how many flows.
@@ -645,6 +666,8 @@ class Engine:
                 if flow.window.n_acks >= every or flow.ack_since is None or flow.ack_since + delay <= now:
                     self._flush_acks(flow, now)
                     del self._ack_dirty[key]
+        if self.config.link_rate is not None:
+            self._share_egress(now)
         out = []
         while self._ctrl:
             data, addr = self._ctrl.popleft()

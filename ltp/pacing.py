@@ -50,6 +50,12 @@ class Pacer:
             self._tokens = min(self._tokens + (now - self._last) * self.rate, float(self.depth_bytes))
         self._last = now if self._last is None or now > self._last else self._last
 
+    def restart(self, now: float, phase: float = 1.0) -> None:
+        """Hold at most ``phase`` (0..1) of one minimum burst from ``now``, whatever idle time saved up: a
+        restart paced like a new pacer, its first burst ``(1 - phase)`` of a burst interval away."""
+        self._refill(now)
+        self._tokens = min(self._tokens, phase * self.min_burst_bytes)
+
     def available(self, now: float) -> int:
         """Bytes that may be sent at ``now``."""
         self._refill(now)

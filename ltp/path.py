@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from . import wire
 from .bbr import BBR
 from .config import Config
+from .link_share import GRANT_TTL_S
 from .pacing import Pacer
 
 __all__ = ["Path", "SegmentTransmit", "Transmit"]
@@ -117,9 +118,14 @@ class Path:
         self.srtt: float | None = None
         self.rttvar = 0.0
         self.next_flow_id = rng.randrange(1 << 16)
+        self._rng = rng
         self._out = bytearray(0)
         self.wake: float | None = None  # when the pacer next allows a worthwhile burst
         self.last_heard = float("-inf")  # last datagram of any kind from this peer (dead-peer rule)
+        self.grant: float | None = None  # the receiver's rate grant (datagram bytes/s; ltp/link_share.py)
+        self.grant_at = float("-inf")  # when it was last renewed
+        self._grant_floor: float | None = None  # the smallest grant of the current busy period
+        self.egress_share: float | None = None  # this host's link share for this path (datagram bytes/s)
 
     # -- estimates ---------------------------------------------------------
     def inflight_bytes(self) -> int:
@@ -149,6 +155,47 @@ class Path:
         fid = self.next_flow_id
         self.next_flow_id = (fid + 1) & 0xFFFF
         return fid
+
+    # -- rate caps (ltp/link_share.py) -----------------------------------------
+    def pacing_rate(self, now: float) -> float:
+        """The rate the pacer runs at: BBR's, capped by the receiver's grant and this host's egress share."""
+        rate = self.bbr.pacing_rate
+        if self.grant is not None:
+            if now - self.grant_at > GRANT_TTL_S:
+                self.grant = None
+            elif self.grant < rate:
+                rate = self.grant
+        if self.egress_share is not None and self.egress_share < rate:
+            rate = self.egress_share
+        return rate
+
+    def on_grant(self, rate: float, now: float) -> None:
+        """Take the receiver's rate grant (datagram bytes/s) from an ACK."""
+        self.grant = float(rate)
+        self.grant_at = now
+        if self._grant_floor is None or rate < self._grant_floor:
+            self._grant_floor = self.grant
+        self.pacer.set_rate(self.pacing_rate(now))
+
+    def begin_busy(self, now: float) -> None:
+        """A message starts on this path while it had none: until a fresh grant arrives, pace at the smallest
+        grant of the last busy period. The grant it ended with reflects a receiver whose other senders had
+        finished; the next round brings them all back at once (the incast's start), and the smallest grant is
+        the share the receiver gave under full contention."""
+        if self._grant_floor is not None and self.grant is not None:
+            self.grant = self._grant_floor
+            self.pacer.set_rate(self.pacing_rate(now))
+            # and start with at most one minimum burst (a random part of one: the senders' first bursts fall
+            # at random phases), not the bucket the idle time filled: every sender of the incast restarts at
+            # once, and N full buckets would overflow the receiver's queue together
+            self.pacer.restart(now, self._rng.random())
+        self._grant_floor = None
+
+    def set_egress_share(self, rate: float | None, now: float) -> None:
+        """Cap this path at ``rate`` (None: no cap), this host's link split among its active paths."""
+        if rate != self.egress_share:
+            self.egress_share = rate
+            self.pacer.set_rate(self.pacing_rate(now))
 
     # -- sending -------------------------------------------------------------
     def _active(self):
@@ -233,5 +280,5 @@ class Path:
                             rate_bps=rate, rtt_s=rtt if rtt >= 0 else None,
                             inflight=self.inflight_bytes(),
                             app_limited=0 <= prior_delivered < self.app_limited_until, acked=newly_bytes)
-            self.pacer.set_rate(self.bbr.pacing_rate)
+            self.pacer.set_rate(self.pacing_rate(now))
         return lost

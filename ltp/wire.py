@@ -19,6 +19,7 @@ T_RESET = _impl.T_RESET
 F_CRITICAL = _impl.F_CRITICAL
 F_RELIABLE = _impl.F_RELIABLE
 F_MAC = _impl.F_MAC
+F_GRANT = _impl.F_GRANT
 MAC_SIZE = _impl.MAC_SIZE
 MAX_ACK_ENTRIES = _impl.MAX_ACK_ENTRIES
 MAX_RANGES = _impl.MAX_RANGES
@@ -34,6 +35,7 @@ pack_reg_body = _impl.pack_reg_body
 unpack_reg_body = _impl.unpack_reg_body
 pack_ack = _impl.pack_ack
 unpack_ack_entries = _impl.unpack_ack_entries
+ack_grant = _impl.ack_grant
 
 #: STOP close reasons (word 3 high byte).
 STOP_REASONS = {1: CloseReason.COMPLETE, 2: CloseReason.EARLY, 3: CloseReason.DEADLINE, 4: CloseReason.CANCELLED}

@@ -51,6 +51,7 @@ F_CRITICAL = 0x01
 F_RELIABLE = 0x02
 F_MAC = 0x04
 F_KNOWN = F_CRITICAL | F_RELIABLE | F_MAC
+F_GRANT = 0x08  # ACK only: a grant word (the receiver's rate grant to this sender) follows the header
 MAC_SIZE = 16
 REG_FIXED_SIZE = 36
 MAX_ACK_ENTRIES = 364
@@ -62,6 +63,8 @@ cdef enum:
     _HEADER_SIZE = 16
     _T_RESET = 4
     _F_KNOWN = 0x07
+    _F_GRANT = 0x08
+    _T_ACK = 2
     _MAC_SIZE = 16
     _REG_FIXED_SIZE = 36
     _MAX_ACK_ENTRIES = 364
@@ -292,7 +295,7 @@ def unpack_header(buf, Py_ssize_t offset=0):
         ptype = b0 & 0x0F
         if ptype > _T_RESET:
             raise WireError("bad_type", f"type {ptype}")
-        if flags & ~_F_KNOWN:
+        if flags & ~(_F_KNOWN | _F_GRANT) or (flags & _F_GRANT and ptype != _T_ACK):
             raise WireError("bad_flags", f"flags {flags:#x}")
         return ptype, flags, _ld16(p + 2), _ld32(p + 4), _ld32(p + 8), _ld32(p + 12)
     finally:
@@ -405,37 +408,78 @@ def unpack_reg_body(buf, Py_ssize_t offset, has_mac):
 
 # ---------------------------------------------------------------- ACK
 
-def pack_ack(flow_id, token, received, ack_delay_us, entries):
-    """Encode one ACK datagram; ``entries`` are ``seq << 8 | attempt`` integers (<= 364)."""
+def pack_ack(flow_id, token, received, ack_delay_us, entries, grant=0):
+    """Encode one ACK datagram; ``entries`` are ``seq << 8 | attempt`` integers (<= 364).
+
+    ``grant`` > 0 (bytes/s, the receiver's rate grant to this sender, sent as ``uf16``)
+    sets ``F_GRANT`` and adds the grant word after the header, leaving room for one
+    entry fewer (363)."""
     cdef cnp.ndarray arr
-    cdef Py_ssize_t n, i
+    cdef Py_ssize_t n, i, cap, extra
     cdef const uint32_t *src
     cdef uint8_t *p
     arr = np.asarray(entries, dtype=np.uint32)
     if arr.ndim == 0:
         raise IndexError("tuple index out of range")   # the twin's entries.shape[0]
     n = arr.shape[0]
-    if n > _MAX_ACK_ENTRIES:
-        raise WireError("too_many_entries", f"{n} > {MAX_ACK_ENTRIES}")
+    g = int(grant)
+    cdef bint granted = g > 0
+    cap = _MAX_ACK_ENTRIES - 1 if granted else _MAX_ACK_ENTRIES
+    if n > cap:
+        raise WireError("too_many_entries", f"{n} > {cap}")
     cdef uint64_t word3 = (_uf16_encode_obj(ack_delay_us) << 16) | <uint64_t>n
     cdef uint64_t w2 = _mask_obj(received, 0xFFFFFFFF)
     cdef uint64_t fid = _field(flow_id, 0xFFFF)
     cdef uint64_t tok = _field(token, 0xFFFFFFFF)
+    cdef uint64_t gword = (_uf16_encode_obj(g) << 16) if granted else 0
+    extra = 4 if granted else 0
     if arr.ndim != 1 or not cnp.PyArray_IS_C_CONTIGUOUS(arr):
         # unusual shapes: the twin's exact expression
-        return pack_header(T_ACK, 0, flow_id, token, w2, word3) + arr.astype(">u4").tobytes()
-    out = PyBytes_FromStringAndSize(NULL, _HEADER_SIZE + 4 * n)
+        head = pack_header(T_ACK, _F_GRANT if granted else 0, flow_id, token, w2, word3)
+        if granted:
+            head += gword.to_bytes(4, "big")
+        return head + arr.astype(">u4").tobytes()
+    out = PyBytes_FromStringAndSize(NULL, _HEADER_SIZE + extra + 4 * n)
     p = <uint8_t *>PyBytes_AS_STRING(out)
-    _hdr_store(p, (_VERSION << 4) | 2, 0, fid, tok, w2, word3)
-    src = <const uint32_t *>cnp.PyArray_DATA(arr)
+    _hdr_store(p, (_VERSION << 4) | 2, _F_GRANT if granted else 0, fid, tok, w2, word3)
     p += _HEADER_SIZE
+    if granted:
+        _st32(p, <uint32_t>gword)
+        p += 4
+    src = <const uint32_t *>cnp.PyArray_DATA(arr)
     for i in range(n):
         _st32(p + 4 * i, src[i])
     return out
 
 
-def unpack_ack_entries(buf, word3, Py_ssize_t offset=0):
-    """Return the ACK entries as a native uint32 array; checks the length matches the count."""
+def ack_grant(buf, flags, Py_ssize_t offset=0):
+    """The rate grant (bytes/s) an ACK carries; 0 without ``F_GRANT``.
+
+    Raises WireError ``truncated`` (no room for the grant word) or ``bad_grant``
+    (its reserved low 16 bits are not zero)."""
+    cdef Py_buffer view
+    cdef Py_ssize_t start
+    cdef uint32_t word
+    if not _mask_obj(int(flags), _F_GRANT):
+        return 0
+    start = offset + _HEADER_SIZE
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    try:
+        if view.len - start < 4:
+            raise WireError("truncated", "ACK flagged GRANT without its grant word")
+        start = _norm_offset(start, view.len, 4, "unpack_from")
+        word = _ld32(<const uint8_t *>view.buf + start)
+        if word & 0xFFFF:
+            raise WireError("bad_grant", "reserved bits of the grant word are set")
+        return _uf16_dec(word >> 16)
+    finally:
+        PyBuffer_Release(&view)
+
+
+def unpack_ack_entries(buf, word3, Py_ssize_t offset=0, flags=0):
+    """Return the ACK entries as a native uint32 array; checks the length matches the count.
+
+    ``flags`` (the header's): with ``F_GRANT`` the entries start after the grant word."""
     cdef Py_buffer view
     cdef Py_ssize_t n, start, i
     cdef const uint8_t *p
@@ -443,7 +487,7 @@ def unpack_ack_entries(buf, word3, Py_ssize_t offset=0):
     cdef cnp.npy_intp dims[1]
     cdef cnp.ndarray out
     n = <Py_ssize_t>_mask_obj(word3, 0xFFFF)
-    start = offset + _HEADER_SIZE
+    start = offset + _HEADER_SIZE + (4 if _mask_obj(int(flags), _F_GRANT) else 0)
     PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
     try:
         if n > _MAX_ACK_ENTRIES or view.len - start != 4 * n:

@@ -27,6 +27,7 @@ F_CRITICAL = 0x01
 F_RELIABLE = 0x02
 F_MAC = 0x04
 F_KNOWN = F_CRITICAL | F_RELIABLE | F_MAC
+F_GRANT = 0x08  # ACK only: a grant word (the receiver's rate grant to this sender) follows the header
 MAC_SIZE = 16
 REG_FIXED_SIZE = 36
 MAX_ACK_ENTRIES = 364
@@ -36,6 +37,7 @@ MAX_SEQ = (1 << 24) - 1
 _HDR = struct.Struct("!BBHIII")
 _REG = struct.Struct("!QHHIQBBHQ")
 _RANGE = struct.Struct("!II")
+_GRANT = struct.Struct("!I")
 
 
 def uf16_encode(value: int) -> int:
@@ -81,7 +83,7 @@ def unpack_header(buf, offset: int = 0) -> tuple:
     ptype = b0 & 0x0F
     if ptype > T_RESET:
         raise WireError("bad_type", f"type {ptype}")
-    if flags & ~F_KNOWN:
+    if flags & ~(F_KNOWN | F_GRANT) or (flags & F_GRANT and ptype != T_ACK):
         raise WireError("bad_flags", f"flags {flags:#x}")
     return ptype, flags, flow_id, token, word2, word3
 
@@ -148,20 +150,47 @@ def unpack_reg_body(buf, offset: int, has_mac: bool) -> tuple:
     return total, seg, elem, count, tag, mode, ranges, mac, pos, stamp
 
 
-def pack_ack(flow_id: int, token: int, received: int, ack_delay_us: int, entries) -> bytes:
-    """Encode one ACK datagram; ``entries`` are ``seq << 8 | attempt`` integers (<= 364)."""
+def pack_ack(flow_id: int, token: int, received: int, ack_delay_us: int, entries, grant: int = 0) -> bytes:
+    """Encode one ACK datagram; ``entries`` are ``seq << 8 | attempt`` integers (<= 364).
+
+    ``grant`` > 0 (bytes/s, the receiver's rate grant to this sender, sent as ``uf16``)
+    sets ``F_GRANT`` and adds the grant word after the header, leaving room for one
+    entry fewer (363)."""
     entries = np.asarray(entries, dtype=np.uint32)
     n = int(entries.shape[0])
-    if n > MAX_ACK_ENTRIES:
-        raise WireError("too_many_entries", f"{n} > {MAX_ACK_ENTRIES}")
+    g = int(grant)
+    cap = MAX_ACK_ENTRIES - 1 if g > 0 else MAX_ACK_ENTRIES
+    if n > cap:
+        raise WireError("too_many_entries", f"{n} > {cap}")
     word3 = (uf16_encode(ack_delay_us) << 16) | n
+    if g > 0:
+        return (pack_header(T_ACK, F_GRANT, flow_id, token, received & 0xFFFFFFFF, word3)
+                + _GRANT.pack(uf16_encode(g) << 16) + entries.astype(">u4").tobytes())
     return pack_header(T_ACK, 0, flow_id, token, received & 0xFFFFFFFF, word3) + entries.astype(">u4").tobytes()
 
 
-def unpack_ack_entries(buf, word3: int, offset: int = 0) -> np.ndarray:
-    """Return the ACK entries as a native uint32 array; checks the length matches the count."""
-    n = word3 & 0xFFFF
+def ack_grant(buf, flags: int, offset: int = 0) -> int:
+    """The rate grant (bytes/s) an ACK carries; 0 without ``F_GRANT``.
+
+    Raises WireError ``truncated`` (no room for the grant word) or ``bad_grant``
+    (its reserved low 16 bits are not zero)."""
+    if not int(flags) & F_GRANT:
+        return 0
     start = offset + HEADER_SIZE
+    if len(buf) - start < 4:
+        raise WireError("truncated", "ACK flagged GRANT without its grant word")
+    (word,) = _GRANT.unpack_from(buf, start)
+    if word & 0xFFFF:
+        raise WireError("bad_grant", "reserved bits of the grant word are set")
+    return uf16_decode(word >> 16)
+
+
+def unpack_ack_entries(buf, word3: int, offset: int = 0, flags: int = 0) -> np.ndarray:
+    """Return the ACK entries as a native uint32 array; checks the length matches the count.
+
+    ``flags`` (the header's): with ``F_GRANT`` the entries start after the grant word."""
+    n = word3 & 0xFFFF
+    start = offset + HEADER_SIZE + (4 if int(flags) & F_GRANT else 0)
     if n > MAX_ACK_ENTRIES or len(buf) - start != 4 * n:
         raise WireError("bad_length", "ACK entry count does not match datagram length")
     return np.frombuffer(buf, dtype=">u4", count=n, offset=start).astype(np.uint32)

@@ -37,6 +37,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=("auto", "ltp", "tcp"), default="auto",
                    help="gradient/parameter transport (auto: ltp when ltp.open_endpoint exists, else tcp)")
     p.add_argument("--cc", default="cubic", help="TCP congestion control for --transport tcp: cubic|bbr|reno")
+    p.add_argument("--link-rate", type=_link_rate, default=None,
+                   help="this host's link rate, e.g. 1gbit or 10gbit (LTP only; default unknown): a PS grants each "
+                        "worker an equal share of it, so N workers' gradients do not overflow its switch queue, "
+                        "and every process splits it among its own sends (ltp/link_share.py)")
     p.add_argument("--store", default=None, help="HOST:PORT of the TCPStore (default: $MASTER_ADDR:$MASTER_PORT)")
     p.add_argument("--job", default="default", help="job name (store key prefix), lets jobs share a store")
     p.add_argument("--secret-file", default=None, help="file with the job secret (default: $LTP_PS_SECRET)")
@@ -162,7 +166,7 @@ async def _open_transport(args, secret):
     from .transport import open_transport
 
     return await open_transport(args.transport, args.host, 0, cc=args.cc if args.transport == "tcp" else None,
-                                job_key=secret, advertise_host=args.advertise)
+                                job_key=secret, advertise_host=args.advertise, link_rate_bps=args.link_rate)
 
 
 async def serve(args, store=None) -> dict:
@@ -470,6 +474,15 @@ def _lab_rate(text: str) -> float:
     return v
 
 
+def _link_rate(text: str) -> float:
+    """``--link-rate``: ``1gbit``/``100mbit`` or a bare number of bit/s."""
+    try:
+        return _lab_rate(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"--link-rate {text!r}: give the host's link rate, e.g. 1gbit or 10gbit, "
+                                         "or leave it out when it is unknown") from None
+
+
 def _lab_delay(text: str) -> float:
     """``--delay``: a bare number is seconds (as before); ``20ms``/``500us``/``0.02s`` carry their unit."""
     from ltp_tools.bench import parse_time
@@ -482,7 +495,7 @@ def _lab_delay(text: str) -> float:
     return v
 
 
-COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "job", "secret-file", "num-servers", "colocate",
+COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "link-rate", "job", "secret-file", "num-servers", "colocate",
           "mode",
           "compute-delay",
           "batch-size", "seed", "store-timeout", *schedule_cli.PASSTHROUGH]

@@ -82,3 +82,19 @@ def test_scapy_built_packets_decode_with_the_codec():
     assert (ptype, flags, w2) == (wire.T_DATA, wire.F_CRITICAL, (7 << 8) | 2)
     rt, bw = wire.split_estimates(w3)
     assert rt == 150 and abs(bw - 125_000_000) <= 125_000_000 / 1024
+
+
+def test_a_granted_ack_dissects_with_its_grant_and_rebuilds_the_same_bytes():
+    raw = wire.pack_ack(5, 0xDEAD, 12, 300, [0x100, 0x201], grant=15_600_000)
+    pkt = LTPT(raw)
+    assert not pkt.malformed and int(pkt.flags) == wire.F_GRANT
+    assert pkt.grant == wire.uf16_encode(15_600_000) and pkt.grant_reserved == 0
+    assert list(pkt.entries) == [0x100, 0x201] and pkt.held == 12
+    assert "grant=" in pkt.mysummary()
+    assert bytes(pkt) == raw
+    built = LTPT(type=2, flags="GRANT", flow_id=5, token=0xDEAD, held=12, ack_delay=wire.uf16_encode(300),
+                 grant=wire.uf16_encode(15_600_000), entries=[0x100, 0x201])
+    assert bytes(built) == raw
+    ptype, flags, _, _, _, w3 = wire.unpack_header(bytes(built))
+    assert wire.ack_grant(bytes(built), flags) == wire.uf16_decode(wire.uf16_encode(15_600_000))
+    assert LTPT(raw[:-4]).malformed  # a granted ACK cut short says so

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -427,15 +428,17 @@ def test_flows_per_peer_cap_refuses_the_extra_registration(harness, floats):
     assert h.engines[1].stats.refused == {"too_many_flows": 1}
 
 
-def _incast_rounds(floats, *, n, size, rate, delay_s, queue_bytes, rounds, seed=3):
+def _incast_rounds(floats, *, n, size, rate, delay_s, queue_bytes, rounds, seed=3, loss=0.0, link_rate=None):
     """``n`` senders of ``size`` bytes into one FIFO of ``rate`` bytes/s and ``queue_bytes`` (the PS's link),
     ``rounds`` gathers in a row.  Yields, per round, ``(reports, seconds / line-rate bound, queue drops / packets
-    sent, engines)`` after checking that every complete report holds its sender's exact bytes."""
+    sent, engines)`` after checking that every complete report holds its sender's exact bytes.  ``loss``: random
+    loss of data-sized datagrams on the shared link; ``link_rate``: the receiver's ``Config.link_rate``."""
     from conftest import SimHarness
     from ltp.sim import SimLink
 
-    h = SimHarness(n_hosts=n + 1, seed=seed, config=Config(deadline_slack_s=0.03))
-    shared = SimLink(rate=rate, delay_s=delay_s, queue_bytes=queue_bytes)
+    cfg = Config(deadline_slack_s=0.03)
+    h = SimHarness(n_hosts=n + 1, seed=seed, configs=[dataclasses.replace(cfg, link_rate=link_rate)] + [cfg] * n)
+    shared = SimLink(rate=rate, delay_s=delay_s, queue_bytes=queue_bytes, loss=loss, loss_min_size=200)
     for i in range(1, n + 1):
         h.net.links[(h.addrs[i], h.addrs[0])] = shared
         h.link(0, i, rate=rate, delay_s=delay_s)

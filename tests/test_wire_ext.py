@@ -310,3 +310,54 @@ def test_pack_reg_body_arguments(comp, args, ranges):
                           np.array([1.7, 2.2])]))
 def test_pack_ack_arguments(comp, head, entries):
     agree(comp, "pack_ack", *head, entries)
+
+
+@settings(max_examples=300)
+@given(head=st.tuples(u16, u32, u32, st.integers(0, 10 ** 7)),
+       entries=st.lists(u32, max_size=366) | st.sampled_from([np.ones((2, 3), dtype=np.uint32), 5, []]),
+       grant=st.integers(-5, 2 ** 45) | st.sampled_from([0, 1, 2.7, True, 2 ** 70]))
+def test_pack_ack_with_a_grant_agrees(comp, head, entries, grant):
+    agree(comp, "pack_ack", *head, entries, grant)
+
+
+@settings(max_examples=300)
+@given(data=st.binary(max_size=40), flags=st.integers(-300, 300) | st.sampled_from([8, 0, 2.0, 8.9]),
+       off=st.integers(-40, 30))
+def test_garbage_ack_grant_agrees(comp, data, flags, off):
+    agree(comp, "ack_grant", data, flags, off)
+    agree(comp, "unpack_ack_entries", data, len(data) // 4, off, flags)
+
+
+@given(fid=u16, tok=u32, rcv=u32, grant=st.integers(1, 2 ** 40), entries=st.lists(u32, max_size=363),
+       off=st.integers(0, 8))
+def test_granted_ack_roundtrip(mod, fid, tok, rcv, grant, entries, off):
+    d = mod.pack_ack(fid, tok, rcv, 0, np.array(entries, dtype=np.uint32), grant)
+    assert len(d) == 20 + 4 * len(entries)
+    ptype, flags, fid2, tok2, w2, w3 = mod.unpack_header(d)
+    assert (ptype, flags, fid2, tok2, w2) == (mod.T_ACK, mod.F_GRANT, fid, tok, rcv)
+    got = mod.ack_grant(bytes(off) + d, flags, off)
+    assert got <= grant and (grant < 2048 and got == grant or got > grant * (1 - 1 / 1024))
+    assert mod.unpack_ack_entries(bytes(off) + d, w3, off, flags).tolist() == entries
+    assert mod.ack_grant(d, 0) == 0  # no flag, no grant
+    with pytest.raises(mod.WireError) as ei:
+        mod.unpack_ack_entries(d, w3)  # read without the flag, the grant word breaks the count
+    assert ei.value.reason == "bad_length"
+    with pytest.raises(mod.WireError) as ei:
+        mod.pack_ack(fid, tok, rcv, 0, [0] * 364, grant)  # one entry less room with a grant
+    assert ei.value.reason == "too_many_entries"
+
+
+def test_grant_flag_is_refused_outside_an_ack_and_reserved_bits_are_checked(mod):
+    for ptype in (mod.T_REG, mod.T_DATA, mod.T_STOP, mod.T_RESET):
+        with pytest.raises(mod.WireError) as ei:
+            mod.unpack_header(mod.pack_header(ptype, mod.F_GRANT, 1, 1, 0, 0))
+        assert ei.value.reason == "bad_flags"
+    good = bytearray(mod.pack_ack(1, 1, 0, 0, [7], 1000))
+    assert mod.ack_grant(bytes(good), mod.F_GRANT) == 1000
+    good[19] = 1  # a reserved bit of the grant word
+    with pytest.raises(mod.WireError) as ei:
+        mod.ack_grant(bytes(good), mod.F_GRANT)
+    assert ei.value.reason == "bad_grant"
+    with pytest.raises(mod.WireError) as ei:
+        mod.ack_grant(bytes(good[:18]), mod.F_GRANT)
+    assert ei.value.reason == "truncated"

@@ -11,7 +11,8 @@ Theory of operation
               element_size(16) segment_count(32) tag(64) mode(8) reserved(8)
               range_count(16) timestamp(64, µs since the Unix epoch)
               ranges[range_count] (first(32), end(32)) [mac(16 B) if flag MAC]
-        ACK   held(32) | ack_delay(uf16) count(16) | entries[count] (u32: seq << 8 | attempt)
+        ACK   held(32) | ack_delay(uf16) count(16) | [grant(uf16, bytes/s) grant_reserved(16) if flag
+              GRANT] entries[count] (u32: seq << 8 | attempt)
         STOP  held(32) | close_reason(8) reserved(24)
         RESET reset_reason(32) | reset_attempt(32: for stale, the refused REG's attempt; else 0)
 
@@ -40,8 +41,8 @@ MAX_CRITICAL_RANGES = 160
 
 TYPES = {0: "REG", 1: "DATA", 2: "ACK", 3: "STOP", 4: "RESET"}
 REG, DATA, ACK, STOP, RESET = 0, 1, 2, 3, 4
-FLAG_NAMES = ["CRITICAL", "RELIABLE", "MAC", "bit3", "bit4", "bit5", "bit6", "bit7"]
-FLAG_CRITICAL, FLAG_RELIABLE, FLAG_MAC = 0x01, 0x02, 0x04
+FLAG_NAMES = ["CRITICAL", "RELIABLE", "MAC", "GRANT", "bit4", "bit5", "bit6", "bit7"]
+FLAG_CRITICAL, FLAG_RELIABLE, FLAG_MAC, FLAG_GRANT = 0x01, 0x02, 0x04, 0x08
 MODES = {0: "loss-tolerant", 1: "reliable"}
 CLOSE_REASONS = {1: "complete", 2: "early", 3: "deadline", 4: "cancelled"}
 RESET_REASONS = {1: "too_large", 2: "too_many_flows", 3: "out_of_memory", 4: "unauthenticated",
@@ -128,7 +129,9 @@ class LTPT(Packet):
         ConditionalField(PacketListField("ranges", [], LTPTRange, count_from=lambda p: p.range_count), _is(REG)),
         ConditionalField(XStrFixedLenField("mac", b"\x00" * MAC_LEN, MAC_LEN),
                          lambda p: p.type == REG and int(p.flags) & FLAG_MAC),
-        # ACK body
+        # ACK body: the receiver's rate grant (flag GRANT), then the entries
+        ConditionalField(UF16Field("grant", 0), lambda p: p.type == ACK and int(p.flags) & FLAG_GRANT),
+        ConditionalField(ShortField("grant_reserved", 0), lambda p: p.type == ACK and int(p.flags) & FLAG_GRANT),
         ConditionalField(FieldListField("entries", [], XIntField("entry", 0), count_from=lambda p: p.count),
                          _is(ACK)),
     ]
@@ -154,7 +157,7 @@ class LTPT(Packet):
         if self.type == REG:
             n += REG_BODY_LEN + 8 * (self.range_count or 0) + (MAC_LEN if int(self.flags) & FLAG_MAC else 0)
         elif self.type == ACK:
-            n += 4 * (self.count or 0)
+            n += 4 * (self.count or 0) + (4 if int(self.flags) & FLAG_GRANT else 0)
         return n
 
     def acked(self) -> list[tuple[int, int]]:
@@ -180,7 +183,9 @@ class LTPT(Packet):
         if self.type == ACK:
             ents = self.acked()
             shown = " ".join(f"{s}/{a}" for s, a in ents[:8]) + (" ..." if len(ents) > 8 else "")
-            return f"{head} held={self.held} delay={uf16_decode(self.ack_delay)}us n={len(ents)} [{shown}]"
+            grant = f" grant={uf16_decode(self.grant)}B/s" if int(self.flags) & FLAG_GRANT else ""
+            return (f"{head} held={self.held} delay={uf16_decode(self.ack_delay)}us{grant} n={len(ents)} "
+                    f"[{shown}]")
         if self.type == STOP:
             return f"{head} held={self.held} reason={CLOSE_REASONS.get(self.close_reason, self.close_reason)}"
         if self.type == RESET:

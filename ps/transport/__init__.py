@@ -37,15 +37,21 @@ PEER_SILENCE_MIN_S = 5.0  # seconds of silence before an LTP send declares its p
 
 
 async def open_transport(kind: str, host: str = "127.0.0.1", port: int = 0, *, cc: str | None = "cubic",
-                         job_key: bytes | None = None, advertise_host: str | None = None) -> Transport:
-    """Open a ``"tcp"`` or ``"ltp"`` endpoint listening on ``(host, port)``."""
+                         job_key: bytes | None = None, advertise_host: str | None = None,
+                         link_rate_bps: float | None = None) -> Transport:
+    """Open a ``"tcp"`` or ``"ltp"`` endpoint listening on ``(host, port)``.
+
+    ``link_rate_bps``: this host's link rate in bit/s (LTP only: its receivers grant each sender an equal share
+    and its sends split it, ``ltp/link_share.py``; kernel TCP has no use for it)."""
     if kind == "tcp":
         return await TcpTransport.open(host, port, cc=cc, advertise_host=advertise_host)
     if kind == "ltp":
         from .ltp import LtpTransport
 
-        return await LtpTransport.open(host, port, job_key=job_key, advertise_host=advertise_host,
-                                       config_kwargs={"peer_silence_min_s": PEER_SILENCE_MIN_S})
+        kw = {"peer_silence_min_s": PEER_SILENCE_MIN_S}
+        if link_rate_bps is not None:
+            kw["link_rate"] = link_rate_bps / 8
+        return await LtpTransport.open(host, port, job_key=job_key, advertise_host=advertise_host, config_kwargs=kw)
     from ..errors import ConfigError
 
     raise ConfigError(f"unknown transport {kind!r}; use --transport ltp or --transport tcp")

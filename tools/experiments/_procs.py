@@ -76,7 +76,7 @@ def incast_ltp_ps(a) -> None:
     peers = [_addr(x) for x in a.peers.split(",")]
 
     async def main():
-        cfg = ltp.Config(deadline_slack_s=a.slack)
+        cfg = ltp.Config(deadline_slack_s=a.slack, link_rate=a.link_rate / 8 if a.link_rate else None)
         ep = await ltp.open_endpoint(("0.0.0.0", a.port), config=cfg, rng=random.Random(a.seed))
         bufs = [np.zeros(a.size // 4, np.float32) for _ in peers]
         params = _data(a.size, a.seed)
@@ -374,6 +374,7 @@ def main(argv=None) -> int:
     ap.add_argument("--table", default="ltpexp")
     ap.add_argument("--cc", default="cubic")
     ap.add_argument("--slack", type=float, default=0.03)
+    ap.add_argument("--link-rate", type=float, default=None, help="incast LTP PS: its link rate, bit/s (grants)")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)

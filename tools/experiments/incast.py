@@ -55,6 +55,10 @@ from . import _common as C
 
 NAME = "incast"
 TRANSPORTS = ("ltp", "cubic", "bbr", "reno")
+#: LTP with the PS not told its link rate (no rate grants, ltp/link_share.py): the behaviour before grants,
+#: for side-by-side runs (``--transports ltp,ltp-nogrant``)
+LTP_NO_GRANT = "ltp-nogrant"
+KNOWN_TRANSPORTS = TRANSPORTS + (LTP_NO_GRANT,)
 LOSSES = (0.0, 0.0001, 0.001, 0.005, 0.01)
 LTP_PORT = 7447
 TCP_PORT = 5301
@@ -68,18 +72,19 @@ SUMMARY_COLUMNS = ["transport", "loss", "loss_pct", "workers", "size_bytes", "n_
 
 def run(*, workers: int | None = None, size: int | None = None, iterations: int | None = None,
         transports=TRANSPORTS, losses=LOSSES, rate_bps: float = 1e9, slack_s: float = 0.03,
-        repeats: int | None = None, seed: int = 1, quick: bool = False, out: str | None = None,
+        queue_bytes: int | None = None, repeats: int | None = None, seed: int = 1, quick: bool = False, out: str | None = None,
         timeout_s: float | None = None, progress: bool = True, verbose: bool = True) -> dict:
     """Run the incast experiment and write its files; return the results dict.
 
     ``iterations`` counts the measured iterations; one warm-up iteration is added in front.
     ``quick`` (CI): 4 workers x 2 MB x 3 iterations, losses 0 and 1 %, unless given explicitly.
+    ``queue_bytes``: the PS link's tbf queue (None: the lab's default, 5 ms at the rate).
     """
     from ltp_tools.netlab import Lab
 
     for t in transports:
-        if t not in TRANSPORTS:
-            raise ValueError(f"unknown transport {t!r}; choose from {', '.join(TRANSPORTS)}")
+        if t not in KNOWN_TRANSPORTS:
+            raise ValueError(f"unknown transport {t!r}; choose from {', '.join(KNOWN_TRANSPORTS)}")
     workers = workers or (4 if quick else 8)
     size = size or (2_000_000 if quick else 98_000_000)
     size -= size % 4  # float32 elements
@@ -102,7 +107,7 @@ def run(*, workers: int | None = None, size: int | None = None, iterations: int 
     outdir = C.out_dir(NAME, out)
     params = dict(workers=workers, size=size, iterations=iterations, warmup_iterations=1,
                   transports=list(transports), losses=losses, rate_bps=rate_bps, slack_s=slack_s,
-                  repeats=repeats, seed=seed, quick=quick, timeout_s=timeout_s,
+                  queue_bytes=queue_bytes, repeats=repeats, seed=seed, quick=quick, timeout_s=timeout_s,
                   impairment="h0 ingress and egress: tbf rate + random loss of data-sized packets")
     env = C.environment()
     rows: list[dict] = []
@@ -114,12 +119,13 @@ def run(*, workers: int | None = None, size: int | None = None, iterations: int 
     with Lab(n_hosts=workers + 1) as lab, C.progress(total, NAME, disable=not progress) as bar:
         for loss in losses:
             for d in ("ingress", "egress"):
-                lab.impair(lab.hosts[0], d, loss=loss, rate_bps=rate_bps)
+                lab.impair(lab.hosts[0], d, loss=loss, rate_bps=rate_bps, queue_bytes=queue_bytes)
             for rep in range(repeats):
                 for t in transports:
                     bar.set_postfix_str(f"{t} loss={loss:g}")
                     try:
-                        its, fct = _one_run(lab, t, workers, size, iterations + 1, slack_s, seed + rep, timeout_s)
+                        its, fct = _one_run(lab, t, workers, size, iterations + 1, slack_s, seed + rep, timeout_s,
+                                            rate_bps)
                     except C.ExperimentError as e:
                         failures.append(dict(transport=t, loss=loss, repeat=rep, error=str(e)[:2000]))
                         bar.update(1)
@@ -156,8 +162,13 @@ def run(*, workers: int | None = None, size: int | None = None, iterations: int 
     return res
 
 
-def _one_run(lab, transport, workers, size, n_iter, slack_s, seed, timeout_s):
-    """One PS + N workers for ``n_iter`` iterations; return (per-iteration rows, per-iteration worker FCTs)."""
+def _one_run(lab, transport, workers, size, n_iter, slack_s, seed, timeout_s, rate_bps=None):
+    """One PS + N workers for ``n_iter`` iterations; return (per-iteration rows, per-iteration worker FCTs).
+
+    ``ltp``: the PS is told its link rate (``rate_bps``), as a user tells it the NIC's, so it grants each
+    worker an equal share and splits its broadcast (``ltp/link_share.py``); ``ltp-nogrant``: it is not."""
+    grants = transport == "ltp" and rate_bps
+    transport = "ltp" if transport == LTP_NO_GRANT else transport
     py = sys.executable
     mod = ["-m", "ltp_tools.experiments._procs"]
     kw = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -169,7 +180,8 @@ def _one_run(lab, transport, workers, size, n_iter, slack_s, seed, timeout_s):
         if transport == "ltp":
             peers = ",".join(f"{h.addr}:{LTP_PORT}" for h in w_hosts)
             ps = lab.popen(ps_h, [py, *mod, "incast-ltp-ps", "--port", str(LTP_PORT), "--peers", peers,
-                                  "--slack", str(slack_s), "--seed", str(seed), *common], **kw)
+                                  "--slack", str(slack_s), "--seed", str(seed), *common]
+                           + (["--link-rate", str(rate_bps)] if grants else []), **kw)
             procs.append(ps)
             ws = [lab.popen(h, [py, *mod, "incast-ltp-worker", "--port", str(LTP_PORT), "--ps",
                                 f"{ps_h.addr}:{LTP_PORT}", "--slack", str(slack_s), "--seed", str(seed * 1000 + i),
@@ -271,7 +283,7 @@ def table(summary) -> str:
             "delivered", "regimes (LTP gathers)"]
     rows = [[s["transport"], s["loss_pct"], s["bst_median_s"], s["bst_p95_s"], s["gather_median_s"],
              s["bcast_median_s"], s["lower_bound_s"], s["bst_median_over_bound"], s["delivered_mean"],
-             s["regimes"] if s["transport"] == "ltp" else "-"] for s in summary]
+             s["regimes"] if s["transport"].startswith("ltp") else "-"] for s in summary]
     return C.format_table(cols, rows)
 
 
@@ -320,11 +332,14 @@ def register(subparsers) -> None:
     p.add_argument("--size", type=parse_size, default=None, help="gradient message bytes (default 98M; --quick 2M)")
     p.add_argument("--iterations", type=number(int, 1, what="iterations per point"), default=None,
                    help="measured iterations per run, after one warm-up (default 5; --quick 3)")
-    p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list of ltp,cubic,bbr,reno")
+    p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list of ltp,cubic,bbr,reno and ltp-nogrant (LTP without the PS's "
+                   "rate grants)")
     p.add_argument("--losses", default=",".join(f"{x:g}" for x in LOSSES),
                    help="comma list of drop probabilities on the PS link (0.01 = 1%%); --quick: 0,0.01")
     p.add_argument("--rate", type=parse_rate, default=1e9, help="PS link rate, both directions (default 1gbit)")
     p.add_argument("--slack", type=float, default=0.03, help="LTP Early Close deadline slack C, s (DCN 0.03)")
+    p.add_argument("--queue", type=parse_size, default=None,
+                   help="the PS link's queue, bytes (e.g. 32k; default 5 ms at --rate)")
     p.add_argument("--timeout", type=float, default=None, help="seconds one transfer may take (default 20x bound)")
     C.add_common_args(p)
     p.set_defaults(func=_cli)
@@ -333,6 +348,6 @@ def register(subparsers) -> None:
 def _cli(args) -> int:
     res = run(workers=args.workers, size=args.size, iterations=args.iterations,
               transports=C.parse_list(args.transports, str), losses=C.parse_list(args.losses), rate_bps=args.rate,
-              slack_s=args.slack, repeats=args.repeats, seed=args.seed, quick=args.quick, out=args.out,
-              timeout_s=args.timeout, progress=not args.no_progress)
+              slack_s=args.slack, queue_bytes=args.queue, repeats=args.repeats, seed=args.seed, quick=args.quick,
+              out=args.out, timeout_s=args.timeout, progress=not args.no_progress)
     return 1 if res["failures"] else 0

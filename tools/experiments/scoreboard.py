@@ -46,6 +46,8 @@ import time
 from . import _common as C
 
 NAME = "scoreboard"
+#: the PS link's queue in the incast row: the issue's "shallow (32 KB) queue"
+INCAST_QUEUE_BYTES = 32_000
 ROWS = ("cpu", "loss", "tbf", "wan", "incast", "bcast", "psround", "tta", "twins")
 CHECK_COLUMNS = ["row", "check", "value", "target", "passed", "detail"]
 
@@ -174,7 +176,8 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
             try:
                 res = incast_run(workers=sz["incast_workers"], size=sz["incast_size"],
                                  iterations=sz["incast_iterations"], transports=("ltp", "bbr"),
-                                 losses=(0.001, 0.01), rate_bps=1e9, repeats=1, seed=seed,
+                                 losses=(0.001, 0.01), rate_bps=1e9, queue_bytes=INCAST_QUEUE_BYTES,
+                                 repeats=1, seed=seed,
                                  out=f"{outdir}/incast", progress=False, verbose=False)
                 raw["incast"] = res["summary"]
                 failures += [dict(measurement="incast", error=str(f)[:2000]) for f in res.get("failures", [])]

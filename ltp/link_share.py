@@ -1,0 +1,88 @@
+"""Receiver-driven rate grants and the sender's egress share: one host's link split among its flows.
+
+Theory of operation. BBR estimates each path's bottleneck on its own. When N
+senders share one receiver's link (a parameter server's gather: the incast),
+each one's probing sees a link that is briefly free, so together they pace at
+a multiple of the line rate into the switch's queue; with a shallow queue that
+overflow is loss they inflict on themselves, and Early Close then cuts the
+gradients the senders dropped (measured in the lab: 8 workers into a 1 Gbit/s
+link with a 32 kB queue, 1 % random loss, kept as little as 22 % of one
+gradient). The receiver is the one place that sees every sender, so it
+decides (as Homa's and pHost's receivers grant credit):
+
+* **Ingress grants.** An endpoint told its link rate (``Config.link_rate``,
+  wire bytes/s) counts the distinct peers it holds open (or registered) flows
+  from (admission's per-peer count), and every ACK it sends, from the one
+  that confirms a registration on, carries a *grant*: the datagram rate (LTP
+  header and payload, bytes/s) one sender may use so that all of them
+  together fill :data:`GRANT_UTILIZATION` of the link once the per-datagram
+  IP/UDP/Ethernet overhead (:data:`WIRE_OVERHEAD_BYTES`) is counted. The share
+  is equal per peer (*choice*: the PS's senders are symmetric; a sender that
+  cannot use its share leaves that capacity idle rather than the grants
+  chasing measured rates, which would oscillate).
+* **Grant use.** A sender paces a path at ``min(BBR's pacing rate, grant,
+  egress share)``. BBR still measures the path: its delivery-rate samples
+  follow the grant, so its BtlBw (and the LT threshold a receiver derives from
+  it) describes the rate the flow really gets. A grant is dropped when it has
+  not been renewed for :data:`GRANT_TTL_S` (the receiver's set of senders is
+  long since different; the next ACK brings a fresh one).
+* **Egress share.** The same endpoint splits its own link among the paths it
+  is sending on (a PS broadcasting to N workers), each capped at an equal
+  share, so its N paths do not overflow its own uplink's queue either. The
+  paths are recounted at most every :data:`SHARE_REFRESH_S`.
+
+Nothing here reads the clock: callers pass ``now``. Without ``link_rate`` no
+grant is sent and no cap is applied (the behaviour before grants); a peer
+that sends no grant leaves the sender's pacing to BBR alone.
+"""
+
+from __future__ import annotations
+
+__all__ = ["GRANT_UTILIZATION", "WIRE_OVERHEAD_BYTES", "SHARE_REFRESH_S", "GRANT_TTL_S", "datagram_share",
+           "SenderCount"]
+
+#: fraction of the link rate (wire bytes) the grants (or egress shares) add up to: the rest absorbs
+#: the senders' pacing error so a shallow switch queue stays short
+GRANT_UTILIZATION = 0.95
+#: bytes the network adds to every UDP datagram on the wire: Ethernet 14 + IPv4 20 + UDP 8
+WIRE_OVERHEAD_BYTES = 42
+#: the receiver recounts its senders at most this often (seconds)
+SHARE_REFRESH_S = 0.001
+#: a sender forgets a grant not renewed for this long (seconds)
+GRANT_TTL_S = 1.0
+
+
+def datagram_share(link_rate: float, senders: int, datagram_bytes: int) -> float:
+    """The datagram rate (bytes/s of LTP datagrams) each of ``senders`` may use on a link of ``link_rate``
+    wire bytes/s, for datagrams of ``datagram_bytes`` (LTP header included), so that together they fill
+    :data:`GRANT_UTILIZATION` of it."""
+    on_wire = datagram_bytes / (datagram_bytes + WIRE_OVERHEAD_BYTES)
+    return link_rate * GRANT_UTILIZATION * on_wire / max(1, senders)
+
+
+class SenderCount:
+    """How many paths share this host's link outbound, recounted at most every :data:`SHARE_REFRESH_S`.
+
+    The owner checks :meth:`stale` and, only then, collects the active paths and passes them to
+    :meth:`update`; :attr:`value` is the last count (at least 1)."""
+
+    __slots__ = ("_n", "_next")
+
+    def __init__(self) -> None:
+        self._n = 1
+        self._next = float("-inf")
+
+    def stale(self, now: float) -> bool:
+        """True when the count must be recomputed."""
+        return now >= self._next
+
+    def update(self, now: float, items) -> int:
+        """Count ``items`` (a sized collection) and cache the count until ``now + SHARE_REFRESH_S``."""
+        self._n = max(1, len(items))
+        self._next = now + SHARE_REFRESH_S
+        return self._n
+
+    @property
+    def value(self) -> int:
+        """The last count."""
+        return self._n

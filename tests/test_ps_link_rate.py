@@ -1,0 +1,76 @@
+"""``--link-rate``: the PS's LTP endpoints grant workers equal shares of its link (ltp/link_share.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from ltp_ps.cli import COMMON, _passthrough, build_parser
+from ltp_ps.transport import open_transport
+from ps_helpers import child_env, ps_cmd
+
+pytestmark = pytest.mark.timeout(170)
+
+
+def test_link_rate_parses_units_reaches_every_role_and_refuses_nonsense(capsys):
+    args = build_parser().parse_args(["launch", "--link-rate", "1gbit"])
+    assert args.link_rate == 1e9
+    assert _passthrough(args, COMMON)[_passthrough(args, COMMON).index("--link-rate") + 1] == "1000000000.0"
+    assert build_parser().parse_args(["server", "--link-rate", "1000000000.0"]).link_rate == 1e9
+    assert build_parser().parse_args(["worker"]).link_rate is None
+    for bad in ("0", "-5", "fast"):
+        with pytest.raises(SystemExit) as ei:
+            build_parser().parse_args(["worker", "--link-rate", bad])
+        assert ei.value.code == 2
+        assert "e.g. 1gbit" in capsys.readouterr().err
+
+
+def test_a_gather_over_transports_told_their_link_rate_carries_grants():
+    async def main():
+        ps = await open_transport("ltp", link_rate_bps=8e9, job_key=b"k")
+        plain = await open_transport("ltp", job_key=b"k")
+        workers = [await open_transport("ltp", job_key=b"k") for _ in range(3)]
+        try:
+            assert ps._ep.config.link_rate == 1e9 and plain._ep.config.link_rate is None
+            grads = [np.full(300_000, i + 1, np.float32) for i in range(3)]
+            bufs = [np.zeros(300_000, np.float32) for _ in range(3)]
+            peers = [w.local_addr for w in workers]
+            gathered = asyncio.ensure_future(ps.gather(peers, bufs, tag=1, timeout=20))
+            await asyncio.gather(*(w.send(ps.local_addr, g, tag=1, timeout=20) for w, g in zip(workers, grads)))
+            reps = await gathered
+            assert all(r.delivered_fraction == 1.0 for r in reps)
+            assert all(np.array_equal(b, g) for b, g in zip(bufs, grads))
+            for w in workers:  # each worker's path to the PS was granted a share, none beyond the link
+                path = w._ep.engine._paths[ps.local_addr]
+                assert path.grant is not None and 0 < path.grant < 1e9
+            await workers[0].send(plain.local_addr, grads[0], tag=2, timeout=20)
+            assert workers[0]._ep.engine._paths[plain.local_addr].grant is None  # no rate known: no grant
+            await plain.recv(bufs[0], tag=2, timeout=20)
+        finally:
+            for t in (ps, plain, *workers):
+                await t.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+def test_launch_in_a_rate_limited_lossy_lab_with_the_link_rate_trains(tmp_path):
+    from ltp_tools.netlab import check_support
+
+    reason = check_support()
+    if reason:
+        pytest.skip(reason)
+    summary = tmp_path / "s.json"
+    p = subprocess.run(ps_cmd("launch", "--workers", 5, "--epochs", 12, "--lab", "on", "--loss", 0.01,
+                              "--rate", "200mbit", "--link-rate", "200mbit", "--transport", "ltp",
+                              "--summary-json", summary),
+                       env=child_env(), capture_output=True, text=True, timeout=160)
+    assert p.returncode == 0, p.stdout + p.stderr
+    s = json.loads(summary.read_text())
+    assert s["final_accuracy"] >= 0.95, s
+    assert s["delivered_mean"] >= 0.9, s
