@@ -26,6 +26,12 @@ decides (as Homa's and pHost's receivers grant credit):
   it) describes the rate the flow really gets. A grant is dropped when it has
   not been renewed for :data:`GRANT_TTL_S` (the receiver's set of senders is
   long since different; the next ACK brings a fresh one).
+* **Restarts.** A path that starts a message after being idle paces at the
+  smallest grant of its last busy period (a provisional grant, dropped after
+  :data:`PROVISIONAL_GRANT_S` unless the receiver's own arrives), from a
+  random phase of one minimum burst: the grant it ended with was given when
+  the other senders had finished, and in the next round they all restart at
+  once, each with a bucket the idle time filled.
 * **Egress share.** The same endpoint splits its own link among the paths it
   is sending on (a PS broadcasting to N workers), each capped at an equal
   share, so its N paths do not overflow its own uplink's queue either. The
@@ -38,7 +44,8 @@ that sends no grant leaves the sender's pacing to BBR alone.
 
 from __future__ import annotations
 
-__all__ = ["GRANT_UTILIZATION", "WIRE_OVERHEAD_BYTES", "SHARE_REFRESH_S", "GRANT_TTL_S", "datagram_share",
+__all__ = ["GRANT_UTILIZATION", "WIRE_OVERHEAD_BYTES", "SHARE_REFRESH_S", "GRANT_TTL_S", "PROVISIONAL_GRANT_S",
+           "datagram_share",
            "SenderCount"]
 
 #: fraction of the link rate (wire bytes) the grants (or egress shares) add up to: the rest absorbs
@@ -50,6 +57,9 @@ WIRE_OVERHEAD_BYTES = 42
 SHARE_REFRESH_S = 0.001
 #: a sender forgets a grant not renewed for this long (seconds)
 GRANT_TTL_S = 1.0
+#: a restarting path's provisional grant (its smallest grant of the last busy period) lapses after this
+#: long without the receiver's own (seconds; the receiver's arrives within a round trip)
+PROVISIONAL_GRANT_S = 0.1
 
 
 def datagram_share(link_rate: float, senders: int, datagram_bytes: int) -> float:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from . import wire
 from .bbr import BBR
 from .config import Config
-from .link_share import GRANT_TTL_S
+from .link_share import GRANT_TTL_S, PROVISIONAL_GRANT_S
 from .pacing import Pacer
 
 __all__ = ["Path", "SegmentTransmit", "Transmit"]
@@ -125,6 +125,7 @@ class Path:
         self.grant: float | None = None  # the receiver's rate grant (datagram bytes/s; ltp/link_share.py)
         self.grant_at = float("-inf")  # when it was last renewed
         self._grant_floor: float | None = None  # the smallest grant of the current busy period
+        self._grant_provisional = False  # the grant is the restart's guess (begin_busy), not the receiver's
         self.egress_share: float | None = None  # this host's link share for this path (datagram bytes/s)
 
     # -- estimates ---------------------------------------------------------
@@ -161,7 +162,7 @@ class Path:
         """The rate the pacer runs at: BBR's, capped by the receiver's grant and this host's egress share."""
         rate = self.bbr.pacing_rate
         if self.grant is not None:
-            if now - self.grant_at > GRANT_TTL_S:
+            if now - self.grant_at > (PROVISIONAL_GRANT_S if self._grant_provisional else GRANT_TTL_S):
                 self.grant = None
             elif self.grant < rate:
                 rate = self.grant
@@ -173,17 +174,20 @@ class Path:
         """Take the receiver's rate grant (datagram bytes/s) from an ACK."""
         self.grant = float(rate)
         self.grant_at = now
+        self._grant_provisional = False
         if self._grant_floor is None or rate < self._grant_floor:
             self._grant_floor = self.grant
         self.pacer.set_rate(self.pacing_rate(now))
 
     def begin_busy(self, now: float) -> None:
         """A message starts on this path while it had none: until a fresh grant arrives, pace at the smallest
-        grant of the last busy period. The grant it ended with reflects a receiver whose other senders had
-        finished; the next round brings them all back at once (the incast's start), and the smallest grant is
-        the share the receiver gave under full contention."""
-        if self._grant_floor is not None and self.grant is not None:
-            self.grant = self._grant_floor
+        grant of the last busy period, however long ago it ended. The grant it ended with reflects a receiver
+        whose other senders had finished; the next round brings them all back at once (the incast's start),
+        and the smallest grant is the share the receiver gave under full contention. This provisional grant
+        lapses after :data:`PROVISIONAL_GRANT_S` if the receiver sends none (it no longer grants)."""
+        if self._grant_floor is not None:
+            # provisional: it stands in for the receiver's answer, due within a round trip
+            self.grant, self.grant_at, self._grant_provisional = self._grant_floor, now, True
             self.pacer.set_rate(self.pacing_rate(now))
             # and start with at most one minimum burst (a random part of one: the senders' first bursts fall
             # at random phases), not the bucket the idle time filled: every sender of the incast restarts at

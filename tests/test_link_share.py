@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from ltp import wire
 from ltp.config import Config
 from ltp.errors import LocalProtocolError
-from ltp.link_share import GRANT_TTL_S, GRANT_UTILIZATION, WIRE_OVERHEAD_BYTES, datagram_share
+from ltp.link_share import (GRANT_TTL_S, GRANT_UTILIZATION, PROVISIONAL_GRANT_S, WIRE_OVERHEAD_BYTES,
+                             datagram_share)
 from ltp.pacing import Pacer
 from ltp.path import Path
 from test_engine import GBIT, _incast_rounds
@@ -77,6 +78,12 @@ def test_a_path_restarting_after_idle_paces_at_its_smallest_recent_grant_from_a_
     assert p.pacer.available(0.5) <= p.pacer.min_burst_bytes
     p.on_grant(4e7, now=0.6)
     assert p.pacing_rate(0.6) == 4e7
+    # a busy period that ended long ago (past the grants' TTL) still guides the restart, provisionally
+    p.begin_busy(30.0)
+    assert p.pacing_rate(30.0) == 4e7 and p.pacing_rate(30.0 + 0.99 * PROVISIONAL_GRANT_S) == 4e7
+    assert p.pacing_rate(30.0 + PROVISIONAL_GRANT_S + 0.01) == 1e9  # the receiver sent none: it lapsed
+    p.begin_busy(40.0)  # nothing granted in the last busy period: nothing to guess from
+    assert p.grant is None and p.pacing_rate(40.0) == 1e9
 
 
 def test_pacer_restart_keeps_at_most_the_given_phase_of_a_minimum_burst():
