@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from . import wire
 from .bbr import BBR
 from .config import Config
-from .link_share import GRANT_TTL_S, PROVISIONAL_GRANT_S
+from .link_share import GRANT_TTL_S, GRANTED_MIN_BURST_PACKETS, PROVISIONAL_GRANT_S
 from .pacing import Pacer
 
 __all__ = ["Path", "SegmentTransmit", "Transmit"]
@@ -170,6 +170,17 @@ class Path:
             rate = self.egress_share
         return rate
 
+    def _pace(self, now: float) -> None:
+        """Set the pacer's rate, and its smallest burst: a path paced by a receiver's grant shares that
+        receiver's queue with every other granted sender, so it sends bursts of
+        :data:`~ltp.link_share.GRANTED_MIN_BURST_PACKETS` (or what the rate gives a timer tick), not the
+        configured minimum."""
+        rate = self.pacing_rate(now)
+        self.pacer.set_rate(rate)
+        granted = self.grant is not None and self.grant <= rate
+        packets = GRANTED_MIN_BURST_PACKETS if granted else self.config.min_burst_packets
+        self.pacer.min_burst_bytes = min(packets, self.config.min_burst_packets) * self.mss
+
     def on_grant(self, rate: float, now: float) -> None:
         """Take the receiver's rate grant (datagram bytes/s) from an ACK."""
         self.grant = float(rate)
@@ -177,7 +188,7 @@ class Path:
         self._grant_provisional = False
         if self._grant_floor is None or rate < self._grant_floor:
             self._grant_floor = self.grant
-        self.pacer.set_rate(self.pacing_rate(now))
+        self._pace(now)
 
     def begin_busy(self, now: float) -> None:
         """A message starts on this path while it had none: until a fresh grant arrives, pace at the smallest
@@ -188,7 +199,7 @@ class Path:
         if self._grant_floor is not None:
             # provisional: it stands in for the receiver's answer, due within a round trip
             self.grant, self.grant_at, self._grant_provisional = self._grant_floor, now, True
-            self.pacer.set_rate(self.pacing_rate(now))
+            self._pace(now)
             # and start with at most one minimum burst (a random part of one: the senders' first bursts fall
             # at random phases), not the bucket the idle time filled: every sender of the incast restarts at
             # once, and N full buckets would overflow the receiver's queue together
@@ -199,7 +210,7 @@ class Path:
         """Cap this path at ``rate`` (None: no cap), this host's link split among its active paths."""
         if rate != self.egress_share:
             self.egress_share = rate
-            self.pacer.set_rate(self.pacing_rate(now))
+            self._pace(now)
 
     # -- sending -------------------------------------------------------------
     def _active(self):
@@ -284,5 +295,5 @@ class Path:
                             rate_bps=rate, rtt_s=rtt if rtt >= 0 else None,
                             inflight=self.inflight_bytes(),
                             app_limited=0 <= prior_delivered < self.app_limited_until, acked=newly_bytes)
-            self.pacer.set_rate(self.pacing_rate(now))
+            self._pace(now)
         return lost
