@@ -613,6 +613,10 @@ def launch(args) -> int:
     colocate = bool(args.colocate)
     use_lab, why = _lab_choice(args)
     _check_impairments(args, use_lab, why)
+    if use_lab and args.link_rate is not None and args.transport != "tcp":
+        print("[launch] note: the lab limits only the PS's inbound link (--rate); --link-rate also caps every "
+              "process's sends at that rate, the PS's broadcast included (give a real host its NIC's rate)",
+              flush=True)
     print(f"[launch] {'lab' if use_lab else 'loopback'} ({why}); {args.num_servers} PS + {args.workers} workers"
           f"{' (shard k on worker k' + chr(39) + 's host)' if colocate else ''}, "
           f"transport {args.transport}{'/' + args.cc if args.transport == 'tcp' else ''}", flush=True)
