@@ -85,7 +85,7 @@ from .config import Config
 from .early_close import EarlyClose
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
                      TransferTimeout, WireError)
-from .link_share import SenderCount, datagram_share
+from .link_share import PathCount, datagram_share
 from .liveness import PEER_SILENCE_RTTS  # noqa: F401  (re-exported: the dead-peer rule's constant)
 from .matching import ReceiveMatcher
 from .path import Path, Transmit
@@ -160,7 +160,7 @@ class Engine:
         self._admission = Admission(self.config, self.stats, self._ctrl, srtt=self._srtt_of,
                                     make_room=self._evict_stale_unclaimed)
         self._pending = self._admission.pending  # (peer, fid) -> PendingRegistration
-        self._egress_paths = SenderCount()  # paths sharing it outbound (egress shares)
+        self._egress_paths = PathCount()  # paths sharing it outbound (egress shares)
         self._rx_per_peer = self._admission.per_peer  # source address -> open + pending receive flows
         self._per_host = self._admission.per_host  # source host -> open + pending receive flows
         self._paths: dict = {}

@@ -6,8 +6,8 @@ each one's probing sees a link that is briefly free, so together they pace at
 a multiple of the line rate into the switch's queue; with a shallow queue that
 overflow is loss they inflict on themselves, and Early Close then cuts the
 gradients the senders dropped (measured in the lab: 8 workers into a 1 Gbit/s
-link with a 32 kB queue, 1 % random loss, kept as little as 22 % of one
-gradient). The receiver is the one place that sees every sender, so it
+link with a 32 kB queue at 1 % random loss kept as little as 22 % of one
+gradient; docs/performance.md, Change 3). The receiver is the one place that sees every sender, so it
 decides (as Homa's and pHost's receivers grant credit):
 
 * **Ingress grants.** An endpoint told its link rate (``Config.link_rate``,
@@ -23,9 +23,10 @@ decides (as Homa's and pHost's receivers grant credit):
 * **Grant use.** A sender paces a path at ``min(BBR's pacing rate, grant,
   egress share)``, and while the grant is what limits it, in bursts of at
   least :data:`GRANTED_MIN_BURST_PACKETS` rather than the configured minimum
-  (the granted senders' bursts meet in one shallow queue). BBR still measures the path: its delivery-rate samples
-  follow the grant, so its BtlBw (and the LT threshold a receiver derives from
-  it) describes the rate the flow really gets. A grant is dropped when it has
+  (the granted senders' bursts meet in one shallow queue). BBR still
+  measures the path: its delivery-rate samples follow the grant, so its BtlBw
+  (and the LT threshold a receiver derives from it) describes the rate the
+  flow really gets. A grant is dropped when it has
   not been renewed for :data:`GRANT_TTL_S` (the receiver's set of senders is
   long since different; the next ACK brings a fresh one).
 * **Restarts.** A path that starts a message after being idle paces at the
@@ -47,15 +48,14 @@ that sends no grant leaves the sender's pacing to BBR alone.
 from __future__ import annotations
 
 __all__ = ["GRANT_UTILIZATION", "WIRE_OVERHEAD_BYTES", "SHARE_REFRESH_S", "GRANT_TTL_S", "PROVISIONAL_GRANT_S",
-           "GRANTED_MIN_BURST_PACKETS", "datagram_share",
-           "SenderCount"]
+           "GRANTED_MIN_BURST_PACKETS", "datagram_share", "PathCount"]
 
 #: fraction of the link rate (wire bytes) the grants (or egress shares) add up to: the rest absorbs
 #: the senders' pacing error so a shallow switch queue stays short
 GRANT_UTILIZATION = 0.95
 #: bytes the network adds to every UDP datagram on the wire: Ethernet 14 + IPv4 20 + UDP 8
 WIRE_OVERHEAD_BYTES = 42
-#: the receiver recounts its senders at most this often (seconds)
+#: the endpoint recounts its active sending paths at most this often (seconds)
 SHARE_REFRESH_S = 0.001
 #: a sender forgets a grant not renewed for this long (seconds)
 GRANT_TTL_S = 1.0
@@ -76,7 +76,7 @@ def datagram_share(link_rate: float, senders: int, datagram_bytes: int) -> float
     return link_rate * GRANT_UTILIZATION * on_wire / max(1, senders)
 
 
-class SenderCount:
+class PathCount:
     """How many paths share this host's link outbound, recounted at most every :data:`SHARE_REFRESH_S`.
 
     The owner checks :meth:`stale` and, only then, collects the active paths and passes them to
