@@ -61,7 +61,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from . import wire
-from .link_share import datagram_share
+from .link_share import datagram_share, on_loopback
 from .regimes import CloseReason
 from .timers import DeadlineHeap
 
@@ -196,6 +196,7 @@ class Admission:
         self.pending: dict = {}  # (peer, fid) -> PendingRegistration
         self.expiries = DeadlineHeap()  # pending registrations by expiry, lazily cleaned
         self.per_peer: dict = {}  # source address -> open + pending receive flows
+        self.link_peers = 0  # how many of those addresses are not loopback (rate grants share the link among them)
         self.per_host: dict = {}  # source host -> open + pending receive flows
         self.memory = 0  # bytes allocated on peers' behalf (bitmaps and internal buffers)
         self.host_memory: dict = {}  # source host -> receive memory held for it
@@ -246,7 +247,7 @@ class Admission:
         if existing is not None or pend is not None:
             if (existing or pend).token == token:
                 received = existing.window.received if existing is not None else 0
-                self.ctrl.append((wire.pack_ack(fid, token, received, 0, (), self.grant(seg)), addr))
+                self.ctrl.append((wire.pack_ack(fid, token, received, 0, (), self.grant(seg, addr)), addr))
                 self.stats.drop("duplicate_reg")
                 if pend is not None:
                     pend.expires = max(pend.expires, now + pending_lifetime(self._rtt_hint(addr, w3)))
@@ -297,19 +298,21 @@ class Admission:
                                    expires=now + pending_lifetime(self._rtt_hint(addr, w3)))
         self.pending[key] = pend
         self.expiries.push(pend.expires, key)
+        if addr not in self.per_peer and not on_loopback(addr):
+            self.link_peers += 1
         self.per_peer[addr] = self.per_peer.get(addr, 0) + 1
         self.per_host[host] = self.per_host.get(host, 0) + 1
-        self.ctrl.append((wire.pack_ack(fid, token, 0, 0, (), self.grant(seg)), addr))
+        self.ctrl.append((wire.pack_ack(fid, token, 0, 0, (), self.grant(seg, addr)), addr))
         return None
 
-    def grant(self, seg_size: int) -> int:
-        """The rate grant (datagram bytes/s) for a sender of ``seg_size``-byte segments: this host's link
-        rate split equally among the peers it holds open or registered flows from (``ltp/link_share.py``);
-        0 (no grant) without ``Config.link_rate``."""
+    def grant(self, seg_size: int, addr) -> int:
+        """The rate grant (datagram bytes/s) for sender ``addr`` of ``seg_size``-byte segments: this host's
+        link rate split equally among the peers it holds open or registered flows from, loopback peers left
+        out (``ltp/link_share.py``); 0 (no grant) without ``Config.link_rate`` or for a loopback sender."""
         rate = self.config.link_rate
-        if rate is None:
+        if rate is None or on_loopback(addr):
             return 0
-        return max(1, int(datagram_share(rate, len(self.per_peer), wire.HEADER_SIZE + seg_size)))
+        return max(1, int(datagram_share(rate, self.link_peers, wire.HEADER_SIZE + seg_size)))
 
     def _rtt_hint(self, addr, w3: int) -> float:
         """Round-trip estimate for a registration: the sender's advertised RTprop or our own srtt."""
@@ -377,6 +380,7 @@ class Admission:
         self.pending.clear()
         self.expiries.clear()
         self.per_peer.clear()
+        self.link_peers = 0
         self.per_host.clear()
         self.memory = 0
         self.host_memory.clear()
@@ -387,8 +391,8 @@ class Admission:
         left = self.per_peer.get(addr, 1) - 1
         if left:
             self.per_peer[addr] = left
-        else:
-            self.per_peer.pop(addr, None)
+        elif self.per_peer.pop(addr, None) is not None and not on_loopback(addr):
+            self.link_peers -= 1
         left = self.per_host.get(addr[0], 1) - 1
         if left:
             self.per_host[addr[0]] = left

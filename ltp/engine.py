@@ -85,7 +85,7 @@ from .config import Config
 from .early_close import EarlyClose
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
                      TransferTimeout, WireError)
-from .link_share import PathCount, datagram_share
+from .link_share import PathCount, datagram_share, on_loopback
 from .liveness import PEER_SILENCE_RTTS  # noqa: F401  (re-exported: the dead-peer rule's constant)
 from .matching import ReceiveMatcher
 from .path import Path, Transmit
@@ -614,18 +614,19 @@ class Engine:
         entries = w.take_acks()
         delay_us = int((now - flow.ack_since) * 1e6) if flow.ack_since is not None else 0
         flow.ack_since = None
-        grant = self._admission.grant(flow.seg_size)  # 0 without Config.link_rate (ltp/link_share.py)
+        grant = self._admission.grant(flow.seg_size, flow.peer)  # 0 without Config.link_rate (ltp/link_share.py)
         step = wire.MAX_ACK_ENTRIES - (1 if grant else 0)
         for k in range(0, entries.shape[0], step):
             self._ctrl.append((wire.pack_ack(flow.flow_id, flow.token, w.received, delay_us,
                                              entries[k:k + step], grant), flow.peer))
 
     def _share_egress(self, now: float) -> None:
-        """Split this host's link rate equally among the paths with data to send or in flight."""
+        """Split this host's link rate equally among the paths with data to send or in flight (loopback
+        paths do not use the link: they are neither counted nor capped)."""
         count = self._egress_paths
         if not count.stale(now):
             return
-        active = [p for p in self._paths.values() if p.flows]
+        active = [p for p in self._paths.values() if p.flows and not on_loopback(p.peer)]
         count.update(now, active)
         rate = self.config.link_rate
         for path in active:

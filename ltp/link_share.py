@@ -40,6 +40,10 @@ decides (as Homa's and pHost's receivers grant credit):
   share, so its N paths do not overflow its own uplink's queue either. The
   paths are recounted at most every :data:`SHARE_REFRESH_S`.
 
+Loopback peers (127.0.0.0/8, ::1) are left out of both: their datagrams
+never cross the link (a worker colocated with its PS shard), so they get no
+grant, take no share and are not counted.
+
 Nothing here reads the clock: callers pass ``now``. Without ``link_rate`` no
 grant is sent and no cap is applied (the behaviour before grants); a peer
 that sends no grant leaves the sender's pacing to BBR alone.
@@ -47,8 +51,11 @@ that sends no grant leaves the sender's pacing to BBR alone.
 
 from __future__ import annotations
 
+import ipaddress
+from functools import lru_cache
+
 __all__ = ["GRANT_UTILIZATION", "WIRE_OVERHEAD_BYTES", "SHARE_REFRESH_S", "GRANT_TTL_S", "PROVISIONAL_GRANT_S",
-           "GRANTED_MIN_BURST_PACKETS", "datagram_share", "PathCount"]
+           "GRANTED_MIN_BURST_PACKETS", "datagram_share", "on_loopback", "PathCount"]
 
 #: fraction of the link rate (wire bytes) the grants (or egress shares) add up to: the rest absorbs
 #: the senders' pacing error so a shallow switch queue stays short
@@ -74,6 +81,19 @@ def datagram_share(link_rate: float, senders: int, datagram_bytes: int) -> float
     :data:`GRANT_UTILIZATION` of it."""
     on_wire = datagram_bytes / (datagram_bytes + WIRE_OVERHEAD_BYTES)
     return link_rate * GRANT_UTILIZATION * on_wire / max(1, senders)
+
+
+@lru_cache(maxsize=4096)
+def _loopback_host(host) -> bool:
+    try:
+        return ipaddress.ip_address(str(host).split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False  # a name (simulations): not loopback
+
+
+def on_loopback(addr) -> bool:
+    """True when the ``(host, port)`` address is a loopback one: its traffic does not use the link."""
+    return _loopback_host(addr[0])
 
 
 class PathCount:

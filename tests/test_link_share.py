@@ -193,3 +193,41 @@ def test_grants_stop_an_incast_from_overflowing_a_shallow_queue(floats, n, rate,
         assert delivered > 0.97, on
         assert t < 1.2, on
     assert np.mean([x for _, _, x in on[1:]]) > np.mean([x for _, _, x in off[1:]]) + 0.03
+
+
+def test_loopback_peers_take_no_grant_no_share_and_are_not_counted(floats):
+    """A worker colocated with its PS shard reaches it over loopback: its datagrams never cross the link."""
+    from ltp.engine import Engine
+    from ltp.sim import SimNetwork
+
+    net = SimNetwork(seed=4)
+    rx, local, remote = ("127.0.0.1", 7447), ("127.0.0.1", 7448), ("10.0.0.3", 7447)
+    engines = {rx: Engine(Config(link_rate=GBIT), rng=random.Random(1)),
+               local: Engine(Config(link_rate=GBIT), rng=random.Random(2)),
+               remote: Engine(Config(), rng=random.Random(3))}
+    for a, e in engines.items():
+        net.add_host(a, e)
+    net.trace = []
+    data = {a: floats(200_000, i) for i, a in enumerate((local, remote))}
+    outs = {a: np.zeros_like(d) for a, d in data.items()}
+    hr = engines[rx].post_receive([(a, 0, outs[a]) for a in (local, remote)], now=0.0)
+    hs = {a: engines[a].send(rx, data[a], now=0.0) for a in (local, remote)}
+    done = {}
+
+    def finished():
+        for a, e in engines.items():
+            while (ev := e.next_event()) is not None:
+                done[(a, ev.handle)] = ev
+        return (rx, hr) in done and all((a, h) in done for a, h in hs.items())
+
+    net.run(until=30.0, stop=finished)
+    assert all(r.regime == "complete" for r in done[(rx, hr)].reports)
+    assert all(np.array_equal(outs[a], data[a]) for a in data)
+    grants = {a: [wire.ack_grant(d, wire.unpack_header(d)[1]) for _, s, dst, d in net.trace
+                  if s == rx and dst == a and d[0] & 0x0F == wire.T_ACK] for a in (local, remote)}
+    assert grants[local] and not any(grants[local])  # loopback: no grant
+    full = datagram_share(GBIT, 1, MSS)  # the remote sender is the only one counted
+    assert grants[remote] and all(g == pytest.approx(full, rel=2e-3) for g in grants[remote])
+    assert engines[rx]._admission.link_peers == 0 and not engines[rx]._admission.per_peer  # all closed
+    # the loopback sender's path takes no egress share from its own link either
+    assert engines[local]._paths[rx].egress_share is None

@@ -29,7 +29,7 @@ def test_link_rate_parses_units_reaches_every_role_and_refuses_nonsense(capsys):
         assert "e.g. 1gbit" in capsys.readouterr().err
 
 
-def test_a_gather_over_transports_told_their_link_rate_carries_grants():
+def test_transports_told_their_link_rate_configure_ltp_and_leave_loopback_ungranted():
     async def main():
         ps = await open_transport("ltp", link_rate_bps=8e9, job_key=b"k")
         plain = await open_transport("ltp", job_key=b"k")
@@ -44,12 +44,8 @@ def test_a_gather_over_transports_told_their_link_rate_carries_grants():
             reps = await gathered
             assert all(r.delivered_fraction == 1.0 for r in reps)
             assert all(np.array_equal(b, g) for b, g in zip(bufs, grads))
-            for w in workers:  # each worker's path to the PS was granted a share, none beyond the link
-                path = w._ep.engine._paths[ps.local_addr]
-                assert path.grant is not None and 0 < path.grant < 1e9
-            await workers[0].send(plain.local_addr, grads[0], tag=2, timeout=20)
-            assert workers[0]._ep.engine._paths[plain.local_addr].grant is None  # no rate known: no grant
-            await plain.recv(bufs[0], tag=2, timeout=20)
+            for w in workers:  # loopback never crosses the link: no grant (tests/test_link_share.py has the rest)
+                assert w._ep.engine._paths[ps.local_addr].grant is None
         finally:
             for t in (ps, plain, *workers):
                 await t.close()
