@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from ltp import wire
 from ltp.config import Config
 from ltp.errors import LocalProtocolError
-from ltp.link_share import (GRANT_TTL_S, GRANT_UTILIZATION, GRANTED_MIN_BURST_PACKETS, PROVISIONAL_GRANT_S, WIRE_OVERHEAD_BYTES,
-                             datagram_share)
+from ltp.link_share import (GRANT_TTL_S, GRANT_UTILIZATION, GRANTED_MIN_BURST_PACKETS, PROVISIONAL_GRANT_S,
+                             WIRE_OVERHEAD_BYTES, datagram_share)
 from ltp.pacing import Pacer
 from ltp.path import Path
 from test_engine import GBIT, _incast_rounds
