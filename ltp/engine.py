@@ -85,7 +85,7 @@ from .config import Config
 from .early_close import EarlyClose
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
                      TransferTimeout, WireError)
-from .link_share import PathCount, datagram_share, on_loopback
+from .link_share import SHARE_REFRESH_S, datagram_share, on_loopback
 from .liveness import PEER_SILENCE_RTTS  # noqa: F401  (re-exported: the dead-peer rule's constant)
 from .matching import ReceiveMatcher
 from .path import Path, Transmit
@@ -160,7 +160,7 @@ class Engine:
         self._admission = Admission(self.config, self.stats, self._ctrl, srtt=self._srtt_of,
                                     make_room=self._evict_stale_unclaimed)
         self._pending = self._admission.pending  # (peer, fid) -> PendingRegistration
-        self._egress_paths = PathCount()  # paths sharing it outbound (egress shares)
+        self._egress_recount_at = float("-inf")  # when the paths sharing the link outbound are next recounted
         self._rx_per_peer = self._admission.per_peer  # source address -> open + pending receive flows
         self._per_host = self._admission.per_host  # source host -> open + pending receive flows
         self._paths: dict = {}
@@ -385,9 +385,7 @@ class Engine:
                 self.stats.drop("unknown_flow" if flow is None else "bad_token")
                 return
             entries = wire.unpack_ack_entries(data, w3, 0, flags)
-            grant = wire.ack_grant(data, flags)
-            if flags & wire.F_GRANT and grant <= 0:
-                raise WireError("bad_grant", "a zero grant")
+            grant = wire.ack_grant(data, flags)  # 0: none; a malformed one raises bad_grant
             flow.on_heard(now)
             flow.receiver_count = max(flow.receiver_count, w2)
             path = self._paths[addr]
@@ -623,14 +621,13 @@ class Engine:
     def _share_egress(self, now: float) -> None:
         """Split this host's link rate equally among the paths with data to send or in flight (loopback
         paths do not use the link: they are neither counted nor capped)."""
-        count = self._egress_paths
-        if not count.stale(now):
+        if now < self._egress_recount_at:
             return
+        self._egress_recount_at = now + SHARE_REFRESH_S
         active = [p for p in self._paths.values() if p.flows and not on_loopback(p.peer)]
-        count.update(now, active)
         rate = self.config.link_rate
         for path in active:
-            path.set_egress_share(datagram_share(rate, count.value, path.mss), now)
+            path.set_egress_share(datagram_share(rate, len(active), path.mss), now)
 
     def flush_acks(self, now: float, *, due_by: float | None = None) -> int:
         """Queue pending ACKs now instead of at their ACK-delay deadline; returns how many flows.

@@ -55,7 +55,7 @@ import ipaddress
 from functools import lru_cache
 
 __all__ = ["GRANT_UTILIZATION", "WIRE_OVERHEAD_BYTES", "SHARE_REFRESH_S", "GRANT_TTL_S", "PROVISIONAL_GRANT_S",
-           "GRANTED_MIN_BURST_PACKETS", "datagram_share", "on_loopback", "PathCount"]
+           "GRANTED_MIN_BURST_PACKETS", "datagram_share", "on_loopback"]
 
 #: fraction of the link rate (wire bytes) the grants (or egress shares) add up to: the rest absorbs
 #: the senders' pacing error so a shallow switch queue stays short
@@ -94,31 +94,3 @@ def _loopback_host(host) -> bool:
 def on_loopback(addr) -> bool:
     """True when the ``(host, port)`` address is a loopback one: its traffic does not use the link."""
     return _loopback_host(addr[0])
-
-
-class PathCount:
-    """How many paths share this host's link outbound, recounted at most every :data:`SHARE_REFRESH_S`.
-
-    The owner checks :meth:`stale` and, only then, collects the active paths and passes them to
-    :meth:`update`; :attr:`value` is the last count (at least 1)."""
-
-    __slots__ = ("_n", "_next")
-
-    def __init__(self) -> None:
-        self._n = 1
-        self._next = float("-inf")
-
-    def stale(self, now: float) -> bool:
-        """True when the count must be recomputed."""
-        return now >= self._next
-
-    def update(self, now: float, items) -> int:
-        """Count ``items`` (a sized collection) and cache the count until ``now + SHARE_REFRESH_S``."""
-        self._n = max(1, len(items))
-        self._next = now + SHARE_REFRESH_S
-        return self._n
-
-    @property
-    def value(self) -> int:
-        """The last count."""
-        return self._n

@@ -456,10 +456,11 @@ def ack_grant(buf, flags, Py_ssize_t offset=0):
     """The rate grant (bytes/s) an ACK carries; 0 without ``F_GRANT``.
 
     Raises WireError ``truncated`` (no room for the grant word) or ``bad_grant``
-    (its reserved low 16 bits are not zero)."""
+    (its reserved low 16 bits are not zero, or it grants nothing)."""
     cdef Py_buffer view
     cdef Py_ssize_t start
     cdef uint32_t word
+    cdef uint64_t grant
     if not _mask_obj(int(flags), _F_GRANT):
         return 0
     start = offset + _HEADER_SIZE
@@ -471,7 +472,10 @@ def ack_grant(buf, flags, Py_ssize_t offset=0):
         word = _ld32(<const uint8_t *>view.buf + start)
         if word & 0xFFFF:
             raise WireError("bad_grant", "reserved bits of the grant word are set")
-        return _uf16_dec(word >> 16)
+        grant = _uf16_dec(word >> 16)
+        if grant == 0:
+            raise WireError("bad_grant", "a zero grant")
+        return grant
     finally:
         PyBuffer_Release(&view)
 

@@ -173,7 +173,7 @@ def ack_grant(buf, flags: int, offset: int = 0) -> int:
     """The rate grant (bytes/s) an ACK carries; 0 without ``F_GRANT``.
 
     Raises WireError ``truncated`` (no room for the grant word) or ``bad_grant``
-    (its reserved low 16 bits are not zero)."""
+    (its reserved low 16 bits are not zero, or it grants nothing)."""
     if not int(flags) & F_GRANT:
         return 0
     start = offset + HEADER_SIZE
@@ -182,7 +182,10 @@ def ack_grant(buf, flags: int, offset: int = 0) -> int:
     (word,) = _GRANT.unpack_from(buf, start)
     if word & 0xFFFF:
         raise WireError("bad_grant", "reserved bits of the grant word are set")
-    return uf16_decode(word >> 16)
+    grant = uf16_decode(word >> 16)
+    if grant == 0:
+        raise WireError("bad_grant", "a zero grant")
+    return grant
 
 
 def unpack_ack_entries(buf, word3: int, offset: int = 0, flags: int = 0) -> np.ndarray:

@@ -11,7 +11,7 @@ import pytest
 
 from ltp_ps.cli import COMMON, _passthrough, build_parser
 from ltp_ps.transport import open_transport
-from ps_helpers import child_env, ps_cmd
+from ps_helpers import child_env, lab_reason, ps_cmd
 
 pytestmark = pytest.mark.timeout(170)
 
@@ -56,9 +56,7 @@ def test_transports_told_their_link_rate_configure_ltp_and_leave_loopback_ungran
 @pytest.mark.netns
 @pytest.mark.slow
 def test_launch_in_a_rate_limited_lossy_lab_with_the_link_rate_trains(tmp_path):
-    from ltp_tools.netlab import check_support
-
-    reason = check_support()
+    reason = lab_reason()
     if reason:
         pytest.skip(reason)
     summary = tmp_path / "s.json"

@@ -361,3 +361,7 @@ def test_grant_flag_is_refused_outside_an_ack_and_reserved_bits_are_checked(mod)
     with pytest.raises(mod.WireError) as ei:
         mod.ack_grant(bytes(good[:18]), mod.F_GRANT)
     assert ei.value.reason == "truncated"
+    zero = bytes(good[:16]) + bytes(4)  # a grant word that grants nothing
+    with pytest.raises(mod.WireError) as ei:
+        mod.ack_grant(zero, mod.F_GRANT)
+    assert ei.value.reason == "bad_grant"
