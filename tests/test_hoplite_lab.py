@@ -49,6 +49,22 @@ def test_the_flat_staggered_row_is_predicted_on_its_own_topology_and_bounded_by_
     assert S.FLAT_ROWS["hoplite7+stagger"] == "hoplite" and "hoplite7+stagger" in S.STAGGER_ROWS
 
 
+def test_the_flat_async_rows_run_the_issue_setup_and_are_predicted_on_it():
+    """direct7+async / hoplite7+async: the async pair in the flat lab (PS alone, six workers, quota 3).  Direct
+    is bound by the PS's link (S/B per gradient); Hoplite's update of 3 chains three gradients that never cross
+    a rack uplink, so it is predicted faster per gradient than in the racks lab."""
+    flat = Topology(hosts=tuple(HostLink(f"h{i}", 0, 100e6, 100e6) for i in range(S.FLAT_HOSTS)), uplinks=())
+    sb = 8 * S_BYTES / 100e6
+    assert S.FLAT_ROWS["direct7+async"] == "direct" and S.FLAT_ROWS["hoplite7+async"] == "hoplite"
+    assert {"direct7+async", "hoplite7+async"} <= set(S.ASYNC_ROWS) <= set(S.PS_ALONE_ROWS)
+    assert S.predict("direct7+async", flat, S.FLAT_HOSTS - 1, S_BYTES) == pytest.approx(sb)
+    flat_update = S.predict("hoplite7+async", flat, S.FLAT_HOSTS - 1, S_BYTES)
+    assert 2 * sb * 0.99 <= flat_update <= S.predict("hoplite+async", _topology(), 5, S_BYTES)
+    # direct's warm-up counts three gradients per hoplite update, in either lab
+    direct = S._summarise_job("direct7+async", {"rows": _rows("d", [0.1 * i for i in range(20)]), "error": None}, 20)
+    assert direct["grads_per_s"] == pytest.approx(10.0)
+
+
 def _rows(schedule, ts, contributors=None, gather=None):
     rows = []
     for i, t in enumerate(ts):
@@ -76,9 +92,11 @@ def test_async_rows_report_gradients_per_second_after_the_warm_up():
 
 
 def test_checks_of_the_hoplite_rows_pass_and_fail():
-    def checks(hop_gps, after_last, flat_after_last=None):
+    def checks(hop_gps, after_last, flat_after_last=None, flat_gps=None):
         summary = [{"schedule": "direct+async", "n": 1, "grads_per_s": 3.0},
                    {"schedule": "hoplite+async", "n": 1, "grads_per_s": hop_gps},
+                   {"schedule": "direct7+async", "n": 1, "grads_per_s": 2.0},
+                   {"schedule": "hoplite7+async", "n": 1, "grads_per_s": flat_gps},
                    {"schedule": "hoplite+stagger", "n": 1, "reduce_after_last_s": after_last},
                    {"schedule": "hoplite7+stagger", "n": 1, "reduce_after_last_s": flat_after_last}]
         runs = [{"schedule": "hoplite+stagger", "stagger_bound_s": 0.48},
@@ -91,6 +109,9 @@ def test_checks_of_the_hoplite_rows_pass_and_fail():
     assert bad["hoplite async half-batch / async direct, gradients applied per second (issue 11)"] is False
     assert bad["hoplite staggered arrivals"] is False and bad["hoplite staggered arrivals, flat"] is False
     assert "hoplite staggered arrivals, flat" not in checks(6.5, 0.4)  # a row that did not run is not checked
+    flat = "hoplite async half-batch / async direct, flat, gradients applied per second (issue 11)"
+    assert flat not in checks(6.5, 0.4)
+    assert checks(6.5, 0.4, flat_gps=4.0)[flat] is True and checks(6.5, 0.4, flat_gps=3.9)[flat] is False
 
 
 @needs_lab
