@@ -54,7 +54,11 @@ grants flow down.  A worker computes on every parameter version it completes
 ``NodeReady(version=v)``; the PS applies update ``u`` in order, snapshots the
 parameters as version ``u + 1`` (the broadcast reads the snapshot) and feeds
 ``UpdateApplied(u)``.  Its own grants run in three lanes (sends, receives,
-combine/apply) so a broadcast never delays the next update's receive.
+combine/apply) so a broadcast never delays the next update's receive.  Every
+``RETURN_POLL_S`` it takes in workers that joined again (written off while
+paused, cut off, or restarted): fresh control streams, the mode note, the
+others told it is back, then the controller's ``admit`` (it gets the next
+version with that update's members).
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ HEARTBEAT_S = 0.5  # seconds between a worker's "alive" notes (a worker blocked 
 SILENT_S = 10.0  # seconds without a note (20 heartbeats) before the PS writes a worker off: a worker killed while no
 #                  transfer with it was in flight is found by nothing else (no send to it fails)
 QUIESCE_S = 2.0  # seconds the PS waits, after a round closed, for grants still being delivered
+RETURN_POLL_S = 0.5  # --mode async: seconds between the PS's looks at the store for workers joining again
 READY_STAGGER_ENV = "LTP_HOPLITE_READY_STAGGER_S"  # experiments only: rank r reports its gradient r x this many
 #                                                    seconds after computing it (the lab's staggered-arrival row)
 IN_ORDER_PAYLOADS = frozenset({"params"})  # a parameter chunk grant's sends complete in chunk order (cut-through)
@@ -542,11 +547,12 @@ class _AsyncServerRole(_ServerRole):
         ps.log(f"[ps{ps.shard}] hoplite async: half-batch updates of {m} of {ws} workers' gradients through "
                f"receiver-driven chains, {self.updates} updates, staleness <= {self.ctrl.max_staleness}")
         await asyncio.gather(*(self._note_async(n) for n in nodes))
-        listeners = [asyncio.ensure_future(self.listen(n)) for n in nodes]
+        listeners = {n: asyncio.ensure_future(self.listen(n)) for n in nodes}
         self.driver_me = ps.executor.me
         driver = _LaneDriver(self.ctrl, ps.executor, ps._slots, self, deliver=self.deliver,
                              on_grants=self._on_grants)
         self._t0 = self._progress = time.monotonic()
+        next_poll = self._t0 + RETURN_POLL_S
         try:
             live = [n for n in nodes if n not in self.failed]
             if not live:
@@ -554,6 +560,9 @@ class _AsyncServerRole(_ServerRole):
             self.driver = driver
             driver.start(live)
             while not self.ctrl.done():
+                if time.monotonic() >= next_poll:
+                    await self.admit_async_returns(listeners)
+                    next_poll = time.monotonic() + RETURN_POLL_S
                 if self.error is not None:
                     raise self.error
                 if driver.errors:
@@ -584,12 +593,41 @@ class _AsyncServerRole(_ServerRole):
         finally:
             await driver.close()
             self.driver = None
-            for t in listeners + list(self._notes):
+            for t in [*listeners.values(), *self._notes]:
                 t.cancel()
-            await asyncio.gather(*listeners, *self._notes, return_exceptions=True)
+            await asyncio.gather(*listeners.values(), *self._notes, return_exceptions=True)
             ps.hoplite_stats = {**self.counters, **self.ctrl.counters, "updates": self.ctrl.applied,
                                 "failed_workers": sorted(self.failed)}
             await self.stop_all()
+
+    async def admit_async_returns(self, listeners: dict) -> list:
+        """Take in workers whose join the store verified since the last look (written off and joined again, a
+        restarted process): fresh control streams (epoch: the join's ticket), the mode note, every other worker
+        told it is back, then the controller takes it back (``admit``; it gets the next version broadcast)."""
+        ps = self.ps
+        back = []
+        for n, m, again in ps.returning_workers(self.channels):
+            if n not in self.failed:
+                # a new incarnation before this PS wrote the old one off: what the controller holds for the old
+                # one (its place in open chains, a broadcast to it) is written off like a failure's
+                self.driver.feed(NodeFailed(n, "it joined again (a new incarnation)"))
+            self.failed.discard(n)
+            ps.reopen_control(n, m, self.channels, listeners, self.listen)
+            await self._note_async(n)  # the mode first: its grants follow on the same ordered stream
+            if n in self.failed:
+                continue  # the note failed: written off again
+            await asyncio.gather(*self._notes, return_exceptions=True)  # earlier "failed" notes go first
+            await asyncio.gather(*(self._note_back(x, n) for x in list(self.channels)
+                                   if x != n and x not in self.failed))
+            self.driver.revive(n)
+            self._progress = time.monotonic()
+            self.counters["readmitted"] = self.counters.get("readmitted", 0) + again
+            ps.log(f"[ps{ps.shard}] worker {m.rank} {'joined again' if again else 'joined'} "
+                   f"(generation {m.generation}); it gets version {self.ctrl.applied + 1} or later")
+            back.append(n)
+        if back:
+            ps._write_member_events(ps.iteration)
+        return back
 
     async def _note_async(self, node: str) -> None:
         try:

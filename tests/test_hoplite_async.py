@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ltp_ps.schedules.hoplite import parse_chunk_slot
-from ltp_ps.schedules.hoplite_async import (MAX_STALENESS, AsyncHalfBatchController, UpdateApplied, batch_of_slot,
-                                            half_batch, params_key, parse_params_key)
+from ltp_ps.schedules.hoplite_async import (MAX_STALENESS, AsyncHalfBatchController, UpdateApplied,
+                                            batch_of_slot, half_batch, params_key, parse_params_key)
 from ltp_ps.schedules.partial import Partial
 from ltp_ps.schedules.program import ChunkArrived, NodeFailed, NodeReady, TransferDone, server, worker
 from ltp_ps.schedules.tags import PHASE_PUSH, pack, unpack
@@ -52,6 +52,7 @@ class AsyncRun:
         self.applied = []  # (update, contributors, mean)
         self.ready_log = []  # (time, worker, version)
         self.computed_on = []  # (worker, version, params equal to the PS snapshot)
+        self.before_applied = {}  # update -> callable run just before the controller hears it was applied
         self.feed(self.c.start(0, self.workers, now=0.0))
 
     def feed(self, grants):
@@ -59,6 +60,8 @@ class AsyncRun:
             self.q[g.node].append(g)
 
     def event(self, ev):
+        if isinstance(ev, UpdateApplied) and ev.batch in self.before_applied:  # a test's hook
+            self.before_applied.pop(ev.batch)()
         self.feed(self.c.on_event(ev, now=self.now))
 
     def kill(self, node):
@@ -67,6 +70,15 @@ class AsyncRun:
         for key in [k for k in self.mail if k[0] == node]:
             del self.mail[key]
         self.event(NodeFailed(node))
+
+    def revive(self, node):
+        """``node`` (killed earlier) joins again: a fresh process state, taken back by the controller.  A compute
+        it started before its death may still finish (a paused worker resumed): its gradient is stale."""
+        self.dead.discard(node)
+        self.have[node] = {}
+        self.slots[node] = {}
+        self.entered.pop(node, None)
+        self.feed(self.c.admit(node, now=self.now))
 
     def _grad_partial(self, w):
         r = int(w.split(":")[1])
@@ -226,6 +238,57 @@ def test_killed_worker_mid_run_the_updates_go_on_with_the_rest():
     assert all(len(m) == 2 for m in members[6:])  # ceil(4 / 2)
 
 
+@pytest.mark.parametrize("n,kill_at,back_at", [(5, 4, 8), (3, 2, 3), (6, 0, 1), (2, 3, 6), (4, 5, 5)])
+def test_a_worker_written_off_and_taken_back_contributes_again(n, kill_at, back_at):
+    """Killed after ``kill_at`` updates, back after ``back_at``: it is live again at once (the quota counts it),
+    gets the next version with that update's members, and its gradients are applied again -- exactly, within
+    the staleness bound, on the PS's own version."""
+    run = AsyncRun(n=n, compute={worker(r): 1.0 + 0.1 * r for r in range(n)}, updates=30)
+    w = worker(1)
+    run.run(until=lambda r: len(r.applied) >= kill_at)
+    run.kill(w)
+    run.run(until=lambda r: len(r.applied) >= back_at)
+    k = len(run.applied)
+    run.revive(w)
+    assert w in run.c.live and run.c.quota() == half_batch(n) and run.c.counters["taken_back"] == 1
+    run.run()
+    assert run.c.done()
+    members = _check_invariants(run, half_batch(n))
+    assert any(w in m for m in members[k:]), members[k:]
+    assert all(len(m) >= half_batch(n) for m in members[-4:])
+    assert [v for x, v, _ in run.computed_on if x == w and v > k]  # it computed on a version after its return
+    assert run.c.admit(w, now=run.now) == []  # already live: nothing happens
+    assert run.c.counters["taken_back"] == 1
+
+
+def test_a_returning_workers_gradient_waits_for_an_update_that_has_it_as_an_input():
+    """The open update began without the returning worker: its first gradient is parked, then chained into the
+    next update (never dropped while within the bound); a ready from before its return is stale."""
+    run = AsyncRun(n=4, compute={worker(r): 1.0 for r in range(4)}, updates=20)
+    w = worker(3)
+    run.run(until=lambda r: len(r.applied) >= 2)
+    run.kill(w)
+    run.run(until=lambda r: len(r.applied) >= 4)
+    u = run.c.applied
+    # back after update u met its quota (u + 1 is open, begun without it) but before u is applied: version
+    # u + 1 reaches it, and its gradient on that version finds no update with it as an input until u + 2 opens
+
+    def back():
+        assert run.c.open == u + 1 and w not in run.c.batches[u + 1].reduce.pending()
+        run.compute[w] = 0.05  # fast: ready while update u + 1 still collects
+        run.revive(w)
+    run.before_applied[u] = back
+    run.run(until=lambda r: w in r.c.parked)
+    assert run.c.counters["parked"] == 1 and run.c.parked[w] == u + 1
+    run.event(NodeReady(w, 0, version=0))  # a gradient from before it was written off
+    assert run.c.counters["stale_ready"] == 1
+    run.run()
+    assert run.c.done()
+    _check_invariants(run, 2)
+    assert not run.c.parked and run.c.staleness[u + 2][w] == 1  # chained into u + 2, one update stale
+    assert run.c.counters["parked_too_stale"] == 0
+
+
 def test_killing_the_tail_of_an_open_chain_keeps_its_predecessors_contribution():
     run = AsyncRun(n=6, compute={worker(r): 1.0 + 0.01 * r for r in range(6)}, updates=10, latency_s=1e-9)  # 1D
 
@@ -268,14 +331,19 @@ def test_every_worker_dead_before_ready_closes_updates_without_hanging():
 
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 8), seed=st.integers(0, 10_000), bound=st.integers(1, 3),
-       kill=st.booleans())
-def test_property_any_speeds_any_death(n, seed, bound, kill):
+       kill=st.booleans(), back=st.booleans())
+def test_property_any_speeds_any_death(n, seed, bound, kill, back):
     rnd = random.Random(seed)
     compute = {worker(r): rnd.uniform(0.2, 3.0) for r in range(n)}
     run = AsyncRun(n=n, compute=compute, updates=12, max_staleness=bound, seed=seed)
     if kill and n > 1:
         run.run(until=lambda r: len(r.applied) >= rnd.randrange(0, 4))
-        run.kill(worker(rnd.randrange(n)))
+        victim = worker(rnd.randrange(n))
+        run.kill(victim)
+        if back:  # written off while alive: it joins again a few updates later
+            run.run(until=lambda r: len(r.applied) >= rnd.randrange(0, 8))
+            if not run.c.done():
+                run.revive(victim)
     run.run()
     assert run.c.done()
     members = _check_invariants(run, half_batch(n), bound)

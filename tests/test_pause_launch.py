@@ -90,6 +90,17 @@ def test_a_hoplite_worker_paused_and_dropped_is_taken_in_again(tmp_path):
     assert late and late[-1]["contributors"] == 3 and "worker:1" in late[-1]["members"], late[-3:]
 
 
+def test_a_hoplite_async_worker_paused_and_dropped_is_taken_back_and_contributes_again(tmp_path):
+    """``--mode async``: the PS writes the paused worker off at 10 s; resumed, it joins again and the PS takes it
+    back between updates (it gets the next version with that update's members).  Before, the asynchronous PS never
+    looked at the store again: the worker waited out the job with its join pending and the job ran one short."""
+    late = _paused_worker_returns(tmp_path, "hoplite", epochs=40, after_rows=10,
+                                  extra=("--mode", "async", "--momentum", "0", "--lr", "0.4"))
+    assert late and late[-1]["workers"] == 3, late[-3:]
+    assert sum("worker:1" in r["members"] for r in late) >= len(late) // 3, late[-5:]
+    assert all(max(r["staleness"].values()) <= 2 for r in late)
+
+
 def test_a_hoplite_worker_paused_right_after_joining_costs_the_job_only_itself(tmp_path):
     """Worker 2 stopped the moment the PS has logged the four joins (``after_rows=4``: join rows carry an
     iteration field), 15 s.  Before: a worker published its address for its peers only after its join, and

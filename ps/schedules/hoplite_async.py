@@ -33,6 +33,15 @@ updates:
   about to be overwritten; a transfer it already serves runs first, its
   grants being ordered).  Version 0 goes to every worker at :meth:`start`.
 
+* **Taking a worker back** (:meth:`AsyncHalfBatchController.admit`; ours,
+  the paper has no faults): a worker written off (``NodeFailed``: paused, cut off) that joins
+  again is live again at once (the quota counts it) and gets the next
+  version broadcast with that update's members.  Its first gradient is
+  *parked* until an update that has it as an input opens (updates open with
+  the live workers of their moment), then chained like any other; one that
+  would be staler than ``max_staleness`` there is dropped (counted
+  ``parked_too_stale``) and the worker waits for the next version instead.
+
 Events: ``NodeReady(w, version=v)`` (w's gradient on version ``v``; one
 that is not the version the controller expects from ``w`` is dropped and
 counted), ``ChunkArrived(w, key="params:k@v")``, ``TransferDone`` (routed by
@@ -129,7 +138,10 @@ class AsyncHalfBatchController(Controller):
         self._held: dict = {}  # update -> Apply grants waiting for the previous update's apply
         self._empty_sent: set = set()
         self.staleness: dict = {}  # update -> {worker: staleness of its gradient}
-        self.counters = {"stale_ready": 0, "unknown_tag": 0, "excused": 0, "overdue_waits": 0}
+        self.returning: set = set()  # workers taken back, waiting for the next version broadcast
+        self.parked: dict = {}  # worker -> version of a gradient waiting for an update that has it as an input
+        self.counters = {"stale_ready": 0, "unknown_tag": 0, "excused": 0, "overdue_waits": 0, "taken_back": 0,
+                         "parked": 0, "parked_too_stale": 0}
 
     # -- Controller interface -------------------------------------------------
     def start(self, iteration: int, nodes: Sequence[str], *, now: float) -> list[Grant]:
@@ -212,8 +224,9 @@ class AsyncHalfBatchController(Controller):
             self.counters["stale_ready"] += 1
             return []
         u = next((b for b in sorted(self.batches) if node in self.batches[b].reduce.pending()), None)
-        if u is None:  # cannot happen while the newest update is open; counted, never raised
-            self.counters["stale_ready"] += 1
+        if u is None:  # a worker taken back since the open update began: it waits for the next one
+            self.parked[node] = version
+            self.counters["parked"] += 1
             return []
         ctl = self.batches[u]
         self.fresh[node] = u + 1
@@ -242,8 +255,26 @@ class AsyncHalfBatchController(Controller):
                 continue
             self.counters["excused"] += 1
             out += ctl._hop_grants(rc.excuse(n, now=now))
-        return out
+        return out + self._unpark(now)
 
+    def _unpark(self, now: float) -> list[Grant]:
+        """Chain parked gradients into the newest update, which has every live worker as an input; one that
+        would be staler than the bound there is dropped and its worker gets the next version instead."""
+        out = []
+        u = self.open
+        ctl = self.batches.get(u)
+        for node, version in sorted(self.parked.items()):
+            if ctl is None or node not in ctl.reduce.pending():
+                continue
+            del self.parked[node]
+            if node not in self.live or self.fresh.get(node) != version:
+                continue
+            if u - version > self.max_staleness:
+                self.counters["parked_too_stale"] += 1
+                self.returning.add(node)
+                continue
+            out += self._ready(node, version, now)
+        return out
     def _after(self, u: int, grants: list, now: float) -> list[Grant]:
         """Post-process update ``u``'s grants: quota, held applies, and the apply of an update that closed
         with nothing to deliver."""
@@ -307,15 +338,33 @@ class AsyncHalfBatchController(Controller):
         self.applied = u + 1
         ctl = self.batches.pop(u)
         members = [n for n in ctl.reduce.ready_nodes if n in self.live]
-        out = self._broadcast(u + 1, members, now)
+        back = sorted(n for n in self.returning if n in self.live and n not in members)
+        self.returning.clear()
+        out = self._broadcast(u + 1, members + back, now)
         out += self._held.pop(u + 1, [])
         return out
 
     # -- faults -------------------------------------------------------------------
+    def admit(self, node: str, *, now: float) -> list[Grant]:
+        """Take worker ``node`` back (written off by ``NodeFailed`` and joined again; the driver's ``revive``):
+        live at once, it gets the next version broadcast (see the module doc).  No grants until then."""
+        if node.startswith("server:") or node in self.live or self.done():
+            return []
+        self.live.add(node)
+        if node not in self.nodes:
+            self.nodes.append(node)
+        self.fresh[node] = None  # no version yet: a gradient it reports before the next one is stale
+        self.parked.pop(node, None)
+        self.returning.add(node)
+        self.counters["taken_back"] += 1
+        return []
+
     def _failed(self, ev: NodeFailed, now: float) -> list[Grant]:
         if ev.node.startswith("server:") or ev.node not in self.live:
             return []
         self.live.discard(ev.node)
+        self.returning.discard(ev.node)
+        self.parked.pop(ev.node, None)
         out = []
         for v in sorted(self.versions):
             out += self.versions[v].on_event(ev, now=now)
