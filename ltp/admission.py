@@ -76,7 +76,11 @@ MAC_SIZE = 16
 PENDING_RTTS = 8
 #: ... but never less than this (seconds; covers a sender's first pacing gap) ...
 PENDING_MIN_S = 0.05
-#: ... nor more than this (seconds)
+#: ... nor more than this (seconds), which is also its life when neither side knows the RTT yet (a first
+#: REG on a path; a message that ends in BBR's STARTUP advertises no estimate): a guessed short life
+#: expires every registration on a path whose one-way delay exceeds it, since DATA held for the REG's
+#: answer arrives one round trip after the REG (measured: 50 ms one-way, 10 Mbit/s -- every re-registration
+#: expired, and the sends failed "unregistered")
 PENDING_MAX_S = 1.0
 #: DATA of a closed flow is answered with its STOP again at most once per this interval (seconds)
 STOP_REPEAT_S = 0.002
@@ -163,8 +167,11 @@ class PendingRegistration:
     expires: float
 
 
-def pending_lifetime(rtt_s: float) -> float:
-    """How long a registration may wait for its first DATA, from a round-trip estimate (seconds)."""
+def pending_lifetime(rtt_s: float | None) -> float:
+    """How long a registration may wait for its first DATA, from a round-trip estimate (seconds; None:
+    unknown, the longest life)."""
+    if not rtt_s:
+        return PENDING_MAX_S
     return min(PENDING_MAX_S, max(PENDING_MIN_S, PENDING_RTTS * rtt_s))
 
 
@@ -314,11 +321,12 @@ class Admission:
             return 0
         return max(1, int(datagram_share(rate, self.link_peers, wire.HEADER_SIZE + seg_size)))
 
-    def _rtt_hint(self, addr, w3: int) -> float:
-        """Round-trip estimate for a registration: the sender's advertised RTprop or our own srtt."""
+    def _rtt_hint(self, addr, w3: int) -> float | None:
+        """Round-trip estimate for a registration: the larger of the sender's advertised RTprop and our own srtt
+        to it; None when neither is known (not the configured initial guess: see PENDING_MAX_S)."""
         rt_us = wire.split_estimates(w3)[0]
         ours = self._srtt(addr) or 0.0
-        return max(rt_us / 1e6, ours) or self.config.initial_rtt_s
+        return max(rt_us / 1e6, ours) or None
 
     def pending_for(self, key, token: int):
         """The pending registration ``key`` if ``token`` is its token (a first DATA), else None."""
