@@ -90,6 +90,9 @@ class Config:
     link_rate: float | None = None
     #: adapters send DATA by gather (header + segment straight from the message: one copy, by the kernel)
     gather_send: bool = True
+    #: the asyncio adapter reads a socket that wakes it for a datagram or two at a time, several times a loop
+    #: tick, on its timer instead (once a tick, as NAPI polls a busy NIC); see ltp/endpoint.py
+    receive_polling: bool = True
 
     def __post_init__(self) -> None:
         if not 576 <= self.mtu <= 65535:

@@ -13,6 +13,12 @@ never closer than the loop's timer resolution, :func:`timer_delay`; ACKs that ti
 send late go out early, :meth:`Engine.flush_acks`). While batches keep coming (at least
 ``DRAIN_MIN_DATAGRAMS``) a wake-up reads until the socket is empty, so datagrams that arrive
 while a batch is processed cost no second wake-up.
+**Receive polling** (``Config.receive_polling``, as NAPI does for a NIC): a socket that wakes the
+loop for one or two datagrams at a time, several times within one loop tick (a paced flow at
+100 Mbit/s-1 Gbit/s: a wake-up per datagram, tens of microseconds of loop and Python each), stops
+being watched and is read on the endpoint's timer instead, once per tick; a tick that finds
+fewer than ``POLL_EXIT_DATAGRAMS`` datagrams watches the socket again. Bursty or sparse arrivals
+(high-rate batches, control messages) never enter it, so their latency is unchanged.
 The engine gets ``time.monotonic()`` as ``now``, not ``loop.time()``: uvloop's
 loop clock is cached per iteration at millisecond resolution, which would
 quantise every RTT and delivery-rate sample. Each received datagram also
@@ -95,8 +101,21 @@ class _SocketWatch:
             # per-packet cost on the sending path for an entry nobody reads
             self._wset = select.epoll(1)
         self._rfd = self._rset.fileno() if self._rset is not None else fd
+        self._on_readable = on_readable
         self._loop.add_reader(self._rfd, on_readable)
+        self.reading = True
         self.writing = False
+
+    def want_readable(self, on: bool) -> None:
+        """Start (True) or stop (False) calling ``on_readable`` when datagrams arrive (receive polling
+        stops it and reads on a timer)."""
+        if on == self.reading:
+            return
+        self.reading = on
+        if on:
+            self._loop.add_reader(self._rfd, self._on_readable)
+        else:
+            self._loop.remove_reader(self._rfd)
 
     def want_writable(self, on: bool) -> None:
         """Start (True) or stop (False) calling ``on_writable`` while the socket can take data."""
@@ -114,7 +133,7 @@ class _SocketWatch:
 
     def close(self) -> None:
         self.want_writable(False)
-        self._loop.remove_reader(self._rfd)
+        self.want_readable(False)
         for s in (self._rset, self._wset):
             if s is not None:
                 s.close()
@@ -145,8 +164,14 @@ class Endpoint:
         self._pending: deque = deque()
         self._closed = False
         self._family = sock.family
-        #: wake-ups of this endpoint by cause (socket readable, timer, socket writable)
-        self.loop_stats = {"readable": 0, "timer": 0, "writable": 0, "stalled_timeouts": 0}
+        #: wake-ups of this endpoint by cause (socket readable, timer, socket writable); ``polls``: timer
+        #: wake-ups that read the socket while polling, ``poll_entries``: switches to receive polling
+        self.loop_stats = {"readable": 0, "timer": 0, "writable": 0, "stalled_timeouts": 0, "polls": 0,
+                           "poll_entries": 0}
+        self._polling = False  # receive polling: the socket is read on the timer, not watched
+        self._poll_at = 0.0  # while polling: when the next read is due (engine clock)
+        self._small_wakeups = 0  # readable wake-ups of at most POLL_SMALL_READ datagrams since _small_since
+        self._small_since = 0.0
         self._watch = _SocketWatch(self._loop, sock.fileno(), self._on_readable, self._on_writable)
 
     # ------------------------------------------------------------------ properties
@@ -364,15 +389,50 @@ class Endpoint:
 
     def _on_readable(self) -> None:
         self.loop_stats["readable"] += 1
-        self._receive_pending(woken=True)
+        n = self._receive_pending(woken=True)
+        if self.config.receive_polling and not self._closed:
+            self._note_wakeup(n)
         self._flush()
 
-    def _receive_pending(self, woken: bool = False) -> None:
-        """Read what arrived; ``woken``: the loop said the socket is ready (an empty read then
-        means an error report is waiting, which is read at once so the watch stops firing)."""
+    def _note_wakeup(self, n: int) -> None:
+        """Count a readable wake-up that read ``n`` datagrams; start receive polling after
+        ``POLL_ENTER_WAKEUPS`` small ones within one loop tick, unless a send is open or a receive is in its
+        first segments (``Engine.sending``, ``Engine.quickacking``)."""
+        if n > POLL_SMALL_READ or self.engine.sending or self.engine.quickacking:
+            self._small_wakeups = 0  # a batch: the wake-up paid for itself
+            return
+        now = _now()
+        if now - self._small_since > LOOP_TIMER_RESOLUTION_S:
+            self._small_since, self._small_wakeups = now, 0
+        self._small_wakeups += 1
+        if self._small_wakeups >= POLL_ENTER_WAKEUPS:
+            self._small_wakeups = 0
+            self._polling = True
+            self._poll_at = now + LOOP_TIMER_RESOLUTION_S
+            self._watch.want_readable(False)
+            self.loop_stats["poll_entries"] += 1
+
+    def _polled(self, n: int, now: float) -> None:
+        """A timer wake-up while polling read ``n`` datagrams: poll again a tick later, or watch the socket
+        again when the tick brought fewer than ``POLL_EXIT_DATAGRAMS``."""
+        self.loop_stats["polls"] += 1
+        if n < POLL_EXIT_DATAGRAMS:
+            self._stop_polling()
+        else:
+            self._poll_at = now + LOOP_TIMER_RESOLUTION_S
+
+    def _stop_polling(self) -> None:
+        self._polling = False
+        self._watch.want_readable(True)  # level-triggered: what arrived since the last read wakes it at once
+
+    def _receive_pending(self, woken: bool = False) -> int:
+        """Read what arrived; returns the number of datagrams read. ``woken``: the loop said the socket is
+        ready (an empty read then means an error report is waiting, which is read at once so the watch
+        stops firing)."""
         io = self._io
         eng = self.engine
         empty = woken
+        total = 0
         for _ in range(self.max_batches_per_wakeup):
             try:
                 n = io.recv_batch()
@@ -382,6 +442,7 @@ class Endpoint:
             if n == 0:
                 break
             empty = False
+            total += n
             now = self._clock()
             buf, offs, lens = io.buffer, io.offsets, io.lengths
             times = shift = None
@@ -409,6 +470,7 @@ class Endpoint:
                 self._icmp_seen = io.icmp_errors
                 self._errq_next = now + _ERRQ_POLL_S
                 self._read_errors()
+        return total
 
     def _read_errors(self) -> None:
         """Feed ICMP unreachable reports (IP_RECVERR error queue) to the engine: a dead peer is noticed
@@ -434,8 +496,14 @@ class Endpoint:
         self._timer_at = None
         # read what already arrived first: a loss timer must not fire on ACKs that are
         # sitting in the socket buffer because the loop ran this callback before the reader
-        self._receive_pending()
+        n = self._receive_pending()
         now = self._clock()
+        if self._polling:
+            self._polled(n, now)
+            due = self.engine.get_timer()
+            if due is None or due > now:  # this wake-up was the poll only: the engine's deadline is later
+                self._flush()
+                return
         try:
             self.engine.handle_timer(now)
         except Exception:
@@ -513,6 +581,12 @@ class Endpoint:
             elif isinstance(ev, ReceiveDone):
                 fut.set_result(ev.reports)
         when = eng.get_timer()
+        if self._polling and (eng.sending or eng.quickacking):
+            # a sender's ACK wake-ups are its chances to send between pacing ticks; a flow's first segments
+            # are acknowledged at once (its sender may be in a slow-start round)
+            self._stop_polling()
+        if self._polling:  # the timer also reads the socket, at least once a tick
+            when = self._poll_at if when is None else min(when, self._poll_at)
         if when is None:
             if self._timer is not None:
                 self._timer.cancel()
@@ -531,6 +605,14 @@ class Endpoint:
 #: another before the wake-up ends (at 5 Gbit/s a read returns 20-40; at 100 Mbit/s one, and a
 #: second read would be an empty syscall per datagram)
 DRAIN_MIN_DATAGRAMS = 8
+
+#: receive polling (``Config.receive_polling``): this many readable wake-ups within one loop tick, each
+#: reading at most POLL_SMALL_READ datagrams, switch the endpoint to reading on its timer, once a tick (a
+#: paced 100 Mbit/s flow wakes a receiver ~8 times a millisecond, one datagram each); a polling tick
+#: that reads fewer than POLL_EXIT_DATAGRAMS switches it back (sparse traffic is read at once again)
+POLL_ENTER_WAKEUPS = 4
+POLL_SMALL_READ = 2
+POLL_EXIT_DATAGRAMS = 2
 
 #: seconds: the event loop's timer resolution. uvloop (libuv) keeps timers in whole milliseconds
 #: and rounds a shorter delay to zero, so a timer armed 0.5 ms ahead fires at once, finds nothing

@@ -684,6 +684,17 @@ class Engine:
             path.wake = path.next_send_time(now)
         return out
 
+    @property
+    def sending(self) -> bool:
+        """Whether a send is open (its ACKs are the adapter's chances to send more: receive polling waits)."""
+        return bool(self._tx)
+
+    @property
+    def quickacking(self) -> bool:
+        """Whether an open receive flow is still in its first :data:`QUICKACK_SEGMENTS` segments (its sender may be
+        in a slow-start round, waiting for every ACK: receive polling waits)."""
+        return any(f.window.received <= QUICKACK_SEGMENTS for f in self._rx.values())
+
     # ------------------------------------------------------------------ timers
     def get_timer(self) -> float | None:
         """The earliest time :meth:`handle_timer` must run, or None (the minimum of :meth:`timers`)."""

@@ -123,7 +123,7 @@ def _ltp_receiver(args) -> int:
         out = dict(regime=rep.regime, received_bytes=rep.received_bytes, delivered_fraction=rep.delivered_fraction,
                    receiver_cpu_s=round(cpu, 3), verified=ok, receiver_peak_rss=peak,
                    receiver_rss_before_transfer=base_rss, dropped=dict(ep.stats.dropped),
-                   extensions=ltp.using_extensions())
+                   extensions=ltp.using_extensions(), receiver_wakeups=dict(ep.loop_stats))
         await ep.close()
         print(json.dumps(out), flush=True)
 
@@ -151,7 +151,8 @@ def _ltp_sender(args) -> int:
                    delivered_fraction=rep.delivered_fraction, retransmitted_packets=rep.retransmitted_packets,
                    packets_sent=rep.packets_sent, close_reason=rep.close_reason, sender_cpu_s=round(cpu, 3),
                    machine_cpu_s=machine,
-                   rtprop_ms=round(rep.rtprop_s * 1e3, 3), btlbw_gbps=round(rep.btlbw_bps * 8 / 1e9, 3))
+                   rtprop_ms=round(rep.rtprop_s * 1e3, 3), btlbw_gbps=round(rep.btlbw_bps * 8 / 1e9, 3),
+                   sender_wakeups=dict(ep.loop_stats))
         await ep.close()
         print(json.dumps(out), flush=True)
 
@@ -222,11 +223,11 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             delivered = s["delivered_bytes"]
             result = dict(transport="ltp", mode=mode, **{k: s[k] for k in (
                 "duration_s", "retransmitted_packets", "packets_sent", "sender_cpu_s", "close_reason",
-                "rtprop_ms", "btlbw_gbps", "machine_cpu_s")},
+                "rtprop_ms", "btlbw_gbps", "machine_cpu_s", "sender_wakeups")},
                 delivered_fraction=r["delivered_fraction"], receiver_cpu_s=r["receiver_cpu_s"],
                 verified=r["verified"], receiver_peak_rss=r["receiver_peak_rss"],
                 receiver_overhead_bytes=r["receiver_peak_rss"] - size, dropped_by_receiver=r["dropped"],
-                extensions=r["extensions"])
+                extensions=r["extensions"], receiver_wakeups=r["receiver_wakeups"])
             result["goodput_gbps"] = round(min(delivered, r["received_bytes"]) * 8 / s["duration_s"] / 1e9, 4)
         else:
             from ltp_tools import tcpbench
