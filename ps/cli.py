@@ -317,8 +317,10 @@ async def work(args, store=None) -> dict:
                     if attempts > args.rejoin:
                         print(f"[worker {rank}] lost the PS ({type(exc).__name__}: {exc}); waiting up to "
                               f"{args.store_timeout:.0f} s for a restarted PS", flush=True)
-                        if not await asyncio.to_thread(rdv.wait_new_incarnation, store, infos, PS_WATCH_S,
-                                                       args.store_timeout):
+                        outcome = await _await_restart_or_end(store, infos, args.store_timeout)
+                        if outcome == "over":  # the PS lives and finished without us: its verdict, not a hang
+                            return _finished_without(stats, store, len(infos), rank, exc)
+                        if outcome is None:
                             raise
                 print(f"[worker {rank}] lost the PS's broadcasts ({exc}); rejoining", flush=True)
                 continue
@@ -340,6 +342,25 @@ def _finished_without(stats: dict, store, num_servers: int, rank: int, why, **ex
     print(f"[worker {rank}] the job finished without this worker ({why})", flush=True)
     stats.update(stopped=True, dropped=True, **extra)
     return stats
+
+
+async def _await_restart_or_end(store, infos, timeout_s: float) -> str | None:
+    """Wait up to ``timeout_s`` for a restarted PS (``"restarted"``) or the job's end (``"over"``: shard 0 finished
+    or a shard failed); None when neither came.  A worker dropped past its ``--rejoin`` budget by a PS that is alive
+    waits here: it must leave when that PS's job ends, not sit out ``--store-timeout`` (the launch fails a worker
+    still running 30 s after its PS)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if await asyncio.to_thread(rdv.wait_new_incarnation, store, infos, PS_WATCH_S, 0.0):
+            return "restarted"
+        try:
+            if await asyncio.to_thread(rdv.job_over, store, len(infos)):
+                return "over"
+        except (RuntimeError, OSError):  # the store went away with the job (DistNetworkError is a RuntimeError)
+            return "over"
+        if time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(PS_WATCH_S)
 
 
 async def _await_job_over(store, num_servers: int) -> None:

@@ -72,6 +72,26 @@ async def test_a_new_incarnation_still_means_rejoin(quick):
     assert await asyncio.wait_for(task, 5) is None
 
 
+async def test_a_worker_past_its_rejoin_budget_leaves_when_the_job_ends_not_after_the_store_timeout(quick):
+    """Found by a sweep (``ltp-ps launch --mode async --workers 8 --transport tcp --loss 0.2``): workers the live PS
+    dropped more often than ``--rejoin`` allows waited ``--store-timeout`` (120 s) for a restarted PS, so they
+    outlived the job and the launch failed them ("did not exit after the PS finished").  The wait now ends with
+    the job."""
+    store, infos = _store()
+    task = asyncio.ensure_future(cli._await_restart_or_end(store, infos, 60.0))
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    t0 = time.monotonic()
+    store.set("done/0", "1")
+    assert await asyncio.wait_for(task, 5) == "over" and time.monotonic() - t0 < 1
+    store, infos = _store()
+    task = asyncio.ensure_future(cli._await_restart_or_end(store, infos, 60.0))
+    store.set("server/0", json.dumps({"nonce": "n1"}))
+    assert await asyncio.wait_for(task, 5) == "restarted"
+    store, infos = _store()
+    assert await cli._await_restart_or_end(store, infos, 0.2) is None  # neither: the caller fails as before
+
+
 def _worker_with(push_error):
     from ps_helpers import workload
     from ltp_ps.transport import MemoryNetwork
