@@ -88,6 +88,9 @@ class Config:
     #: set, every ACK grants its sender an equal share of it and the endpoint splits it among the paths it
     #: sends on, so N senders into one link (a PS's gather) do not overflow its queue (ltp/link_share.py)
     link_rate: float | None = None
+    #: with ``link_rate``: also split it among this endpoint's own sends (False where only the inbound side of the
+    #: link runs at ``link_rate``: its receivers still grant; ``ltp-ps --inbound-rate``, launch's lab)
+    share_egress: bool = True
     #: adapters send DATA by gather (header + segment straight from the message: one copy, by the kernel)
     gather_send: bool = True
     #: the asyncio adapter reads a socket that wakes it for a datagram or two at a time, several times a loop

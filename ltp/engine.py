@@ -664,7 +664,7 @@ class Engine:
                 if flow.window.n_acks >= every or flow.ack_since is None or flow.ack_since + delay <= now:
                     self._flush_acks(flow, now)
                     del self._ack_dirty[key]
-        if self.config.link_rate is not None:
+        if self.config.link_rate is not None and self.config.share_egress:
             self._share_egress(now)
         out = []
         while self._ctrl:

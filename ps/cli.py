@@ -41,6 +41,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="this host's link rate, e.g. 1gbit or 10gbit (LTP only; default unknown): a PS grants each "
                         "worker an equal share of it, so N workers' gradients do not overflow its switch queue, "
                         "and every process splits it among its own sends (ltp/link_share.py)")
+    p.add_argument("--inbound-rate", type=_link_rate, default=None,
+                   help="this host's inbound link rate where only that side is limited (LTP only): grants as "
+                        "--link-rate, sends not split; launch --lab gives it to every PS when --rate is set")
     p.add_argument("--store", default=None, help="HOST:PORT of the TCPStore (default: $MASTER_ADDR:$MASTER_PORT)")
     p.add_argument("--job", default="default", help="job name (store key prefix), lets jobs share a store")
     p.add_argument("--secret-file", default=None, help="file with the job secret (default: $LTP_PS_SECRET)")
@@ -166,7 +169,9 @@ async def _open_transport(args, secret):
     from .transport import open_transport
 
     return await open_transport(args.transport, args.host, 0, cc=args.cc if args.transport == "tcp" else None,
-                                job_key=secret, advertise_host=args.advertise, link_rate_bps=args.link_rate)
+                                job_key=secret, advertise_host=args.advertise,
+                                link_rate_bps=args.link_rate if args.link_rate is not None else args.inbound_rate,
+                                inbound_only=args.link_rate is None and args.inbound_rate is not None)
 
 
 async def serve(args, store=None) -> dict:
@@ -520,7 +525,7 @@ COMMON = ["schedule", "topology", "model", "workers", "transport", "cc", "link-r
           "mode",
           "compute-delay",
           "batch-size", "seed", "store-timeout", *schedule_cli.PASSTHROUGH]
-SERVER = ["epochs", "iterations", "aggregation", "optimizer", "lr", "momentum", "weight-decay", "clip-factor",
+SERVER = ["epochs", "iterations", "aggregation", "optimizer", "lr", "momentum", "weight-decay", "clip-factor", "inbound-rate",
           "gather-timeout", "broadcast-timeout",
           "max-missed", "max-returns", "min-workers", "checkpoint-dir", "checkpoint-every", "metrics", "progress", "summary-json"]
 WORKER = ["error-feedback", "pull-timeout", "rejoin", "max-missed", "max-returns"]
@@ -638,6 +643,12 @@ def launch(args) -> int:
         print("[launch] note: the lab limits only the PS's inbound link (--rate); --link-rate also caps every "
               "process's sends at that rate, the PS's broadcast included (give a real host its NIC's rate)",
               flush=True)
+    ps_inbound = []  # the lab's PS inbound rate, told to every PS as a real host's NIC rate is (--link-rate)
+    if use_lab and args.rate and args.link_rate is None and args.inbound_rate is None and args.transport != "tcp" \
+            and args.num_servers:
+        ps_inbound = ["--inbound-rate", f"{args.rate:.0f}"]
+        print(f"[launch] the lab limits each PS's inbound link to {args.rate / 1e6:g} Mbit/s: the PS grants its "
+              f"workers equal shares of it (--inbound-rate; on real hosts pass --link-rate)", flush=True)
     print(f"[launch] {'lab' if use_lab else 'loopback'} ({why}); {args.num_servers} PS + {args.workers} workers"
           f"{' (shard k on worker k' + chr(39) + 's host)' if colocate else ''}, "
           f"transport {args.transport}{'/' + args.cc if args.transport == 'tcp' else ''}", flush=True)
@@ -678,7 +689,8 @@ def launch(args) -> int:
         store_proc = _Child("store", py + ["store", "--store", store], store_spawner() if use_lab else spawner(0))
         children.append(store_proc)
         servers = [_Child(f"ps{s}", py + ["server", "--shard", str(s), "--store", store]
-                          + _passthrough(args, COMMON + SERVER), spawner(s)) for s in range(args.num_servers)]
+                          + _passthrough(args, COMMON + SERVER) + ps_inbound, spawner(s))
+                   for s in range(args.num_servers)]
         children += servers
         workers = []
         for r in range(args.workers):

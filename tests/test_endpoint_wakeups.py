@@ -118,14 +118,15 @@ async def _messages(n_msgs: int):
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_acks_held_for_the_ack_delay_still_flow(loop):
     """With every ACK held for the ACK-delay timer, transfers complete bit-exact and the receiver
-    wakes for its timer a few times per message, not tens (the uvloop spin: 21 for 10 messages)."""
+    wakes for its timer a few times per message, not tens (the uvloop spin: 21 for 10 messages).  Timer wake-ups
+    that read the socket while it polls (receive polling, once a tick at most) are reads, not spins: not counted."""
     n = 10
     if loop == "uvloop":
         uvloop = pytest.importorskip("uvloop")
         stats = uvloop.run(_messages(n))
     else:
         stats = asyncio.run(_messages(n))
-    assert stats["timer"] <= n, stats
+    assert stats["timer"] - stats["polls"] <= n, stats
 
 
 async def _watch_sets():

@@ -174,6 +174,27 @@ def test_egress_shares_split_the_senders_link_among_its_active_paths(floats):
     assert all(e.error is None for e in evs)
 
 
+def test_an_inbound_only_link_rate_grants_but_does_not_split_the_sends(floats):
+    """``share_egress=False`` (only the inbound side runs at ``link_rate``: ltp-ps --inbound-rate, launch's lab): the
+    endpoint's ACKs still grant, its own paths get no egress share."""
+    n = 3
+    cfg = Config()
+    h = SimHarness(n_hosts=n + 1, seed=2,
+                   configs=[dataclasses.replace(cfg, link_rate=GBIT, share_egress=False)] + [cfg] * n)
+    src = h.engines[0]
+    hs = [src.send(h.addrs[i + 1], floats(100_000, i), now=h.now) for i in range(n)]
+    back = [h.engines[i + 1].send(h.addrs[0], floats(100_000, 10 + i), now=h.now, tag=1) for i in range(n)]
+    hr = [h.engines[i + 1].post_receive([(h.addrs[0], 0, np.zeros(100_000, np.float32))], now=h.now)
+          for i in range(n)]
+    gather = src.post_receive([(h.addrs[i + 1], 1, np.zeros(100_000, np.float32)) for i in range(n)], now=h.now)
+    evs = h.wait([(0, x) for x in hs] + [(0, gather)] + [(i + 1, x) for i, x in enumerate(hr)]
+                 + [(i + 1, x) for i, x in enumerate(back)])
+    assert all(e.error is None for e in evs)
+    assert all(src._paths[h.addrs[i + 1]].egress_share is None for i in range(n))  # its sends: not split
+    granted = [h.engines[i + 1]._paths[h.addrs[0]].grant for i in range(n)]
+    assert all(g is not None and g > 0 for g in granted), granted  # its ACKs: granted
+
+
 @pytest.mark.parametrize("n, rate, queue, loss", [(8, GBIT, 32_000, 0.01), (4, GBIT, 62_500, 0.0),
                                                    (16, GBIT, 32_000, 0.001), (12, GBIT / 10, 16_000, 0.0)])
 def test_grants_stop_an_incast_from_overflowing_a_shallow_queue(floats, n, rate, queue, loss):

@@ -38,11 +38,12 @@ PEER_SILENCE_MIN_S = 5.0  # seconds of silence before an LTP send declares its p
 
 async def open_transport(kind: str, host: str = "127.0.0.1", port: int = 0, *, cc: str | None = "cubic",
                          job_key: bytes | None = None, advertise_host: str | None = None,
-                         link_rate_bps: float | None = None) -> Transport:
+                         link_rate_bps: float | None = None, inbound_only: bool = False) -> Transport:
     """Open a ``"tcp"`` or ``"ltp"`` endpoint listening on ``(host, port)``.
 
     ``link_rate_bps``: this host's link rate in bit/s (LTP only: its receivers grant each sender an equal share
-    and its sends split it, ``ltp/link_share.py``; kernel TCP has no use for it)."""
+    and its sends split it, ``ltp/link_share.py``; kernel TCP has no use for it); ``inbound_only``: only the
+    inbound side runs at that rate (grants, no split of the sends: ``Config.share_egress`` False)."""
     if kind == "tcp":
         return await TcpTransport.open(host, port, cc=cc, advertise_host=advertise_host)
     if kind == "ltp":
@@ -51,6 +52,7 @@ async def open_transport(kind: str, host: str = "127.0.0.1", port: int = 0, *, c
         kw = {"peer_silence_min_s": PEER_SILENCE_MIN_S}
         if link_rate_bps is not None:
             kw["link_rate"] = link_rate_bps / 8
+            kw["share_egress"] = not inbound_only
         return await LtpTransport.open(host, port, job_key=job_key, advertise_host=advertise_host, config_kwargs=kw)
     from ..errors import ConfigError
 
