@@ -624,6 +624,10 @@ def launch(args) -> int:
                           f"would wait --store-timeout for workers that are never started")
     peer_job = schedule_cli.schedule_runs_without_ps(args)
     if peer_job:
+        if args.num_servers not in (0, 1):  # 1 is the default: only a number asked for on purpose is refused
+            raise ConfigError(f"--schedule {args.schedule} runs without a PS (its workers all-reduce among "
+                              f"themselves): --num-servers {args.num_servers} would be ignored; leave it out, or "
+                              f"shard a PS with --schedule direct or rat")
         args.num_servers = 0  # the workers apply the optimizer: zero PS processes
         schedule_cli.check_peer_schedule(args)
         if args.kill_worker_after is not None:

@@ -62,6 +62,7 @@ def test_lab_impairments_apply_to_a_ps_less_job():
     (["--kill-worker-after", "3"], "drills a PS dropping a worker"),
     (["--pull-timeout", "0"], "seconds a worker waits for the PS must be > 0"),
     (["--min-workers", "5"], "--min-workers must be in 1..--workers"),
+    (["--num-servers", "2"], "--num-servers 2 would be ignored"),  # was silently ignored ("0 PS + 3 workers")
 ])
 def test_ring_launch_refuses_what_it_cannot_run(bad, says):
     p = subprocess.run(ps_cmd("launch", "--schedule", "ring", "--workers", 3, "--lab", "off", *bad),
