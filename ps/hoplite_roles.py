@@ -439,6 +439,12 @@ class _LaneDriver(ControllerDriver):
         lane = "apply" if ops & {"apply", "combine"} else "send" if ops <= {"send", "forward"} else "recv"
         return (grant.node, lane)
 
+    async def _run_local(self, g: Grant) -> None:
+        try:
+            await super()._run_local(g)
+        finally:
+            self.handlers.local_grant_done(g)  # its parameter snapshots may go now (queued grants keep them)
+
 
 class _AsyncServerRole(_ServerRole):
     """``--mode async``: half-batch updates through :class:`AsyncHalfBatchController` (one driver, whole run).
@@ -454,6 +460,7 @@ class _AsyncServerRole(_ServerRole):
         self.updates = 0
         self.per_epoch = 1
         self._recv_slots: dict = {}  # update -> the PS's partial slots of its final hops
+        self._snapshot_users: dict = {}  # version -> the PS's own grants queued or running that send from it
         self._t_last = None
         super().__init__(ps)
 
@@ -468,7 +475,7 @@ class _AsyncServerRole(_ServerRole):
         snap = self.snapshots[v] = ps.params.copy()
         for k, (a, b) in enumerate(chunk_ranges(ps.lo, ps.hi, self.ctrl.chunk_bytes, self.ctrl.elem_bytes)):
             ps._slots.bind(chunk_slot(ps.shard, k) + f"@{v}", snap[a - ps.lo:b - ps.lo].view(np.uint8))
-        keep = self.ctrl.live_versions() | {v}
+        keep = self.ctrl.live_versions() | {v} | set(self._snapshot_users)
         for old in [x for x in self.snapshots if x not in keep]:
             del self.snapshots[old]
             for k in range(len(chunk_ranges(ps.lo, ps.hi, self.ctrl.chunk_bytes, self.ctrl.elem_bytes))):
@@ -481,9 +488,27 @@ class _AsyncServerRole(_ServerRole):
         if is_progress(ev):
             self._progress = time.monotonic()
 
+    @staticmethod
+    def _sent_versions(g: Grant) -> set:
+        """The parameter versions a PS grant sends from (its snapshots' slots, ``...@v``)."""
+        return {v for st in g.steps if st.op in ("send", "forward") and st.payload == "params"
+                and (v := batch_of_slot(st.slot)) is not None}
+
+    def local_grant_done(self, g: Grant) -> None:
+        for v in self._sent_versions(g):
+            n = self._snapshot_users.get(v, 0) - 1
+            if n > 0:
+                self._snapshot_users[v] = n
+            else:
+                self._snapshot_users.pop(v, None)
+
     def _on_grants(self, grants) -> None:
         for g in grants:
             if g.node == self.driver_me:
+                for v in self._sent_versions(g):
+                    # a send queued behind others may run after its version's broadcast is done (a receiver
+                    # re-routed to the PS when a relay died): its snapshot stays until it ran
+                    self._snapshot_users[v] = self._snapshot_users.get(v, 0) + 1
                 for st in g.steps:
                     if st.op == "recv" and st.payload == "partial":
                         u = batch_of_slot(st.slot)

@@ -351,3 +351,26 @@ def test_property_any_speeds_any_death(n, seed, bound, kill, back):
         assert 1 <= len(m) <= n
     if not kill:
         assert all(len(m) >= half_batch(n) for m in members)
+
+
+def test_the_async_ps_keeps_a_snapshot_while_its_own_grants_still_send_from_it():
+    """Found under CI load (a worker paused and written off): the PS's own send of version 6, queued behind other
+    sends after a receiver was re-routed to it, ran after version 6's broadcast was collected, and the job failed
+    ("no buffer is bound to slot 'params:server:0#0@6'").  The role now counts its own grants per version they send
+    from, and a snapshot with a grant queued or running is kept until it ran."""
+    from ltp_ps.hoplite_roles import _AsyncServerRole
+    from ltp_ps.schedules.program import Grant, Recv, Send
+
+    role = object.__new__(_AsyncServerRole)
+    role._snapshot_users, role._recv_slots, role.driver_me = {}, {}, server(0)
+    g6 = Grant(server(0), (Send(worker(1), "params:server:0#0@6", 0, 10, pack(6, 1), "reliable", "params"),
+                           Send(worker(2), "params:server:0#1@6", 10, 20, pack(6, 1), "reliable", "params")))
+    g7 = Grant(server(0), (Send(worker(1), "params:server:0#0@7", 0, 10, pack(7, 1), "reliable", "params"),))
+    other = Grant(worker(1), (Recv(server(0), "params:server:0#0", 0, 10, pack(6, 1), "reliable", "params"),))
+    role._on_grants([g6, g6, g7, other])
+    assert role._snapshot_users == {6: 2, 7: 1}
+    role.local_grant_done(g6)
+    role.local_grant_done(g7)
+    assert role._snapshot_users == {6: 1}
+    role.local_grant_done(g6)
+    assert role._snapshot_users == {}
