@@ -399,7 +399,7 @@ class Endpoint:
         ``POLL_ENTER_WAKEUPS`` small ones within one loop tick, unless a send is open or a receive is in its
         first segments (``Engine.sending``, ``Engine.quickacking``)."""
         if n > POLL_SMALL_READ or self.engine.sending or self.engine.quickacking:
-            self._small_wakeups = 0  # a batch: the wake-up paid for itself
+            self._small_wakeups = 0  # a batch paid for its wake-up; a sender or a cold receive must not poll
             return
         now = _now()
         if now - self._small_since > LOOP_TIMER_RESOLUTION_S:

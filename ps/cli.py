@@ -358,10 +358,7 @@ async def _await_restart_or_end(store, infos, timeout_s: float) -> str | None:
     while True:
         if await asyncio.to_thread(rdv.wait_new_incarnation, store, infos, PS_WATCH_S, 0.0):
             return "restarted"
-        try:
-            if await asyncio.to_thread(rdv.job_over, store, len(infos)):
-                return "over"
-        except (RuntimeError, OSError):  # the store went away with the job (DistNetworkError is a RuntimeError)
+        if await _job_over_or_gone(store, len(infos)):
             return "over"
         if time.monotonic() >= deadline:
             return None
@@ -371,13 +368,16 @@ async def _await_restart_or_end(store, infos, timeout_s: float) -> str | None:
 async def _await_job_over(store, num_servers: int) -> None:
     """Return once shard 0 finished or a shard failed, or once the store is gone (its PS's exit code then
     carries the verdict, as in :func:`_raise_if_failed`)."""
-    while True:
-        try:
-            if await asyncio.to_thread(rdv.job_over, store, num_servers):
-                return
-        except (RuntimeError, OSError):  # DistNetworkError is a RuntimeError: the store went away with the job
-            return
+    while not await _job_over_or_gone(store, num_servers):
         await asyncio.sleep(PS_WATCH_S)
+
+
+async def _job_over_or_gone(store, num_servers: int) -> bool:
+    """Shard 0 finished, a shard failed, or the store is gone (it went away with the job)."""
+    try:
+        return await asyncio.to_thread(rdv.job_over, store, num_servers)
+    except (RuntimeError, OSError):  # DistNetworkError is a RuntimeError
+        return True
 
 
 def _raise_if_failed(store, num_servers: int) -> None:

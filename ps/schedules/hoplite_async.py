@@ -260,11 +260,13 @@ class AsyncHalfBatchController(Controller):
     def _unpark(self, now: float) -> list[Grant]:
         """Chain parked gradients into the newest update, which has every live worker as an input; one that
         would be staler than the bound there is dropped and its worker gets the next version instead."""
-        out = []
         u = self.open
         ctl = self.batches.get(u)
+        if ctl is None:
+            return []
+        out = []
         for node, version in sorted(self.parked.items()):
-            if ctl is None or node not in ctl.reduce.pending():
+            if node not in ctl.reduce.pending():
                 continue
             del self.parked[node]
             if node not in self.live or self.fresh.get(node) != version:
@@ -354,7 +356,6 @@ class AsyncHalfBatchController(Controller):
         if node not in self.nodes:
             self.nodes.append(node)
         self.fresh[node] = None  # no version yet: a gradient it reports before the next one is stale
-        self.parked.pop(node, None)
         self.returning.add(node)
         self.counters["taken_back"] += 1
         return []

@@ -186,7 +186,7 @@ def _world_of_row(schedule: str, topo, n_workers: int, model_bytes: int):
 
     n = max(1, int(model_bytes) // 4)
     names = topo.names
-    base = COLOCATED_ROWS.get(schedule, schedule.split("+")[0])
+    base = base_schedule(schedule)
     if schedule in COLOCATED_ROWS:
         placement = {**{worker(r): names[r] for r in range(n_workers)},
                      **{server(k): names[k] for k in range(n_workers)}}
@@ -257,7 +257,7 @@ def _predict_hoplite_rows(schedule: str, topo, n_workers: int, model_bytes: int)
     workers = names[1:1 + n_workers]  # the PS alone on names[0] (PS_ALONE_ROWS)
     net = FluidNetwork.from_topology(topo)
     rate = min(h.up_bps for h in topo.hosts)
-    if schedule in ASYNC_ROWS and _async_base(schedule) == "direct":
+    if schedule in ASYNC_ROWS and base_schedule(schedule) == "direct":
         return 8 * model_bytes / rate
     if schedule in ASYNC_ROWS:
         m = workers[:half_batch(n_workers)]
@@ -271,9 +271,9 @@ def _predict_hoplite_rows(schedule: str, topo, n_workers: int, model_bytes: int)
     return end - max(ready.values())
 
 
-def _async_base(schedule: str) -> str:
-    """``direct`` or ``hoplite``: the schedule an ``ASYNC_ROWS`` row runs."""
-    return FLAT_ROWS.get(schedule) or schedule.split("+")[0]
+def base_schedule(schedule: str) -> str:
+    """The ``--schedule`` a row runs (``rat6`` -> rat, ``hoplite7+async`` -> hoplite, ``ring+pause`` -> ring)."""
+    return COLOCATED_ROWS.get(schedule) or FLAT_ROWS.get(schedule) or schedule.split("+")[0]
 
 
 def _rows(path: str) -> list[dict]:
@@ -306,7 +306,7 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
     when they leave the set and at the end."""
     from ltp_ps import rendezvous as rdv
 
-    base = COLOCATED_ROWS.get(schedule) or FLAT_ROWS.get(schedule) or schedule.split("+")[0]
+    base = base_schedule(schedule)
     shards = len(order) if schedule in COLOCATED_ROWS else 1  # K = 6 colocated: shard k on worker k's host
     env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
     env[rdv.DEFAULT_SECRET_ENV] = secrets.token_hex(16)
@@ -444,7 +444,7 @@ def _summarise_job(schedule: str, job: dict, rounds: int) -> dict:
     gaps = _gaps(rows)
     row = {"schedule": schedule, "rounds": rounds, "completed": len(rows), "error": job["error"]}
     if schedule in ASYNC_ROWS:  # throughput: gradients applied per second after the warm-up updates
-        skip = WARMUP_ROUNDS * (3 if _async_base(schedule) == "direct" else 1)
+        skip = WARMUP_ROUNDS * (3 if base_schedule(schedule) == "direct" else 1)
         after = rows[skip:]
         if len(after) >= 2 and after[-1]["t"] > after[0]["t"]:
             grads = sum(r.get("contributors", 1) for r in after[1:])
