@@ -68,6 +68,9 @@ log = logging.getLogger("ltp")
 __all__ = ["Endpoint", "open_endpoint"]
 
 _now = time.monotonic
+#: how many IP-literal peers :meth:`Endpoint._resolve` remembers (cleared when full): parsing an address
+#: with ``ipaddress`` costs a few microseconds, and a parameter server names the same peers every round
+LITERAL_PEER_CACHE = 4096
 # Python's socket module does not export these (Linux values, asm-generic/socket.h)
 _SO_SNDBUFFORCE = 32 if sys.platform.startswith("linux") else None
 _SO_RCVBUFFORCE = 33 if sys.platform.startswith("linux") else None
@@ -164,6 +167,7 @@ class Endpoint:
         self._pending: deque = deque()
         self._closed = False
         self._family = sock.family
+        self._literal_peers: dict = {}  # (host, port) -> _resolve's answer, IP literals only (names may move)
         #: wake-ups of this endpoint by cause (socket readable, timer, socket writable); ``polls``: timer
         #: wake-ups that read the socket while polling, ``poll_entries``: switches to receive polling
         self.loop_stats = {"readable": 0, "timer": 0, "writable": 0, "stalled_timeouts": 0, "polls": 0,
@@ -315,14 +319,19 @@ class Endpoint:
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise LocalProtocolError(f"peer port must be an int in 1..65535, got {port!r}")
         six = self._family == socket.AF_INET6
+        known = self._literal_peers.get((host, port))
+        if known is not None:  # an IP literal checked before (a PS names the same peers every round)
+            return known
         if _is_ip(host):
             ip = ipaddress.ip_address(host)
             if ip.version == 6 and not six:
                 raise LocalProtocolError(f"peer {host!r} is IPv6 but this endpoint is bound to IPv4 "
                                          f"{self._local_addr}; open the endpoint on '::' to reach IPv6 peers")
-            if ip.version == 4 and six:
-                return (f"::ffff:{ip}", port)
-            return (str(ip), port)
+            resolved = (f"::ffff:{ip}", port) if ip.version == 4 and six else (str(ip), port)
+            if len(self._literal_peers) >= LITERAL_PEER_CACHE:
+                self._literal_peers.clear()
+            self._literal_peers[(host, port)] = resolved
+            return resolved
         try:
             infos = await self._loop.getaddrinfo(host, port, family=self._family, type=socket.SOCK_DGRAM)
         except socket.gaierror as exc:

@@ -84,6 +84,7 @@ class PeerWorker:
                                        weight_decay=config.weight_decay)
         self.mean = np.zeros(self.n, dtype=np.float32)
         self.executor = Executor(transport, self.node, addresses, timeout_s=config.step_timeout_s)
+        self.executor.skip_silent = True  # a dead ring neighbour fails the round after one step timeout
         self.slots = Slots()
         self.ipe = max(1, workload.iters_per_epoch(config.world_size))
         self.total = config.iterations if config.iterations is not None else config.epochs * self.ipe

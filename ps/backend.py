@@ -238,22 +238,50 @@ async def open_tolerant_transport(kind: str, host: str, *, job_key: bytes | None
     return await open_transport(kind, host, 0, cc=cc, job_key=job_key, advertise_host=advertise_host)
 
 
-def _reduce_fn(op):
-    """(binary torch function, divide-by-world afterwards?) for a ReduceOp."""
+def _reduce_fn(op, dtypes=(), name: str = "reduce"):
+    """(binary torch function, divide-by-world afterwards?) for a ReduceOp, after checking that the op applies
+    to every dtype in ``dtypes``.  Every rank checks before anything is sent, so a misuse fails on all ranks at
+    once with the same error (as gloo does) rather than on the rank that first combines, leaving the others
+    waiting for it."""
     table = {ReduceOp.SUM: (torch.add, False), ReduceOp.AVG: (torch.add, True), ReduceOp.PRODUCT: (torch.mul, False),
              ReduceOp.MIN: (torch.minimum, False), ReduceOp.MAX: (torch.maximum, False),
              ReduceOp.BAND: (torch.bitwise_and, False), ReduceOp.BOR: (torch.bitwise_or, False),
              ReduceOp.BXOR: (torch.bitwise_xor, False)}
     for k, v in table.items():
         if op == k:
-            return v
-    raise ConfigError(f"ltp backend: reduce op {op} is not supported; use SUM, AVG, PRODUCT, MIN, MAX, BAND, "
-                      f"BOR or BXOR")
+            break
+    else:
+        raise ConfigError(f"ltp backend: reduce op {op} is not supported; use SUM, AVG, PRODUCT, MIN, MAX, BAND, "
+                          f"BOR or BXOR")
+    got = sorted(map(str, set(dtypes)))
+    op = k  # the table's own value: ReduceOp objects compare by == only
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and any(d.is_floating_point or d.is_complex for d in dtypes):
+        raise ConfigError(f"ltp backend: {name} with {op} needs integer or bool tensors, got {got}")
+    if op == ReduceOp.AVG and any(not (d.is_floating_point or d.is_complex) for d in dtypes):
+        raise ConfigError(f"ltp backend: {name} with ReduceOp.AVG needs floating-point tensors, got {got}")
+    if op in (ReduceOp.MIN, ReduceOp.MAX) and any(d.is_complex for d in dtypes):
+        raise ConfigError(f"ltp backend: {name} with {op} is undefined for complex tensors, got {got}")
+    return v
 
 
 def _bytes(t: torch.Tensor):
     """A writable byte view (numpy) of a contiguous CPU tensor, any dtype."""
-    return t.view(torch.uint8).numpy() if t.numel() else t.numpy()
+    if not t.numel():
+        return t.numpy()
+    return _dense_strides(t).view(torch.uint8).numpy()
+
+
+def _dense_strides(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) viewed with the canonical row-major strides.  torch calls a tensor contiguous whatever
+    the strides of its size-1 dimensions (``torch.tensor([1., 2.])[::2]`` has stride (2,)), and a byte view
+    needs the last stride to be 1; the same memory, re-strided, is what the view must see."""
+    if t.dim() == 0 or t.stride(-1) == 1:
+        return t
+    strides, step = [], 1
+    for n in reversed(t.shape):
+        strides.append(step)
+        step *= n
+    return t.as_strided(t.shape, tuple(reversed(strides)))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -555,11 +583,8 @@ class LtpProcessGroup(dist.ProcessGroup):
         return self._allreduce_many(list(tensors), op, "allreduce_coalesced")
 
     def _allreduce_many(self, tensors, op, name) -> dist.Work:
-        fn, avg = _reduce_fn(op)
         _check_cpu(tensors, name)
-        dtypes = {t.dtype for t in tensors}
-        if avg and any(not (d.is_floating_point or d.is_complex) for d in dtypes):
-            raise ConfigError(f"ltp backend: ReduceOp.AVG needs floating-point tensors, got {sorted(map(str, dtypes))}")
+        fn, avg = _reduce_fn(op, [t.dtype for t in tensors], name)
         groups: dict = {}
         for t in tensors:
             groups.setdefault(t.dtype, []).append(t)
@@ -612,9 +637,9 @@ class LtpProcessGroup(dist.ProcessGroup):
         """Reduce to ``opts.rootRank`` (implemented as an all-reduce; non-roots' tensors are left unchanged)."""
         root = opts.rootRank if opts is not None else 0
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
-        fn, avg = _reduce_fn(op)
         tensors = list(tensors)
         _check_cpu(tensors, "reduce")
+        fn, avg = _reduce_fn(op, [t.dtype for t in tensors], "reduce")
 
         async def go(seq, deadline):
             flat = _flat(tensors[0]).contiguous().clone()
@@ -636,6 +661,11 @@ class LtpProcessGroup(dist.ProcessGroup):
         if len(outs0) != self._world:
             raise ConfigError(f"ltp backend: allgather needs {self._world} output tensors, got {len(outs0)}")
         _check_cpu(outs0 + ins, "allgather")
+        odd = [r for r, o in enumerate(outs0) if o.numel() != ins[0].numel() or o.dtype != ins[0].dtype]
+        if odd:  # checked on every rank before anything is sent: uneven sizes fail everywhere at once
+            raise ConfigError(f"ltp backend: allgather needs every output tensor to match the input "
+                              f"({ins[0].numel()} x {ins[0].dtype}); output {odd[0]} has {outs0[odd[0]].numel()} x "
+                              f"{outs0[odd[0]].dtype} (uneven all_gather is not supported, as with gloo)")
         return self._gather_into("allgather", outs0, ins[0], outs)
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None) -> dist.Work:
@@ -692,7 +722,7 @@ class LtpProcessGroup(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def _reduce_scatter(self, name, out, parts, op, result) -> dist.Work:
-        fn, avg = _reduce_fn(op)
+        fn, avg = _reduce_fn(op, [out.dtype] + [p.dtype for p in parts], name)
 
         async def go(seq, deadline):
             work = torch.cat([_flat(p) for p in parts])

@@ -850,6 +850,24 @@ def main(argv=None) -> int:
     except PSError as exc:
         print(f"ltp-ps: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except Exception as exc:  # noqa: BLE001 - only the store's own failures are named here; others propagate
+        if not store_failure(exc):
+            raise
+        print(f"ltp-ps: error: {store_gone_message(exc)}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def store_failure(exc: BaseException) -> bool:
+    """True for torch's errors of a rendezvous store that stopped answering (``DistNetworkError``,
+    ``DistStoreError``): the process hosting the TCPStore is gone, and with it the job's rendezvous."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and isinstance(exc, getattr(dist, "DistError", ()))
+
+
+def store_gone_message(exc: BaseException) -> str:
+    return (f"the rendezvous store stopped answering ({type(exc).__name__}: {str(exc).strip()[:200]}); the "
+            f"process that hosted it (torchrun's agent on the master node, or `ltp-ps store`) is gone, so this "
+            f"process can neither rejoin nor learn how the job ended; restart the job")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,11 @@ def main(argv=None) -> int:
     except PSError as exc:
         print(f"ltp-ps[{role} rank {rank}]: error: {exc}", file=sys.stderr)
         return cli.EXIT_CONFIG
+    except Exception as exc:  # noqa: BLE001 - only the store's own failures are named here; others propagate
+        if not cli.store_failure(exc):
+            raise
+        print(f"ltp-ps[{role} rank {rank}]: error: {cli.store_gone_message(exc)}", file=sys.stderr)
+        return cli.EXIT_CONFIG
 
 
 if __name__ == "__main__":

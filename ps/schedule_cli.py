@@ -257,14 +257,25 @@ def colocated_placement(args, topology) -> dict:
     return {**{worker(r): names[r] for r in range(args.workers)}, **{server(s): names[s] for s in range(k)}}
 
 
+def checked_world(args, world):
+    """``world``, or a ConfigError when ``--topology`` has no host for some of its nodes."""
+    missing = world.unplaced()
+    if missing:
+        raise ConfigError(f"--topology {args.topology}: {len(world.topology.names)} hosts for "
+                          f"{len(world.server_nodes) + len(world.worker_nodes)} nodes; no host for "
+                          f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; give one host per PS shard "
+                          f"and worker (or one per worker with --colocate), or leave --topology out")
+    return world
+
+
 def _world(args, wl, shards, me=None):
     from .schedules import World
 
     check_colocate(args)
     topology = load_topology(args)
-    return World(workers=range(args.workers), n_elems=wl.n_params, shards=tuple(shards), me=me,
-                 topology=topology, layout=tuple(wl.layout()), aggregation=args.aggregation,
-                 placement=colocated_placement(args, topology))
+    return checked_world(args, World(workers=range(args.workers), n_elems=wl.n_params, shards=tuple(shards), me=me,
+                                     topology=topology, layout=tuple(wl.layout()), aggregation=args.aggregation,
+                                     placement=colocated_placement(args, topology)))
 
 
 def server_planner(args, wl, plan, shard: int):
@@ -421,8 +432,9 @@ async def peer_work(args, store, open_transport, workload) -> dict:
             raise RendezvousError(f"the coordinator plans schedule {world_d['schedule']!r}, this worker "
                                   f"{args.schedule!r}")
         addrs = {k: tuple(v) for k, v in world_d["addresses"].items()}
-        world = World(workers=world_d["workers"], n_elems=wl.n_params, me=worker_node(rank), addresses=addrs,
-                      topology=load_topology(args), layout=tuple(wl.layout()), aggregation=args.aggregation)
+        world = checked_world(args, World(workers=world_d["workers"], n_elems=wl.n_params, me=worker_node(rank),
+                                          addresses=addrs, topology=load_topology(args), layout=tuple(wl.layout()),
+                                          aggregation=args.aggregation))
         planner = create(args.schedule, world)
         cfg = PeerConfig(rank=rank, world_size=args.workers, epochs=args.epochs, iterations=args.iterations,
                          aggregation=args.aggregation, optimizer=args.optimizer, lr=args.lr, momentum=momentum_for(args),
@@ -480,8 +492,8 @@ def plan_main(args) -> int:
     shards = () if not cls.needs_servers else tuple(ShardPlan(n_elems, max(1, args.num_servers)).ranges)
     check_colocate(args)
     topology = load_topology(args)
-    world = World(workers=range(args.workers), n_elems=n_elems, shards=shards, topology=topology,
-                  placement=colocated_placement(args, topology))
+    world = checked_world(args, World(workers=range(args.workers), n_elems=n_elems, shards=shards, topology=topology,
+                                      placement=colocated_placement(args, topology)))
     try:
         sched = create(args.schedule, world, **schedule_options(args))
         plan = sched.plan(args.iteration)

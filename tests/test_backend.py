@@ -204,6 +204,10 @@ def test_misuse_raises_config_errors(groups_factory):
         pgs[0].allreduce([torch.ones(3, dtype=torch.int64)], ar_opts(dist.ReduceOp.AVG))
     with pytest.raises(ConfigError, match="needs 2 output tensors"):
         pgs[0].allgather([[torch.empty(1)]], [torch.ones(1)])
+    with pytest.raises(ConfigError, match="uneven all_gather"):  # each rank refuses before sending anything
+        pgs[1].allgather([[torch.empty(1), torch.empty(2)]], [torch.ones(2)])
+    with pytest.raises(ConfigError, match="match the input"):
+        pgs[0].allgather([[torch.empty(2), torch.empty(2, dtype=torch.float64)]], [torch.ones(2)])
     with pytest.raises(ConfigError, match="any source"):
         pgs[0].recv_anysource([torch.empty(1)], 0)
     with pytest.raises(ConfigError, match="unknown"):
@@ -213,6 +217,56 @@ def test_misuse_raises_config_errors(groups_factory):
     pgs[1].shutdown()
     with pytest.raises(B.LtpBackendError, match="shut-down"):
         pgs[1].barrier()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_op_that_does_not_apply_to_the_dtype_fails_on_every_rank_at_once_and_the_group_goes_on(groups_factory,
+                                                                                                   world):
+    """Found by trying to break it: BAND on float tensors failed only on the rank that combined first (torch's
+    NotImplementedError mid-collective), and the other ranks waited for it until the group timeout.  Now every
+    rank refuses before sending anything, as gloo does, and the next collective is unaffected."""
+    pgs = groups_factory(world, "ltp", timeout_s=10.0)
+    bad = [(dist.ReduceOp.BAND, torch.float32, "integer or bool"), (dist.ReduceOp.BXOR, torch.float64, "integer"),
+           (dist.ReduceOp.MIN, torch.complex64, "complex"), (dist.ReduceOp.AVG, torch.int32, "floating-point")]
+    for op, dtype, why in bad:
+        for pg in pgs:
+            with pytest.raises(ConfigError, match=why):
+                pg.allreduce([torch.ones(3, dtype=dtype)], ar_opts(op))
+            o = dist.ReduceOptions()
+            o.reduceOp, o.rootRank = op, 0
+            with pytest.raises(ConfigError, match=why):
+                pg.reduce([torch.ones(3, dtype=dtype)], o)
+            rs = dist.ReduceScatterOptions()
+            rs.reduceOp = op
+            with pytest.raises(ConfigError, match=why):
+                pg.reduce_scatter([torch.empty(2, dtype=dtype)], [[torch.ones(2, dtype=dtype)] * world], rs)
+    ints = [torch.tensor([6, 3], dtype=torch.int64) + r for r in range(world)]
+    run_all(pgs, lambda r, pg: pg.allreduce([ints[r]], ar_opts(dist.ReduceOp.BAND)))
+    want = torch.tensor([6, 3], dtype=torch.int64)
+    for r in range(1, world):
+        want = want & (torch.tensor([6, 3], dtype=torch.int64) + r)
+    assert all(torch.equal(t, want) for t in ints)
+    xs = [torch.full((4,), float(r)) for r in range(world)]
+    run_all(pgs, lambda r, pg: pg.allreduce([xs[r]]))
+    assert all(torch.equal(x, torch.full((4,), float(sum(range(world))))) for x in xs)
+
+
+def test_one_element_views_with_odd_strides_reduce_and_broadcast(groups_factory, transport):
+    """Found by trying to break it: ``torch.tensor([a, b])[::2]`` has stride (2,) yet counts as contiguous, so
+    the byte view of it failed on one rank while the other waited for the group timeout."""
+    pgs = groups_factory(2, transport, timeout_s=10.0)
+    xs = [torch.tensor([float(r + 1), 0.0])[::2] for r in range(2)]
+    assert xs[0].stride() == (2,) and xs[0].is_contiguous()
+    run_all(pgs, lambda r, pg: pg.allreduce([xs[r]]))
+    assert [x.tolist() for x in xs] == [[3.0], [3.0]]
+    ys = [torch.tensor([[float(r + 5)], [0.0]])[::2] for r in range(2)]  # shape (1, 1), strides (2, 1)
+    o = dist.BroadcastOptions()
+    o.rootRank = 1
+    run_all(pgs, lambda r, pg: pg.broadcast([ys[r]], o))
+    assert [y.tolist() for y in ys] == [[[6.0]], [[6.0]]]
+    zs = [torch.arange(4.0).reshape(2, 2)[:, 1:] * (r + 1) for r in range(2)]  # not contiguous: copied in and out
+    run_all(pgs, lambda r, pg: pg.allreduce([zs[r]]))
+    assert all(z.tolist() == [[3.0], [9.0]] for z in zs)
 
 
 def test_init_process_group_single_rank_uses_the_store():

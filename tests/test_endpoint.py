@@ -253,6 +253,31 @@ def test_hostname_peers_resolve():
     assert ltp.run(main())
 
 
+def test_ip_literal_peers_are_checked_once_and_the_memory_of_them_is_bounded(monkeypatch):
+    import ltp.endpoint as E
+
+    monkeypatch.setattr(E, "LITERAL_PEER_CACHE", 3)
+
+    async def main():
+        ep = await ltp.open_endpoint(("127.0.0.1", 0))
+        async with ep:
+            first = [await ep._resolve(("127.0.0.1", p)) for p in (1000, 1001)]
+            again = [await ep._resolve(("127.0.0.1", p)) for p in (1000, 1001)]
+            assert first == again == [("127.0.0.1", 1000), ("127.0.0.1", 1001)]
+            for p in range(2000, 2010):  # never more than the bound remembered
+                assert await ep._resolve(("10.0.0.7", p)) == ("10.0.0.7", p)
+                assert len(ep._literal_peers) <= 3
+            # a remembered address never skips the checks of a different spelling or a bad port
+            with pytest.raises(LocalProtocolError, match="IPv6"):
+                await ep._resolve(("::1", 1000))
+            with pytest.raises(LocalProtocolError, match="port"):
+                await ep._resolve(("127.0.0.1", 70000))
+            assert await ep._resolve(("localhost", 1000)) in (("127.0.0.1", 1000), ("::1", 1000))
+            assert ("localhost", 1000) not in ep._literal_peers  # names are resolved every time
+
+    ltp.run(main())
+
+
 class _SteppedClock:
     """``time`` as ``ltp.endpoint`` sees it, with the wall clock stepped ``step`` seconds (NTP)."""
 

@@ -73,6 +73,27 @@ async def test_dead_neighbour_fails_the_round_with_a_clear_error():
     assert "never arrived" in str(errs[0])
 
 
+@pytest.mark.parametrize("n", [3, 5, 6])
+async def test_a_dead_neighbour_fails_every_survivor_within_two_step_timeouts_not_one_per_ring_step(n):
+    """Found by trying to break it: each ring step that waited on the dead neighbour spent a whole
+    ``--pull-timeout`` (a 4-worker torchrun job with ``--pull-timeout 5`` failed 26 s after the kill; before this
+    change the 6-ring here took 5.1 s with 0.5 s steps).  A peer silent for one timeout is now skipped by the
+    rest of the round's stages."""
+    import time
+
+    net, peers = make_ring(n, iterations=4, lr=0.1, step_timeout_s=0.5)
+    peers[n - 1].cfg.max_iterations = 1  # the last worker leaves after one round
+    t0 = time.monotonic()
+
+    async def failed_after(p):
+        with pytest.raises(TrainingFailed, match="never arrived"):
+            await p.run()
+        return time.monotonic() - t0
+
+    took = await asyncio.gather(*(failed_after(p) for p in peers[:-1]), peers[-1].run())
+    assert max(took[:-1]) < 2 * 0.5 + 0.5, took
+
+
 async def test_rsgcm_rings_train_through_the_same_peer_loop():
     """Any workers-apply schedule runs on PeerWorker: RSGCM's planned rings train digits too."""
     _, peers = make_ring(4, name="rsgcm", epochs=6, lr=0.1)

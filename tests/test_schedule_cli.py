@@ -49,6 +49,20 @@ def test_server_refuses_async_trees():
     assert p.returncode == 2 and "--mode bsp" in p.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_topology_smaller_than_the_job_is_a_config_error_not_a_traceback(tmp_path):
+    """Found by trying to break it: 3 hosts for a PS + 4 workers raised a raw KeyError (exit 1) in every process."""
+    topo = tmp_path / "three.json"
+    topo.write_text(json.dumps({"rate_bps": 1e9, "latency_s": 1e-4,
+                                "hosts": [{"name": f"h{i}", "rack": i} for i in range(3)],
+                                "uplinks": [{"rack": i, "rate_bps": 5e8} for i in range(3)]}))
+    p = subprocess.run(ps_cmd("launch", "--workers", "4", "--schedule", "rat", "--epochs", "1", "--topology", str(topo),
+                              "--lab", "off"), env=child_env(), capture_output=True, text=True, timeout=110)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert "3 hosts for 5 nodes; no host for worker:2, worker:3" in out and "exited with code 2" in out, out[-3000:]
+
+
 @pytest.mark.parametrize("argv, want", [
     ([], 0.9), (["--mode", "async"], 0.0), (["--schedule", "mlfabric"], 0.0),
     (["--schedule", "hoplite", "--mode", "async"], 0.0), (["--schedule", "ring"], 0.9), (["--schedule", "rat"], 0.9),

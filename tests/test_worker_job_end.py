@@ -176,3 +176,33 @@ async def test_the_ps_posts_every_drop_for_the_worker_to_see():
     ps.membership.failed(1, "test")
     ps._write_member_events(3)
     assert posted == [1]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_store_dies_exits_2_with_a_named_cause_not_a_traceback():
+    """Found by trying to break it: under two torchrun agents, killing the PS's node took the agent's TCPStore
+    with it, and the workers died of a raw ``DistNetworkError`` traceback (exit 1)."""
+    import subprocess
+
+    from ps_helpers import child_env, free_port, ps_cmd, stop
+
+    port = free_port()
+    store = subprocess.Popen(ps_cmd("store", "--store", f"127.0.0.1:{port}"), env=child_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    worker = None
+    try:
+        time.sleep(1.5)  # the store listens
+        assert store.poll() is None, store.stdout.read()
+        worker = subprocess.Popen(ps_cmd("worker", "--rank", "0", "--store", f"127.0.0.1:{port}", "--transport",
+                                         "tcp", "--store-timeout", "60"), env=child_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(4.0)  # it connected and waits for a PS that never comes
+        assert worker.poll() is None, worker.communicate()
+        store.kill()
+        out, err = worker.communicate(timeout=60)
+        assert worker.returncode == 2, (out[-2000:], err[-2000:])
+        assert "rendezvous store stopped answering" in err and "Traceback" not in err, err[-2000:]
+    finally:
+        stop(store)
+        if worker is not None:
+            stop(worker)

@@ -132,6 +132,16 @@ class World:
     def with_workers(self, workers: Sequence[int]) -> "World":
         return dataclasses.replace(self, workers=tuple(workers))
 
+    def unplaced(self) -> list[str]:
+        """The nodes :meth:`host_of` finds no topology host for (a topology smaller than the job)."""
+        out = []
+        for n in self.server_nodes + self.worker_nodes:
+            try:
+                self.host_of(n)
+            except KeyError:
+                out.append(n)
+        return out
+
     def without(self, ranks) -> "World":
         """This world without workers ``ranks`` (departed), every remaining node on the host it had.
 

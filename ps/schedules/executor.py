@@ -180,6 +180,11 @@ class Executor:
         #: time, so they also *complete* in order (concurrent messages to one peer share the path and all end
         #: together); Hoplite's chunked parameters, which the receiver relays chunk by chunk (cut-through)
         self.in_order_payloads: frozenset = frozenset()
+        #: a peer that sent nothing for a whole receive timeout is skipped by the rest of that run(), as for
+        #: ``exclude`` (its later receives report missing at once): a program whose every later stage waits on
+        #: the same dead neighbour (a ring) then fails after one timeout, not one per stage.  Off by default:
+        #: roles with their own straggler rules (the PS, trees, Hoplite) decide about a late peer themselves
+        self.skip_silent = False
         self.timeout_s = timeout_s
         self.payload_timeouts = dict(payload_timeouts or {})
         self.max_critical_ranges = max_critical_ranges
@@ -476,6 +481,9 @@ class Executor:
                 reps = await self._recv_reliable([members[k][1] for k in live], peers, lbufs, timeout, slots)
             for k, r in zip(live, reps):
                 res.reports[members[k][0]] = r
+                if (self.skip_silent and isinstance(r, RecvReport) and r.received_bytes == 0
+                        and r.regime == TIMEOUT):
+                    self._exclude.add(members[k][1].peer)
         if isinstance(g, str):
             res.group_s[g] = loop.time() - t0
             group_ok[g] = {s.peer for i, s in members
