@@ -275,8 +275,8 @@ def _dense_strides(t: torch.Tensor) -> torch.Tensor:
     """``t`` (contiguous) viewed with the canonical row-major strides.  torch calls a tensor contiguous whatever
     the strides of its size-1 dimensions (``torch.tensor([1., 2.])[::2]`` has stride (2,)), and a byte view
     needs the last stride to be 1; the same memory, re-strided, is what the view must see."""
-    if t.dim() == 0 or t.stride(-1) == 1:
-        return t
+    if t.dim() == 0 or t.stride(-1) == 1 or not t.is_contiguous():
+        return t  # (a tensor really strided is the caller's to copy: the byte view of it fails loudly)
     strides, step = [], 1
     for n in reversed(t.shape):
         strides.append(step)

@@ -264,6 +264,10 @@ def test_one_element_views_with_odd_strides_reduce_and_broadcast(groups_factory,
     o.rootRank = 1
     run_all(pgs, lambda r, pg: pg.broadcast([ys[r]], o))
     assert [y.tolist() for y in ys] == [[[6.0]], [[6.0]]]
+    from ltp_ps.backend import _bytes
+
+    with pytest.raises(RuntimeError, match="stride"):  # a tensor really strided is never re-strided into wrong bytes
+        _bytes(torch.arange(6.0)[::2])
     zs = [torch.arange(4.0).reshape(2, 2)[:, 1:] * (r + 1) for r in range(2)]  # not contiguous: copied in and out
     run_all(pgs, lambda r, pg: pg.allreduce([zs[r]]))
     assert all(z.tolist() == [[3.0], [9.0]] for z in zs)
