@@ -46,6 +46,8 @@ def critical_mask(byte_ranges, total: int, segment_size: int) -> tuple:
     """
     count = (total + segment_size - 1) // segment_size
     mask = np.zeros(count, np.uint8)
+    if isinstance(byte_ranges, (tuple, list)) and not byte_ranges:  # the common case (every gradient, every small message): nothing critical
+        return mask, []
     for rng in byte_ranges:
         try:
             start, end = (int(x) for x in rng)

@@ -58,7 +58,7 @@ from ltp_ext import load as _load
 from .config import Config
 from . import liveness
 from .engine import Engine, ReceiveDone, SendDone
-from .path import SegmentTransmit
+from .path import SegmentTransmit, Transmit
 from .regimes import Regime
 from .errors import BroadcastError, LocalProtocolError, TransferTimeout
 
@@ -542,6 +542,21 @@ class Endpoint:
             return False
         return True
 
+    def _send_run(self, txs: list, i: int, refused: dict) -> int:
+        """Send the run of single-datagram transmits (ACKs, REGs, STOPs...) that starts at ``txs[i]`` in
+        one ``sendmmsg``; returns how many went out. 0 when the run is a lone datagram or the kernel took
+        none of it: the caller then sends ``txs[i]`` on its own, which meets and records the refusal or the
+        full socket (an error stops ``send_many`` at the item it hit, so every item before it went out)."""
+        j = i
+        while j < len(txs) and j - i < SEND_RUN_MAX and _one_datagram(txs[j]) and txs[j].addr not in refused:
+            j += 1
+        if j - i < 2:
+            return 0
+        try:
+            return self._io.send_many([(tx.addr, tx.data, tx.segment_size) for tx in txs[i:j]])
+        except OSError:  # the first item's own error: the caller's single send meets it again
+            return 0
+
     def _flush(self) -> None:
         if self._closed:
             return
@@ -551,9 +566,19 @@ class Endpoint:
         # ACKs our timer could only send late (it fires a loop tick out at the earliest) go now
         eng.flush_acks(now, due_by=now + LOOP_TIMER_RESOLUTION_S)
         refused: dict = {}  # peer -> the kernel's refusal of a send to it
-        for tx in eng.datagrams_to_send(now):
+        txs = eng.datagrams_to_send(now)
+        skip = 0  # the next ``skip`` transmits went out in one send_many already
+        for i, tx in enumerate(txs):
+            if skip:
+                skip -= 1
+                continue
             if tx.addr in refused:
                 continue
+            if not self._pending and _one_datagram(tx):
+                skip = self._send_run(txs, i, refused)
+                if skip:
+                    skip -= 1  # this one is among them
+                    continue
             if self._pending:
                 self._pending.append((tx.addr, bytes(tx.data), tx.segment_size))
                 continue
@@ -608,6 +633,15 @@ class Endpoint:
             self._timer.cancel()
         self._timer_at = when
         self._timer = self._loop.call_later(timer_delay(when, now), self._on_timer)
+
+
+#: at most this many control datagrams (ACKs, REGs, STOPs) of one flush go out in one sendmmsg
+SEND_RUN_MAX = 64
+
+
+def _one_datagram(tx) -> bool:
+    """Whether ``tx`` is one assembled datagram (control or a lone DATA packet), which a flush batches."""
+    return type(tx) is Transmit and len(tx.data) <= tx.segment_size
 
 
 #: a read that returns fewer datagrams than the batch holds but at least this many is followed by

@@ -87,7 +87,7 @@ from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAbor
                      TransferTimeout, WireError)
 from .link_share import SHARE_REFRESH_S, datagram_share, on_loopback
 from .liveness import PEER_SILENCE_RTTS  # noqa: F401  (re-exported: the dead-peer rule's constant)
-from .matching import ReceiveMatcher
+from .matching import CLAIM_STEP_BYTES, ReceiveMatcher
 from .path import Path, Transmit
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .regimes import CloseReason, Regime, stop_reason
@@ -168,6 +168,8 @@ class Engine:
         self._tx_by_handle: dict = {}
         self._rx: dict = {}  # (peer, fid) -> FlowReceiver
         self._matcher = ReceiveMatcher()  # posted receive groups, waiting slots, unexpected messages
+        self._claims: deque = deque()  # closed unexpected messages being copied into their slots (CLAIM_COPY)
+        self._claim_at = 0.0  # when the last claim step ran or was queued: CLAIM_COPY is due from then
         self._early = EarlyClose(slack_s=self.config.deadline_slack_s, lt_fraction=self.config.lt_fraction,
                                  window=self.config.lt_window, max_links=self.config.max_peers)
         self._thresholds = self._early.thresholds  # LT history per (link, size)
@@ -298,6 +300,7 @@ class Engine:
                 self._finish_group(group, now, TransferAborted("endpoint closed"))
         self._rx.clear()
         self._matcher.unexpected.clear()  # unclaimed messages' buffers go with the engine
+        self._claims.clear()
         self._admission.clear()
         self._closed_engine = True
 
@@ -490,9 +493,36 @@ class Engine:
         return True
 
     def _deliver_internal(self, flow: FlowReceiver, now: float) -> None:
-        self._matcher.claim(flow)
+        """A closed unexpected message has its slot: copy it there, the first step now and the rest on the
+        ``CLAIM_COPY`` timer (:mod:`ltp.matching`: the loop must run between steps of a large copy)."""
+        if self._matcher.claim(flow, CLAIM_STEP_BYTES):
+            self._claimed(flow, now)
+        else:
+            self._claims.append(flow)
+            self._claim_at = now
+
+    def _claimed(self, flow: FlowReceiver, now: float) -> None:
         self._admission.release(flow.peer, flow.total)
         self._check_group(flow.slot.group, now)
+
+    def _claim_step(self, now: float) -> None:
+        """Copy up to ``CLAIM_STEP_BYTES`` of the claims in progress, oldest first (the ``CLAIM_COPY`` timer)."""
+        budget = CLAIM_STEP_BYTES
+        claims = self._claims
+        while claims and budget > 0:
+            flow = claims[0]
+            if flow.slot.group.done:  # the receive ended meanwhile (cancelled): the copy is not wanted
+                claims.popleft()
+                self._matcher.abandon_claim(flow)
+                self._admission.release(flow.peer, flow.total)
+                continue
+            before = flow.claimed
+            done = self._matcher.claim(flow, budget)
+            budget -= flow.claimed - before
+            if done:
+                claims.popleft()
+                self._claimed(flow, now)
+        self._claim_at = now
 
     def _after_ingest(self, flow: FlowReceiver, now: float) -> None:
         flow.last_arrival = now
@@ -756,8 +786,9 @@ class Engine:
                 t = group.timeout_at
                 if t is not None and (group_at is None or t < group_at):
                     group_at = t
+        claim = self._claim_at if self._claims else None  # due at once: a copy step per loop turn
         return (pacing, reg, tail, silence, early, ack, group_at, self._admission.expiries.next_time(),
-                self._rx_idle_next if self._rx else None)
+                self._rx_idle_next if self._rx else None, claim)
 
     def silence_limit(self, path: Path) -> float:
         """Seconds of silence after which a peer counts as dead (the dead-peer rule, :mod:`ltp.liveness`)."""
@@ -803,6 +834,8 @@ class Engine:
         if self._rx and (self._rx_idle_next is None or self._rx_idle_next <= now):
             self._expire_idle_receives(now)
         self._purge(now)
+        if self._claims:
+            self._claim_step(now)
 
     def _silence_message(self, flow: FlowSender, path: Path, silent: float, limit: float, now: float) -> str:
         what = "registration unanswered" if not flow.reg_confirmed else \

@@ -16,8 +16,10 @@ armed from the state it belongs to:
 * per receive group — ``RECEIVE_GROUP`` (its deadline for slots nobody
   registered for, and the caller's timeout);
 * per endpoint — ``REGISTRATION_EXPIRY`` (the oldest pending registration,
-  kept in a :class:`DeadlineHeap`) and ``IDLE_SCAN`` (the next scan of receive
-  flows for silent senders).
+  kept in a :class:`DeadlineHeap`), ``IDLE_SCAN`` (the next scan of receive
+  flows for silent senders) and ``CLAIM_COPY`` (due at once while an unexpected
+  message is being copied into the receive that claimed it, a step per call:
+  :mod:`ltp.matching`).
 
 :class:`TimerTable` keeps the earliest deadline of each kind, so the next
 deadline is their minimum and a test can ask which kind is due
@@ -56,6 +58,8 @@ class Timer(enum.IntEnum):
     REGISTRATION_EXPIRY = 7
     #: next scan of receive flows for senders silent for idle_timeout_s
     IDLE_SCAN = 8
+    #: the next step of copying a claimed unexpected message into its receive buffer (due at once)
+    CLAIM_COPY = 9
 
 
 class TimerTable:

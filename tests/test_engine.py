@@ -473,3 +473,89 @@ def test_incast_through_a_shared_shallow_queue_runs_near_line_rate(floats):
         if it:
             assert np.mean([r.delivered_fraction for r in reps]) > 0.85, \
                 [(r.regime, round(r.delivered_fraction, 3)) for r in reps]
+
+
+def test_a_large_unexpected_message_is_claimed_in_steps_so_the_loop_runs_between_them(harness, floats,
+                                                                                     monkeypatch):
+    """A receive posted for a large message that arrived unexpected gets it copied a step at a time (one step
+    per ``CLAIM_COPY`` timer, due at once), not in one call: a 553 MB copy in one call held a worker's event
+    loop 4 s, and the PS declared it dead. The bytes and the report are the same; the memory comes back."""
+    import ltp.engine as engine_mod
+    from ltp.timers import Timer
+
+    step = 16_384
+    monkeypatch.setattr(engine_mod, "CLAIM_STEP_BYTES", step)
+    h = harness(seed=29)
+    h.links(rate=GBIT, delay_s=0.0002)
+    a, rx = h.engines
+    data = floats(50_000)  # 200 kB: 13 steps
+    (sent,) = h.wait([(0, a.send(h.addrs[1], data, now=h.now, tag=4))])
+    assert sent.report.close_reason == "acked" and rx.receive_memory >= data.nbytes
+    out = np.zeros_like(data)
+    hr = rx.post_receive([(h.addrs[0], 4, out)], now=h.now)
+    steps = 1
+    view = out.view(np.uint8)
+    while (ev := rx.next_event()) is None:
+        assert rx.timers().get(Timer.CLAIM_COPY) is not None and rx.get_timer() <= h.now  # due at once
+        filled = steps * step
+        assert np.array_equal(view[:filled], data.view(np.uint8)[:filled]) and not view[filled:].any()
+        rx.handle_timer(h.now)
+        steps += 1
+        assert steps <= 20
+    assert steps == -(-data.nbytes // step)
+    assert ev.handle == hr and ev.reports[0].regime == "complete" and np.array_equal(out, data)
+    assert rx.receive_memory == 0 and rx.timers().get(Timer.CLAIM_COPY) is None
+
+
+def test_the_stop_of_a_large_claimed_message_goes_out_before_its_copy_is_done(harness, floats, monkeypatch):
+    """A receive posted while its message is still arriving (bound to the internal buffer): when the message
+    completes, the STOP that ends the sender's transfer is queued at once, before the copy's later steps."""
+    import ltp.engine as engine_mod
+    from ltp import wire
+
+    monkeypatch.setattr(engine_mod, "CLAIM_STEP_BYTES", 16_384)
+    h = harness(seed=30)
+    h.links(rate=GBIT, delay_s=0.0002)
+    a, rx = h.engines
+    data = floats(100_000)
+    hs = a.send(h.addrs[1], data, now=h.now, reliable=True, tag=6)
+    h.net.run(until=h.now + 0.0008)  # part of it is in: an unexpected message
+    assert rx._matcher.unexpected and rx._rx
+    out = np.zeros_like(data)
+    hr = rx.post_receive([(h.addrs[0], 6, out)], now=h.now)
+    seen = {}
+    real_close = rx._close_rx
+
+    def close_rx(flow, now, regime, **kw):
+        real_close(flow, now, regime, **kw)
+        stops = [d for d, _ in rx._ctrl if wire.unpack_header(memoryview(d))[0] == wire.T_STOP]
+        seen.update(stops=len(stops), claims=len(rx._claims))
+
+    monkeypatch.setattr(rx, "_close_rx", close_rx)
+    sent, recv = h.wait([(0, hs), (1, hr)])
+    assert seen == {"stops": 1, "claims": 1}  # the STOP is queued while the copy is still going on
+    assert sent.report.close_reason == "acked" and np.array_equal(out, data)
+    assert recv.reports[0].regime == "complete" and rx.receive_memory == 0
+
+
+def test_a_receive_cancelled_during_its_claim_gives_the_memory_back(harness, floats, monkeypatch):
+    import ltp.engine as engine_mod
+    from ltp.errors import TransferAborted
+
+    monkeypatch.setattr(engine_mod, "CLAIM_STEP_BYTES", 16_384)
+    h = harness(seed=31)
+    h.links(rate=GBIT, delay_s=0.0002)
+    a, rx = h.engines
+    data = floats(50_000)
+    (sent,) = h.wait([(0, a.send(h.addrs[1], data, now=h.now, tag=8))])
+    assert sent.error is None
+    out = np.zeros_like(data)
+    hr = rx.post_receive([(h.addrs[0], 8, out)], now=h.now)
+    rx.handle_timer(h.now)  # a second step
+    assert rx._claims and rx.next_event() is None
+    rx.cancel(hr, now=h.now)
+    ev = rx.next_event()
+    assert ev.handle == hr and isinstance(ev.error, TransferAborted)
+    rx.handle_timer(h.now)
+    assert not rx._claims and rx.receive_memory == 0 and not rx._matcher.unexpected
+    assert rx.get_timer() is None or rx.get_timer() > h.now
