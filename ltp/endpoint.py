@@ -361,33 +361,23 @@ class Endpoint:
         self._waiters[handle] = fut
         self._flush()
         started = _now()
+        # the caller's timeout is one loop timer that fails ``fut`` (not wait_for + shield: two more futures
+        # and a task per call, on every send of a small message)
+        timer: list = [None]  # the armed TimerHandle (the own-stall rule may re-arm it)
+        if timeout is not None:
+            timer[0] = self._loop.call_later(timeout, self._caller_timeout, fut, timer, started + timeout, timeout)
         try:
-            if timeout is None:
-                return await fut
-            deadline = started + timeout
-            while True:
-                try:
-                    return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - _now()))
-                except (asyncio.TimeoutError, TimeoutError) as exc:
-                    if isinstance(exc, TransferTimeout) or not liveness.stalled(deadline, _now()):
-                        raise
-                    # the own-stall rule (ltp.liveness): this process did not run for part of the
-                    # caller's window, so the transfer gets the whole window again from now
-                    self.loop_stats["stalled_timeouts"] += 1
-                    deadline = _now() + timeout
+            return await fut
         except TransferTimeout:
             raise  # the engine's own verdict (peer silent...), with its cause: never relabel it
-        except (asyncio.TimeoutError, TimeoutError):
-            # nobody awaits the future any more: drop it before the engine fails the transfer, so
-            # its error is not logged as "Future exception was never retrieved"
+        except _CallerTimeout:
             self._waiters.pop(handle, None)
-            fut.cancel()
             self.engine.cancel(handle, now=_now())
             self._flush()
             raise TransferTimeout(f"transfer did not finish within the caller's timeout of {timeout} s "
                                   f"(gave up after {_now() - started:.3f} s); it was cancelled") from None
         except asyncio.CancelledError:
-            self._waiters.pop(handle, None)  # as above: the caller is gone, nobody retrieves the engine's verdict
+            self._waiters.pop(handle, None)  # the caller is gone: nobody retrieves the engine's verdict
             fut.cancel()
             if not self._closed:
                 self.engine.cancel(handle, now=_now())
@@ -395,6 +385,20 @@ class Endpoint:
             raise
         finally:
             self._waiters.pop(handle, None)
+            if timer[0] is not None:
+                timer[0].cancel()
+
+    def _caller_timeout(self, fut, timer: list, deadline: float, timeout: float) -> None:
+        """The caller's timeout of a send came: fail it, unless the own-stall rule (:mod:`ltp.liveness`) says
+        this process did not run for part of the window; the transfer then gets the whole window again."""
+        if fut.done():
+            return
+        now = _now()
+        if liveness.stalled(deadline, now):
+            self.loop_stats["stalled_timeouts"] += 1
+            timer[0] = self._loop.call_later(timeout, self._caller_timeout, fut, timer, now + timeout, timeout)
+            return
+        fut.set_exception(_CallerTimeout())
 
     def _on_readable(self) -> None:
         self.loop_stats["readable"] += 1
@@ -633,6 +637,10 @@ class Endpoint:
             self._timer.cancel()
         self._timer_at = when
         self._timer = self._loop.call_later(timer_delay(when, now), self._on_timer)
+
+
+class _CallerTimeout(Exception):
+    """A send's caller timeout expired (raised into its waiter only; the caller sees TransferTimeout)."""
 
 
 #: at most this many control datagrams (ACKs, REGs, STOPs) of one flush go out in one sendmmsg
