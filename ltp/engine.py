@@ -223,7 +223,7 @@ class Engine:
         self._tx[(peer, fid)] = flow
         self._tx_by_handle[handle] = flow
         self.stats.flows_sent += 1
-        self._ctrl.append((flow.reg_datagram(now, path.est_word(), path.pto(), self._wall_us(now)), peer))
+        self._ctrl.append((flow.reg_datagram(now, path.est_word(), path.base_pto(), self._wall_us(now)), peer))
         return handle
 
     def set_source(self, peer, addr) -> None:
@@ -418,7 +418,7 @@ class Engine:
             flow = self._tx.get(key)
             if flow is not None and flow.token == token:
                 if reason == "unregistered" and flow.state == OPEN and \
-                        flow.reregister(now, 2 * self._paths[addr].pto()):
+                        flow.reregister(now, 2 * self._paths[addr].base_pto()):
                     self.stats.reregistrations += 1
                     return
                 if reason == "stale" and flow.state == OPEN:
@@ -490,6 +490,8 @@ class Engine:
         self._matcher.bind(slot, flow)
         if flow.report is not None:
             self._deliver_internal(flow, now)
+        else:
+            self._check_flow(flow, now)  # its Early Close clock runs from now on (the group's)
         return True
 
     def _deliver_internal(self, flow: FlowReceiver, now: float) -> None:
@@ -537,6 +539,9 @@ class Engine:
             return
         if flow.complete:
             self._close_rx(flow, now, Regime.COMPLETE)
+            return
+        if flow.slot is None:  # unexpected: nobody waits for it yet, so there is no tail to cut (ltp/early_close.py)
+            self._wakes.pop(flow.key, None)
             return
         regime, wake = self._early.check(flow, now)
         if regime is not None:
@@ -805,6 +810,7 @@ class Engine:
         self._due = None
         for path in list(self._paths.values()):
             pto = path.pto()
+            timed_out = False
             for flow in list(path.flows):
                 if flow.state != OPEN:
                     continue
@@ -815,12 +821,16 @@ class Engine:
                     self._end_send(flow, now)
                     continue
                 if not flow.reg_confirmed and now >= flow.reg_next:
-                    self._ctrl.append((flow.reg_datagram(now, path.est_word(), pto, self._wall_us(now)), flow.peer))
+                    self._ctrl.append((flow.reg_datagram(now, path.est_word(), path.base_pto(), self._wall_us(now)),
+                                       flow.peer))
                 if flow.window.inflight_count and max(flow.window.oldest_inflight_time(), flow.last_heard) + pto <= now:
                     # a nanosecond of slack so the transmission the timer was armed for is included
                     lost = flow.window.expire(now - pto + 1e-9)
                     if lost.shape[0]:
                         flow.requeue_lost(lost)
+                        timed_out = True
+            if timed_out:  # the path's next probe timeout is twice as long, until an ACK answers (Path.pto)
+                path.pto_count += 1
         for key, wake in list(self._wakes.items()):
             if wake <= now:
                 flow = self._rx.get(key)

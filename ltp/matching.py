@@ -26,7 +26,8 @@ as flows that registered (REG) and sent their first DATA. The
    finished once (``finish``), its slots leave the waiting list and the engine
    emits one :class:`~ltp.engine.ReceiveDone` with the reports in slot order.
 
-Binding a flow to a slot sets the group's ``t0`` (its first registration),
+Binding a flow to a slot sets the group's ``t0`` (its first registration, or
+the group's posting if a message registered before the receive was posted),
 where Early Close starts the group's clock. The matcher holds no clock and no
 policy of its own: the engine decides when a slot expires (Early Close, the
 caller's timeout, an unreachable peer) and what a closed flow reports.
@@ -112,12 +113,14 @@ class ReceiveMatcher:
         self.unexpected.append(flow)
 
     def bind(self, slot: RecvSlot, flow: FlowReceiver) -> None:
-        """Pair ``slot`` (no longer waiting) and ``flow``; the group's clock starts at its first registration."""
+        """Pair ``slot`` (no longer waiting) and ``flow``; the group's clock starts at its first registration,
+        but never before the group was posted."""
         slot.flow = flow
         flow.slot = slot
         group = slot.group
-        if group.t0 is None or flow.start < group.t0:
-            group.t0 = flow.start
+        start = max(flow.start, group.posted)
+        if group.t0 is None or start < group.t0:
+            group.t0 = start
 
     def claim(self, flow: FlowReceiver, budget: int = CLAIM_STEP_BYTES) -> bool:
         """Copy up to ``budget`` more bytes of a closed unexpected ``flow`` into its slot; returns True when

@@ -36,7 +36,7 @@ class RecvGroup:
     def __init__(self, handle: int, now: float, timeout_at: float | None) -> None:
         self.handle = handle
         self.slots: list = []
-        self.t0: float | None = None  # first registration among the slots
+        self.t0: float | None = None  # first registration among the slots, not before ``posted``
         self.posted = now
         self.timeout_at = timeout_at
         self.wake: float | None = None  # next group-level timer (deadline for unregistered slots)
@@ -106,8 +106,9 @@ class FlowReceiver:
 
     @property
     def anchor(self) -> float:
-        """Where this flow's Early Close clock starts: its receive group's first registration
-        (the start of the batch synchronisation), or its own registration when received alone."""
+        """Where this flow's Early Close clock starts: its receive group's first registration (the start
+        of the batch synchronisation; not before the group was posted), or its own registration when received
+        alone."""
         if self.slot is not None and self.slot.group.t0 is not None:
             return self.slot.group.t0
         return self.start

@@ -16,6 +16,7 @@ MAX_SEGMENT_SIZE: int
 GRO_SLOT_SIZE: int
 MAX_BATCH: int
 SO_TIMESTAMPNS_OPT: int
+SO_RXQ_OVFL_OPT: int
 IP_RECVERR_OPT: int
 IPV6_RECVERR_OPT: int
 
@@ -31,7 +32,9 @@ class UdpIO:
     gro_enabled: bool
     timestamps_enabled: bool
     recverr_enabled: bool
+    drops_enabled: bool
     icmp_errors: int
+    socket_drops: int
     def __init__(
         self,
         sock: socket.socket,
@@ -42,6 +45,7 @@ class UdpIO:
         gro: bool = True,
         timestamps: bool = True,
         recverr: bool = True,
+        drops: bool = True,
     ) -> None: ...
     @property
     def buffer(self) -> memoryview: ...

@@ -105,6 +105,20 @@ cdef extern from *:
         return -1.0;
     }
 
+    /* The socket's cumulative drop count (SO_RXQ_OVFL, a uint32), -1 when the message carries none. */
+    static long long ltp_rx_drops(struct msghdr *m) {
+        struct cmsghdr *c;
+        uint32_t v;
+        if (m->msg_controllen == 0) return -1;
+        for (c = CMSG_FIRSTHDR(m); c != NULL; c = CMSG_NXTHDR(m, c)) {
+            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == 40 /* SO_RXQ_OVFL */) {
+                memcpy(&v, CMSG_DATA(c), sizeof(v));
+                return (long long)v;
+            }
+        }
+        return -1;
+    }
+
     /* Attach a UDP_SEGMENT control message (cbuf must hold LTP_CMSG_SIZE bytes). */
     static void ltp_set_gso(struct msghdr *m, char *cbuf, uint16_t seg) {
         struct cmsghdr *c;
@@ -196,6 +210,7 @@ cdef extern from *:
     int sendmmsg(int fd, mmsghdr *msgs, unsigned int vlen, int flags) nogil
     int ltp_gro_size(msghdr *m) nogil
     double ltp_rx_time(msghdr *m) nogil
+    long long ltp_rx_drops(msghdr *m) nogil
     void ltp_set_gso(msghdr *m, char *cbuf, uint16_t seg) nogil
     int ltp_decode_addr(const sockaddr_storage *ss, char *host, size_t hostlen,
                         unsigned int *port, unsigned int *flowinfo, unsigned int *scope) nogil
@@ -208,6 +223,8 @@ ICMP_ERRNOS = frozenset({_errno.ECONNREFUSED, _errno.EHOSTUNREACH, _errno.ENETUN
 #: Most segments per GSO super-datagram.
 #: setsockopt option number of SO_TIMESTAMPNS (Linux; not exported by Python's socket module)
 SO_TIMESTAMPNS_OPT = 35
+#: setsockopt option number of SO_RXQ_OVFL (Linux): every datagram read carries the socket's drop count
+SO_RXQ_OVFL_OPT = 40
 GSO_MAX_SEGMENTS = 64
 #: Most payload bytes per GSO super-datagram.
 GSO_MAX_BYTES = 65000
@@ -283,7 +300,9 @@ cdef class UdpIO:
     cdef readonly bint gro_enabled
     cdef readonly bint timestamps_enabled
     cdef readonly bint recverr_enabled
+    cdef readonly bint drops_enabled
     cdef readonly long long icmp_errors
+    cdef readonly long long socket_drops
     cdef Py_ssize_t _slot_size
     # receive side
     cdef object _buf_arr
@@ -343,7 +362,7 @@ cdef class UdpIO:
         self._g_first = NULL
 
     def __init__(self, sock, *, int batch=64, int max_datagram=2048, bint gso=True, bint gro=True,
-                 bint timestamps=True, bint recverr=True):
+                 bint timestamps=True, bint recverr=True, bint drops=True):
         if self._rmsgs != NULL:
             raise RuntimeError("UdpIO.__init__ called twice; create a new UdpIO instead")
         if not isinstance(sock, _socket.socket):
@@ -386,6 +405,14 @@ cdef class UdpIO:
             try:
                 sock.setsockopt(_socket.SOL_SOCKET, SO_TIMESTAMPNS_OPT, 1)
                 self.timestamps_enabled = True
+            except OSError:
+                pass
+        self.drops_enabled = False
+        self.socket_drops = 0
+        if drops:
+            try:
+                sock.setsockopt(_socket.SOL_SOCKET, SO_RXQ_OVFL_OPT, 1)
+                self.drops_enabled = True
             except OSError:
                 pass
         self.recverr_enabled = False
@@ -532,6 +559,7 @@ cdef class UdpIO:
             "datagrams_out": self._dgrams_out,
             "eagain": self._eagain,
             "errors": dict(self._errors),
+            "socket_drops": self.socket_drops,
         }
 
     def __len__(self):
@@ -557,6 +585,7 @@ cdef class UdpIO:
         cdef int64_t *slots
         cdef double *times
         cdef double t
+        cdef long long d
         self._n = 0
         while True:
             for i in range(self.batch):
@@ -603,6 +632,9 @@ cdef class UdpIO:
             L = self._rmsgs[i].msg_len
             base = i * self._slot_size
             t = ltp_rx_time(&self._rmsgs[i].msg_hdr)
+            d = ltp_rx_drops(&self._rmsgs[i].msg_hdr)
+            if d >= 0:
+                self.socket_drops = d
             if self._rmsgs[i].msg_hdr.msg_flags & MSG_TRUNC:
                 self._count_error(_errno.EMSGSIZE)
                 continue

@@ -41,6 +41,7 @@ import errno as _errno
 import operator as _operator
 import os as _os
 import socket as _socket
+import sys
 import struct as _struct
 
 import numpy as np
@@ -76,6 +77,8 @@ _ADDR_CACHE_MAX = 4096
 _ICMP_RETRIES = 4
 #: setsockopt option number of SO_TIMESTAMPNS (Linux; not exported by Python's socket module)
 SO_TIMESTAMPNS_OPT = 35
+#: setsockopt option number of SO_RXQ_OVFL (Linux): every datagram read carries the socket's drop count
+SO_RXQ_OVFL_OPT = 40
 _TIMESPEC = _struct.Struct("@qq")
 _ANC_SIZE = 256   # the UDP_GRO cmsg plus room for timestamps, pktinfo... (as the compiled module)
 _INT = _struct.Struct("@i")
@@ -130,7 +133,7 @@ class UdpIO:
     """
 
     def __init__(self, sock, *, batch: int = 64, max_datagram: int = 2048, gso: bool = True, gro: bool = True,
-                 timestamps: bool = True, recverr: bool = True):
+                 timestamps: bool = True, recverr: bool = True, drops: bool = True):
         batch = _operator.index(batch)
         max_datagram = _operator.index(max_datagram)
         if not isinstance(sock, _socket.socket):
@@ -175,6 +178,14 @@ class UdpIO:
                 self._ts = True
             except OSError:
                 pass
+        self._drops = False
+        self._socket_drops = 0
+        if drops:
+            try:
+                sock.setsockopt(_socket.SOL_SOCKET, SO_RXQ_OVFL_OPT, 1)
+                self._drops = True
+            except OSError:
+                pass
         self._recverr = False
         if recverr:
             try:
@@ -210,6 +221,10 @@ class UdpIO:
     icmp_errors = property(lambda self: self._icmp_errors,
                            doc="ICMP-reported errors (ECONNREFUSED, EHOSTUNREACH...) the socket calls met so far: "
                                "when it grows, recv_errors() has reports to read.")
+    drops_enabled = property(lambda self: self._drops, doc="SO_RXQ_OVFL enabled (the socket's drop count).")
+    socket_drops = property(lambda self: self._socket_drops,
+                            doc="The socket's cumulative count of datagrams the kernel dropped for want of room, "
+                                "as the last datagram that carried it said (0 before any drop).")
     recverr_enabled = property(lambda self: self._recverr,
                                doc="IP_RECVERR enabled: ICMP reports are read with recv_errors().")
 
@@ -272,6 +287,7 @@ class UdpIO:
             "datagrams_out": self._dgrams_out,
             "eagain": self._eagain,
             "errors": dict(self._errors),
+            "socket_drops": self._socket_drops,
         }
 
     def __len__(self) -> int:
@@ -332,6 +348,8 @@ class UdpIO:
                 elif level == _socket.SOL_SOCKET and kind == SO_TIMESTAMPNS_OPT and len(cdata) >= _TIMESPEC.size:
                     sec, nsec = _TIMESPEC.unpack(cdata[:_TIMESPEC.size])
                     t = sec + nsec * 1e-9
+                elif level == _socket.SOL_SOCKET and kind == SO_RXQ_OVFL_OPT and len(cdata) >= 4:
+                    self._socket_drops = int.from_bytes(cdata[:4], sys.byteorder)
             if g == 0 and self._gro and flags & _socket.MSG_CTRUNC:
                 # the UDP_GRO cmsg may have been cut off: the slot could be a coalesced run
                 # that cannot be split, so drop it rather than deliver glued datagrams

@@ -242,7 +242,11 @@ async def test_receiver_process_killed_mid_transfer_is_noticed_within_a_second()
         try:
             data = np.ones(50_000_000, np.float32)  # 200 MB: far from done when the receiver dies
             task = asyncio.ensure_future(a.send(("127.0.0.1", port), data, reliable=True))
-            await asyncio.sleep(0.3)
+            # kill it once the transfer is under way (a fixed 0.3 s sleep let an idle machine finish all 200 MB)
+            for _ in range(500):
+                await asyncio.sleep(0.002)
+                if a.stats.bytes_out > 10_000_000 or task.done():
+                    break
             assert not task.done()
             os.kill(proc.pid, signal.SIGKILL)
             killed = time.monotonic()

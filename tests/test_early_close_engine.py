@@ -114,3 +114,64 @@ def test_engine_thresholds_come_from_flow_threshold(harness, floats, monkeypatch
     assert history is not None
     assert last.deadline_s == pytest.approx(last.lt_threshold_s + 0.01)
     assert any(lt == last.lt_threshold_s for lt, _ in calls)
+
+
+def test_record_closed_times_a_flow_that_started_before_its_groups_clock_from_its_own_start():
+    """A message that registered before its receive was posted (its group's clock starts at the posting) teaches
+    its link its own transfer time, not the shorter span from the clock's start."""
+    t = LinkThresholds()
+    t.record_closed(LINK, 1000, Regime.COMPLETE, anchor=2.0, start=1.5, last_arrival=2.1, received_bytes=1000)
+    assert t.history(LINK, 1000) == pytest.approx(0.6)
+
+
+def _lossy_pair(harness, seed):
+    h = harness(seed=seed, config=Config(deadline_slack_s=0.005))
+    h.links(rate=GBIT, delay_s=0.0005, loss=0.3)  # above STRETCH_MAX_LOSS: Early Close cuts a posted receive
+    return h
+
+
+def test_an_unexpected_message_is_never_closed_early_its_clock_starts_when_a_receive_claims_it(harness, floats):
+    """No receive is posted while a lossy link carries a message: nobody waits for it, so Early Close has no
+    tail to cut and the message is received whole (the sender retransmits). Before, it ran on its own clock
+    and was cut at its link's LT threshold; the gather that claimed it later (a PS still broadcasting when
+    its workers pushed) found a quarter to all of each gradient missing at 0 % network loss."""
+    h = _lossy_pair(harness, 41)
+    a, b = h.engines
+    data = floats(200_000)
+    # the link's history first: a posted receive, so Early Close applies and learns a short LT
+    out = np.zeros_like(data)
+    _, first = h.wait([(0, a.send(h.addrs[1], data, now=h.now, tag=1)),
+                       (1, b.post_receive([(h.addrs[0], 1, out)], now=h.now))])
+    assert first.reports[0].regime in (Regime.EARLY, Regime.DEADLINE)
+    assert b._thresholds.history(h.addrs[0], data.nbytes) is not None
+    # the same message again, nobody receiving: it is not cut, it is all buffered
+    (sent,) = h.wait([(0, a.send(h.addrs[1], data, now=h.now, tag=2))])
+    assert sent.report.close_reason in ("acked", "complete") and sent.report.delivered_fraction == 1.0
+    out = np.zeros_like(data)
+    (recv,) = h.wait([(1, b.post_receive([(h.addrs[0], 2, out)], now=h.now))])
+    assert recv.reports[0].regime == Regime.COMPLETE and np.array_equal(out, data)
+
+
+def test_a_receive_posted_mid_message_starts_the_groups_clock_at_its_posting(harness, floats):
+    """A gather posted after one worker's push began (the PS was busy) and before another's: the clock starts at
+    the posting, so the later worker gets its link's whole LT threshold, not what is left of the earlier one's."""
+    h = harness(n_hosts=3, seed=42, config=Config(deadline_slack_s=0.005))
+    h.links(rate=GBIT, delay_s=0.0005)
+    a, c, rx = h.engines
+    data = floats(250_000)
+    for tag in (1, 2):  # both links' history: full deliveries
+        outs = [np.zeros_like(data), np.zeros_like(data)]
+        h.wait([(0, a.send(h.addrs[2], data, now=h.now, tag=tag)), (1, c.send(h.addrs[2], data, now=h.now, tag=tag)),
+                (2, rx.post_receive([(h.addrs[0], tag, outs[0]), (h.addrs[1], tag, outs[1])], now=h.now))])
+    lt = rx._thresholds.history(h.addrs[0], data.nbytes)
+    assert lt is not None
+    a.send(h.addrs[2], data, now=h.now, tag=3)  # worker A pushes at once...
+    h.net.run(until=h.now + 3 * lt)  # ...and the PS posts its gather three LT thresholds later
+    outs = [np.zeros_like(data), np.zeros_like(data)]
+    hr = rx.post_receive([(h.addrs[0], 3, outs[0]), (h.addrs[1], 3, outs[1])], now=h.now)
+    group = rx._matcher.groups[hr]
+    assert group.t0 == group.posted  # not A's registration, long before
+    hc = c.send(h.addrs[2], data, now=h.now, tag=3)  # worker B pushes right after the posting
+    _, recv = h.wait([(1, hc), (2, hr)])
+    assert [r.regime for r in recv.reports] == [Regime.COMPLETE, Regime.COMPLETE]
+    assert np.array_equal(outs[1], data)

@@ -161,6 +161,7 @@ class _ScriptedIO:
         self.calls = 0
         self.timestamps_enabled = False
         self.recverr_enabled = False
+        self.socket_drops = 0
         self.buffer = memoryview(bytearray(64 * batch))
         self.offsets = np.arange(batch, dtype=np.int64) * 64
         self.lengths = np.full(batch, 3, np.int64)

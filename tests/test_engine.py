@@ -559,3 +559,46 @@ def test_a_receive_cancelled_during_its_claim_gives_the_memory_back(harness, flo
     rx.handle_timer(h.now)
     assert not rx._claims and rx.receive_memory == 0 and not rx._matcher.unexpected
     assert rx.get_timer() is None or rx.get_timer() > h.now
+
+
+def test_the_probe_timeout_doubles_per_unanswered_timeout_and_an_ack_resets_it():
+    import random as _random
+
+    from ltp.path import PTO_BACKOFF_MAX, Path
+
+    cfg = Config()
+    p = Path(("10.0.0.9", 7447), cfg, _random.Random(1), 1472)
+    p.srtt, p.rttvar = 0.010, 0.001
+    base = p.pto()
+    assert base == pytest.approx(0.014)
+    p.pto_count = 3
+    assert p.pto() == pytest.approx(8 * base)
+    p.pto_count = 50
+    assert p.pto() == pytest.approx((1 << PTO_BACKOFF_MAX) * base)
+
+
+def test_a_receiver_that_stops_reading_is_not_sent_a_window_per_probe_timeout(harness, floats):
+    """The receiver stops reading for 0.6 s (a PS busy broadcasting on a loaded host; here SIGSTOP-like):
+    each unanswered probe timeout doubles the next (up to 32 ms), so the sender re-sends about 10 windows into
+    the stalled receiver, not 60 (one per 4 ms: 23,359 datagrams without the backoff); after the pause the
+    transfer completes and the backoff is reset."""
+    h = harness(seed=44)
+    h.links(rate=GBIT, delay_s=0.0002)
+    a, b = h.engines
+    data = floats(2_000_000)
+    out = np.zeros_like(data)
+    hs = a.send(h.addrs[1], data, now=h.now, reliable=True)
+    hr = b.post_receive([(h.addrs[0], 0, out)], now=h.now)
+    h.net.run(until=h.now + 0.01)
+    link = h.net.link(h.addrs[0], h.addrs[1])
+    h.net.stall(h.addrs[1], 0.6)  # under the dead-peer floor (peer_silence_min_s)
+    sent0 = link.stats["sent"]
+    h.net.run(until=h.now + 0.6)
+    during = link.stats["sent"] - sent0
+    path = a._paths[h.addrs[1]]
+    assert path.pto_count >= 5
+    cwnd_packets = path.bbr.cwnd(path.pacer.burst_bytes) // 1472 + 1
+    assert during <= 12 * cwnd_packets, (during, cwnd_packets)
+    _, recv = h.wait([(0, hs), (1, hr)])
+    assert recv.reports[0].regime == "complete" and np.array_equal(out, data)
+    assert path.pto_count == 0

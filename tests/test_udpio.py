@@ -501,3 +501,23 @@ def test_recv_errors_reports_icmp_port_unreachable_with_the_peer(mod, socks, fam
 def test_recverr_can_be_turned_off(mod, socks):
     io = mod.UdpIO(socks.make(), recverr=False)
     assert not io.recverr_enabled and io.recv_errors() == []
+
+
+def test_the_sockets_own_drops_are_reported_with_the_datagrams_read(mod, socks):
+    """SO_RXQ_OVFL: a receiver whose buffer overflowed learns how many datagrams its socket dropped (the count
+    ``EndpointStats.socket_drops``); 0 while none was dropped."""
+    rx, tx = socks.make(), socks.make()
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel's minimum: a few datagrams fit
+    io = mod.UdpIO(rx)
+    assert io.drops_enabled and io.socket_drops == 0
+    dst = rx.getsockname()
+    tx.sendto(b"x" * 1000, dst)
+    assert drain(io, 1) and io.socket_drops == 0
+    for _ in range(200):
+        tx.sendto(b"y" * 1000, dst)
+    got = drain(io, 200, timeout=0.5)
+    assert 0 < len(got) < 200
+    # the kernel stamps the count on a datagram when it queues it: the next one after the drops tells
+    tx.sendto(b"z" * 10, dst)
+    assert drain(io, 1)
+    assert io.socket_drops == 200 - len(got) and io.stats["socket_drops"] == io.socket_drops
