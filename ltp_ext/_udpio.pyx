@@ -220,12 +220,23 @@ cdef extern from *:
 
 #: Errno values that ICMP reports on UDP sockets; counted and ignored, never raised.
 ICMP_ERRNOS = frozenset({_errno.ECONNREFUSED, _errno.EHOSTUNREACH, _errno.ENETUNREACH, _errno.EHOSTDOWN})
-#: Most segments per GSO super-datagram.
 #: setsockopt option number of SO_TIMESTAMPNS (Linux; not exported by Python's socket module)
 SO_TIMESTAMPNS_OPT = 35
 #: setsockopt option number of SO_RXQ_OVFL (Linux): every datagram read carries the socket's drop count
 SO_RXQ_OVFL_OPT = 40
+#: Most segments per GSO super-datagram.
 GSO_MAX_SEGMENTS = 64
+
+
+def _try_sol_socket(sock, opt):
+    """Turn on the SOL_SOCKET option ``opt``; False where the kernel refuses it."""
+    try:
+        sock.setsockopt(_socket.SOL_SOCKET, opt, 1)
+    except OSError:
+        return False
+    return True
+
+
 #: Most payload bytes per GSO super-datagram.
 GSO_MAX_BYTES = 65000
 #: Largest UDP payload over IPv4; the upper bound of ``segment_size``.
@@ -400,21 +411,9 @@ cdef class UdpIO:
                 self.gso_enabled = True
             except OSError:
                 pass
-        self.timestamps_enabled = False
-        if timestamps:
-            try:
-                sock.setsockopt(_socket.SOL_SOCKET, SO_TIMESTAMPNS_OPT, 1)
-                self.timestamps_enabled = True
-            except OSError:
-                pass
-        self.drops_enabled = False
+        self.timestamps_enabled = timestamps and _try_sol_socket(sock, SO_TIMESTAMPNS_OPT)
+        self.drops_enabled = drops and _try_sol_socket(sock, SO_RXQ_OVFL_OPT)
         self.socket_drops = 0
-        if drops:
-            try:
-                sock.setsockopt(_socket.SOL_SOCKET, SO_RXQ_OVFL_OPT, 1)
-                self.drops_enabled = True
-            except OSError:
-                pass
         self.recverr_enabled = False
         if recverr:
             try:

@@ -80,6 +80,17 @@ SO_TIMESTAMPNS_OPT = 35
 #: setsockopt option number of SO_RXQ_OVFL (Linux): every datagram read carries the socket's drop count
 SO_RXQ_OVFL_OPT = 40
 _TIMESPEC = _struct.Struct("@qq")
+
+
+def _try_sol_socket(sock, opt: int) -> bool:
+    """Turn on the SOL_SOCKET option ``opt``; False where the kernel refuses it."""
+    try:
+        sock.setsockopt(_socket.SOL_SOCKET, opt, 1)
+    except OSError:
+        return False
+    return True
+
+
 _ANC_SIZE = 256   # the UDP_GRO cmsg plus room for timestamps, pktinfo... (as the compiled module)
 _INT = _struct.Struct("@i")
 #: IP_RECVERR / IPV6_RECVERR (Linux): ICMP errors queued on the socket with the peer's address
@@ -171,21 +182,9 @@ class UdpIO:
                 self._gso = True
             except OSError:
                 pass
-        self._ts = False
-        if timestamps:
-            try:
-                sock.setsockopt(_socket.SOL_SOCKET, SO_TIMESTAMPNS_OPT, 1)
-                self._ts = True
-            except OSError:
-                pass
-        self._drops = False
+        self._ts = bool(timestamps) and _try_sol_socket(sock, SO_TIMESTAMPNS_OPT)
+        self._drops = bool(drops) and _try_sol_socket(sock, SO_RXQ_OVFL_OPT)
         self._socket_drops = 0
-        if drops:
-            try:
-                sock.setsockopt(_socket.SOL_SOCKET, SO_RXQ_OVFL_OPT, 1)
-                self._drops = True
-            except OSError:
-                pass
         self._recverr = False
         if recverr:
             try:

@@ -128,6 +128,7 @@ class Aggregator:
         # and memory traffic, on its event loop
         self._lost_s: list = []
         self._lost_e: list = []
+        self._short_ranges: list | None = None  # _short()'s answer until the next add
 
     def add(self, grad: np.ndarray, lost: Sequence[tuple] = (), weight: float = 1.0) -> bool:
         """Add one worker's gradient; ``lost`` are element ranges it did not deliver.
@@ -159,6 +160,7 @@ class Aggregator:
             self._lost_s.append(np.fromiter((a for a, _ in lost), np.int64, len(lost)))
             self._lost_e.append(np.fromiter((b for _, b in lost), np.int64, len(lost)))
         self.contributors += 1
+        self._short_ranges = None
         return True
 
     def _deficit(self):
@@ -175,13 +177,18 @@ class Aggregator:
         return keys[last], level[last]
 
     def _short(self):
-        """``(a, b, delivered)`` for every range that fewer than all contributors delivered."""
-        d = self._deficit()
-        if d is None:
-            return []
-        bounds, missing = d
-        idx = np.flatnonzero(missing[:-1] > 0)
-        return [(int(bounds[i]), int(bounds[i + 1]), self.contributors - int(missing[i])) for i in idx]
+        """``(a, b, delivered)`` for every range that fewer than all contributors delivered (computed once per
+        round: the PS asks for the mask, the uncovered ranges and the mean)."""
+        if self._short_ranges is None:
+            d = self._deficit()
+            if d is None:
+                self._short_ranges = []
+            else:
+                bounds, missing = d
+                idx = np.flatnonzero(missing[:-1] > 0)
+                self._short_ranges = [(int(bounds[i]), int(bounds[i + 1]), self.contributors - int(missing[i]))
+                                      for i in idx]
+        return self._short_ranges
 
     def counts(self) -> np.ndarray:
         """Per element: how many workers delivered it."""
@@ -239,17 +246,6 @@ def _finite(grad: np.ndarray, lost: Sequence[tuple]) -> bool:
     for s, e in lost:
         keep[s:e] = False
     return bool(np.isfinite(grad[keep]).all()) and np.isfinite(grad[keep].sum(dtype=np.float32))
-
-
-def mask_to_ranges(mask: np.ndarray) -> list[tuple]:
-    """Half-open ranges of the True runs of a boolean mask."""
-    idx = np.flatnonzero(mask)
-    if idx.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(idx) != 1)
-    starts = np.concatenate(([idx[0]], idx[breaks + 1]))
-    ends = np.concatenate((idx[breaks] + 1, [idx[-1] + 1]))
-    return [(int(a), int(b)) for a, b in zip(starts, ends)]
 
 
 def intersect_ranges(a: Sequence[tuple], b: Sequence[tuple]) -> list[tuple]:

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ltp_ps.aggregate import Aggregator, feedback_ranges, intersect_ranges, mask_to_ranges, merge_ranges
+from ltp_ps.aggregate import Aggregator, feedback_ranges, intersect_ranges, merge_ranges
 from ltp_ps.optim import FlatOptimizer, NormGuard
 
 from ps_helpers import make_job, run_job
@@ -102,7 +102,6 @@ def test_feedback_ranges_by_mode():
     assert feedback_ranges("unbiased", [(0, 10)], [(3, 4), (8, 20)]) == [(3, 4), (8, 10)]
     assert feedback_ranges("unbiased", [(0, 10)], []) == []
     assert intersect_ranges([(0, 5), (7, 9)], [(4, 8)]) == [(4, 5), (7, 8)]
-    assert mask_to_ranges(np.array([0, 1, 1, 0, 1], bool)) == [(1, 3), (4, 5)]
 
 
 ranges_st = st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30)).map(lambda t: (min(t), max(t))),
