@@ -81,6 +81,7 @@ import numpy as np
 
 from . import liveness, wire
 from .admission import Admission, PendingRegistration, stop_datagram
+from .buffer_pool import BufferPool
 from .config import Config
 from .early_close import EarlyClose
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
@@ -170,6 +171,7 @@ class Engine:
         self._matcher = ReceiveMatcher()  # posted receive groups, waiting slots, unexpected messages
         self._claims: deque = deque()  # closed unexpected messages being copied into their slots (CLAIM_COPY)
         self._claim_at = 0.0  # when the last claim step ran or was queued: CLAIM_COPY is due from then
+        self._pool = BufferPool(self.config.max_receive_memory)  # spare internal buffers (SPARE_EXPIRY)
         self._early = EarlyClose(slack_s=self.config.deadline_slack_s, lt_fraction=self.config.lt_fraction,
                                  window=self.config.lt_window, max_links=self.config.max_peers)
         self._thresholds = self._early.thresholds  # LT history per (link, size)
@@ -302,6 +304,7 @@ class Engine:
         self._matcher.unexpected.clear()  # unclaimed messages' buffers go with the engine
         self._claims.clear()
         self._admission.clear()
+        self._pool.clear()
         self._closed_engine = True
 
     # ------------------------------------------------------------------ input
@@ -465,7 +468,7 @@ class Engine:
                 self._fail_too_small(slot, total, addr, now)
             return None
         internal = slot is None
-        dest = bytearray(total) if internal else slot.dest
+        dest = self._pool.take(total) if internal else slot.dest  # a spare of this size if one is kept
         padding = (cfg.segment_size if cfg.segment_size is not None else cfg.mtu - 44) - pend.seg_size
         # the flow's clock starts at its registration, as if it had been allocated then
         flow = FlowReceiver(key=pend.key, peer=addr, flow_id=pend.flow_id, token=pend.token, total=total,
@@ -504,8 +507,17 @@ class Engine:
             self._claim_at = now
 
     def _claimed(self, flow: FlowReceiver, now: float) -> None:
-        self._admission.release(flow.peer, flow.total)
+        self._free_internal(flow, now)
         self._check_group(flow.slot.group, now)
+
+    def _free_internal(self, flow: FlowReceiver, now: float, *, keep: bool = True) -> None:
+        """A closed unexpected message's internal buffer is no longer needed (claimed, abandoned or discarded):
+        give its memory back to the peer's account and, with ``keep``, the buffer to the pool
+        (:mod:`ltp.buffer_pool`; not when it is evicted to make room: that memory must really go)."""
+        self._admission.release(flow.peer, flow.total)
+        if keep:
+            self._pool.give(flow.dest, now)
+        flow.dest = None
 
     def _claim_step(self, now: float) -> None:
         """Copy up to ``CLAIM_STEP_BYTES`` of the claims in progress, oldest first (the ``CLAIM_COPY`` timer)."""
@@ -516,7 +528,7 @@ class Engine:
             if flow.slot.group.done:  # the receive ended meanwhile (cancelled): the copy is not wanted
                 claims.popleft()
                 self._matcher.abandon_claim(flow)
-                self._admission.release(flow.peer, flow.total)
+                self._free_internal(flow, now)
                 continue
             before = flow.claimed
             done = self._matcher.claim(flow, budget)
@@ -711,11 +723,14 @@ class Engine:
             if not path.flows:
                 continue
             tx = path.poll(now)
-            if tx is not None:
+            while tx is not None:
                 out.append(tx)
                 n = tx.nbytes
                 self.stats.datagrams_out += -(-n // tx.segment_size)
                 self.stats.bytes_out += n
+                # the next flow's turn now, not at the next ACK: with the receiver silent (a busy PS), a flow
+                # behind one whose lost segment the tail-loss timer re-queued was never served
+                tx = path.poll(now, fresh=True) if path.budget_left else None
             path.wake = path.next_send_time(now)
         return out
 
@@ -793,7 +808,7 @@ class Engine:
                     group_at = t
         claim = self._claim_at if self._claims else None  # due at once: a copy step per loop turn
         return (pacing, reg, tail, silence, early, ack, group_at, self._admission.expiries.next_time(),
-                self._rx_idle_next if self._rx else None, claim)
+                self._rx_idle_next if self._rx else None, claim, self._pool.next_expiry())
 
     def silence_limit(self, path: Path) -> float:
         """Seconds of silence after which a peer counts as dead (the dead-peer rule, :mod:`ltp.liveness`)."""
@@ -910,15 +925,16 @@ class Engine:
             if flow.peer[0] != host and adm.host_memory.get(host, 0) + need > cfg.host_memory_cap:
                 return  # only the host's own messages could help, and none is left
             self._matcher.unexpected.remove(flow)
-            adm.release(flow.peer, flow.total)
+            self._free_internal(flow, now, keep=False)
             self.stats.drop("unclaimed_evicted")
 
     def _purge(self, now: float) -> None:
         self._admission.purge(now)
         ttl = self.config.unclaimed_ttl_s
         while (flow := self._matcher.pop_unclaimed(now, ttl)) is not None:
-            self._admission.release(flow.peer, flow.total)
+            self._free_internal(flow, now)
             self.stats.drop("unclaimed_message")
+        self._pool.trim(now)
 
     def next_event(self):
         """Pop the next :class:`SendDone` / :class:`ReceiveDone`, or None."""

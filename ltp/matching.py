@@ -35,6 +35,8 @@ caller's timeout, an unreachable peer) and what a closed flow reports.
 
 from __future__ import annotations
 
+import numpy as np
+
 from collections import deque
 
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
@@ -161,7 +163,7 @@ class ReceiveMatcher:
 
     def expire(self, slot: RecvSlot, now: float, regime: Regime, cause: str = "") -> None:
         """``slot`` got no message: zero its buffer and give it an empty report."""
-        slot.dest[:] = bytes(len(slot.dest))
+        np.frombuffer(slot.dest, np.uint8).fill(0)  # in place: no message-sized temporary
         slot.report = empty_report(slot, regime, cause or expiry_cause(slot, now), now)
         if slot in self.waiting:
             self.waiting.remove(slot)

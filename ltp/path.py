@@ -7,7 +7,9 @@ instead of starting from scratch. Flows to the peer are served in FIFO order:
 :meth:`poll` takes the first flow that has something to send and asks it for
 as many segments as both the pacer's tokens and the congestion window allow,
 then builds them into one contiguous buffer of equal-stride datagrams (one
-GSO batch). The path also keeps the RFC 6298 smoothed RTT used for the
+GSO batch); when that flow runs out of segments before the window and the
+pacer do, the engine polls again in the same turn for the next flow (the
+whole budget is used, whichever flows it takes). The path also keeps the RFC 6298 smoothed RTT used for the
 tail-loss probe timeout -- doubled for every timeout in a row that no
 acknowledgement answered, up to :data:`PTO_BACKOFF_MAX` doublings (as TCP's
 RTO and QUIC's PTO back off; a receiver that stops reading for a while must
@@ -135,6 +137,7 @@ class Path:
         self.next_flow_id = rng.randrange(1 << 16)
         self._rng = rng
         self._out = bytearray(0)
+        self.budget_left = False  # the last poll's flow ran out of segments before the window and pacer did
         self.wake: float | None = None  # when the pacer next allows a worthwhile burst
         self.last_heard = float("-inf")  # last datagram of any kind from this peer (dead-peer rule)
         self.grant: float | None = None  # the receiver's rate grant (datagram bytes/s; ltp/link_share.py)
@@ -240,8 +243,12 @@ class Path:
                 return f
         return None
 
-    def poll(self, now: float):
-        """Build the next batch of DATA datagrams allowed now; ``None`` when blocked or idle."""
+    def poll(self, now: float, *, fresh: bool = False):
+        """Build the next batch of DATA datagrams allowed now, from the first flow with something to send;
+        ``None`` when blocked or idle. ``budget_left`` is then True when that flow ran out of segments before
+        the window and the pacer did: call again for the next flow's batch, with ``fresh`` (a new buffer:
+        the batch before still points into the path's)."""
+        self.budget_left = False
         flow = self._active()
         if flow is None:
             if self.inflight_bytes() == 0:
@@ -262,11 +269,12 @@ class Path:
             self.delivered_time = now
         gather = self.gather_send
         need = seqs.shape[0] * (wire.HEADER_SIZE if gather else stride)
-        if len(self._out) < need:
+        if fresh or len(self._out) < need:
             self._out = bytearray(need)
         nbytes = flow.window.build(seqs, now, self.delivered, self.delivered_time, self.first_sent_time,
                                    self.est_word(), self._out, gather)
         self.pacer.consume(now, nbytes)
+        self.budget_left = seqs.shape[0] < n
         if self._active() is None:
             # nothing more queued: samples until this data is delivered are app-limited
             self.app_limited_until = self.delivered + self.inflight_bytes()

@@ -19,7 +19,8 @@ armed from the state it belongs to:
   kept in a :class:`DeadlineHeap`), ``IDLE_SCAN`` (the next scan of receive
   flows for silent senders) and ``CLAIM_COPY`` (due at once while an unexpected
   message is being copied into the receive that claimed it, a step per call:
-  :mod:`ltp.matching`).
+  :mod:`ltp.matching`) and ``SPARE_EXPIRY`` (the oldest spare internal
+  buffer is dropped: :mod:`ltp.buffer_pool`).
 
 :class:`TimerTable` keeps the earliest deadline of each kind, so the next
 deadline is their minimum and a test can ask which kind is due
@@ -60,6 +61,8 @@ class Timer(enum.IntEnum):
     IDLE_SCAN = 8
     #: the next step of copying a claimed unexpected message into its receive buffer (due at once)
     CLAIM_COPY = 9
+    #: the oldest spare internal receive buffer is dropped (:mod:`ltp.buffer_pool`)
+    SPARE_EXPIRY = 10
 
 
 class TimerTable:

@@ -602,3 +602,39 @@ def test_a_receiver_that_stops_reading_is_not_sent_a_window_per_probe_timeout(ha
     _, recv = h.wait([(0, hs), (1, hr)])
     assert recv.reports[0].regime == "complete" and np.array_equal(out, data)
     assert path.pto_count == 0
+
+
+def test_each_flow_on_a_path_gets_its_turn_while_the_receiver_is_silent(harness, floats):
+    """Two flows to one peer (a PS's READY note, then the gradient) and a receiver that reads nothing for a
+    while: each tail-loss timeout re-queues both flows' segments, and the same turn sends both, not only the
+    first flow in FIFO order (the gradient waited for the next ACK, which a silent receiver never sends)."""
+    from ltp import wire
+
+    h = harness(seed=45)
+    h.links(rate=GBIT, delay_s=0.0002)
+    a, b = h.engines
+    h.net.stall(h.addrs[1], 0.3)
+    note = a.send(h.addrs[1], np.ones(2, np.float32), now=h.now, tag=1)
+    grad = a.send(h.addrs[1], floats(100_000), now=h.now, tag=2)
+    names = {a._tx_by_handle[note].flow_id: "note", a._tx_by_handle[grad].flow_id: "grad"}
+    turns: dict = {}
+    send = a.datagrams_to_send
+
+    def spy(now):
+        txs = send(now)
+        for tx in txs:
+            for d in tx.datagrams():
+                ptype, _, fid, *_ = wire.unpack_header(d)
+                if ptype == wire.T_DATA:
+                    turns.setdefault(now, set()).add(names[fid])
+        return txs
+
+    a.datagrams_to_send = spy
+    h.net.run(until=h.now + 0.25)
+    resent = [t for t, who in turns.items() if t > 0 and "note" in who]
+    assert len(resent) >= 3  # the note's one segment, at each probe timeout
+    assert all("grad" in turns[t] for t in resent), sorted(turns.items())
+    out1, out2 = np.zeros(2, np.float32), np.zeros(100_000, np.float32)
+    h.wait([(0, note), (0, grad)])
+    h.wait([(1, b.post_receive([(h.addrs[0], 1, out1), (h.addrs[0], 2, out2)], now=h.now))])
+    assert out1.tolist() == [1.0, 1.0] and out2.any()
