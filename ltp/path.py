@@ -47,7 +47,7 @@ PTO_BACKOFF_MAX = 3
 @dataclass
 class Transmit:
     """A batch of datagrams for one address: ``data`` is cut every ``segment_size`` bytes
-    (the last datagram may be shorter). ``data`` is only valid until the next poll."""
+    (the last datagram may be shorter). ``data`` is only valid until the engine's next ``datagrams_to_send``."""
 
     addr: tuple
     data: memoryview
