@@ -5,9 +5,9 @@ Theory of operation. A message that arrives before a receive is posted for it
 parameters while a worker still computes) is *unexpected*: the engine buffers
 it in an internal buffer of the message's size until a receive claims it
 (:mod:`ltp.matching`). A fresh ``bytearray`` is zero-filled when it is made
-and handed back to the kernel when it is freed, on the event loop both times:
-for a 100 MB gradient that stalled the PS's loop for 0.25-0.45 s at a time on
-a loaded 2-core host, its peers went unheard meanwhile, and a worker's
+and handed back to the kernel when it is freed, on the event loop both times.
+For a 100 MB gradient that stalled the PS's loop for 0.25-0.45 s at a time on
+a loaded 2-core host: its peers went unheard meanwhile, and a worker's
 gradient lost most of its Early Close window to it (loopback ResNet-50 job,
 1 PS + 4 workers, 0 % loss). Training sends the same sizes every round, so a
 freed internal buffer is kept here and the next unexpected message of exactly

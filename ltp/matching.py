@@ -35,9 +35,9 @@ caller's timeout, an unreachable peer) and what a closed flow reports.
 
 from __future__ import annotations
 
-import numpy as np
-
 from collections import deque
+
+import numpy as np
 
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .regimes import Regime
