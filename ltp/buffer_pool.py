@@ -21,7 +21,10 @@ open flow can write into it (its flow is closed and out of the engine's flow
 table).
 
 Bounds. Spares add up to at most ``cap_bytes`` (the engine passes its
-``Config.max_receive_memory``: what it may hold on peers' behalf anyway); a
+``Config.max_receive_memory``: what it may hold on peers' behalf anyway), and
+only buffers of :data:`SPARE_MIN_BYTES` or more are kept (a small one costs
+nothing worth saving to allocate, and the pool's bookkeeping per spare, which
+the cap does not count, stays under half a percent of what it holds); a
 spare unused for :data:`SPARE_TTL_S` is dropped (the engine's
 ``SPARE_EXPIRY`` timer); :meth:`BufferPool.clear` drops them all. Sans-IO:
 the caller passes ``now``.
@@ -31,20 +34,24 @@ from __future__ import annotations
 
 from collections import deque
 
-__all__ = ["BufferPool", "SPARE_TTL_S"]
+__all__ = ["BufferPool", "SPARE_TTL_S", "SPARE_MIN_BYTES"]
 
 #: a spare buffer not taken again within this long is dropped (seconds): longer than a training round, so
 #: a PS or worker keeps its buffers across rounds, short enough that an idle endpoint gives the memory back
 SPARE_TTL_S = 5.0
+#: smaller internal buffers are not kept (the engine's pool; a READY note is 8 bytes, a gradient megabytes)
+SPARE_MIN_BYTES = 64 << 10
 
 
 class BufferPool:
-    """Freed internal buffers by size, newest taken first; at most ``cap_bytes`` in all."""
+    """Freed internal buffers by size, newest taken first; at most ``cap_bytes`` in all, none under
+    ``min_bytes``."""
 
-    def __init__(self, cap_bytes: int) -> None:
+    def __init__(self, cap_bytes: int, min_bytes: int = 1) -> None:
         if cap_bytes < 0:
             raise ValueError("cap_bytes must be >= 0")
         self.cap_bytes = int(cap_bytes)
+        self.min_bytes = max(1, int(min_bytes))
         self.bytes = 0  # bytes held in spares
         self.reused = 0  # buffers handed out again (not allocated)
         self._by_size: dict = {}  # size -> deque of entries [buffer, given_at, kept], oldest left
@@ -65,9 +72,10 @@ class BufferPool:
         return bytearray(size)
 
     def give(self, buf, now: float) -> None:
-        """Keep ``buf`` (no longer written by anyone) for a later :meth:`take`, unless it would exceed the cap."""
+        """Keep ``buf`` (no longer written by anyone) for a later :meth:`take`, unless it is under ``min_bytes``
+        or would exceed the cap."""
         size = len(buf)
-        if size == 0 or self.bytes + size > self.cap_bytes:
+        if size < self.min_bytes or self.bytes + size > self.cap_bytes:
             return
         entry = [buf, now, True]
         self._by_size.setdefault(size, deque()).append(entry)

@@ -81,7 +81,7 @@ import numpy as np
 
 from . import liveness, wire
 from .admission import Admission, PendingRegistration, stop_datagram
-from .buffer_pool import BufferPool
+from .buffer_pool import SPARE_MIN_BYTES, BufferPool
 from .config import Config
 from .early_close import EarlyClose
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
@@ -171,7 +171,7 @@ class Engine:
         self._matcher = ReceiveMatcher()  # posted receive groups, waiting slots, unexpected messages
         self._claims: deque = deque()  # closed unexpected messages being copied into their slots (CLAIM_COPY)
         self._claim_at = 0.0  # when the last claim step ran or was queued: CLAIM_COPY is due from then
-        self._pool = BufferPool(self.config.max_receive_memory)  # spare internal buffers (SPARE_EXPIRY)
+        self._pool = BufferPool(self.config.max_receive_memory, SPARE_MIN_BYTES)  # spare internal buffers
         self._early = EarlyClose(slack_s=self.config.deadline_slack_s, lt_fraction=self.config.lt_fraction,
                                  window=self.config.lt_window, max_links=self.config.max_peers)
         self._thresholds = self._early.thresholds  # LT history per (link, size)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ltp.buffer_pool import SPARE_TTL_S, BufferPool
+from ltp.buffer_pool import SPARE_MIN_BYTES, SPARE_TTL_S, BufferPool
 from ltp.config import Config
 from ltp.timers import Timer
 
@@ -53,6 +53,14 @@ def test_spares_expire_after_the_ttl_counted_from_their_latest_give():
     assert pool.bytes == 10 and pool.next_expiry() == pytest.approx(3.0 + SPARE_TTL_S)
     pool.trim(3.0 + SPARE_TTL_S)
     assert pool.bytes == 0 and pool.next_expiry() is None and pool.take(10) is not a
+
+
+def test_a_buffer_under_the_minimum_is_not_kept():
+    pool = BufferPool(10_000, min_bytes=100)
+    pool.give(bytearray(99), 0.0)
+    assert pool.bytes == 0 and pool.next_expiry() is None
+    pool.give(bytearray(100), 0.0)
+    assert pool.bytes == 100
 
 
 def test_clear_drops_every_spare_and_a_negative_cap_is_refused():
@@ -155,3 +163,16 @@ def test_spare_buffers_expire_on_their_timer_and_go_with_close(harness, floats):
     assert rx._pool.bytes == data.nbytes
     rx.close(now=h.now)
     assert rx._pool.bytes == 0 and rx.get_timer() is None
+
+
+def test_the_engine_keeps_no_spare_for_a_small_message(harness, floats):
+    """A READY note's few bytes are allocated afresh each time: only buffers of SPARE_MIN_BYTES or more are kept."""
+    h = harness(seed=63)
+    h.links(rate=GBIT, delay_s=0.0002)
+    rx = h.engines[1]
+    small = floats(SPARE_MIN_BYTES // 4 - 1)
+    _send_unexpected(h, small, 5)
+    out = np.zeros_like(small)
+    h.wait([(1, rx.post_receive([(h.addrs[0], 5, out)], now=h.now))])
+    assert np.array_equal(out, small) and rx._pool.bytes == 0
+    assert rx.timers().get(Timer.SPARE_EXPIRY) is None
