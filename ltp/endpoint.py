@@ -256,6 +256,19 @@ class Endpoint:
                                           timeout=timeout)
         return await self._wait(handle, None)
 
+    async def expect(self, peer, into, *, tag: int) -> None:
+        """Say ahead of :meth:`recv`/:meth:`gather` that the message ``tag`` from ``peer`` goes into ``into``.
+
+        Posting a receive early would start its clock early; a hint starts nothing. If the message arrives
+        before its receive is posted, it is written straight into ``into`` (not into an internal buffer that
+        the receive then copies), and a receive posted later on the same buffer finds it in place. From this
+        call until that receive completes, ``into`` belongs to the endpoint: do not read or write it. A hint is
+        used once; posting the receive drops an unused one (:mod:`ltp.placement`)."""
+        peer = await self._resolve(peer)
+        self._check_open()
+        self.engine.expect(peer, tag, into, now=_now())
+        self._flush()  # a superseded message's STOP goes now
+
     async def broadcast(self, peers, data, *, tag: int = 0, critical=(), element_size: int | None = None,
                         timeout: float | None = None, return_exceptions: bool = False) -> list:
         """Send ``data`` reliably to every peer in parallel; one report per peer, in order.

@@ -26,6 +26,8 @@ each input to the object that decides —
   for an expired tag, rate-limited RESET ``unregistered``);
 * :class:`~ltp.matching.ReceiveMatcher`: which posted receive slot a message
   fills, unexpected messages, slot expiry and when a group is done;
+* :class:`~ltp.placement.PlacementHints`: the caller's buffer for a message
+  expected before its receive is posted (:meth:`expect`);
 * :class:`~ltp.early_close.EarlyClose`: when a receive flow closes (LT
   threshold, group deadline, progress evidence) and what it teaches the LT
   thresholds;
@@ -90,6 +92,7 @@ from .link_share import SHARE_REFRESH_S, datagram_share, on_loopback
 from .liveness import PEER_SILENCE_RTTS  # noqa: F401  (re-exported: the dead-peer rule's constant)
 from .matching import CLAIM_STEP_BYTES, ReceiveMatcher
 from .path import Path, Transmit
+from .placement import PlacementHints, overlap
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .regimes import CloseReason, Regime, stop_reason
 from .reports import EndpointStats, SendReport
@@ -172,6 +175,7 @@ class Engine:
         self._claims: deque = deque()  # closed unexpected messages being copied into their slots (CLAIM_COPY)
         self._claim_at = 0.0  # when the last claim step ran or was queued: CLAIM_COPY is due from then
         self._pool = BufferPool(self.config.max_receive_memory, SPARE_MIN_BYTES)  # spare internal buffers
+        self._hints = PlacementHints()  # (peer, tag) -> the caller's buffer for a message not yet received
         self._early = EarlyClose(slack_s=self.config.deadline_slack_s, lt_fraction=self.config.lt_fraction,
                                  window=self.config.lt_window, max_links=self.config.max_peers)
         self._thresholds = self._early.thresholds  # LT history per (link, size)
@@ -259,12 +263,36 @@ class Engine:
                 raise LocalProtocolError("receive buffer is empty; size it to the expected message")
             slot = RecvSlot(group, i, None if peer is None else self._norm_addr(peer), tag, dest)
             group.slots.append(slot)
+            if slot.peer is not None and tag is not None:
+                self._hints.discard(slot.peer, tag)
         self._matcher.add(group)
         for slot in group.slots:
             if not self._match_unexpected(slot, now):
                 self._matcher.wait(slot)
         self._check_group(group, now)
         return handle
+
+    def expect(self, peer, tag: int, buf, *, now: float) -> None:
+        """Say where the message ``tag`` from ``peer`` will be received, before its receive is posted.
+
+        If that message registers first, it is written straight into ``buf`` instead of an internal buffer,
+        and a receive posted later on the same memory finds it in place: no copy (:mod:`ltp.placement`).
+        From now until that receive completes, ``buf`` belongs to the engine. A hint is used once; posting
+        the receive drops an unused one. An unclaimed message that an earlier hint placed in ``buf`` is
+        cancelled (its sender hears STOP): the buffer now waits for this one."""
+        self._check_open()
+        if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
+            raise LocalProtocolError(f"tag={tag!r}: expect() needs the message's tag, an int >= 0")
+        dest = _writable_view(buf)
+        if len(dest) == 0:
+            raise LocalProtocolError("expect() buffer is empty; size it to the expected message")
+        for flow in [f for f in self._matcher.unexpected if f.placed and f.slot is None and overlap(f.dest, dest)]:
+            if flow.regime is None:
+                self._close_rx(flow, now, Regime.CANCELLED)
+            self._matcher.unexpected.remove(flow)
+            self._free_internal(flow, now)
+            self.stats.drop("placed_message_superseded")
+        self._hints.add(self._norm_addr(peer), tag, dest)
 
     def cancel(self, handle: int, *, now: float) -> None:
         """Cancel a send (RESET to the peer) or a receive group (STOP to the senders)."""
@@ -305,6 +333,7 @@ class Engine:
         self._claims.clear()
         self._admission.clear()
         self._pool.clear()
+        self._hints.clear()
         self._closed_engine = True
 
     # ------------------------------------------------------------------ input
@@ -468,13 +497,18 @@ class Engine:
                 self._fail_too_small(slot, total, addr, now)
             return None
         internal = slot is None
-        dest = self._pool.take(total) if internal else slot.dest  # a spare of this size if one is kept
+        placed = None if slot is not None else self._hints.take(addr, pend.tag, total)  # the caller's, as hinted
+        if placed is not None:
+            dest = placed
+        else:  # a spare of this size if one is kept
+            dest = self._pool.take(total) if internal else slot.dest
         padding = (cfg.segment_size if cfg.segment_size is not None else cfg.mtu - 44) - pend.seg_size
         # the flow's clock starts at its registration, as if it had been allocated then
         flow = FlowReceiver(key=pend.key, peer=addr, flow_id=pend.flow_id, token=pend.token, total=total,
                             seg_size=pend.seg_size, element_size=pend.element_size, tag=pend.tag,
                             reliable=pend.reliable, critical_runs=pend.ranges, dest=dest, internal=internal,
                             now=pend.registered, est=pend.est, padding=max(0, padding))
+        flow.placed = placed is not None
         self._rx[pend.key] = flow
         self.stats.flows_received += 1
         if slot is not None:
@@ -515,7 +549,7 @@ class Engine:
         give its memory back to the peer's account and, with ``keep``, the buffer to the pool
         (:mod:`ltp.buffer_pool`; not when it is evicted to make room: that memory must really go)."""
         self._admission.release(flow.peer, flow.total)
-        if keep:
+        if keep and not flow.placed:  # a hinted buffer is the caller's
             self._pool.give(flow.dest, now)
         flow.dest = None
 

@@ -14,7 +14,9 @@ as flows that registered (REG) and sent their first DATA. The
    posted later (``find_unexpected``); a message larger than a slot's buffer
    never matches it;
 3. a slot bound to an unexpected flow that has closed receives a copy of the
-   message and then its report (``claim``). The copy goes in steps of at most
+   message and then its report (``claim``); none is needed when the message
+   was written into the slot's own memory, as a placement hint asked
+   (:mod:`ltp.placement`). The copy goes in steps of at most
    :data:`CLAIM_STEP_BYTES`, one per call: a 553 MB message copied in one call
    held its event loop for 4 s on a loaded 2-core machine, and the sender,
    hearing no ACK and no STOP meanwhile, declared the receiver dead. The
@@ -39,6 +41,7 @@ from collections import deque
 
 import numpy as np
 
+from .placement import same_memory
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .regimes import Regime
 from .reports import RecvReport
@@ -131,8 +134,11 @@ class ReceiveMatcher:
         The caller then gives back the internal buffer's memory (``flow.total`` bytes)."""
         slot = flow.slot
         start = flow.claimed
-        stop = min(flow.total, start + max(1, budget))
-        slot.dest[start:stop] = flow.dest[start:stop]
+        if start == 0 and flow.placed and same_memory(flow.dest, slot.dest[:flow.total]):
+            stop = flow.total  # it was received in place (a placement hint): nothing to copy
+        else:
+            stop = min(flow.total, start + max(1, budget))
+            slot.dest[start:stop] = flow.dest[start:stop]
         flow.claimed = stop
         if stop < flow.total:
             return False

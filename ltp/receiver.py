@@ -89,6 +89,7 @@ class FlowReceiver:
         self.seg_count = count
         self.dest = dest
         self.internal = internal
+        self.placed = False  # an unexpected message written into the buffer a caller hinted (ltp.placement)
         self.claimed = 0  # an internal buffer's bytes already copied into the slot that claimed it
         self.slot: RecvSlot | None = None
         self.start = now

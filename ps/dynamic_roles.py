@@ -183,7 +183,7 @@ class _ServerRole:
         self.last_apply = time.monotonic()
         row = {"event": "iteration", "t": time.time(), "shard": ps.shard, "iteration": before, "version": ps.version,
                "source": members[0] if len(members) == 1 else "aggregate", "members": members, "contributors": c,
-               "staleness": max(st), "staleness_all": st, "gather_s": 0.0, "broadcast_s": 0.0,
+               "staleness": max(st), "staleness_all": st, "gather_s": None, "broadcast_s": None,  # no sync round
                "delivered": {"all": float((counts > 0).mean()) if counts.size else 0.0}, "regime": {},
                "loss": loss, "samples": p.samples, "schedule": ps.planner.name}
         ps.metrics.write(row)

@@ -46,18 +46,26 @@ def _pct(values, q):
     return v[min(len(v) - 1, int(math.ceil(q * len(v))) - 1)]
 
 
+def sync_s(row: dict) -> float | None:
+    """An iteration row's batch synchronisation time (gather + broadcast, seconds); None where the mode has no
+    such round (MLfabric's dynamic updates arrive through aggregators, timed by nobody)."""
+    g, b = row.get("gather_s"), row.get("broadcast_s")
+    return None if g is None or b is None else g + b
+
+
 def summarize(rows: Iterable[dict]) -> dict:
     iters = [r for r in rows if r.get("event") == "iteration"]
     epochs = [r for r in rows if r.get("event") == "epoch"]
-    sync = [r["gather_s"] + r["broadcast_s"] for r in iters]
+    timed = [r for r in iters if sync_s(r) is not None]
+    sync = [sync_s(r) for r in timed]
     fr = [f for r in iters for f in r.get("delivered", {}).values()]
     out = {
         "iterations": len(iters),
         "sync_mean_s": statistics.fmean(sync) if sync else float("nan"),
         "sync_p50_s": _pct(sync, 0.5),
         "sync_p99_s": _pct(sync, 0.99),
-        "gather_mean_s": statistics.fmean(r["gather_s"] for r in iters) if iters else float("nan"),
-        "broadcast_mean_s": statistics.fmean(r["broadcast_s"] for r in iters) if iters else float("nan"),
+        "gather_mean_s": statistics.fmean(r["gather_s"] for r in timed) if timed else float("nan"),
+        "broadcast_mean_s": statistics.fmean(r["broadcast_s"] for r in timed) if timed else float("nan"),
         "delivered_mean": statistics.fmean(fr) if fr else float("nan"),
         "delivered_min": min(fr) if fr else float("nan"),
         "final_accuracy": epochs[-1].get("accuracy") if epochs else None,

@@ -52,7 +52,7 @@ from .checkpoint import load_latest, save_checkpoint
 from .deadlines import GatherDeadline
 from .errors import ConfigError, RendezvousError, TrainingFailed
 from .membership import Membership, Staleness
-from .metrics import MetricsLog, format_summary, summarize
+from .metrics import MetricsLog, format_summary, summarize, sync_s
 from .optim import CLIP_FACTOR, FlatOptimizer, NormGuard
 from .schedule import DirectSchedule, Schedule
 from .schedules import World, create as create_schedule
@@ -312,7 +312,7 @@ class ParameterServer:
             epoch_rows.append(row)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", sync=f"{(row['gather_s'] + row['broadcast_s']) * 1e3:.1f}ms")
+                bar.set_postfix(loss=f"{row['loss']:.3f}", sync=f"{sync_s(row) * 1e3:.1f}ms")
             if self.iteration % self.ipe == 0 or self.iteration == self.total:
                 self._end_epoch(epoch_rows)
                 epoch_rows = []
@@ -341,6 +341,10 @@ class ParameterServer:
         msg = self._params_message(KIND_PARAMS, self._lost_prev)
         prog = self._bind_round(it, members, msg)
         self.executor.payload_timeouts["params"] = self.deadline.broadcast_timeout(len(msg), len(members))
+        gather_prog = Program(self.node, prog.stages[1:-1])
+        # a worker that has its parameters sends its gradient while the others still receive theirs: let it
+        # land in its gather buffer now, rather than be copied there once the gather is posted
+        await self.executor.expect(gather_prog, self._slots)
         t0 = time.monotonic()
         reps = (await self.executor.run(prog.head(1), self._slots, iteration=it)).reports
         t_b = time.monotonic() - t0
@@ -357,7 +361,7 @@ class ParameterServer:
         bufs = [self._bufs[m.rank] for m in alive]
         gather_timeout = self.deadline.timeout(HEADER_BYTES + ELEM * self.n, len(alive))
         t1 = time.monotonic()
-        gres = await self.executor.run(Program(self.node, prog.stages[1:-1]), self._slots, iteration=it,
+        gres = await self.executor.run(gather_prog, self._slots, iteration=it,
                                        exclude={worker_node(m.rank) for m in members if m not in alive},
                                        group_timeouts={"ready": gather_timeout, "grad": gather_timeout})
         idx = {worker_node(m.rank): i for i, m in enumerate(members)}
@@ -530,7 +534,7 @@ class ParameterServer:
     def _end_epoch(self, rows: list[dict], epoch: int | None = None) -> None:
         epoch = (self.iteration - 1) // self.ipe if epoch is None else epoch
         ev = self._evaluate(epoch)
-        sync = [r["gather_s"] + r["broadcast_s"] for r in rows] or [float("nan")]
+        sync = [s for r in rows if (s := sync_s(r)) is not None] or [float("nan")]
         fr = [f for r in rows for f in r["delivered"].values()] or [float("nan")]
         loss = [r["loss"] for r in rows if r["loss"] == r["loss"]] or [float("nan")]
         row = {"event": "epoch", "t": time.time(), "shard": self.shard, "epoch": epoch,
@@ -540,7 +544,7 @@ class ParameterServer:
         self.verdict.observe(epoch, ev)
         acc = f"acc {ev['accuracy']:.4f}  " if "accuracy" in ev else ""
         line = (f"[ps{self.shard}] epoch {epoch + 1:>3}/{self.epochs_total}  {acc}loss {row['loss']:.4f}  "
-                f"sync {row['sync_mean_s'] * 1e3:7.2f} ms  delivered {row['delivered_mean']:.4f}  "
+                f"sync {_ms(row['sync_mean_s'])} ms  delivered {row['delivered_mean']:.4f}  "
                 f"workers {row['workers']}")
         self.epoch_lines.append(line)
         self.log(line)
@@ -703,6 +707,11 @@ class ParameterServer:
 
 
 STOP_BEST_EFFORT_S = 2.0  # seconds spent telling workers to stop when the job fails
+
+
+def _ms(seconds: float) -> str:
+    """Seconds as a 7-wide millisecond figure, or '-' where nothing was timed (NaN)."""
+    return f"{seconds * 1e3:7.2f}" if seconds == seconds else f"{'-':>7}"
 
 
 def _miss_reason(r, timeout_s: float, waited_s: float) -> str:

@@ -13,7 +13,7 @@ from ltp_ps.schedules import World, create
 from ltp_ps.schedules.executor import STOP, Executor, ExecutorError, Slots
 from ltp_ps.schedules.partial import Partial, message_capacity
 from ltp_ps.schedules.program import Forward, Program, Recv, Send, worker
-from ltp_ps.transport.memory import MemoryNetwork
+from ltp_ps.transport.memory import MemoryNetwork, MemoryTransport
 
 
 class RingRole:
@@ -471,3 +471,31 @@ async def test_a_program_of_sends_only_with_a_head_start_ends_when_every_send_ha
     res = await asyncio.wait_for(task, 5)
     assert loop.time() - t0 >= 0.5 and res.reports[0].__class__.__name__ == "TransportTimeout"
     assert res.reports[1] is not None and not isinstance(res.reports[1], BaseException)
+
+
+def test_expect_hints_only_tagged_model_sized_whole_slot_receives():
+    """Executor.expect passes the transport one hint per gradient/params receive with a tag, with the slot's
+    buffer; partials (scratch buffers), notes, untagged receives and excluded peers get none."""
+    calls = []
+
+    class Recording(MemoryTransport):
+        async def expect(self, peer, into, *, tag):
+            calls.append((peer, into, tag))
+
+    net = MemoryNetwork()
+    t = Recording(net, ("me", 1))
+    addrs = {worker(r): ("w", r) for r in range(4)}
+    ex = Executor(t, "server:0", addrs)
+    slots = Slots()
+    bufs = {r: np.zeros(8, np.float32) for r in range(4)}
+    for r, b in bufs.items():
+        slots.bind(f"in:{r}", b)
+    slots.bind("note", np.zeros(2, np.float32))
+    prog = Program("server:0", (
+        (Recv(worker(0), "in:0", 0, 8, 5, payload="grad"), Recv(worker(1), "in:1", 0, 8, 5, payload="grad"),
+         Recv(worker(2), "in:2", 0, 8, None, payload="grad"), Recv(worker(3), "in:3", 0, 8, 5, payload="partial"),
+         Recv(worker(0), "note", 0, 0, 6, payload="note")),
+        (Recv(worker(3), "in:3", 0, 8, 9, payload="params"),)))
+    assert asyncio.run(ex.expect(prog, slots, exclude={worker(1)})) == 2
+    assert [(p, tag) for p, _, tag in calls] == [(("w", 0), 5), (("w", 3), 9)]
+    assert calls[0][1] is bufs[0] and calls[1][1] is bufs[3]

@@ -138,6 +138,10 @@ async def test_ps_four_workers_digits_over_ltp_loopback(ltp_mod):
         summary, *_ = await asyncio.gather(ps.run(), *(w.run() for w in workers))
         events = [r for r in ps.metrics.rows if r["event"] not in ("iteration", "epoch")]
         assert summary["best_accuracy"] >= 0.95, (summary, events)
+        # every round hinted each worker's gradient buffer before its broadcast (Executor.expect); each hint was
+        # used by an early gradient or dropped when the gather was posted first, none left over
+        hints = ps_t._ep.engine._hints
+        assert hints.used + hints.dropped == 4 * ps.iteration and len(hints) == 0
     finally:
         for t in (ps_t, *wts):
             await t.close()

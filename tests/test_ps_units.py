@@ -376,3 +376,16 @@ def test_metrics_jsonl_and_summary(tmp_path):
     assert s["delivered_min"] == 0.9 and s["delivered_mean"] == pytest.approx(0.95)
     text = format_summary(s)
     assert "26.00 ms" in text and "0.9700" in text
+
+
+def test_rows_with_no_sync_round_are_not_averaged_in_as_zero(tmp_path):
+    """MLfabric's dynamic updates have no gather/broadcast round: their rows say None, and the summary shows '-'
+    rather than a 0.00 ms batch sync that nothing measured."""
+    rows = [{"event": "iteration", "t": float(i), "gather_s": None, "broadcast_s": None, "delivered": {"all": 1.0}}
+            for i in range(3)]
+    s = summarize(rows)
+    assert s["iterations"] == 3 and s["sync_mean_s"] != s["sync_mean_s"]  # NaN
+    text = format_summary(s)
+    assert "batch sync mean       - ms" in text and "0.00 ms" not in text
+    rows.append({"event": "iteration", "t": 3.0, "gather_s": 0.004, "broadcast_s": 0.002, "delivered": {"0": 1.0}})
+    assert summarize(rows)["sync_mean_s"] == pytest.approx(0.006)  # only the timed row counts

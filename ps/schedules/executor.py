@@ -60,6 +60,7 @@ MIN_TIMEOUT_S = 0.001  # seconds; a dependent group never gets less
 DEFAULT_TIMEOUT_S = 60.0  # seconds for a step that names none and no default was configured
 IN_ORDER_WINDOW = 2  # messages in flight per peer for the payloads a role sends in order (Executor.in_order_payloads)
 MAX_CRITICAL_RANGES = 128  # LTP fits at most 160 critical ranges in a registration
+HINTED_PAYLOADS = frozenset({"grad", "params"})  # whole-slot receives Executor.expect hints (model-sized)
 
 
 class ExecutorError(RuntimeError):
@@ -261,6 +262,21 @@ class Executor:
                 t.cancel()
 
     # -- running ---------------------------------------------------------------
+    async def expect(self, program: Program, slots: Slots, *, exclude=()) -> int:
+        """Tell the transport where ``program``'s tagged, whole-slot receives will land
+        (``Transport.expect``), before a run that is not ready to post them: a message that arrives early is
+        then written in place, not copied from a transport buffer when its receive is posted.  From here until
+        those receives complete, the slots' buffers belong to the transport.  Only model-sized payloads
+        (:data:`HINTED_PAYLOADS`) are hinted: partials go to scratch buffers chosen at run time, and notes are a
+        few bytes.  Returns the number of hints given."""
+        n = 0
+        for s in program.recvs():
+            if s.payload not in HINTED_PAYLOADS or s.tag is None or s.peer in exclude:
+                continue
+            await self.transport.expect(self.addr(s.peer), slots.buffer(s.slot), tag=s.tag)
+            n += 1
+        return n
+
     async def run(self, program: Program, slots: Slots, handlers: Any = None, *, iteration: int = 0,
                   exclude=(), group_timeouts: Mapping | None = None, head_start_s: float | None = None) -> RunResult:
         """Run ``program``'s stages in order; returns every transfer's report.

@@ -135,6 +135,13 @@ class Transport(abc.ABC):
             *(self.send(p, data, reliable=True, tag=tag, timeout=timeout) for p in peers),
             return_exceptions=True))
 
+    async def expect(self, peer: Address, into, *, tag: int) -> None:
+        """A hint: the message ``tag`` from ``peer`` will be received into ``into`` by a later recv/gather.
+
+        A transport that can use it (LTP) writes that message into ``into`` if it arrives before the receive
+        is posted, so the receive copies nothing; from now until that receive completes ``into`` belongs to
+        the transport. Transports that cannot use it ignore it (this default)."""
+
     def discard_before(self, tag: int) -> int:
         """Forget buffered messages with a smaller tag (late gradients of closed rounds)."""
         box = getattr(self, "_mailbox", None)

@@ -140,6 +140,13 @@ class LtpTransport(Transport):
             return [missing_report(p, tag, v.nbytes, CANCELLED, time.monotonic() - t0) for p, v in zip(peers, views)]
         return [_recv_report(r) for r in reps]
 
+    async def expect(self, peer, into, *, tag):
+        """``ep.expect``: an early gradient lands in ``into`` itself, not in a buffer the gather then copies."""
+        try:
+            await self._ep.expect(tuple(peer), as_bytes_view(into), tag=tag)
+        except self._ltp.errors.LTPError as exc:
+            raise self._wrap(exc, f"expect from {peer}") from exc
+
     async def broadcast(self, peers, data, *, tag, timeout=None):
         """One reliable send per peer, concurrently, under one ``timeout``; a report or an exception per peer.
 
