@@ -220,12 +220,14 @@ class Admission:
         self.ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES[code or reason], 0), addr))
 
     def on_reg(self, data, addr, flags: int, fid: int, token: int, w3: int, now: float, wall: float, *,
-               existing=None, find_slot=None, attempt: int = 0):
+               existing=None, find_slot=None, hinted=None, attempt: int = 0):
         """Admit, repeat-answer or refuse one REG from ``addr`` (layers 1-3).
 
         ``existing``: the open receive flow with this ``(addr, fid)``, if any;
         ``find_slot(addr, tag)``: the posted receive slot the message would fill,
-        or None. ``attempt``: the REG's attempt byte (header word 2), echoed in a
+        or None; ``hinted(addr, tag, total)``: whether, with no slot, the caller
+        hinted a buffer of its own for it (``ltp/placement.py``: no internal buffer
+        is needed). ``attempt``: the REG's attempt byte (header word 2), echoed in a
         RESET ``stale`` so the sender can tell an answer to its latest copy from
         one to a copy that sat in a queue. Returns None, or ``(slot, total)`` when
         the ``total``-byte message does not fit the slot: the sender was refused
@@ -294,7 +296,8 @@ class Admission:
         if slot is not None and total > len(slot.dest):
             self.refuse(addr, fid, token, "too_large")
             return slot, total
-        need = count + (total if slot is None else 0)
+        own = slot is None and hinted is not None and hinted(addr, tag, total)
+        need = count + (total if slot is None and not own else 0)
         if not self.fits_after_room(host, need, now):
             # what it would cost does not fit now: say so early (memory is still only taken on DATA)
             self.refuse(addr, fid, token, "out_of_memory")
@@ -333,11 +336,12 @@ class Admission:
         pend = self.pending.get(key)
         return pend if pend is not None and pend.token == token else None
 
-    def commit(self, pend: PendingRegistration, slot, now: float) -> int | None:
+    def commit(self, pend: PendingRegistration, slot, now: float, *, own_buffer: bool = False) -> int | None:
         """The first DATA of ``pend`` arrived: take its memory, or refuse it.
 
         ``slot``: the posted receive it fills (None: an internal buffer is
-        needed). Returns the bytes committed (the caller allocates the flow and
+        needed, unless ``own_buffer``: the caller hinted a buffer of its own for it,
+        ``ltp/placement.py``). Returns the bytes committed (the caller allocates the flow and
         gives them back with :meth:`release` when the flow is gone), or None when
         the flow was refused: if the slot is too small the caller fails the slot
         with :meth:`refuse` already counted; if memory does not fit the sender
@@ -351,7 +355,7 @@ class Admission:
             self.remember_closed(pend.key, token, wire.STOP_CODES[CloseReason.CANCELLED], 0, now)
             self.refuse(addr, fid, token, "too_large")
             return None
-        need = pend.seg_count + (total if slot is None else 0)
+        need = pend.seg_count + (total if slot is None and not own_buffer else 0)
         if not self.fits_after_room(addr[0], need, now):
             self.uncount(addr)
             self.remember_closed(pend.key, token, wire.STOP_CODES[CloseReason.CANCELLED], 0, now)

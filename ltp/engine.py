@@ -411,6 +411,7 @@ class Engine:
         elif ptype == wire.T_REG:
             too_small = self._admission.on_reg(data, addr, flags, fid, token, w3, now, now + self.wall_offset,
                                                existing=self._rx.get(key), find_slot=self._matcher.waiting_slot,
+                                               hinted=self._hints.fits,
                                                attempt=w2)
             if too_small is not None:
                 self._fail_too_small(*too_small, addr, now)
@@ -491,13 +492,14 @@ class Engine:
         cfg = self.config
         addr, total = pend.peer, pend.total
         slot = self._matcher.waiting_slot(addr, pend.tag)
-        need = self._admission.commit(pend, slot, now)
+        hinted = slot is None and self._hints.fits(addr, pend.tag, total)  # the caller's buffer: no memory taken
+        need = self._admission.commit(pend, slot, now, own_buffer=hinted)
         if need is None:
             if slot is not None and total > len(slot.dest):
                 self._fail_too_small(slot, total, addr, now)
             return None
         internal = slot is None
-        placed = None if slot is not None else self._hints.take(addr, pend.tag, total)  # the caller's, as hinted
+        placed = self._hints.take(addr, pend.tag, total) if hinted else None
         if placed is not None:
             dest = placed
         else:  # a spare of this size if one is kept
@@ -547,10 +549,12 @@ class Engine:
     def _free_internal(self, flow: FlowReceiver, now: float, *, keep: bool = True) -> None:
         """A closed unexpected message's internal buffer is no longer needed (claimed, abandoned or discarded):
         give its memory back to the peer's account and, with ``keep``, the buffer to the pool
-        (:mod:`ltp.buffer_pool`; not when it is evicted to make room: that memory must really go)."""
-        self._admission.release(flow.peer, flow.total)
-        if keep and not flow.placed:  # a hinted buffer is the caller's
-            self._pool.give(flow.dest, now)
+        (:mod:`ltp.buffer_pool`; not when it is evicted to make room: that memory must really go). A message
+        received into a hinted buffer took no memory and gives back none: the buffer is the caller's."""
+        if not flow.placed:
+            self._admission.release(flow.peer, flow.total)
+            if keep:
+                self._pool.give(flow.dest, now)
         flow.dest = None
 
     def _claim_step(self, now: float) -> None:

@@ -11,8 +11,10 @@ A caller that knows which buffer the message will go to can say so ahead of
 the receive: :meth:`PlacementHints.add` records ``(peer, tag) -> buffer``. An
 unexpected message from ``peer`` with ``tag`` that fits then takes that buffer
 as its destination instead of an internal one (:meth:`take`); it is still
-unexpected in every other way (no deadline runs, it waits for its receive, its
-memory is counted as an internal buffer's). When the receive posted later names
+unexpected in every other way (no deadline runs, it waits for its receive, it
+expires unclaimed the same way), except that its bytes are not counted against
+the receive-memory caps: they are the caller's, allocated before any peer said
+anything (its per-segment state still is counted). When the receive posted later names
 the same memory, the claim finds the bytes in place and copies nothing
 (:func:`same_memory`); if it names another buffer, the claim copies as usual.
 
@@ -92,6 +94,11 @@ class PlacementHints:
         del self._by_start[got[1]]
         self.dropped += 1
         return True
+
+    def fits(self, peer, tag: int, total: int) -> bool:
+        """Whether :meth:`take` would return a buffer (the hint is not used up)."""
+        got = self._hints.get((peer, tag))
+        return got is not None and len(got[0]) >= total
 
     def take(self, peer, tag: int, total: int) -> memoryview | None:
         """The first ``total`` bytes of the buffer hinted for ``(peer, tag)`` (the hint is used up), or None

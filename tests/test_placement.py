@@ -120,6 +120,7 @@ def test_a_hinted_message_is_written_in_place_before_its_receive_is_posted(harne
     _deliver_unexpected(h, data, 9)
     assert np.array_equal(into, data)  # already there: no receive was posted yet
     assert rx._hints.used == 1 and len(rx._hints) == 0
+    assert rx.receive_memory == 0  # the bytes are the caller's: nothing held on the peer's behalf
     (recv,) = h.wait([(1, rx.post_receive([(h.addrs[0], 9, into)], now=h.now))])
     rep = recv.reports[0]
     assert rep.regime == "complete" and rep.received_bytes == data.nbytes
@@ -141,6 +142,19 @@ def test_a_large_hinted_message_is_delivered_at_its_posting_without_a_copy_step(
     ev = rx.next_event()
     assert ev is not None and ev.handle == handle and ev.reports[0].regime == "complete"
     assert rx.timers().get(Timer.CLAIM_COPY) is None and np.array_equal(into, data)
+
+
+def test_a_hinted_message_needs_no_receive_memory_where_an_internal_buffer_would_not_fit(harness, floats):
+    h = harness(seed=78, configs=[Config(), Config(max_receive_memory=1 << 20)])
+    h.links(rate=GBIT, delay_s=0.0002)
+    a, rx = h.engines
+    data = floats(400_000)  # 1.6 MB: more than the receiver lets peers hold
+    (refused,) = h.wait([(0, a.send(h.addrs[1], data, now=h.now, tag=1))])
+    assert refused.error is not None and "out_of_memory" in str(refused.error)
+    into = np.zeros_like(data)
+    rx.expect(h.addrs[0], 2, into, now=h.now)
+    _deliver_unexpected(h, data, 2)
+    assert np.array_equal(into, data) and rx.receive_memory == 0
 
 
 def test_a_receive_on_another_buffer_gets_a_copy_and_the_hinted_one_is_not_pooled(harness, floats):
