@@ -103,7 +103,6 @@ class FlowReceiver:
         self.lt: float | None = None
         self.lt_anchor: float | None = None  # initial LT, fixed when valid estimates first arrive
         self.deadline: float | None = None
-        self.memory = count + (total if internal else 0)  # a hinted buffer's bytes are the caller's (not counted)
 
     @property
     def anchor(self) -> float:
