@@ -731,5 +731,9 @@ def _bar(total, initial, enabled, desc):
 
 
 def summary_text(server: ParameterServer, summary: dict) -> str:
-    return format_summary(summary, f"ltp-ps shard {server.shard} ({server.transport.name}, {server.cfg.mode}, "
+    from .dynamic_roles import runs_async_controller
+
+    # MLfabric's controller applies updates as they come, whatever --mode says
+    mode = f"{server.planner.name} async" if runs_async_controller(server.planner) else server.cfg.mode
+    return format_summary(summary, f"ltp-ps shard {server.shard} ({server.transport.name}, {mode}, "
                                    f"{server.cfg.aggregation})")

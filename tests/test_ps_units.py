@@ -389,3 +389,19 @@ def test_rows_with_no_sync_round_are_not_averaged_in_as_zero(tmp_path):
     assert "batch sync mean       - ms" in text and "0.00 ms" not in text
     rows.append({"event": "iteration", "t": 3.0, "gather_s": 0.004, "broadcast_s": 0.002, "delivered": {"0": 1.0}})
     assert summarize(rows)["sync_mean_s"] == pytest.approx(0.006)  # only the timed row counts
+
+
+def test_the_summary_title_says_mlfabric_applies_updates_asynchronously():
+    from types import SimpleNamespace
+
+    from ltp_ps.server import summary_text
+
+    s = summarize([])
+
+    def server(planner, mode="bsp"):
+        return SimpleNamespace(shard=0, transport=SimpleNamespace(name="ltp"), planner=SimpleNamespace(name=planner),
+                               cfg=SimpleNamespace(mode=mode, aggregation="unbiased"))
+
+    assert "(ltp, mlfabric async, unbiased)" in summary_text(server("mlfabric"), s)
+    assert "(ltp, bsp, unbiased)" in summary_text(server("direct"), s)
+    assert "(ltp, async, unbiased)" in summary_text(server("direct", "async"), s)
