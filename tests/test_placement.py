@@ -104,20 +104,31 @@ def test_property_hints_match_a_model_dict(ops):
 
 
 # ---------------------------------------------------------------------------- the engine
+def _pair(harness, seed, **kw):
+    """Two engines over a 1 Gbit/s link; returns (harness, sender, receiver)."""
+    h = harness(seed=seed, **kw)
+    h.links(rate=GBIT, delay_s=0.0002)
+    return h, h.engines[0], h.engines[1]
+
+
 def _deliver_unexpected(h, data, tag):
     a = h.engines[0]
     (sent,) = h.wait([(0, a.send(h.addrs[1], data, now=h.now, tag=tag))])
     assert sent.report.close_reason == "acked"
 
 
-def test_a_hinted_message_is_written_in_place_before_its_receive_is_posted(harness, floats):
-    h = harness(seed=71)
-    h.links(rate=GBIT, delay_s=0.0002)
-    rx = h.engines[1]
-    data = floats(200_000)
+def _deliver_hinted(h, rx, data, tag):
+    """Hint a fresh zeroed buffer for ``tag`` from host 0, then deliver ``data`` before any receive; the buffer."""
     into = np.zeros_like(data)
-    rx.expect(h.addrs[0], 9, into, now=h.now)
-    _deliver_unexpected(h, data, 9)
+    rx.expect(h.addrs[0], tag, into, now=h.now)
+    _deliver_unexpected(h, data, tag)
+    return into
+
+
+def test_a_hinted_message_is_written_in_place_before_its_receive_is_posted(harness, floats):
+    h, a, rx = _pair(harness, 71)
+    data = floats(200_000)
+    into = _deliver_hinted(h, rx, data, 9)
     assert np.array_equal(into, data)  # already there: no receive was posted yet
     assert rx._hints.used == 1 and len(rx._hints) == 0
     assert rx.receive_memory == 0  # the bytes are the caller's: nothing held on the peer's behalf
@@ -131,13 +142,9 @@ def test_a_hinted_message_is_written_in_place_before_its_receive_is_posted(harne
 def test_a_large_hinted_message_is_delivered_at_its_posting_without_a_copy_step(harness, floats):
     """A message larger than one claim step would need the CLAIM_COPY timer to be copied; received in place it
     is done the moment its receive is posted."""
-    h = harness(seed=76)
-    h.links(rate=GBIT, delay_s=0.0002)
-    rx = h.engines[1]
+    h, a, rx = _pair(harness, 76)
     data = floats((CLAIM_STEP_BYTES + (1 << 20)) // 4, 4)
-    into = np.zeros_like(data)
-    rx.expect(h.addrs[0], 2, into, now=h.now)
-    _deliver_unexpected(h, data, 2)
+    into = _deliver_hinted(h, rx, data, 2)
     handle = rx.post_receive([(h.addrs[0], 2, into)], now=h.now)
     ev = rx.next_event()
     assert ev is not None and ev.handle == handle and ev.reports[0].regime == "complete"
@@ -145,26 +152,18 @@ def test_a_large_hinted_message_is_delivered_at_its_posting_without_a_copy_step(
 
 
 def test_a_hinted_message_needs_no_receive_memory_where_an_internal_buffer_would_not_fit(harness, floats):
-    h = harness(seed=78, configs=[Config(), Config(max_receive_memory=1 << 20)])
-    h.links(rate=GBIT, delay_s=0.0002)
-    a, rx = h.engines
+    h, a, rx = _pair(harness, 78, configs=[Config(), Config(max_receive_memory=1 << 20)])
     data = floats(400_000)  # 1.6 MB: more than the receiver lets peers hold
     (refused,) = h.wait([(0, a.send(h.addrs[1], data, now=h.now, tag=1))])
     assert refused.error is not None and "out_of_memory" in str(refused.error)
-    into = np.zeros_like(data)
-    rx.expect(h.addrs[0], 2, into, now=h.now)
-    _deliver_unexpected(h, data, 2)
+    into = _deliver_hinted(h, rx, data, 2)
     assert np.array_equal(into, data) and rx.receive_memory == 0
 
 
 def test_a_receive_on_another_buffer_gets_a_copy_and_the_hinted_one_is_not_pooled(harness, floats):
-    h = harness(seed=72)
-    h.links(rate=GBIT, delay_s=0.0002)
-    rx = h.engines[1]
+    h, a, rx = _pair(harness, 72)
     data = floats(100_000)
-    hinted = np.zeros_like(data)
-    rx.expect(h.addrs[0], 3, hinted, now=h.now)
-    _deliver_unexpected(h, data, 3)
+    _deliver_hinted(h, rx, data, 3)
     other = np.zeros(data.size + 10, np.float32)  # larger than the message, another buffer
     (recv,) = h.wait([(1, rx.post_receive([(h.addrs[0], 3, other)], now=h.now))])
     assert recv.reports[0].regime == "complete"
@@ -172,9 +171,7 @@ def test_a_receive_on_another_buffer_gets_a_copy_and_the_hinted_one_is_not_poole
 
 
 def test_a_receive_posted_first_drops_the_hint_and_a_hint_too_small_is_not_used(harness, floats):
-    h = harness(seed=73)
-    h.links(rate=GBIT, delay_s=0.0002)
-    a, rx = h.engines
+    h, a, rx = _pair(harness, 73)
     data = floats(100_000)
     hinted = np.zeros_like(data)
     rx.expect(h.addrs[0], 4, hinted, now=h.now)
@@ -195,9 +192,7 @@ def test_a_receive_posted_first_drops_the_hint_and_a_hint_too_small_is_not_used(
 def test_a_hinted_lossy_message_cut_short_reads_as_its_bytes_and_zeros(harness, floats):
     """The hinted buffer held stale data; the sender goes silent mid-message: what the receive reports as
     bubbles is zero in the caller's buffer, everything else is the message's."""
-    h = harness(seed=74, configs=[Config(), Config(idle_timeout_s=1.0)])
-    h.links(rate=GBIT, delay_s=0.0002)
-    a, rx = h.engines
+    h, a, rx = _pair(harness, 74, configs=[Config(), Config(idle_timeout_s=1.0)])
     data = floats(250_000, 1)
     into = np.full_like(data, 7.0)  # stale contents
     rx.expect(h.addrs[0], 6, into, now=h.now)
@@ -220,9 +215,7 @@ def test_a_new_hint_on_the_buffer_cancels_the_unclaimed_message_an_old_hint_plac
     """Round i's gradient was placed in the buffer but its receive was never posted (its worker was left out of
     the gather); round i+1 hints the buffer again: the old message is cancelled, its sender told STOP, and
     nothing of it is written over the new one."""
-    h = harness(seed=77)
-    h.links(rate=GBIT, delay_s=0.0002)
-    a, rx = h.engines
+    h, a, rx = _pair(harness, 77)
     old, new = floats(250_000, 5), floats(250_000, 6)
     into = np.zeros_like(old)
     rx.expect(h.addrs[0], 1, into, now=h.now)
