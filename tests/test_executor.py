@@ -499,3 +499,24 @@ def test_expect_hints_only_tagged_model_sized_whole_slot_receives():
     assert asyncio.run(ex.expect(prog, slots, exclude={worker(1)})) == 2
     assert [(p, tag) for p, _, tag in calls] == [(("w", 0), 5), (("w", 3), 9)]
     assert calls[0][1] is bufs[0] and calls[1][1] is bufs[3]
+
+
+def test_a_hint_that_cannot_be_given_is_counted_and_skipped_never_raised():
+    """A peer whose address the transport refuses, or that the address book lacks: the hint is skipped (the
+    run meets that peer's fault where it always did), the others are given."""
+    calls = []
+
+    class Refusing(MemoryTransport):
+        async def expect(self, peer, into, *, tag):
+            if peer == ("bad", 0):
+                raise ValueError("port 0")
+            calls.append(peer)
+
+    t = Refusing(MemoryNetwork(), ("me", 1))
+    ex = Executor(t, "server:0", {worker(0): ("bad", 0), worker(1): ("w", 1)})
+    slots = Slots()
+    for r in range(3):
+        slots.bind(f"in:{r}", np.zeros(8, np.float32))
+    prog = Program("server:0", (tuple(Recv(worker(r), f"in:{r}", 0, 8, 5, payload="grad") for r in range(3)),))
+    assert asyncio.run(ex.expect(prog, slots)) == 1  # worker 2 has no address at all
+    assert calls == [("w", 1)] and ex.counters["hints_refused"] == 2

@@ -195,7 +195,8 @@ class Executor:
         self._pending: dict = {}  # node -> its reliable receives now waiting (tasks: abandon() ends them)
         self._handlers = None
         self.resolve: Callable[[str], tuple | None] | None = None  # looks up a node missing from ``addresses``
-        self.counters = {"sent": 0, "received": 0, "missing": 0, "undecodable": 0, "stragglers_cut": 0}
+        self.counters = {"sent": 0, "received": 0, "missing": 0, "undecodable": 0, "stragglers_cut": 0,
+                         "hints_refused": 0}
 
     # -- helpers -------------------------------------------------------------
     def addr(self, node: str) -> tuple:
@@ -268,12 +269,18 @@ class Executor:
         then written in place, not copied from a transport buffer when its receive is posted.  From here until
         those receives complete, the slots' buffers belong to the transport.  Only model-sized payloads
         (:data:`HINTED_PAYLOADS`) are hinted: partials go to scratch buffers chosen at run time, and notes are a
-        few bytes.  Returns the number of hints given."""
+        few bytes.  A hint is only an optimisation: one that cannot be given (a peer with no usable address)
+        is counted (``counters["hints_refused"]``) and skipped, and the run then meets that peer's fault where it
+        always did.  Returns the number of hints given."""
         n = 0
         for s in program.recvs():
             if s.payload not in HINTED_PAYLOADS or s.tag is None or s.peer in exclude:
                 continue
-            await self.transport.expect(self.addr(s.peer), slots.buffer(s.slot), tag=s.tag)
+            try:
+                await self.transport.expect(self.addr(s.peer), slots.buffer(s.slot), tag=s.tag)
+            except Exception:  # noqa: BLE001  (never fail a round over a hint)
+                self.counters["hints_refused"] += 1
+                continue
             n += 1
         return n
 
