@@ -87,13 +87,11 @@ class PlacementHints:
         while len(self._hints) > self.max_hints:
             self._drop(next(iter(self._hints)))
 
-    def _drop(self, key) -> bool:
+    def _drop(self, key) -> None:
         got = self._hints.pop(key, None)
-        if got is None:
-            return False
-        del self._by_start[got[1]]
-        self.dropped += 1
-        return True
+        if got is not None:
+            del self._by_start[got[1]]
+            self.dropped += 1
 
     def fits(self, peer, tag: int, total: int) -> bool:
         """Whether :meth:`take` would return a buffer (the hint is not used up)."""
@@ -103,13 +101,12 @@ class PlacementHints:
     def take(self, peer, tag: int, total: int) -> memoryview | None:
         """The first ``total`` bytes of the buffer hinted for ``(peer, tag)`` (the hint is used up), or None
         when there is no hint or its buffer is too small (the hint is then left for the receive to drop)."""
-        got = self._hints.get((peer, tag))
-        if got is None or len(got[0]) < total:
+        if not self.fits(peer, tag, total):
             return None
-        del self._hints[(peer, tag)]
-        del self._by_start[got[1]]
+        dest, start = self._hints.pop((peer, tag))
+        del self._by_start[start]
         self.used += 1
-        return got[0][:total]
+        return dest[:total]
 
     def discard(self, peer, tag) -> None:
         """A receive for ``(peer, tag)`` was posted: its own buffer rules now."""

@@ -75,10 +75,13 @@ def summarize(rows: Iterable[dict]) -> dict:
     return out
 
 
-def format_summary(s: dict, title: str = "summary") -> str:
-    def f(x, spec):
-        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+def figure(x, spec: str) -> str:
+    """``format(x, spec)``, or '-' where nothing was measured (None or NaN)."""
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
+
+def format_summary(s: dict, title: str = "summary") -> str:
+    f = figure
     lines = [f"== {title} ==",
              f"{'iterations':<22}{s['iterations']}",
              f"{'batch sync mean':<22}{f(s['sync_mean_s'] * 1e3, '.2f')} ms  (gather {f(s['gather_mean_s'] * 1e3, '.2f')} ms, "

@@ -52,7 +52,7 @@ from .checkpoint import load_latest, save_checkpoint
 from .deadlines import GatherDeadline
 from .errors import ConfigError, RendezvousError, TrainingFailed
 from .membership import Membership, Staleness
-from .metrics import MetricsLog, format_summary, summarize, sync_s
+from .metrics import MetricsLog, figure, format_summary, summarize, sync_s
 from .optim import CLIP_FACTOR, FlatOptimizer, NormGuard
 from .schedule import DirectSchedule, Schedule
 from .schedules import World, create as create_schedule
@@ -544,7 +544,7 @@ class ParameterServer:
         self.verdict.observe(epoch, ev)
         acc = f"acc {ev['accuracy']:.4f}  " if "accuracy" in ev else ""
         line = (f"[ps{self.shard}] epoch {epoch + 1:>3}/{self.epochs_total}  {acc}loss {row['loss']:.4f}  "
-                f"sync {_ms(row['sync_mean_s'])} ms  delivered {row['delivered_mean']:.4f}  "
+                f"sync {figure(row['sync_mean_s'] * 1e3, '7.2f'):>7} ms  delivered {row['delivered_mean']:.4f}  "
                 f"workers {row['workers']}")
         self.epoch_lines.append(line)
         self.log(line)
@@ -707,11 +707,6 @@ class ParameterServer:
 
 
 STOP_BEST_EFFORT_S = 2.0  # seconds spent telling workers to stop when the job fails
-
-
-def _ms(seconds: float) -> str:
-    """Seconds as a 7-wide millisecond figure, or '-' where nothing was timed (NaN)."""
-    return f"{seconds * 1e3:7.2f}" if seconds == seconds else f"{'-':>7}"
 
 
 def _miss_reason(r, timeout_s: float, waited_s: float) -> str:
