@@ -351,6 +351,7 @@ cdef class UdpIO:
     # stats
     cdef int64_t _syscalls
     cdef int64_t _dgrams_in
+    cdef int64_t _slots_in
     cdef int64_t _dgrams_out
     cdef int64_t _eagain
     cdef dict _errors
@@ -471,6 +472,7 @@ cdef class UdpIO:
         self._name_cache = {}
         self._syscalls = 0
         self._dgrams_in = 0
+        self._slots_in = 0
         self._dgrams_out = 0
         self._eagain = 0
         self._errors = {}
@@ -551,10 +553,12 @@ cdef class UdpIO:
 
     @property
     def stats(self):
-        """Counters: syscalls, datagrams_in, datagrams_out, eagain, errors (errno name -> count)."""
+        """Counters: syscalls, datagrams_in, slots_in (receive buffers the kernel filled: a coalesced GRO run
+        counts once, its datagrams each count in datagrams_in), datagrams_out, eagain, errors (errno name -> count)."""
         return {
             "syscalls": self._syscalls,
             "datagrams_in": self._dgrams_in,
+            "slots_in": self._slots_in,
             "datagrams_out": self._dgrams_out,
             "eagain": self._eagain,
             "errors": dict(self._errors),
@@ -611,6 +615,7 @@ cdef class UdpIO:
                     continue
                 return 0
             raise OSError(e, f"UdpIO.recv_batch: recvmmsg failed: {_os.strerror(e)}")
+        self._slots_in += r
         # how many datagrams, then make sure the output arrays are big enough
         need = 0
         for i in range(r):

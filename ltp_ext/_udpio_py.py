@@ -205,6 +205,7 @@ class UdpIO:
         self._name_cache: dict = {}
         self._syscalls = 0
         self._dgrams_in = 0
+        self._slots_in = 0
         self._dgrams_out = 0
         self._eagain = 0
         self._errors: dict[str, int] = {}
@@ -279,10 +280,12 @@ class UdpIO:
 
     @property
     def stats(self) -> dict:
-        """Counters: syscalls, datagrams_in, datagrams_out, eagain, errors (errno name -> count)."""
+        """Counters: syscalls, datagrams_in, slots_in (receive buffers the kernel filled: a coalesced GRO run
+        counts once, its datagrams each count in datagrams_in), datagrams_out, eagain, errors (errno name -> count)."""
         return {
             "syscalls": self._syscalls,
             "datagrams_in": self._dgrams_in,
+            "slots_in": self._slots_in,
             "datagrams_out": self._dgrams_out,
             "eagain": self._eagain,
             "errors": dict(self._errors),
@@ -335,6 +338,7 @@ class UdpIO:
                     break
                 raise OSError(exc.errno, f"UdpIO.recv_batch: recvmsg failed: {_os.strerror(exc.errno)}") from None
             self._syscalls += 1
+            self._slots_in += 1
             if flags & _socket.MSG_TRUNC:
                 self._count_error(_errno.EMSGSIZE)
                 slot += 1

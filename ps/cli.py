@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="lab: PS ingress rate (every worker's for ring/rsgcm): bit/s, or with a unit such as 1gbit, 100mbit (needs the lab)")
     la.add_argument("--delay", type=_lab_delay, default=0.0,
                     help="lab: one-way delay at the PS's ingress (every worker's for ring/rsgcm): seconds, or with a unit such as 20ms (needs the lab)")
+    la.add_argument("--lab-gro", action="store_true",
+                    help="lab: receive GRO on every host's interface, as a real NIC's driver does (loss then sits "
+                         "on the switch side, before the rate limit; see ltp_tools.netlab.lab)")
     la.add_argument("--ps-restarts", type=bounded(int, 0, "PS restarts"), default=0,
                     help="restart a PS that dies up to N times; it resumes from --checkpoint-dir (default 0)")
     la.add_argument("--kill-worker-after", type=bounded(int, 1, "iterations before the drilled worker exits"),
@@ -557,6 +560,7 @@ LAUNCH_POLL_S = 0.1  # seconds between looks at the children
 def _check_impairments(args, use_lab: bool, why: str) -> None:
     """``--loss/--rate/--delay`` only exist in the lab: without one they are an error, never ignored."""
     asked = [f"--{n} {getattr(args, n)}" for n in IMPAIRMENTS if getattr(args, n)]
+    asked += ["--lab-gro"] if getattr(args, "lab_gro", False) else []
     if asked and not use_lab:
         raise ConfigError(
             f"{' '.join(asked)} need the network lab, which cannot be built here: {why}. Fix: run as root on a "
@@ -653,7 +657,8 @@ def launch(args) -> int:
         ps_inbound = ["--inbound-rate", f"{args.rate:.0f}"]
         print(f"[launch] the lab limits each PS's inbound link to {args.rate / 1e6:g} Mbit/s: the PS grants its "
               f"workers equal shares of it (--inbound-rate; on real hosts pass --link-rate)", flush=True)
-    print(f"[launch] {'lab' if use_lab else 'loopback'} ({why}); {args.num_servers} PS + {args.workers} workers"
+    print(f"[launch] {'lab' if use_lab else 'loopback'} ({why}{', receive GRO on at the hosts' if args.lab_gro else ''}); "
+          f"{args.num_servers} PS + {args.workers} workers"
           f"{' (shard k on worker k' + chr(39) + 's host)' if colocate else ''}, "
           f"transport {args.transport}{'/' + args.cc if args.transport == 'tcp' else ''}", flush=True)
     port = _free_port()
@@ -665,7 +670,8 @@ def launch(args) -> int:
             from ltp_tools.netlab import Lab
 
             # --colocate: one namespace per worker, shard k in worker k's; else the shards on their own hosts first
-            lab = Lab(n_hosts=args.workers if colocate else args.num_servers + args.workers).__enter__()
+            lab = Lab(n_hosts=args.workers if colocate else args.num_servers + args.workers,
+                      gro=args.lab_gro).__enter__()
             hosts = lab.hosts
             store_host = hosts[0].addr
             # at the PS; a PS-less job (ring, rsgcm) has none: every worker's ingress then (each carries a ring

@@ -254,3 +254,62 @@ def test_bad_arguments_say_what_is_wrong(lab):
 def test_backend_reported(lab):
     assert lab.backend.startswith("nftables+tbf+")
     assert lab.backend.split("+")[-1] in ("netem", "nfqueue-delayer", "no-delay")
+
+
+@pytest.fixture
+def gro_lab():
+    with Lab(n_hosts=2, prefix=_prefix(), gro=True) as lab:
+        yield lab
+    assert list_netns(lab.prefix + "-") == []
+
+
+def _features(ns, ifname):
+    out = subprocess.run(["ip", "netns", "exec", ns, "ethtool", "-k", ifname], capture_output=True,
+                         text=True, check=True).stdout
+    return dict(line.strip().split(": ", 1)[:2] for line in out.splitlines()[1:] if ": " in line)
+
+
+def test_gro_lab_turns_on_receive_gro_at_the_hosts_only(gro_lab):
+    segmentation = ("tcp-segmentation-offload", "generic-segmentation-offload", "tx-udp-segmentation",
+                    "rx-gro-list", "rx-udp-gro-forwarding")
+    for h in gro_lab.hosts:
+        host = _features(h.netns, h.ifname)
+        assert host["generic-receive-offload"].startswith("on"), host["generic-receive-offload"]
+        assert all(host[f].startswith("off") for f in segmentation), host
+        port = _features(gro_lab.switch_ns, h.port)
+        assert all(port[f].startswith("off") for f in segmentation + ("generic-receive-offload",)), port
+    assert gro_lab.describe()["gro"] is True
+
+
+@pytest.mark.parametrize("gro", [False, True])
+def test_loss_is_per_wire_packet_before_the_receivers_gro(gro):
+    """With receive GRO the loss point moves to the switch, so it still drops single wire packets (never a
+    coalesced run) and the receiver gets exactly the survivors; the sink sees coalesced reads only with GRO
+    (the datagrams leave in bursts, as LTP's GSO sends do, so they reach the receiving interface together)."""
+    from ltp_tools.netlab.measure import sink_result, start_udp_sink
+
+    with Lab(n_hosts=2, prefix=_prefix(), gro=gro) as lab:
+        h0, h1 = lab.hosts
+        lab.impair(h0, "ingress", loss=0.05)
+        sink = start_udp_sink(lab, h0, port=9000, idle_s=1.0)
+        udp_blast(lab, h1, h0, count=20000, size=1000, port=9000, burst=40)
+        got = sink_result(sink)
+        st = lab.loss_stats(h0)
+        assert st["seen"] == 20000 and st["oversize"] == 0, st
+        assert abs(st["measured_loss"] - 0.05) < 0.01, st
+        assert got["datagrams"] == 20000 - st["dropped"] and got["bytes"] == 1000 * got["datagrams"], (got, st)
+        if gro:
+            assert got["coalesced_calls"] > 0 and got["calls"] < got["datagrams"], got
+        else:
+            assert got["coalesced_calls"] == 0 and got["calls"] == got["datagrams"], got
+    assert list_netns(lab.prefix + "-") == []
+
+
+def test_gro_lab_delivers_tcp_and_keeps_the_oversize_check_at_zero(gro_lab):
+    from ltp_tools.tcpbench import run_tcp_transfer
+
+    h0, h1 = gro_lab.hosts
+    gro_lab.impair(h0, "ingress", loss=0.01)
+    run_tcp_transfer(gro_lab, h1, h0, 30_000_000, "cubic", timeout_s=30)
+    st = gro_lab.loss_stats(h0)
+    assert st["oversize"] == 0 and st["seen"] > 20000 and st["dropped"] > 0, st

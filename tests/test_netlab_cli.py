@@ -52,6 +52,21 @@ def test_up_exec_down(capfd, state_dir):
     assert not (state_dir / f"{name}.json").exists()
 
 
+def test_up_with_gro_records_it_and_turns_it_on(capfd, state_dir):
+    import json
+
+    name = f"t{secrets.token_hex(3)}"
+    try:
+        assert cli.main(["up", name, "--hosts", "2", "--gro", "--loss", "0.01"]) == 0
+        assert json.loads((state_dir / f"{name}.json").read_text())["gro"] is True
+        capfd.readouterr()
+        assert cli.main(["exec", name, "h0", "--", "ethtool", "-k", "ltpeth0"]) == 0
+        assert "generic-receive-offload: on" in capfd.readouterr().out
+    finally:
+        assert cli.main(["down", name]) == 0
+    assert list_netns(f"ltplab-{name}-") == []
+
+
 def test_clean_removes_leftovers(capsys):
     prefix = f"ltplabc-{secrets.token_hex(3)}-"
     for n in ("sw", "h0"):

@@ -53,3 +53,20 @@ def test_tcp_baseline_runs_on_the_same_link(lab):
     res = run_bench(transport="cubic", size=20_000_000, loss=0.01, lab=lab, timeout=120)
     assert res["transport"] == "cubic" and res["goodput_gbps"] > 0
     assert 0.005 < res["measured_loss"] < 0.02
+
+
+@pytest.mark.parametrize("gro", [False, True], ids=["nogro", "gro"])
+def test_reliable_transfer_exact_with_and_without_receive_gro(gro):
+    """The same lossy reliable transfer on a lab without and with receive GRO at the hosts: exact either way,
+    loss still per wire packet, and the receiver's slots hold coalesced runs only where GRO is on."""
+    from ltp_tools.bench import run_bench
+
+    res = run_bench(transport="ltp", size=20_000_000, loss=0.02, mode="reliable", timeout=120, gro=gro)
+    assert res["verified"] is True and res["delivered_fraction"] == 1.0, res
+    assert res["receive_gro"] is gro and res["oversize_packets"] == 0
+    assert 0.01 < res["measured_loss"] < 0.03, res
+    assert res["retransmitted_packets"] >= 0.5 * res["measured_loss"] * res["packets_sent"]
+    if gro:
+        assert res["receiver_datagrams_per_slot"] > 1.5, res
+    else:
+        assert res["receiver_datagrams_per_slot"] == 1.0, res

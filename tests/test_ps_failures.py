@@ -294,7 +294,7 @@ def test_import_error_inside_the_job_reaches_the_user(monkeypatch):
 
 
 @pytest.mark.parametrize("opt", [["--loss", "0.01"], ["--rate", "1e9"], ["--delay", "0.003"],
-                                 ["--loss", "0.01", "--delay", "0.01"]])
+                                 ["--loss", "0.01", "--delay", "0.01"], ["--lab-gro"]])
 def test_impairments_without_a_lab_are_an_error_naming_the_fix(opt, capsys):
     rc = cli.main(["launch", "--lab", "off", "--workers", "2", *opt])
     err = capsys.readouterr().err

@@ -189,3 +189,18 @@ def test_quick_ps_round_job_in_the_lab():
     assert r["rc"] == 0, r["tail"]
     st = SR.round_stats(r["rows"])
     assert st["rounds"] == job["iterations"] - 1 and st["round_s"] > 0 and 0.5 < st["delivered"] <= 1.0
+
+
+def test_gro_reaches_every_single_flow_measurement_and_the_title(tmp_path):
+    seen = []
+
+    def bench(**kw):
+        seen.append(kw.get("gro"))
+        return _fake_bench(TABLE)(**kw)
+    res = S.run(rows=("cpu", "loss", "tbf", "wan"), quick=True, out=str(tmp_path), progress=False, verbose=False,
+                bench=bench, gro=True)
+    assert seen and all(g is True for g in seen), seen
+    assert res["params"]["gro"] is True and "receive GRO on" in res["table"].splitlines()[0]
+    seen.clear()
+    res = S.run(rows=("cpu",), quick=True, out=str(tmp_path), progress=False, verbose=False, bench=bench)
+    assert seen == [False, False] and "GRO" not in res["table"]

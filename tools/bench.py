@@ -10,8 +10,11 @@ Theory of operation
     downlink), ``--delay`` (one-way, on the receiver's ingress). Offloads are
     off on the lab's veths, so GSO batches are segmented before the loss point
     and the loss rate holds per wire packet (the lab's ``oversize`` counter
-    checks it; it is reported). Without root it falls back to loopback and
-    refuses impairments.
+    checks it; it is reported). ``--gro`` turns receive GRO on at the hosts'
+    interfaces, as a real NIC's driver does (the loss point moves to the
+    switch, before the downlink's rate limit; see :mod:`ltp_tools.netlab.lab`);
+    ``receive_gro`` in the result says which path was measured. Without root
+    it falls back to loopback (where GRO is on) and refuses impairments.
 
     Sender and receiver run as two processes (one core each on a 2-core box).
     For LTP the receiver posts one receive into a preallocated buffer; the
@@ -123,7 +126,8 @@ def _ltp_receiver(args) -> int:
         out = dict(regime=rep.regime, received_bytes=rep.received_bytes, delivered_fraction=rep.delivered_fraction,
                    receiver_cpu_s=round(cpu, 3), verified=ok, receiver_peak_rss=peak,
                    receiver_rss_before_transfer=base_rss, dropped=dict(ep.stats.dropped),
-                   extensions=ltp.using_extensions(), receiver_wakeups=dict(ep.loop_stats))
+                   extensions=ltp.using_extensions(), receiver_wakeups=dict(ep.loop_stats),
+                   receiver_io={k: ep.io_stats[k] for k in ("syscalls", "datagrams_in", "slots_in")})
         await ep.close()
         print(json.dumps(out), flush=True)
 
@@ -183,16 +187,20 @@ def _wait_ready(p: subprocess.Popen, timeout: float) -> None:
 
 def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 0.0, rate_bps: float | None = None,
               delay_s: float = 0.0, mtu: int = 1500, mode: str = "reliable", loss_both: bool = False,
-              timeout: float = 300.0, lab=None, port: int = 7447, warmup: int = 0) -> dict:
-    """Run one transfer and return the result dict (see module docstring)."""
+              timeout: float = 300.0, lab=None, port: int = 7447, warmup: int = 0, gro: bool = False) -> dict:
+    """Run one transfer and return the result dict (see module docstring).
+
+    ``gro=True`` builds the lab with receive GRO on the hosts' interfaces (:class:`~ltp_tools.netlab.Lab`);
+    it needs the lab (loopback always has GRO) and is ignored when ``lab`` is given (that lab's setting holds).
+    """
     from ltp_tools.netlab import Lab, check_support
 
     own_lab = None
     problem = check_support() if lab is None else None
     if lab is None and problem is None:
-        own_lab = lab = Lab(n_hosts=2, mtu=mtu).start()
-    elif lab is None and (loss or rate_bps or delay_s):
-        raise SystemExit(f"impairments need the network lab, which is unavailable here: {problem}")
+        own_lab = lab = Lab(n_hosts=2, mtu=mtu, gro=gro).start()
+    elif lab is None and (loss or rate_bps or delay_s or gro):
+        raise SystemExit(f"impairments and --gro need the network lab, which is unavailable here: {problem}")
     try:
         if lab is not None:
             snd, rcv = lab.hosts[0], lab.hosts[1]
@@ -227,7 +235,9 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
                 delivered_fraction=r["delivered_fraction"], receiver_cpu_s=r["receiver_cpu_s"],
                 verified=r["verified"], receiver_peak_rss=r["receiver_peak_rss"],
                 receiver_overhead_bytes=r["receiver_peak_rss"] - size, dropped_by_receiver=r["dropped"],
-                extensions=r["extensions"], receiver_wakeups=r["receiver_wakeups"])
+                extensions=r["extensions"], receiver_wakeups=r["receiver_wakeups"], receiver_io=r["receiver_io"])
+            io = r["receiver_io"]  # > 1 only where the receiving interface coalesced (GRO)
+            result["receiver_datagrams_per_slot"] = round(io["datagrams_in"] / io["slots_in"], 2) if io["slots_in"] else None
             result["goodput_gbps"] = round(min(delivered, r["received_bytes"]) * 8 / s["duration_s"] / 1e9, 4)
         else:
             from ltp_tools import tcpbench
@@ -248,7 +258,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
         stats = lab.loss_stats(rcv) if lab is not None else {}
         result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
                       measured_loss=stats.get("measured_loss"), oversize_packets=stats.get("oversize"),
-                      backend=lab.backend if lab is not None else "loopback", wall_s=round(time.time() - t_wall, 2))
+                      backend=lab.backend if lab is not None else "loopback",
+                      receive_gro=lab.gro if lab is not None else True, wall_s=round(time.time() - t_wall, 2))
         if result.get("mode") == "reliable" and (result.get("delivered_fraction", 1.0) < 1.0
                                                  or result.get("verified") is False):
             result["error"] = (f"the reliable transfer did not complete: delivered {result['delivered_fraction']:.4f} "
@@ -294,12 +305,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=number(int, 1, what="the number of runs"), default=1)
     ap.add_argument("--warmup", type=number(int, 0, what="warm-up messages"), default=0,
                     help="LTP: messages sent on the same path before the measured one (Early Close learns the link)")
+    ap.add_argument("--gro", action="store_true",
+                    help="receive GRO on the lab hosts' interfaces, as a NIC driver does (default: off, every "
+                         "packet reaches the receiver alone)")
     args = ap.parse_args(argv)
     for _ in range(args.repeats):
         try:
             res = run_bench(transport=args.transport, size=args.size, loss=args.loss, rate_bps=args.rate,
                             delay_s=args.delay, mtu=args.mtu, mode=args.mode, loss_both=args.loss_both,
-                            timeout=args.timeout, warmup=args.warmup)
+                            timeout=args.timeout, warmup=args.warmup, gro=args.gro)
         except (TimeoutError, subprocess.TimeoutExpired, ltp.LTPError, RuntimeError) as exc:
             # a transfer that did not finish is a result to report, not a crash
             print(f"ltp-bench: {args.transport} transfer of {args.size} B failed: {type(exc).__name__}: {exc}",

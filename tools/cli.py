@@ -103,7 +103,8 @@ def cmd_up(args) -> int:
         print(f"ltp-lab: lab {args.name!r} is already up; `ltp-lab down {args.name}` first", file=sys.stderr)
         return 1
     racks = [int(x) for x in args.racks.split(",")] if args.racks else None
-    lab = Lab(n_hosts=args.hosts, racks=racks, prefix=f"ltplab-{args.name}", mtu=args.mtu, persistent=True)
+    lab = Lab(n_hosts=args.hosts, racks=racks, prefix=f"ltplab-{args.name}", mtu=args.mtu, persistent=True,
+              gro=args.gro)
     lab.start()
     try:
         if any([args.loss, args.rate, args.delay]):
@@ -209,6 +210,8 @@ def register(subparsers) -> None:
     p.add_argument("--queue", type=int, default=None, help="downlink queue, bytes")
     p.add_argument("--delay", type=float, default=0.0, help="one-way delay into every host, s")
     p.add_argument("--jitter", type=float, default=0.0, help="uniform jitter, s")
+    p.add_argument("--gro", action="store_true",
+                   help="receive GRO on every host's interface, as a NIC driver does (loss moves to the switch)")
     p.set_defaults(func=cmd_up)
 
     p = subparsers.add_parser("list", help="list labs created with `up`")

@@ -14,6 +14,19 @@ Theory of operation
     point sees wire-sized packets. An nft counter (``oversize``: length > MTU) at each loss
     point verifies this; :meth:`Lab.loss_stats` reports it.
 
+    Receive GRO (``gro=True``, a choice for measuring what a real host pays). A real NIC's
+    driver runs GRO on what it receives; a veth without it hands every datagram to the socket
+    alone, which costs a UDP receiver (one socket enqueue and one ``recvmmsg`` slot per
+    datagram) far more than a TCP receiver (which coalesces in its receive queue). With
+    ``gro=True`` each host's ``ltpeth0`` has GRO on (veth then receives through NAPI and
+    coalesces TCP segments, and the datagrams of a socket that set ``UDP_GRO``); everything
+    else stays off, so packets still cross the switch wire-sized. GRO runs before the host's
+    netdev ingress hook, so the *ingress* loss point moves to the switch: an nft netdev
+    **egress** hook on the host's downlink ``ltppI``, which runs before that port's qdisc.
+    Loss then precedes the downlink's rate limit (a packet lost there takes no tbf tokens);
+    without ``gro`` the rate limit comes first. The loss rule, its counters and the
+    ``oversize`` check are otherwise the same.
+
     Where each impairment lives ("ingress" = traffic INTO host h, "egress" = OUT of h):
 
         =========  ===================================  ====================================
@@ -59,10 +72,13 @@ from .delayer import start_delayer
 from .support import LabUnsupported
 
 HOST_IF = "ltpeth0"
+ETH_HLEN = 14  # bytes of Ethernet header on a veth
 DATA_MIN_IP_LEN = 200  # bytes; packets longer than this are "data" for the default loss rule
 LOSS_SCALE = 1_000_000  # numgen modulus: loss probability resolution 1e-6
 OFFLOADS_OFF = ["tso", "off", "gso", "off", "gro", "off", "tx-udp-segmentation", "off",
                 "rx-gro-list", "off", "rx-udp-gro-forwarding", "off"]
+#: a host interface of a ``gro=True`` lab: the same, but receive GRO on (as a NIC's driver does)
+OFFLOADS_HOST_GRO = OFFLOADS_OFF[:4] + ["gro", "on"] + OFFLOADS_OFF[6:]
 DIRECTIONS = ("ingress", "egress")
 
 
@@ -99,10 +115,12 @@ class Lab:
     ``n_hosts`` with ``sum(racks)``. ``prefix`` names every namespace (default
     ``"ltplab-" + 6 random hex digits``). ``persistent=True`` keeps the lab after the
     process exits (used by ``ltp-lab up``; remove it with :func:`destroy` / ``ltp-lab down``).
+    ``gro=True`` turns receive GRO on at every host's interface and moves the ingress loss
+    point to the switch (see the module docstring).
     """
 
     def __init__(self, n_hosts: int = 3, racks: Sequence[int] | None = None, prefix: str | None = None,
-                 mtu: int = 1500, subnet: str = "10.77.0.0/24", persistent: bool = False):
+                 mtu: int = 1500, subnet: str = "10.77.0.0/24", persistent: bool = False, gro: bool = False):
         if racks is not None:
             racks = [int(r) for r in racks]
             if not racks or any(r < 1 for r in racks):
@@ -120,6 +138,7 @@ class Lab:
         self.mtu = mtu
         self.subnet = net
         self.persistent = persistent
+        self.gro = bool(gro)
         self.switch_ns = f"{self.prefix}-sw"
         rack_of = []
         for r, count in enumerate(self.racks or [n_hosts]):
@@ -257,9 +276,10 @@ class Lab:
                 ipr.link("set", index=idx, mtu=mtu)
                 ipr.addr("add", index=idx, address=h.addr, prefixlen=self.subnet.prefixlen)
                 ipr.link("set", index=idx, state="up")
-            self._sh(h.netns, [f"ethtool -K {h.ifname} {' '.join(OFFLOADS_OFF)}"])
-            self._nft(h.netns, _counter_table("ltplab", h.ifname))
-            self._nft(self.switch_ns, _counter_table(f"ltplab_{h.name}", h.port))
+            self._sh(h.netns, [f"ethtool -K {h.ifname} {' '.join(OFFLOADS_HOST_GRO if self.gro else OFFLOADS_OFF)}"])
+            for d in DIRECTIONS:
+                ns, table = self._loss_point(h, d)
+                self._nft(ns, _counter_table(table, h.port if ns == self.switch_ns else h.ifname, self._loss_hook(d)))
             for d in DIRECTIONS:
                 self._set_loss_rules(h, d, Impairment())
 
@@ -288,7 +308,14 @@ class Lab:
 
     def _loss_point(self, h: Host, direction: str) -> tuple[str, str]:
         """(namespace, nft table) of the loss point of (h, direction)."""
-        return (h.netns, "ltplab") if direction == "ingress" else (self.switch_ns, f"ltplab_{h.name}")
+        if direction == "egress":
+            return self.switch_ns, f"ltplab_{h.name}"
+        # with receive GRO the host's own ingress hook would see coalesced packets: drop on the downlink
+        return (self.switch_ns, f"ltplab_{h.name}_down") if self.gro else (h.netns, "ltplab")
+
+    def _loss_hook(self, direction: str) -> str:
+        """The nft netdev hook of the loss point of ``direction`` (see :meth:`_loss_point`)."""
+        return "egress" if (self.gro and direction == "ingress") else "ingress"
 
     # ------------------------------------------------------------------ impairments
     @property
@@ -349,8 +376,10 @@ class Lab:
     def _set_loss_rules(self, h: Host, direction: str, imp: Impairment) -> None:
         ns, table = self._loss_point(h, direction)
         match = "meta protocol ip" if imp.all_sizes else f"ip length > {DATA_MIN_IP_LEN}"
+        # an ingress hook sees the packet after its Ethernet header was pulled, an egress hook with it
+        longest = self.mtu + (ETH_HLEN if self._loss_hook(direction) == "egress" else 0)
         rules = [f"flush chain netdev {table} lossy",
-                 f'add rule netdev {table} lossy meta length > {self.mtu} counter name "oversize"',
+                 f'add rule netdev {table} lossy meta length > {longest} counter name "oversize"',
                  f'add rule netdev {table} lossy {match} counter name "seen"']
         threshold = round(imp.loss * LOSS_SCALE)
         if threshold >= LOSS_SCALE:
@@ -625,7 +654,7 @@ class Lab:
     def describe(self) -> dict:
         """A JSON-able description of the lab (used by ``ltp-lab up``)."""
         return dict(prefix=self.prefix, switch_ns=self.switch_ns, mtu=self.mtu, racks=self.racks,
-                    backend=self.backend,
+                    backend=self.backend, gro=self.gro,
                     hosts=[dataclasses.asdict(h) for h in self.hosts])
 
 
@@ -677,10 +706,10 @@ class RateRedrawer:
             self._thread.join(timeout=5)
 
 
-def _counter_table(table: str, device: str) -> str:
+def _counter_table(table: str, device: str, hook: str = "ingress") -> str:
     return (f"table netdev {table} {{\n"
             f"  counter seen {{}}\n  counter dropped {{}}\n  counter oversize {{}}\n"
-            f'  chain lossy {{ type filter hook ingress device "{device}" priority 0; policy accept; }}\n'
+            f'  chain lossy {{ type filter hook {hook} device "{device}" priority 0; policy accept; }}\n'
             f"}}\n")
 
 

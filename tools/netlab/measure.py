@@ -1,4 +1,4 @@
-"""Small measurement probes run inside lab hosts: ICMP ping and a UDP blast.
+"""Small measurement probes run inside lab hosts: ICMP ping, a UDP blast and a UDP sink.
 
 Theory of operation
     The lab must not depend on iputils being installed, so :func:`ping` sends ICMP echo
@@ -7,6 +7,9 @@ Theory of operation
     allows (optionally paced) so nft counters at a loss point can be compared with the
     requested loss. Both run as ``python -m ltp_tools.netlab.measure ...`` inside the source
     host's namespace and print one JSON line; the Python wrappers parse it.
+    :func:`start_udp_sink` receives on the destination host (with ``UDP_GRO`` set, as LTP's
+    receiver does) until it has been idle for a while, and counts datagrams and receive calls,
+    so a test can tell whether the host's interface coalesced them (a lab built with ``gro``).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import os
 import select
 import socket
 import struct
+import subprocess
 import sys
 import time
 
@@ -64,9 +68,23 @@ def _ping_main(dst: str, count: int, interval_s: float, size: int, timeout_s: fl
     return dict(sent=count, received=len(rtts), rtts_s=rtts)
 
 
-def _blast_main(dst: str, port: int, count: int, size: int, rate_pps: float) -> dict:
+UDP_SEGMENT = 103  # SOL_UDP option (linux/udp.h): one send of several datagrams (GSO)
+
+
+def _blast_main(dst: str, port: int, count: int, size: int, rate_pps: float, burst: int = 1) -> dict:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    if burst > 1:  # whole bursts of `burst` datagrams per send, segmented by the kernel on the way out
+        sock.setsockopt(socket.IPPROTO_UDP, UDP_SEGMENT, size)
+        sent, t0 = 0, time.monotonic()
+        while sent < count:
+            n = min(burst, count - sent)
+            try:
+                sock.sendto(b"\xa5" * (size * n), (dst, port))
+            except (BlockingIOError, ConnectionRefusedError):
+                continue
+            sent += n
+        return dict(sent=sent, size=size, duration_s=time.monotonic() - t0)
     buf = b"\xa5" * size
     t0 = time.monotonic()
     sent = 0
@@ -86,6 +104,57 @@ def _blast_main(dst: str, port: int, count: int, size: int, rate_pps: float) -> 
     return dict(sent=sent, size=size, duration_s=time.monotonic() - t0)
 
 
+SO_RCVBUFFORCE = 33  # SOL_SOCKET option (asm-generic/socket.h): SO_RCVBUF past rmem_max, for root
+UDP_GRO = 104  # SOL_UDP option (linux/udp.h): coalesced receive, segment size in a control message
+
+
+def _sink_main(port: int, idle_s: float, gro: bool) -> dict:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:  # root in the lab: past rmem_max, so a burst is not dropped at a slow Python reader
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 64 << 20)
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
+    if gro:
+        sock.setsockopt(socket.IPPROTO_UDP, UDP_GRO, 1)
+    sock.bind(("0.0.0.0", port))
+    print(json.dumps(dict(ready=True)), flush=True)
+    calls = datagrams = nbytes = coalesced_calls = 0
+    sock.settimeout(30.0)  # the first datagram
+    while True:
+        try:
+            data, anc, _flags, _addr = sock.recvmsg(1 << 16, socket.CMSG_SPACE(4))
+        except TimeoutError:
+            break
+        sock.settimeout(idle_s)
+        seg = next((struct.unpack("=i", d[:4])[0] for lvl, typ, d in anc
+                    if lvl == socket.IPPROTO_UDP and typ == UDP_GRO), 0)
+        calls += 1
+        nbytes += len(data)
+        n = -(-len(data) // seg) if seg else 1
+        datagrams += n
+        coalesced_calls += n > 1
+    return dict(calls=calls, datagrams=datagrams, bytes=nbytes, coalesced_calls=coalesced_calls)
+
+
+def start_udp_sink(lab, h, port: int = 9000, gro: bool = True, idle_s: float = 1.0):
+    """Start a UDP receiver on ``h``'s port; :func:`sink_result` waits for it to go idle and returns
+    dict(calls, datagrams, bytes, coalesced_calls)."""
+    p = lab.popen(h, [sys.executable, "-m", "ltp_tools.netlab.measure", "sink", "--port", str(port),
+                      "--idle", str(idle_s), *(["--gro"] if gro else [])],
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if not line.strip():
+        raise RuntimeError(f"udp sink on {h.name} did not start: {p.stderr.read().strip()}")
+    return p
+
+
+def sink_result(p, timeout_s: float = 60.0) -> dict:
+    out, err = p.communicate(timeout=timeout_s)
+    if p.returncode != 0:
+        raise RuntimeError(f"udp sink failed: {err.strip()}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def _run_json(lab, h, argv: list[str], timeout_s: float) -> dict:
     r = lab.run(h, [sys.executable, "-m", "ltp_tools.netlab.measure", *argv],
                 capture_output=True, text=True, timeout=timeout_s)
@@ -103,11 +172,15 @@ def ping(lab, src, dst, count: int = 5, interval_s: float = 0.05, size: int = 56
 
 
 def udp_blast(lab, src, dst, count: int = 20000, size: int = 1000, port: int = 9, rate_pps: float = 0.0,
-              timeout_s: float = 60.0) -> dict:
-    """Send ``count`` UDP datagrams of ``size`` payload bytes from ``src`` to ``dst``; returns dict(sent, size, duration_s)."""
+              timeout_s: float = 60.0, burst: int = 1) -> dict:
+    """Send ``count`` UDP datagrams of ``size`` payload bytes from ``src`` to ``dst``; returns dict(sent, size, duration_s).
+
+    ``burst`` > 1 sends them ``burst`` at a time with ``UDP_SEGMENT`` (as LTP's sender does; ``rate_pps`` is then
+    ignored), so they reach the receiving interface back to back.
+    """
     addr = dst if isinstance(dst, str) else dst.addr
     return _run_json(lab, src, ["blast", addr, "--count", str(count), "--size", str(size), "--port", str(port),
-                                "--rate-pps", str(rate_pps)], timeout_s=timeout_s)
+                                "--rate-pps", str(rate_pps), "--burst", str(burst)], timeout_s=timeout_s)
 
 
 def main(argv=None) -> int:
@@ -125,11 +198,18 @@ def main(argv=None) -> int:
     b.add_argument("--size", type=int, default=1000)
     b.add_argument("--port", type=int, default=9)
     b.add_argument("--rate-pps", type=float, default=0.0)
+    b.add_argument("--burst", type=int, default=1)
+    k = sub.add_parser("sink")
+    k.add_argument("--port", type=int, default=9000)
+    k.add_argument("--idle", type=float, default=1.0)
+    k.add_argument("--gro", action="store_true")
     a = ap.parse_args(argv)
     if a.cmd == "ping":
         res = _ping_main(a.dst, a.count, a.interval, a.size, a.timeout)
+    elif a.cmd == "sink":
+        res = _sink_main(a.port, a.idle, a.gro)
     else:
-        res = _blast_main(a.dst, a.port, a.count, a.size, a.rate_pps)
+        res = _blast_main(a.dst, a.port, a.count, a.size, a.rate_pps, a.burst)
     print(json.dumps(res))
     return 0
 
