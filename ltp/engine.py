@@ -267,8 +267,13 @@ class Engine:
                 self._hints.discard(slot.peer, tag)
         self._matcher.add(group)
         for slot in group.slots:
-            if not self._match_unexpected(slot, now):
-                self._matcher.wait(slot)
+            if self._match_unexpected(slot, now):
+                continue
+            unfit = self._matcher.unfit_unexpected(slot)
+            if unfit is not None:  # as when the message registers after the slot was posted (``_admit``)
+                self._fail_too_small(slot, unfit.total, unfit.peer, now)
+                continue
+            self._matcher.wait(slot)
         self._check_group(group, now)
         return handle
 

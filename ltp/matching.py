@@ -12,7 +12,9 @@ as flows that registered (REG) and sent their first DATA. The
 2. a flow that finds no slot is *unexpected*: it fills an internal buffer
    (bounded by admission's memory caps) and waits, oldest first, for a slot
    posted later (``find_unexpected``); a message larger than a slot's buffer
-   never matches it;
+   never matches it, and a slot for one peer and one tag that finds only such
+   messages of that peer and tag fails at once (``unfit_unexpected``), as it
+   does when the message registers after it was posted;
 3. a slot bound to an unexpected flow that has closed receives a copy of the
    message and then its report (``claim``); none is needed when the message
    was written into the slot's own memory, as a placement hint asked
@@ -113,6 +115,17 @@ class ReceiveMatcher:
                 return flow
         return None
 
+    def unfit_unexpected(self, slot: RecvSlot) -> FlowReceiver | None:
+        """For a slot naming one peer and one tag: the oldest unclaimed unexpected message of exactly that peer
+        and tag, when it is larger than the slot's buffer (call after :meth:`find_unexpected` found none).
+        A receive for a wildcard peer or tag waits on instead: another message may still match it."""
+        if slot.peer is None or slot.tag is None:
+            return None
+        for flow in self.unexpected:
+            if flow.slot is None and flow.peer == slot.peer and flow.tag == slot.tag and flow.total > len(slot.dest):
+                return flow
+        return None
+
     def add_unexpected(self, flow: FlowReceiver) -> None:
         """``flow`` found no slot: it keeps its internal buffer until one is posted."""
         self.unexpected.append(flow)
@@ -164,7 +177,8 @@ class ReceiveMatcher:
     def fail(self, slot: RecvSlot, error: Exception) -> None:
         """``slot`` cannot be filled (the message does not fit its buffer): it gets ``error``."""
         slot.error = error
-        self.waiting.remove(slot)
+        if slot in self.waiting:  # a slot just posted fails before it waits (``unfit_unexpected``)
+            self.waiting.remove(slot)
         slot.report = empty_report(slot, Regime.CANCELLED)
 
     def expire(self, slot: RecvSlot, now: float, regime: Regime, cause: str = "") -> None:

@@ -45,7 +45,18 @@ Failures: a transfer that does not finish within the group's timeout (the
 ``timeout=`` of ``init_process_group``) fails the collective with
 :class:`LtpBackendError` (a ``torch.distributed.DistBackendError``) naming
 this rank, the collective, its sequence number, the step, the peer and the
-transport's own error.
+transport's own error.  A rank whose collective fails tells the other ranks
+(*abort notices*, a fixed-size reliable message on tag ``ABORT_TAG`` carrying
+the sequence number and the reason; sent concurrently, each bounded by
+``ABORT_NOTICE_TIMEOUT_S``).  Every rank keeps one receive posted for them
+(a listener task on the loop thread): a notice for a collective this rank is
+running fails it at once, naming the rank that failed and why; one for a
+collective it has not reached yet fails that collective when it starts (the
+failed rank will not take part).  Without them a mismatch that only some
+ranks can see (a ring neighbour sent a message of the wrong size) left the
+ranks that could not see it waiting for the whole group timeout, and their
+next collective after it.  Point-to-point operations neither send nor heed
+notices.
 """
 
 from __future__ import annotations
@@ -81,6 +92,14 @@ RECV_RETRY_PAUSE_S = 0.05
 PEER_SILENCE_S = 30.0
 #: seconds to wait for the transport endpoint to open and for peers to publish their addresses
 OPEN_TIMEOUT_S = 60.0
+#: the tag of abort notices (bit 62, apart from collective, schedule and point-to-point tags)
+ABORT_TAG = 1 << 62
+#: bytes of one abort notice: sequence number (8), rank (4), reason (UTF-8, zero-padded)
+ABORT_NOTICE_BYTES = 512
+#: seconds a failed rank spends telling the others (all notices at once; a dead peer does not hold it longer)
+ABORT_NOTICE_TIMEOUT_S = 2.0
+#: notices kept for collectives this rank has not reached (oldest dropped first)
+ABORT_NOTICES_KEPT = 1024
 ENV_TRANSPORT = "LTP_BACKEND_TRANSPORT"
 ENV_ALGORITHM = "LTP_BACKEND_ALGORITHM"
 ENV_HOST = "LTP_BACKEND_HOST"
@@ -313,9 +332,9 @@ class LtpProcessGroup(dist.ProcessGroup):
         self._p2p_recv: dict = {}
         self._lock = threading.Lock()
         self._closed = False
-        #: readable counters: collectives started/failed, bytes sent/received by this rank
-        self.stats = {"collectives": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0, "send_retries": 0,
-                      "recv_retries": 0, "schedule_runs": 0}
+        #: readable counters: collectives and point-to-point operations started, failed, bytes sent/received by this rank
+        self.stats = {"collectives": 0, "p2p": 0, "failed": 0, "bytes_sent": 0, "bytes_received": 0, "send_retries": 0,
+                      "recv_retries": 0, "schedule_runs": 0, "aborts_sent": 0, "aborts_received": 0}
         self._io = _Loop(f"ltp-backend-{rank}")
         # LTP authenticates registrations with a job key when one is set ($LTP_PS_SECRET, as for the DDP hook).
         key = os.environ.get("LTP_PS_SECRET", "").encode() or None
@@ -341,6 +360,9 @@ class LtpProcessGroup(dist.ProcessGroup):
         self._node = worker(rank)
         self._nodes = {worker(r): p for r, p in enumerate(self.peers)}  # the executor's address book
         self._rsgcm_plan = None
+        self._aborted: dict = {}  # seq -> (rank, reason) of notices received
+        self._abort_waiters: dict = {}  # seq -> future failed by a notice for that running collective
+        self._listener = self._io.submit(self._listen_for_aborts()) if world_size > 1 else None
         self.schedule = self.options.schedule
         if self.schedule == "rsgcm":
             self._ring_plan()  # plan now: a planning failure is a set-up error, not a failed collective
@@ -366,19 +388,30 @@ class LtpProcessGroup(dist.ProcessGroup):
 
     # -- machinery --------------------------------------------------------------------------------------------
 
-    def _start(self, name: str, coro_fn, result) -> dist.Work:
+    def _start(self, name: str, coro_fn, result, *, p2p: bool = False) -> dist.Work:
+        """Run ``coro_fn(seq, deadline)`` on the loop thread; a collective takes the group's next sequence number
+        (every rank issues the same collectives in the same order, so the numbers agree). A point-to-point
+        operation takes none (``seq`` None): only two ranks issue it, and counting it would put those two a
+        number ahead of the others for every later collective; its wire tags count per (peer, tag) instead."""
         if self._closed:
             raise LtpBackendError(f"ltp backend rank {self._rank}: {name} on a shut-down process group")
-        with self._lock:
-            seq = self._seq
-            self._seq += 1
-        self.stats["collectives"] += 1
+        if p2p:
+            seq = None
+            self.stats["p2p"] += 1
+        else:
+            with self._lock:
+                seq = self._seq
+                self._seq += 1
+            self.stats["collectives"] += 1
         complete, fut = completion()
         work = LtpWork(fut)
         deadline = time.monotonic() + self._timeout_s
 
         async def run():
-            await coro_fn(seq, deadline)
+            if p2p or self._world == 1:
+                await coro_fn(seq, deadline)
+                return
+            await self._run_collective(name, seq, coro_fn, deadline)
 
         cf = self._io.submit(run())
 
@@ -389,13 +422,88 @@ class LtpProcessGroup(dist.ProcessGroup):
                 return
             self.stats["failed"] += 1
             if not isinstance(exc, LtpBackendError):
-                exc = LtpBackendError(f"ltp backend rank {self._rank}: {name} #{seq} failed: "
+                exc = LtpBackendError(f"ltp backend rank {self._rank}: {name}{'' if p2p else f' #{seq}'} failed: "
                                       f"{type(exc).__name__}: {exc}")
             work._exc = exc
             complete(exc, failed=True)
 
         cf.add_done_callback(done)
         return work
+
+    async def _run_collective(self, name: str, seq: int, coro_fn, deadline: float) -> None:
+        """Run collective ``seq``; fail it at once on another rank's abort notice, and send notices if it fails
+        here (see the module docstring)."""
+        if seq in self._aborted:
+            raise self._notice_error(name, seq, *self._aborted.pop(seq))
+        told = self._io.loop.create_future()
+        self._abort_waiters[seq] = told
+        body = asyncio.ensure_future(coro_fn(seq, deadline))
+        try:
+            await asyncio.wait({body, told}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._abort_waiters.pop(seq, None)
+        if not body.done():  # a notice came first
+            body.cancel()
+            await asyncio.gather(body, return_exceptions=True)
+            raise self._notice_error(name, seq, *told.result())
+        exc = body.exception()
+        if exc is not None:
+            await self._tell_abort(seq, f"{name} #{seq} failed on rank {self._rank}: {type(exc).__name__}: {exc}")
+            raise exc
+
+    def _notice_error(self, name: str, seq: int, rank: int, reason: str) -> "LtpBackendError":
+        return LtpBackendError(f"ltp backend rank {self._rank}: {name} #{seq} failed: rank {rank} gave it up and "
+                               f"told the group: {reason}")
+
+    async def _tell_abort(self, seq: int, reason: str) -> None:
+        """Send an abort notice for ``seq`` to every other rank, best effort, within ``ABORT_NOTICE_TIMEOUT_S``."""
+        msg = np.zeros(ABORT_NOTICE_BYTES, np.uint8)
+        head = seq.to_bytes(8, "little") + self._rank.to_bytes(4, "little")
+        text = reason.encode("utf-8", "replace")[:ABORT_NOTICE_BYTES - len(head)]
+        msg[:len(head) + len(text)] = np.frombuffer(head + text, np.uint8)
+
+        async def one(peer):
+            try:
+                await self._transport.send(self.peers[peer], msg, reliable=True, tag=ABORT_TAG, element_size=1,
+                                           timeout=ABORT_NOTICE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a dead or gone peer cannot be told; the failure is ours already
+                pass
+        await asyncio.gather(*(one(p) for p in range(self._world) if p != self._rank))
+        self.stats["aborts_sent"] += 1
+
+    async def _listen_for_aborts(self) -> None:
+        """Keep one receive posted for abort notices; fail the running collective a notice names, or remember it."""
+        buf = np.zeros(ABORT_NOTICE_BYTES, np.uint8)
+        while not self._closed:
+            try:
+                rep = await self._transport.recv(buf, tag=ABORT_TAG, timeout=None)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a notice lost to a transport error is waited out by the timeout
+                if self._closed:
+                    return
+                await asyncio.sleep(RECV_RETRY_PAUSE_S)
+                continue
+            if rep.received_bytes != ABORT_NOTICE_BYTES or rep.bubbles:
+                continue  # not a whole notice: ignore it (every transfer of the group is reliable)
+            raw = buf.tobytes()
+            seq, rank = int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:12], "little")
+            reason = raw[12:].rstrip(b"\0").decode("utf-8", "replace")
+            self.stats["aborts_received"] += 1
+            waiter = self._abort_waiters.get(seq)
+            if waiter is not None:
+                if not waiter.done():
+                    waiter.set_result((rank, reason))
+            elif seq >= self._seq_floor():
+                self._aborted[seq] = (rank, reason)
+                while len(self._aborted) > ABORT_NOTICES_KEPT:
+                    self._aborted.pop(min(self._aborted))
+
+    def _seq_floor(self) -> int:
+        """The lowest sequence number a notice may still concern: collectives below it finished here."""
+        with self._lock:
+            nxt = self._seq
+        return min([nxt, *self._abort_waiters])
 
     def _left(self, deadline: float) -> float:
         return max(0.001, deadline - time.monotonic())
@@ -550,6 +658,11 @@ class LtpProcessGroup(dist.ProcessGroup):
                     self.stats["bytes_sent"] += r.delivered_bytes
                 elif st.op == "recv":
                     self.stats["bytes_received"] += r.received_bytes
+            for i, why in res.missing:  # arrived whole, yet unusable: e.g. a partial over other elements
+                st = stage[i]
+                raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: step {done + i + 1}/{len(steps)} "
+                                      f"({st.op} elements [{st.lo}, {st.hi}) from rank {st.peer.partition(':')[2]}) "
+                                      f"failed: {why}; ranks disagree on tensor shapes or dtypes")
             done += len(stage)
         if into.bad:
             raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: {into.bad[0]}")
@@ -844,7 +957,7 @@ class LtpProcessGroup(dist.ProcessGroup):
             if data.numel():
                 await self._send(data, dst, wire_tag, deadline, f"send (tag {tag}) to rank {dst}")
 
-        return self._start("send", go, [t])
+        return self._start("send", go, [t], p2p=True)
 
     def recv(self, tensors, src: int, tag: int = 0) -> dist.Work:
         t = list(tensors)[0]
@@ -857,7 +970,7 @@ class LtpProcessGroup(dist.ProcessGroup):
                 await self._recv(buf, src, wire_tag, deadline, f"recv (tag {tag}) from rank {src}")
                 t.copy_(buf.view_as(t))
 
-        return self._start("recv", go, [t])
+        return self._start("recv", go, [t], p2p=True)
 
     def recv_anysource(self, tensors, tag: int = 0) -> dist.Work:
         raise ConfigError("ltp backend: recv from any source is not supported; pass src= to dist.recv")
@@ -869,6 +982,8 @@ class LtpProcessGroup(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
+        if self._listener is not None:
+            self._listener.cancel()
         try:
             asyncio.run_coroutine_threadsafe(self._transport.close(), self._io.loop).result(10)
         except Exception:  # noqa: BLE001 - closing a broken endpoint must not mask the real error

@@ -286,3 +286,58 @@ def test_init_process_group_single_rank_uses_the_store():
         assert dist.get_backend() == "ltp"
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_send_and_recv_between_two_ranks_leave_the_others_collectives_in_step(groups_factory, world):
+    """Found by trying to break it: send/recv took a number from the group's collective counter on the two
+    ranks involved only, so every later collective of a group of 3 or more paired the wrong messages and failed
+    at the group timeout. Point-to-point operations now take no collective number."""
+    pgs = groups_factory(world, "ltp", timeout_s=8.0)
+    t0 = time.monotonic()
+    for k in range(3):  # several, and in both directions
+        got = torch.empty(3)
+        s = pgs[0].send([torch.full((3,), float(k))], 1, 0)
+        r = pgs[1].recv([got], 0, 0)
+        s.wait()
+        r.wait()
+        assert got.tolist() == [float(k)] * 3
+    back = torch.empty(2)
+    run_all([pgs[1], pgs[0]], lambda i, pg: pg.send([torch.ones(2)], 0, 5) if i == 0 else pg.recv([back], 1, 5))
+    assert back.tolist() == [1.0, 1.0]
+    run_all(pgs, lambda r, pg: pg.barrier())
+    xs = [torch.full((7,), float(r)) for r in range(world)]
+    run_all(pgs, lambda r, pg: pg.allreduce([xs[r]]))
+    assert all(torch.equal(x, torch.full((7,), float(sum(range(world))))) for x in xs)
+    assert time.monotonic() - t0 < 8.0  # nothing waited for the group timeout
+    assert pgs[0].stats["p2p"] == 4 and pgs[0].stats["collectives"] == 2 and pgs[2].stats["p2p"] == 0
+
+
+@pytest.mark.parametrize("schedule", ["ring", "direct"])
+def test_a_mismatch_seen_by_one_rank_fails_every_rank_at_once_and_the_group_goes_on(groups_factory, schedule):
+    """Found by trying to break it: with ranks that disagree on sizes, the ranks that received a wrong-size message
+    failed at once, but their ring neighbours waited for the whole group timeout (and failed their next collective
+    too). The rank that sees the mismatch now tells the group (abort notices)."""
+    world = 4
+    pgs = groups_factory(world, "ltp", schedule=schedule, algorithm="ring" if schedule == "ring" else "direct",
+                         timeout_s=20.0)
+    cases = [("allgather", lambda r, pg: pg.allgather([[torch.empty(r + 1) for _ in range(world)]], [torch.ones(r + 1)])),
+             ("allreduce", lambda r, pg: pg.allreduce([torch.ones(50_000 + r)]))]
+    if schedule == "direct":  # under the ring schedule float32 and float64 take different tag spaces (docs/ddp.md)
+        cases.append(("allreduce", lambda r, pg: pg.allreduce([torch.ones(1000, dtype=torch.float64 if r == 1
+                                                                          else torch.float32)])))
+    for name, call in cases:
+        t0 = time.monotonic()
+        works = [call(r, pg) for r, pg in enumerate(pgs)]
+        errors = []
+        for w in works:
+            with pytest.raises(B.LtpBackendError) as ei:
+                w.wait()
+            errors.append(str(ei.value))
+        assert time.monotonic() - t0 < 10.0, (name, errors)  # not the 20 s group timeout
+        assert all(name in e for e in errors), errors
+        assert any("disagree on tensor shapes or dtypes" in e or "does not fit" in e for e in errors), errors
+        xs = [torch.full((5,), float(r)) for r in range(world)]
+        run_all(pgs, lambda r, pg: pg.allreduce([xs[r]]))  # the group goes on
+        assert all(torch.equal(x, torch.full((5,), 6.0)) for x in xs)
+    assert sum(pg.stats["aborts_sent"] for pg in pgs) >= 1 and sum(pg.stats["aborts_received"] for pg in pgs) >= 1

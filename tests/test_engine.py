@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ltp.config import Config
 from ltp.engine import Engine
-from ltp.errors import LocalProtocolError, TransferRefused, TransferTimeout
+from ltp.errors import LocalProtocolError, LTPError, TransferRefused, TransferTimeout
 
 GBIT = 125e6  # bytes/s
 
@@ -638,3 +638,35 @@ def test_each_flow_on_a_path_gets_its_turn_while_the_receiver_is_silent(harness,
     h.wait([(0, note), (0, grad)])
     h.wait([(1, b.post_receive([(h.addrs[0], 1, out1), (h.addrs[0], 2, out2)], now=h.now))])
     assert out1.tolist() == [1.0, 1.0] and out2.any()
+
+
+@pytest.mark.parametrize("order", ["posted_first", "message_first"])
+def test_a_message_too_big_for_its_receive_fails_the_receive_at_once_whichever_came_first(harness, floats, order):
+    """Found by trying to break the torch backend: ranks that disagreed on a tensor's dtype waited for the whole
+    group timeout when the bigger message arrived before the receive was posted (it was skipped as unexpected),
+    yet failed at once when it arrived after. A receive for one peer and one tag now fails either way; a
+    wildcard receive waits on, as another message may still fit it."""
+    h = harness(seed=77)
+    h.links(rate=GBIT, delay_s=0.0002)
+    a, rx = h.engines
+    data = floats(10_000)
+    small = np.zeros(data.size // 2, np.float32)
+    if order == "posted_first":
+        handle = rx.post_receive([(h.addrs[0], 8, small)], now=h.now)
+        a.send(h.addrs[1], data, now=h.now, tag=8)
+        (ev,) = h.wait([(1, handle)])
+    else:
+        _deliver_unexpected_to(h, data, 8)
+        t0 = h.now
+        (ev,) = h.wait([(1, rx.post_receive([(h.addrs[0], 8, small)], now=h.now))])
+        assert h.now - t0 < 0.001  # failed at the post, not at a timeout
+        wildcard = rx.post_receive([(None, 8, small)], now=h.now)
+        h.net.run(until=h.now + 0.05)
+        h._drain()
+        assert not any(i == 1 and e.handle == wildcard for i, e in h.events)  # still waiting
+    assert isinstance(ev.error, LTPError) and "does not fit" in str(ev.error), ev
+
+
+def _deliver_unexpected_to(h, data, tag):
+    (sent,) = h.wait([(0, h.engines[0].send(h.addrs[1], data, now=h.now, tag=tag))])
+    assert sent.report.close_reason == "acked"

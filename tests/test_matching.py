@@ -56,6 +56,18 @@ def test_unexpected_messages_wait_for_a_slot_that_can_hold_them():
     assert list(m.unexpected) == [big]
 
 
+def test_a_slot_for_one_peer_and_tag_sees_an_unexpected_message_too_big_for_it():
+    m = ReceiveMatcher()
+    big = _flow(A, 1, 5000, fid=1)
+    m.add_unexpected(big)
+    exact = _group(1, [(A, 1, 200)]).slots[0]
+    assert m.find_unexpected(exact) is None and m.unfit_unexpected(exact) is big
+    assert m.unfit_unexpected(_group(2, [(A, 2, 200)]).slots[0]) is None      # another tag
+    assert m.unfit_unexpected(_group(3, [(None, 1, 200)]).slots[0]) is None   # any peer: may still match
+    assert m.unfit_unexpected(_group(4, [(A, None, 200)]).slots[0]) is None   # any tag
+    assert m.unfit_unexpected(_group(5, [(A, 1, 5000)]).slots[0]) is None     # it fits
+
+
 def test_group_t0_is_the_first_registration_among_its_slots():
     m = ReceiveMatcher()
     g = _group(1, [(A, 1, 10), (B, 1, 10)])
