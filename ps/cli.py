@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import secrets
 import signal
@@ -26,6 +25,7 @@ from . import rendezvous as rdv
 from . import schedule_cli, tree_views
 from .argtypes import bounded, model_name
 from .errors import ConfigError, PSError, TrainingFailed
+from .metrics import write_summary_json
 
 EXIT_CONFIG = 2  # setup, rendezvous or transport error (the message names the fix)
 EXIT_TRAINING_FAILED = 3  # no live worker, no usable gradient, non-finite loss
@@ -219,8 +219,7 @@ async def serve(args, store=None) -> dict:
             raise
         print(summary_text(ps, summary), flush=True)
         if args.summary_json:
-            with open(shard_path(args.summary_json, args.shard), "w") as f:
-                json.dump(summary, f, default=float)
+            write_summary_json(shard_path(args.summary_json, args.shard), summary)
         store.set(f"done/{args.shard}", "1")
         return summary
     finally:

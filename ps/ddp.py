@@ -251,7 +251,9 @@ class HookStats:
     resent_by_me: int = 0  # buckets this rank resent reliably
     errors: int = 0
     min_delivered_fraction: float = 1.0
-    max_path_loss: float = 0.0  # highest loss rate this rank's sender measured over LOSS_WINDOW transfers
+    # highest loss rate this rank's own sends measured over LOSS_WINDOW transfers: the one counter that is per
+    # rank (rank 0 hosts the bucket server, so its path is local and reads 0 with the PS hook)
+    max_path_loss: float = 0.0
     reasons: dict = dataclasses.field(default_factory=dict)  # PS side (rank 0): repair reasons -> count
 
     def as_dict(self) -> dict:

@@ -151,6 +151,8 @@ class ScheduleHookState(LtpHookState):
         for stage in prog.stages:  # stage by stage: a failed reliable transfer ends the round at once
             res = await ex.run(Program(prog.node, (stage,)), slots, into, iteration=it & MAX_ITERATION)
             for k, (st, rep) in enumerate(zip(stage, res.reports)):
+                if st.op == "send" and rep is not None and not isinstance(rep, BaseException):
+                    self._note_loss(rep)  # this rank's sends: its path loss (``stats.max_path_loss``)
                 if st.op not in ("send", "recv") or st.mode != "reliable":
                     continue  # a tolerant transfer that lost data shows in the counts
                 bad = _reliable_failure(st, rep)
@@ -168,6 +170,7 @@ class ScheduleHookState(LtpHookState):
         crit = critical_elements(critical, n)
         exact = self.min_fraction >= 1.0
         got = await self._run(r, index, 2 * r, grads, crit, exact=exact)
+        self.stats.max_path_loss = max(self.stats.max_path_loss, self.path_loss())
         verdict = judge(got.ordered(), n, self.world_size, self.min_fraction)
         if verdict.action == REPAIR:
             got = await self._run(r, index, 2 * r + 1, grads, crit, exact=True)

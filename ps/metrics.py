@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import statistics
 from typing import Iterable
 
@@ -32,6 +33,27 @@ def _jsonable(x):
         return float(x)
     except (TypeError, ValueError):
         return str(x)
+
+
+def strict_json(x):
+    """``x`` with every non-finite float (NaN, inf) as None and numbers as plain floats: what standard JSON
+    parsers accept (``json.dump`` would write bare ``NaN``). Mappings and sequences are walked."""
+    if isinstance(x, dict):
+        return {str(k): strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, numbers.Integral):  # numpy integers too
+        return int(x)
+    v = _jsonable(x)
+    return v if not isinstance(v, float) or math.isfinite(v) else None
+
+
+def write_summary_json(path: str, summary: dict) -> None:
+    """The end-of-run summary as standard JSON (an unmeasured figure, e.g. MLfabric's batch sync, is null)."""
+    with open(path, "w") as f:
+        json.dump(strict_json(summary), f, allow_nan=False)
 
 
 def read_jsonl(path: str) -> list[dict]:

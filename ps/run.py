@@ -53,6 +53,11 @@ def main(argv=None) -> int:
     role = os.environ.get("LTP_PS_ROLE") or ("server" if rank < args.num_servers else "worker")
     if args.workers is None:
         args.workers = world - args.num_servers
+        if args.workers < 1:
+            print(f"ltp_ps.run: error: torchrun started {world} processes and --num-servers {args.num_servers} of "
+                  f"them are PS shards, which leaves no worker; start more (--nproc-per-node "
+                  f"{args.num_servers + 1} or more) or pass a smaller --num-servers", file=sys.stderr)
+            return 2
     cli._limit_threads()
     try:
         store = rdv.store_from_env(args.store_timeout)

@@ -35,6 +35,9 @@ PEER_POLL_S = 0.05  # seconds between looks at the store while peers join
 MLFABRIC_OPTIONS = (("tau-max", "tau_max"), ("aggregators", "k"), ("batch-window", "batch_window_s"),
                     ("t-lag", "t_lag_s"))
 RAT_OPTIONS = (("rat-chunks", "chunks"),)
+#: the most pieces per tree slice: a piece's transfers are numbered piece x (tree levels + 1) + level in a
+#: tag's 12-bit step field (ltp_ps.schedules.tags), so 1024 pieces fit trees of up to 3 levels
+MAX_RAT_CHUNKS = 1024
 PASSTHROUGH = tuple(o for o, _ in MLFABRIC_OPTIONS + RAT_OPTIONS)  # options ``ltp-ps launch`` hands to its children
 
 
@@ -61,7 +64,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
                         "(default 1)")
     r = p.add_argument_group("rat (--schedule rat only; docs/schedules.md)")
     r.add_argument("--rat-chunks", type=bounded(int, 1, "pieces per tree slice",
-                                                      "pass e.g. --rat-chunks 4"), default=None, metavar="C",
+                                                      "pass e.g. --rat-chunks 4", below=MAX_RAT_CHUNKS + 1),
+                   default=None, metavar="C",
                    help="cut-through aggregators: each tree slice's reduce goes up in C pieces, so an aggregator "
                         "sends piece j while its leaves send piece j+1 (default 1: store-and-forward)")
 
@@ -454,13 +458,12 @@ async def peer_work(args, store, open_transport, workload) -> dict:
                   f"{args.model} ({wl.n_params} params)", flush=True)
         summary = await peer.run()
         if rank == 0:
-            from .metrics import format_summary
+            from .metrics import format_summary, write_summary_json
 
             print(format_summary(summary, f"ltp-ps {args.schedule} ({args.transport}, {args.workers} workers)"),
                   flush=True)
             if args.summary_json:
-                with open(args.summary_json, "w") as f:
-                    json.dump(summary, f, default=float)
+                write_summary_json(args.summary_json, summary)
         store.set(f"peer/done/{rank}", "1")
         # Stay reachable until every peer finished its last round (they may still send to us).
         alive = feedback.ranks if feedback is not None else range(args.workers)  # minus workers found silent

@@ -22,6 +22,11 @@ test label, which the workload states as ``chance_accuracy``):
    epochs, exit 0 before this rule).  A run of one or two epochs of a small
    model (or of a few ``--iterations``) may legitimately still be near chance,
    so such short runs are not judged.
+3. **diverged** -- the last epoch is at or below ``level`` and its test loss
+   is at least ``DIVERGED_LOSS_FACTOR`` times ``ln(round(1 / chance))`` (the
+   cross-entropy of guessing uniformly among that many classes): judged after
+   any number of epochs, since no slow start has such a loss (``--lr 1e6`` on
+   digits for two epochs: loss 3e16, accuracy 0.10, exit 0 before this rule).
 
 A run of two epochs that learned a little and ends near chance (best 0.17,
 last 0.14 on digits: 6 asynchronous workers) is therefore not judged.  Nor
@@ -48,6 +53,16 @@ CHANCE_MARGIN = 0.05  # absolute accuracy: at most this far above chance counts 
 LEARNED_MARGIN = 0.25  # absolute accuracy: a best epoch this far above chance had clearly learned
 MIN_JUDGED_EPOCHS = 3  # evaluated epochs before a run that never left chance is judged "trained nothing"
 PROGRESS_LOSS_DROP = 0.02  # relative: a test loss falling every epoch, this much in all, is progress
+DIVERGED_LOSS_FACTOR = 100.0  # a test loss this many times a uniform guess's, at chance accuracy: diverged
+
+
+def _uniform_guess_loss(chance: float | None) -> float | None:
+    """``ln(round(1 / chance))``, the cross-entropy of guessing uniformly among that many classes (at least 2),
+    or None where ``chance`` states no usable class count (None, 0, or so small that 1 / chance overflows)."""
+    if not chance:
+        return None
+    classes = 1.0 / chance
+    return math.log(max(2, round(classes))) if math.isfinite(classes) else None
 
 
 class AccuracyVerdict:
@@ -86,11 +101,11 @@ class AccuracyVerdict:
         ls = self.losses
         if len(ls) < 2 or not all(math.isfinite(x) for x in ls):
             return False
-        if not self.chance or not all(b < a for a, b in zip(ls, ls[1:])):
+        guess = _uniform_guess_loss(self.chance)
+        if guess is None or not all(b < a for a, b in zip(ls, ls[1:])):
             return False  # no class count to compare with (chance 0), or the loss did not fall every epoch
         # below the cross-entropy of guessing uniformly among ~1/chance classes: an absurd learning rate
         # under the norm guard also has a falling loss, but at 1e9, not near ln(classes)
-        guess = math.log(max(2, round(1.0 / self.chance)))
         return (ls[-1] <= ls[0] * (1.0 - PROGRESS_LOSS_DROP) and ls[-1] < guess
                 and self.history[-1][1] > self.history[0][1])
 
@@ -108,6 +123,11 @@ class AccuracyVerdict:
         if best >= self.chance + self.learned:
             return (f"training collapsed: {tail}, down from {best:.4f} at epoch {best_epoch + 1}; lower --lr, keep "
                     f"the divergence guard on (--clip-factor), or resume from an earlier --checkpoint-dir")
+        loss = self.losses[-1] if self.losses else math.nan
+        guess = _uniform_guess_loss(self.chance)
+        if guess is not None and math.isfinite(loss) and loss >= DIVERGED_LOSS_FACTOR * guess:
+            return (f"training diverged: {tail} with test loss {loss:.3g}, {loss / guess:.3g}x a uniform guess's "
+                    f"{guess:.3g}. Check --lr: lower it (and keep the divergence guard on: --clip-factor)")
         if len(self.history) < self.min_epochs or self.progressing():
             return None
         advice = ("the loss may be finite but the model is guessing. Check --lr (too large and the model diverges, "

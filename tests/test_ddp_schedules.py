@@ -116,7 +116,10 @@ def test_lossy_rounds_use_the_unbiased_mean_warn_and_agree():
         res, states = run_ring(world, rounds, loss=0.02, seed=11)
     s = states[0].stats
     assert s.rounds == 5 and s.lossy_rounds >= 1 and s.min_delivered_fraction < 1.0
-    assert all(st.stats.as_dict() == s.as_dict() for st in states)  # the same verdicts on every rank
+    same = [{k: v for k, v in st.stats.as_dict().items() if k != "max_path_loss"} for st in states]
+    assert all(d == same[0] for d in same)  # the same verdicts on every rank
+    # each rank's own sends measured the loss (found by trying to break it: the ring hook never updated this)
+    assert all(0.0 < st.stats.max_path_loss < 0.2 for st in states), [st.stats.max_path_loss for st in states]
     for grads, got in zip(rounds, res):
         for g in got:
             np.testing.assert_array_equal(g, got[0])

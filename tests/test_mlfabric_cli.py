@@ -37,10 +37,14 @@ def test_torchrun_entry_parses_the_options():
                                            ("--batch-window", "-0.1", "--batch-window 0.1"),
                                            ("--batch-window", "nan", "--batch-window 0.1"),
                                            ("--t-lag", "0", "--t-lag 1"), ("--t-lag", "inf", "--t-lag 1"),
-                                           ("--t-lag", "soon", "--t-lag 1")])
+                                           ("--t-lag", "soon", "--t-lag 1"), ("--rat-chunks", "0", "--rat-chunks 4"),
+                                           ("--rat-chunks", "100000", "< 1025")])
 def test_bad_values_exit_2_naming_the_fix(capsys, opt, value, fix):
+    """(--rat-chunks 100000 was found by trying to break it: it overflowed the tag's step field in every role,
+    three tracebacks)"""
+    schedule = "rat" if opt == "--rat-chunks" else "mlfabric"
     with pytest.raises(SystemExit) as e:
-        cli.build_parser().parse_args(["server", "--schedule", "mlfabric", opt, value])
+        cli.build_parser().parse_args(["server", "--schedule", schedule, opt, value])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert opt in err and fix in err

@@ -70,3 +70,15 @@ def test_reliable_transfer_exact_with_and_without_receive_gro(gro):
         assert res["receiver_datagrams_per_slot"] > 1.5, res
     else:
         assert res["receiver_datagrams_per_slot"] == 1.0, res
+
+
+def test_a_transfer_that_times_out_names_both_ends_outcomes(lab):
+    """Found by trying to break it: a sender that failed printed a 30-line traceback ending in an unrelated ICMP
+    error (the receiver had given up first, counting the sender's start-up against --timeout)."""
+    from ltp_tools.bench import run_bench
+
+    with pytest.raises(RuntimeError) as ei:
+        run_bench(transport="ltp", size=300_000_000, mode="reliable", lab=lab, timeout=0.05)
+    msg = str(ei.value)
+    assert msg.startswith("the LTP sender failed (exit 1: ltp.errors.TransferTimeout") and "Traceback" not in msg
+    assert "the receiver: {" in msg and '"regime": ' in msg, msg  # its own report (cancelled, as a rule)

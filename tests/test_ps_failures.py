@@ -388,3 +388,15 @@ def test_a_failed_push_costs_the_round_not_the_worker():
     assert w.pushes[2] == [0.0]
     row = [r for r in job.servers[0].metrics.rows if r["event"] == "iteration"][2]
     assert row["contributors"] == 1 and row["delivered"]["1"] == 0.0
+
+
+def test_torchrun_with_every_process_a_ps_shard_says_so(monkeypatch, capsys):
+    """Found by trying to break it: 2 processes with --num-servers 2 said "--workers must be >= 1", an option the
+    user never passed."""
+    from ltp_ps import run
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run.main(["--num-servers", "2", "--model", "digits"]) == 2
+    err = capsys.readouterr().err
+    assert "started 2 processes" in err and "--num-servers 2" in err and "--nproc-per-node 3" in err

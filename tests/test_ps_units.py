@@ -405,3 +405,24 @@ def test_the_summary_title_says_mlfabric_applies_updates_asynchronously():
     assert "(ltp, mlfabric async, unbiased)" in summary_text(server("mlfabric"), s)
     assert "(ltp, bsp, unbiased)" in summary_text(server("direct"), s)
     assert "(ltp, async, unbiased)" in summary_text(server("direct", "async"), s)
+
+
+def test_summary_json_is_standard_json_with_null_for_unmeasured_figures(tmp_path):
+    """Found by trying to break it: MLfabric's untimed batch sync went into --summary-json as a bare NaN, which
+    strict JSON parsers reject."""
+    import json
+
+    import numpy as np
+
+    from ltp_ps.metrics import strict_json, write_summary_json
+
+    path = tmp_path / "s.json"
+    write_summary_json(str(path), {"sync_mean_s": float("nan"), "peak": float("inf"), "acc": np.float32(0.5),
+                                   "rows": [1, np.int64(2), {"x": float("-inf")}], "name": "mlfabric", "ok": True})
+
+    def refuse(c):
+        raise ValueError(f"non-standard JSON constant {c}")
+    got = json.loads(path.read_text(), parse_constant=refuse)
+    assert got == {"sync_mean_s": None, "peak": None, "acc": 0.5, "rows": [1, 2, {"x": None}], "name": "mlfabric",
+                   "ok": True}
+    assert strict_json((1.5, None)) == [1.5, None]

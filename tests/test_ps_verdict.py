@@ -68,8 +68,9 @@ def test_a_slow_run_whose_test_loss_falls_every_epoch_is_not_failed():
     assert _with_losses(accs, [2.30, 2.27, 2.22]).failure() is None
     # not progress: a loss that rose once, fell too little, was not reported, or accuracy that did not rise
     # (and lr 1e9 under the norm guard: the loss falls every epoch, but from 2.5e9 to 1.2e9)
-    for losses in ([2.30, 2.31, 2.20], [2.30, 2.29, 2.28], [2.30, float("nan"), 2.2], [2.5e9, 2.2e9, 1.2e9]):
+    for losses in ([2.30, 2.31, 2.20], [2.30, 2.29, 2.28], [2.30, float("nan"), 2.2]):
         assert _with_losses(accs, losses).failure().startswith("nothing trained"), losses
+    assert _with_losses(accs, [2.5e9, 2.2e9, 1.2e9]).failure().startswith("training diverged")
     assert _with_losses([0.13, 0.12, 0.11], [2.30, 2.27, 2.22]).failure().startswith("nothing trained")
     # a workload whose chance level is 0 states no class count: no progress can be shown against a guess
     v = AccuracyVerdict(0.0)
@@ -78,6 +79,18 @@ def test_a_slow_run_whose_test_loss_falls_every_epoch_is_not_failed():
     assert not v.progressing() and v.failure().startswith("nothing trained")
     # progress never excuses a collapse
     assert _with_losses([0.9, 0.5, 0.1], [3.0, 2.5, 2.0]).failure().startswith("training collapsed")
+
+
+def test_a_diverged_run_fails_after_any_number_of_epochs():
+    """Found by trying to break it: --lr 1e6 for two epochs ended at chance with a finite test loss of 3e16 and
+    exited 0 (two epochs are too few for the "nothing trained" rule)."""
+    for accs, losses in (([0.1], [3e16]), ([0.2, 0.1], [2.1, 3e16]), ([0.1, 0.1], [2.3e3, 2.4e3])):
+        why = _with_losses(accs, losses).failure()
+        assert why is not None and why.startswith("training diverged") and "Check --lr" in why, why
+    assert _with_losses([0.1], [2.31]).failure() is None          # a first epoch near a uniform guess: too early
+    assert _with_losses([0.1, 0.11], [2.3, 150.0]).failure() is None  # high, not absurd: left to rule 2
+    assert _with_losses([0.5], [3e16]).failure() is None          # above chance: not judged on loss
+    assert _with_losses([0.1], [float("inf")]).failure() is None  # non-finite loss: the NaN guard's case
 
 
 def test_not_judged_without_a_chance_level_or_an_accuracy():

@@ -70,3 +70,10 @@ def test_assembled_pieces_keep_per_element_counts_and_missing_pieces_count_zero(
     np.testing.assert_allclose(full.mean("unbiased"), [1, 1, 1, 1, 2, 2, 2, 0, 0, 0])
     assert full.contributors == 2 and full.samples == 6 and full.loss_sum == 3.0
     assert _assemble({(0, 5): None}, 0, 5).contributors == 0
+
+
+def test_more_pieces_than_the_tag_step_field_holds_is_a_clear_error():
+    world = World(workers=range(4), n_elems=1_000_000, shards=((0, 1_000_000),))
+    with pytest.raises(ValueError, match="use at most 2048 chunks"):
+        create("rat", world, chunks=4000).plan(0)
+    create("rat", world, chunks=2048).plan(0)  # one level: 2048 x 2 steps fit

@@ -99,6 +99,11 @@ def _pattern(size: int, start: int = 0):
     return np.arange(start // 8, start // 8 + n8, dtype=np.uint64).view(np.uint8)[:size]
 
 
+#: seconds the LTP receiver allows the sender's process to start, on top of --timeout
+SENDER_STARTUP_S = 30.0
+#: bytes per second the sender fills its message at before sending (the receiver's wait scales with --size)
+PATTERN_FILL_BPS = 100e6
+
 # ---------------------------------------------------------------------------- LTP roles
 def _ltp_receiver(args) -> int:
     import numpy as np
@@ -112,10 +117,13 @@ def _ltp_receiver(args) -> int:
         buf.fill(0)  # fault the pages in before the clock starts
         base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print("READY", flush=True)
+        # the sender's --timeout counts from its send(); the receiver also waits out the sender's start-up
+        # (a process, and a message of --size to fill) before the first registration arrives
+        wait = args.timeout + SENDER_STARTUP_S + args.size / PATTERN_FILL_BPS
         for w in range(args.warmup):  # same path, earlier messages: the link is measured
-            await ep.recv(buf, tag=w, timeout=args.timeout)
+            await ep.recv(buf, tag=w, timeout=wait)
         cpu0 = _cpu_s()
-        rep = await ep.recv(buf, tag=args.warmup, timeout=args.timeout)
+        rep = await ep.recv(buf, tag=args.warmup, timeout=wait)
         cpu = _cpu_s() - cpu0
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         ok = None
@@ -171,7 +179,24 @@ def _read_json(p: subprocess.Popen, timeout: float) -> dict:
         line = line.strip()
         if line.startswith("{"):
             return json.loads(line)
-    raise RuntimeError(f"no result from {p.args}: exit {p.returncode}\n{err[-2000:]}")
+    raise RuntimeError(f"exit {p.returncode}: {_last_line(err)}")
+
+
+def _last_line(text: str | None) -> str:
+    """The last non-empty line of a process's stderr (a traceback's exception line), or a placeholder."""
+    lines = [x.strip() for x in (text or "").splitlines() if x.strip()]
+    return lines[-1] if lines else "(nothing on stderr)"
+
+
+def _outcome(p: subprocess.Popen, timeout: float) -> str:
+    """What became of a helper process: its result line or its last stderr line."""
+    try:
+        return json.dumps(_read_json(p, timeout))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return f"still running after {timeout:g} s (killed)"
+    except RuntimeError as exc:
+        return str(exc)
 
 
 def _wait_ready(p: subprocess.Popen, timeout: float) -> None:
@@ -226,8 +251,14 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             _wait_ready(rp, 60)
             sp = popen(snd, [py, "-m", "ltp_tools.bench", "_ltp_send", "--host", host, "--port", str(port), *common],
                        **kw)
-            s = _read_json(sp, timeout + 30)
-            r = _read_json(rp, 60)
+            try:
+                s = _read_json(sp, timeout + 30)
+            except RuntimeError as exc:  # name both ends' own last words, not a wall of traceback
+                raise RuntimeError(f"the LTP sender failed ({exc}); the receiver: {_outcome(rp, 10)}") from None
+            try:
+                r = _read_json(rp, 60)
+            except RuntimeError as exc:
+                raise RuntimeError(f"the LTP receiver failed ({exc}); the sender reported {json.dumps(s)}") from None
             delivered = s["delivered_bytes"]
             result = dict(transport="ltp", mode=mode, **{k: s[k] for k in (
                 "duration_s", "retransmitted_packets", "packets_sent", "sender_cpu_s", "close_reason",

@@ -60,7 +60,7 @@ from .base import Schedule, World
 from .fluid import Flow
 from .program import (APPLY_AT_SERVER, RELIABLE, SLOT_ACC, SLOT_GRAD, SLOT_PARAMS, TOLERANT, Apply, Combine, Compute,
                       Forward, Program, Recv, RoundPlan, Send, server)
-from .tags import PHASE_PULL, PHASE_PUSH, pack
+from .tags import MAX_STEP, PHASE_PULL, PHASE_PUSH, pack
 
 __all__ = [
     "RatTree", "build_tree", "rat_trees", "regions_of", "slice_sizes", "rat_flows", "cross_region_bytes",
@@ -411,6 +411,10 @@ class RatSchedule(Schedule):
                 kids.setdefault(p, []).append((c, e))
             pslot = params_slot(k)
             n_pieces = max(1, min(self.chunks, hi - lo))
+            if n_pieces * (L + 1) > MAX_STEP + 1:
+                raise ValueError(f"rat: {n_pieces} pieces per slice on trees of {L} levels need "
+                                 f"{n_pieces * (L + 1)} tag steps, more than {MAX_STEP + 1}; use at most "
+                                 f"{(MAX_STEP + 1) // (L + 1)} chunks")
             bounds = [lo + (hi - lo) * j // n_pieces for j in range(n_pieces + 1)]
             pieces = list(zip(bounds[:-1], bounds[1:]))
             for c, p, e in t.edges():
