@@ -45,7 +45,7 @@ Failures: a transfer that does not finish within the group's timeout (the
 ``timeout=`` of ``init_process_group``) fails the collective with
 :class:`LtpBackendError` (a ``torch.distributed.DistBackendError``) naming
 this rank, the collective, its sequence number, the step, the peer and the
-transport's own error.  A rank whose collective fails tells the other ranks
+transport's own error.  A rank whose collective fails before its deadline tells the other ranks
 (*abort notices*, a fixed-size reliable message on tag ``ABORT_TAG`` carrying
 the sequence number and the reason; sent concurrently, each bounded by
 ``ABORT_NOTICE_TIMEOUT_S``).  Every rank keeps one receive posted for them
@@ -98,6 +98,8 @@ ABORT_TAG = 1 << 62
 ABORT_NOTICE_BYTES = 512
 #: seconds a failed rank spends telling the others (all notices at once; a dead peer does not hold it longer)
 ABORT_NOTICE_TIMEOUT_S = 2.0
+#: a collective that fails with less than this left before its deadline timed out: no notice is sent (seconds)
+ABORT_NOTICE_MIN_LEFT_S = 0.25
 #: notices kept for collectives this rank has not reached (oldest dropped first)
 ABORT_NOTICES_KEPT = 1024
 ENV_TRANSPORT = "LTP_BACKEND_TRANSPORT"
@@ -448,7 +450,10 @@ class LtpProcessGroup(dist.ProcessGroup):
             raise self._notice_error(name, seq, *told.result())
         exc = body.exception()
         if exc is not None:
-            await self._tell_abort(seq, f"{name} #{seq} failed on rank {self._rank}: {type(exc).__name__}: {exc}")
+            # a failure at the deadline is a timeout: every rank waiting on this one meets its own deadline with its
+            # own cause (which names the rank it waited for), so only an earlier failure is worth telling
+            if time.monotonic() < deadline - ABORT_NOTICE_MIN_LEFT_S:
+                await self._tell_abort(seq, f"{name} #{seq} failed on rank {self._rank}: {type(exc).__name__}: {exc}")
             raise exc
 
     def _notice_error(self, name: str, seq: int, rank: int, reason: str) -> "LtpBackendError":
