@@ -179,13 +179,13 @@ def _read_json(p: subprocess.Popen, timeout: float) -> dict:
         line = line.strip()
         if line.startswith("{"):
             return json.loads(line)
-    raise RuntimeError(f"exit {p.returncode}: {_last_line(err)}")
+    raise RuntimeError(f"exit {p.returncode}: {last_line(err) or '(nothing on stderr)'}")
 
 
-def _last_line(text: str | None) -> str:
-    """The last non-empty line of a process's stderr (a traceback's exception line), or a placeholder."""
+def last_line(text: str | None) -> str:
+    """The last non-empty line of a process's output (a traceback's exception line: the error it printed), or ''."""
     lines = [x.strip() for x in (text or "").splitlines() if x.strip()]
-    return lines[-1] if lines else "(nothing on stderr)"
+    return lines[-1] if lines else ""
 
 
 def _outcome(p: subprocess.Popen, timeout: float) -> str:

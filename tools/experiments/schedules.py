@@ -431,12 +431,13 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
 
 def _last_line(path: str) -> str:
     """The last non-empty line of a log (the error a failed process printed), or ''."""
+    from ltp_tools.bench import last_line
+
     try:
         with open(path, errors="replace") as f:
-            lines = [x.strip() for x in f.read()[-4000:].splitlines() if x.strip()]
+            return last_line(f.read()[-4000:])[:300]
     except OSError:
         return ""
-    return lines[-1][:300] if lines else ""
 
 
 def _summarise_job(schedule: str, job: dict, rounds: int) -> dict:

@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from ltp_ext._udpio_py import SOL_UDP, UDP_GRO, UDP_SEGMENT  # the socket options LTP's own I/O sets
+
 
 def _checksum(b: bytes) -> int:
     if len(b) % 2:
@@ -68,14 +70,11 @@ def _ping_main(dst: str, count: int, interval_s: float, size: int, timeout_s: fl
     return dict(sent=count, received=len(rtts), rtts_s=rtts)
 
 
-UDP_SEGMENT = 103  # SOL_UDP option (linux/udp.h): one send of several datagrams (GSO)
-
-
 def _blast_main(dst: str, port: int, count: int, size: int, rate_pps: float, burst: int = 1) -> dict:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
     if burst > 1:  # whole bursts of `burst` datagrams per send, segmented by the kernel on the way out
-        sock.setsockopt(socket.IPPROTO_UDP, UDP_SEGMENT, size)
+        sock.setsockopt(SOL_UDP, UDP_SEGMENT, size)
         sent, t0 = 0, time.monotonic()
         while sent < count:
             n = min(burst, count - sent)
@@ -105,7 +104,6 @@ def _blast_main(dst: str, port: int, count: int, size: int, rate_pps: float, bur
 
 
 SO_RCVBUFFORCE = 33  # SOL_SOCKET option (asm-generic/socket.h): SO_RCVBUF past rmem_max, for root
-UDP_GRO = 104  # SOL_UDP option (linux/udp.h): coalesced receive, segment size in a control message
 
 
 def _sink_main(port: int, idle_s: float, gro: bool) -> dict:
@@ -115,7 +113,7 @@ def _sink_main(port: int, idle_s: float, gro: bool) -> dict:
     except OSError:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
     if gro:
-        sock.setsockopt(socket.IPPROTO_UDP, UDP_GRO, 1)
+        sock.setsockopt(SOL_UDP, UDP_GRO, 1)
     sock.bind(("0.0.0.0", port))
     print(json.dumps(dict(ready=True)), flush=True)
     calls = datagrams = nbytes = coalesced_calls = 0
@@ -127,7 +125,7 @@ def _sink_main(port: int, idle_s: float, gro: bool) -> dict:
             break
         sock.settimeout(idle_s)
         seg = next((struct.unpack("=i", d[:4])[0] for lvl, typ, d in anc
-                    if lvl == socket.IPPROTO_UDP and typ == UDP_GRO), 0)
+                    if lvl == SOL_UDP and typ == UDP_GRO), 0)
         calls += 1
         nbytes += len(data)
         n = -(-len(data) // seg) if seg else 1
