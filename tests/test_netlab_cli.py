@@ -1,6 +1,9 @@
 """ltp-lab CLI: check, up/list/exec/down, clean, and the subcommand registry."""
+import os
 import secrets
+import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -76,6 +79,58 @@ def test_clean_removes_leftovers(capsys):
     assert list_netns(prefix) == []
     assert cli.main(["clean", "--prefix", prefix]) == 0
     assert "nothing left" in capsys.readouterr().out
+
+
+_OWNER = """
+import sys, time
+from ltp_tools.netlab import Lab
+with Lab(n_hosts=1, prefix=sys.argv[1]):
+    print("up", flush=True)
+    time.sleep(60)
+"""
+
+
+def _start_owner(prefix):
+    p = subprocess.Popen([sys.executable, "-c", _OWNER, prefix], stdout=subprocess.PIPE, text=True,
+                         env=dict(os.environ), start_new_session=True)
+    assert p.stdout.readline().strip() == "up"
+    return p
+
+
+def test_clean_keeps_a_lab_that_a_live_process_runs_and_force_removes_it(capsys, state_dir):
+    """`ltp-lab clean` once deleted the namespaces of every running benchmark on the machine."""
+    prefix = f"ltplabo-{secrets.token_hex(3)}"
+    leftover = f"{prefix}x-sw"  # a crashed run's namespace: no live owner, same clean prefix
+    subprocess.run(["ip", "netns", "add", leftover], check=True)
+    p = _start_owner(prefix)
+    try:
+        assert (state_dir / "owners" / prefix).exists()
+        assert cli.main(["clean", "--prefix", "ltplabo-"]) == 0
+        out = capsys.readouterr().out
+        assert f"kept lab {prefix}: process {p.pid}" in out and f"removed namespace {leftover}" in out
+        assert list_netns(prefix + "-") == [f"{prefix}-h0", f"{prefix}-sw"] and leftover not in list_netns(prefix)
+        assert cli.main(["clean", "--prefix", prefix, "--force"]) == 0
+        assert f"removed namespace {prefix}-sw" in capsys.readouterr().out
+        assert list_netns(prefix + "-") == [] and not (state_dir / "owners" / prefix).exists()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+        cli.main(["clean", "--prefix", prefix, "--force"])
+
+
+def test_an_owner_that_died_does_not_protect_its_lab(capsys, state_dir):
+    prefix = f"ltplabo-{secrets.token_hex(3)}"
+    p = _start_owner(prefix)
+    os.killpg(p.pid, signal.SIGKILL)  # no chance to close its lab: a crash
+    p.wait(timeout=10)
+    try:
+        assert len(list_netns(prefix + "-")) == 2
+        assert cli.main(["clean", "--prefix", prefix]) == 0
+        assert "kept lab" not in capsys.readouterr().out
+        assert list_netns(prefix + "-") == [] and not (state_dir / "owners" / prefix).exists()
+    finally:
+        cli.main(["clean", "--prefix", prefix, "--force"])
 
 
 def test_registry_adds_subcommands(capsys):

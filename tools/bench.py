@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import resource
 import subprocess
@@ -56,7 +57,14 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]i?)?b?\s*", str(text).lower())
     if not m:
         raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 98M, 1G, 512Mi")
-    n = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    try:
+        exact = float(m.group(1)) * _UNITS[m.group(2) or ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 98M, 1G, 512Mi") from None
+    n = round(exact)
+    if abs(exact - n) > 1e-6 * max(1.0, exact):
+        raise argparse.ArgumentTypeError(f"size {text!r} is {exact:g} bytes, not a whole number; "
+                                         f"give whole bytes (e.g. {math.floor(exact)} or {math.ceil(exact)})")
     if n < 1:
         raise argparse.ArgumentTypeError(f"size {text!r} is empty; a transfer needs at least 1 byte (e.g. 200M)")
     return n

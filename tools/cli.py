@@ -53,7 +53,9 @@ def register_module(module_or_registrar) -> None:
 
 
 def state_dir() -> str:
-    return os.environ.get("LTP_LAB_STATE", "/run/ltp-lab")
+    from ltp_tools.netlab.support import state_dir as lab_state_dir
+
+    return lab_state_dir()
 
 
 def _state_path(name: str) -> str:
@@ -163,10 +165,14 @@ def cmd_down(args) -> int:
 
 def cmd_clean(args) -> int:
     from ltp_tools.netlab import clean
+    from ltp_tools.netlab.support import in_use
 
-    removed = clean(args.prefix)
+    busy = {} if args.force else in_use(args.prefix)
+    removed = clean(args.prefix, force=args.force)
     for n in removed:
         print(f"removed namespace {n}")
+    for lab, pid in sorted(busy.items()):
+        print(f"kept lab {lab}: process {pid} is running it (--force removes it anyway)")
     d = state_dir()
     if os.path.isdir(d):
         for f in os.listdir(d):
@@ -179,7 +185,7 @@ def cmd_clean(args) -> int:
                 if prefix.startswith(args.prefix) or not prefix:
                     os.unlink(os.path.join(d, f))
                     print(f"removed state {f}")
-    if not removed:
+    if not removed and not busy:
         print(f"nothing left with prefix {args.prefix!r}")
     return 0
 
@@ -227,8 +233,10 @@ def register(subparsers) -> None:
     p.add_argument("name")
     p.set_defaults(func=cmd_down)
 
-    p = subparsers.add_parser("clean", help="remove every namespace (and state) with the prefix")
+    p = subparsers.add_parser("clean", help="remove every namespace (and state) with the prefix, "
+                                             "except labs a live process is running")
     p.add_argument("--prefix", default=DEFAULT_PREFIX)
+    p.add_argument("--force", action="store_true", help="also remove labs that a live process is running")
     p.set_defaults(func=cmd_clean)
 
     p = subparsers.add_parser("dissect", help="print one line per LTP packet of a pcap")

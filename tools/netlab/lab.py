@@ -180,6 +180,7 @@ class Lab:
                                f"remove them with `ltp-lab clean --prefix {self.prefix}`")
         self._open = True
         if not self.persistent:
+            support.claim(self.prefix)  # `ltp-lab clean` leaves a lab alone while this process runs it
             atexit.register(self.close)
             if threading.current_thread() is threading.main_thread():
                 self._old_sigterm = signal.getsignal(signal.SIGTERM)
@@ -211,6 +212,8 @@ class Lab:
             support.kill_netns_pids(name)
             support.netns_del(name)
         self._created.clear()
+        if not self.persistent:
+            support.release(self.prefix)
         if self._old_sigterm is not None:
             try:
                 signal.signal(signal.SIGTERM, self._old_sigterm)

@@ -11,7 +11,10 @@ Theory of operation
     :func:`probe` builds a scratch namespace once and reports every capability, including
     whether netem exists (tried on a scratch veth: there is no dummy link type on some kernels).
     :func:`clean` deletes every namespace whose name starts with a prefix, after killing the
-    processes inside it, so a crashed run never leaves anything behind.
+    processes inside it, so a crashed run never leaves anything behind. A lab that a live process
+    still runs is not a leftover: :func:`claim` records the owner (pid and start time, so a reused
+    pid does not count) under :func:`state_dir`, and :func:`clean` keeps that lab's namespaces
+    unless told ``force=True``.
 """
 from __future__ import annotations
 
@@ -252,17 +255,84 @@ def _alive(pid: int) -> bool:
             return f.read().split(b") ", 1)[1][:1] != b"Z"
 
 
-def clean(prefix: str = DEFAULT_PREFIX) -> list[str]:
+def state_dir() -> str:
+    """Where the lab keeps what outlives a call: ``ltp-lab up``'s lab descriptions and the owners of running labs
+    (``$LTP_LAB_STATE``, default ``/run/ltp-lab``)."""
+    return os.environ.get("LTP_LAB_STATE", "/run/ltp-lab")
+
+
+def _owner_path(lab_prefix: str) -> str:
+    return os.path.join(state_dir(), "owners", lab_prefix)
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (``/proc/PID/stat`` field 22), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b") ", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def claim(lab_prefix: str) -> None:
+    """Record this process as the owner of the lab whose namespaces are ``<lab_prefix>-*``."""
+    path = _owner_path(lab_prefix)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+
+
+def release(lab_prefix: str) -> None:
+    """Forget the owner of ``lab_prefix`` (the lab is gone). Idempotent."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_owner_path(lab_prefix))
+
+
+def owner(lab_prefix: str) -> int | None:
+    """The pid of the live process that runs the lab ``lab_prefix``, or None (no owner recorded, or it died)."""
+    try:
+        with open(_owner_path(lab_prefix)) as f:
+            pid_text, started = f.read().split()
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return None
+    return pid if _start_time(pid) == started else None
+
+
+def lab_of(netns: str) -> str:
+    """The lab prefix of one of its namespaces: ``ltplab-ab12cd-h3`` -> ``ltplab-ab12cd``."""
+    return netns.rsplit("-", 1)[0]
+
+
+def in_use(prefix: str = DEFAULT_PREFIX) -> dict[str, int]:
+    """Labs with namespaces starting with ``prefix`` that a live process other than this one runs: {lab: pid}."""
+    out = {}
+    for name in list_netns(prefix):
+        lab = lab_of(name)
+        pid = owner(lab)
+        if pid is not None and pid != os.getpid():
+            out[lab] = pid
+    return out
+
+
+def clean(prefix: str = DEFAULT_PREFIX, *, force: bool = False) -> list[str]:
     """Kill processes in, then delete, every namespace whose name starts with ``prefix``.
 
     Every lab interface lives inside a lab namespace, so deleting the namespaces removes all
-    links, qdiscs and nft/iptables rules too. Returns the namespaces removed.
+    links, qdiscs and nft/iptables rules too. The namespaces of a lab that another live process
+    runs (:func:`in_use`) are kept unless ``force``. Returns the namespaces removed.
     """
     if not prefix:
         raise ValueError("refusing to clean with an empty prefix (it would match every namespace)")
+    keep = set() if force else set(in_use(prefix))
     removed = []
     for name in list_netns(prefix):
+        if lab_of(name) in keep:
+            continue
         kill_netns_pids(name)
         netns_del(name)
         removed.append(name)
+    for lab in {lab_of(n) for n in removed}:
+        if not list_netns(lab + "-"):
+            release(lab)
     return removed
