@@ -272,6 +272,7 @@ class Engine:
             unfit = self._matcher.unfit_unexpected(slot)
             if unfit is not None:  # as when the message registers after the slot was posted (``_admit``)
                 self._fail_too_small(slot, unfit.total, unfit.peer, now)
+                self._refuse_unexpected(unfit, now)
                 continue
             self._matcher.wait(slot)
         self._check_group(group, now)
@@ -491,6 +492,19 @@ class Engine:
                                           f"{len(slot.dest)}-byte receive buffer; post a buffer as large as the "
                                           "message"))
         self._check_group(slot.group, now)
+
+    def _refuse_unexpected(self, flow: FlowReceiver, now: float) -> None:
+        """The receive for exactly ``flow``'s peer and tag failed because the message does not fit it: the
+        message is refused as it is when it registers after such a receive (``_admit``). Still arriving, its
+        sender hears RESET ``too_large``; complete, its internal buffer goes. Either way its memory is
+        given back now, not when an unclaimed message's TTL ends."""
+        if flow.regime is None:
+            self._admission.refuse(flow.peer, flow.flow_id, flow.token, "too_large")
+            self._close_rx(flow, now, Regime.CANCELLED, send_stop=False)
+        else:
+            self.stats.drop("unfit_message_discarded")
+        self._matcher.abandon_claim(flow)
+        self._free_internal(flow, now)
 
     def _admit(self, pend: PendingRegistration, now: float) -> FlowReceiver | None:
         """The first DATA of a pending registration arrived: allocate the flow (or refuse it)."""

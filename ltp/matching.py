@@ -14,7 +14,9 @@ as flows that registered (REG) and sent their first DATA. The
    posted later (``find_unexpected``); a message larger than a slot's buffer
    never matches it, and a slot for one peer and one tag that finds only such
    messages of that peer and tag fails at once (``unfit_unexpected``), as it
-   does when the message registers after it was posted;
+   does when the message registers after it was posted, and the engine then
+   refuses that message as it refuses a late one (RESET ``too_large`` while it
+   still arrives; its internal buffer goes at once);
 3. a slot bound to an unexpected flow that has closed receives a copy of the
    message and then its report (``claim``); none is needed when the message
    was written into the slot's own memory, as a placement hint asked

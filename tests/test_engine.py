@@ -664,7 +664,27 @@ def test_a_message_too_big_for_its_receive_fails_the_receive_at_once_whichever_c
         h.net.run(until=h.now + 0.05)
         h._drain()
         assert not any(i == 1 and e.handle == wildcard for i, e in h.events)  # still waiting
+        # the refused message's internal buffer went with the failed receive, not at the unclaimed TTL
+        assert rx.receive_memory == 0 and rx.stats.dropped.get("unfit_message_discarded") == 1
     assert isinstance(ev.error, LTPError) and "does not fit" in str(ev.error), ev
+
+
+def test_a_message_still_arriving_that_its_receive_cannot_hold_is_refused_like_one_that_registers_later(harness,
+                                                                                                          floats):
+    """Its sender hears RESET too_large at once (as when the receive was posted first) and the receiver gives
+    the message's memory back, instead of taking the rest of it into an internal buffer no one will claim."""
+    h = harness(seed=78)
+    h.links(rate=GBIT / 100, delay_s=0.0002)
+    a, rx = h.engines
+    data = floats(200_000)
+    send = a.send(h.addrs[1], data, now=h.now, tag=9)
+    h.net.run(until=h.now + 0.01)  # ~12 % of it is in
+    assert rx.receive_memory > 0 and rx.stats.flows_received == 1
+    (ev,) = h.wait([(1, rx.post_receive([(h.addrs[0], 9, np.zeros(10, np.float32))], now=h.now))])
+    assert "does not fit" in str(ev.error)
+    (done,) = h.wait([(0, send)], timeout=1.0)
+    assert isinstance(done.error, TransferRefused) and "too_large" in str(done.error), done
+    assert rx.receive_memory == 0 and rx.stats.refused.get("too_large") == 1
 
 
 def _deliver_unexpected_to(h, data, tag):
