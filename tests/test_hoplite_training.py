@@ -220,7 +220,10 @@ async def test_hoplite_async_half_batch_applies_the_exact_mean_and_trains(n_work
         grads = [seen[(w, versions[u - r["staleness"][w]])] for w in r["members"]]
         np.testing.assert_allclose(g, r["clip_scale"] * np.mean(grads, axis=0), rtol=1e-5, atol=1e-7)
     assert ps.staleness.max <= 2 and ps.staleness.mean > 0
-    assert workload().evaluate(ps.params)["accuracy"] >= 0.7  # 0.89-0.96 measured (6 epochs; chance 0.1)
+    # chance is 0.1. The last iterate of async SGD at lr 0.4 depends on which workers the loop happened to
+    # find ready: 0.81-0.94 in 10 runs (2026-11-28), and 0.633 in 2 of 38 runs on a loaded machine, so the bar
+    # is set where a run that trained clears it every time and one that did not (0.1-0.3) never does.
+    assert workload().evaluate(ps.params)["accuracy"] >= 0.5
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
