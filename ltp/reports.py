@@ -23,6 +23,7 @@ class SendReport:
     #: "complete", "early", "deadline", "cancelled"
     close_reason: str
     rtprop_s: float
+    #: the path's BtlBw estimate in **bytes**/s (the unit on the wire), a growing lower bound while in STARTUP
     btlbw_bps: float
     reliable: bool
     lost_packets: int = 0
@@ -44,7 +45,8 @@ class RecvReport:
     regime: str
     duration_s: float
     duplicates: int
-    #: the sender's estimates as carried in its packet headers
+    #: the sender's estimates as carried in its packet headers (BtlBw in **bytes**/s; 0 = unknown: the
+    #: sender had not left STARTUP)
     rtprop_s: float
     btlbw_bps: float
     #: Early Close thresholds, in seconds from the start of the receive group (its first

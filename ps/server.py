@@ -455,9 +455,9 @@ class ParameterServer:
         for r in greps:
             raw = getattr(r, "raw", None)
             self.deadline.observe_rtprop(float(getattr(raw, "rtprop_s", 0.0) or 0.0))
-            btlbw += float(getattr(raw, "btlbw_bps", 0.0) or 0.0)
+            btlbw += float(getattr(raw, "btlbw_bps", 0.0) or 0.0)  # bytes/s, as on LTP's wire (docs/protocol.md)
         if btlbw > 0:
-            self.deadline.observe_rate(btlbw / 8)
+            self.deadline.observe_rate(btlbw)
         if greps and all(r.regime not in (TIMEOUT, CANCELLED) for r in greps):
             self.deadline.observe_transfer(sum(r.received_bytes for r in greps), t_g)
 

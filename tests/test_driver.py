@@ -88,9 +88,20 @@ def _recv(nbytes, dur, raw=None):
     return RecvReport(("h", 1), 0, nbytes, nbytes, 1.0, duration_s=dur, raw=raw)
 
 
+def test_rate_monitor_reads_ltps_btlbw_in_the_unit_ltp_reports_it(harness):
+    """LTP's ``btlbw_bps`` is bytes/s (its wire's unit, docs/protocol.md); the monitor once divided it by 8 as if it
+    were bit/s, so MLfabric's controller and the PS's deadline rule saw every LTP path 8x slower than it was."""
+    h = harness(seed=5)
+    h.links(rate=10e6, delay_s=0.001)  # 10 MB/s
+    data = np.zeros(3_000_000, np.uint8)
+    (done,) = h.wait([(0, h.engines[0].send(h.addrs[1], data, now=h.now, reliable=True))])
+    rate = RateMonitor.sample_rate(SendReport(("h", 1), 0, data.size, data.size, 1.0, raw=done.report))
+    assert rate == pytest.approx(10e6, rel=0.15), rate
+
+
 def test_rate_monitor_uses_btlbw_then_goodput_and_refreshes_every_t_lag():
     m = RateMonitor(1.0, now=0.0)
-    m.observe(_recv(100, 0.001, _Raw(80e6)), src="worker:0", dst="server:0")  # BtlBw: 10 MB/s
+    m.observe(_recv(100, 0.001, _Raw(10e6)), src="worker:0", dst="server:0")  # BtlBw: 10 MB/s (bytes/s, as on the wire)
     m.observe(_recv(100, 1e-6), src="worker:1", dst="server:0")  # too small to say anything
     m.observe(SendReport(("h", 1), 0, 2 * MIN_RATE_SAMPLE_BYTES, 2 * MIN_RATE_SAMPLE_BYTES, 1.0, duration_s=0.01),
               src="server:0", dst="worker:2")
@@ -99,7 +110,7 @@ def test_rate_monitor_uses_btlbw_then_goodput_and_refreshes_every_t_lag():
     assert up["worker:0"] == pytest.approx(10e6) and "worker:1" not in up
     assert down["worker:2"] == pytest.approx(2 * MIN_RATE_SAMPLE_BYTES / 0.01)
     assert m.next_deadline() == pytest.approx(2.0)
-    m.observe(_recv(100, 0.001, _Raw(40e6)), src="worker:0", dst="server:0")  # smoothed
+    m.observe(_recv(100, 0.001, _Raw(5e6)), src="worker:0", dst="server:0")  # smoothed
     assert m.take(2.0)[0]["worker:0"] == pytest.approx(7.5e6)
     with pytest.raises(ValueError):
         RateMonitor(0)
@@ -233,7 +244,7 @@ async def test_timer_fires_at_the_deadline_and_rates_are_refreshed_every_t_lag()
         return None
 
     drv = ControllerDriver(ctrl, exes[server(0)], Slots(), deliver=deliver, t_lag_s=0.1)
-    drv.monitor.observe(_recv(100, 0.001, _Raw(8e6)), src=worker(0), dst=server(0))
+    drv.monitor.observe(_recv(100, 0.001, _Raw(1e6)), src=worker(0), dst=server(0))
     t0 = loop.time()
     drv.start(nodes[1:])
     await asyncio.sleep(0.4)

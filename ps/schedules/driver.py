@@ -167,9 +167,9 @@ class RateMonitor:
     def sample_rate(report) -> float | None:
         """Bytes/s this report says the path carried, or None."""
         raw = getattr(report, "raw", None)
-        btlbw = float(getattr(raw, "btlbw_bps", 0.0) or 0.0)
+        btlbw = float(getattr(raw, "btlbw_bps", 0.0) or 0.0)  # bytes/s, as on LTP's wire (docs/protocol.md)
         if btlbw > 0:
-            return btlbw / 8.0
+            return btlbw
         nbytes = (report.received_bytes if isinstance(report, RecvReport)
                   else report.delivered_bytes if isinstance(report, SendReport) else 0)
         dur = float(getattr(report, "duration_s", 0.0) or 0.0)
