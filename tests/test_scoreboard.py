@@ -12,7 +12,8 @@ def _fake_bench(table):
     def bench(*, transport, size, loss=0.0, rate_bps=None, delay_s=0.0, **kw):
         key = ("wan" if delay_s else "tbf" if rate_bps else "lossy" if loss else "clean", transport)
         gbps, cpu_per_gb = table[key]
-        return dict(transport=transport, goodput_gbps=gbps, machine_cpu_s_per_gb=cpu_per_gb)
+        return dict(transport=transport, goodput_gbps=gbps, machine_cpu_s_per_gb=cpu_per_gb, duration_s=2.0,
+                    sender_cpu_s=1.9)
     return bench
 
 
@@ -73,6 +74,8 @@ def test_verdicts_from_side_by_side_ratios(tmp_path):
     assert v["LTP goodput, 1 Gbit/s tbf, 1% loss (Gbit/s)"] is True
     assert v["LTP goodput, 1 Gbit/s + 10 ms, 1% loss (Gbit/s)"] is False
     assert v["LTP/cubic goodput, WAN 1% loss"] is True        # 80x
+    detail = {c["check"]: c["detail"] for c in res["checks"]}
+    assert detail["LTP goodput, 1 Gbit/s + 10 ms, 1% loss (Gbit/s)"] == "LTP sender CPU 95% of the transfer"
     assert v["LTP slowest / line-rate bound, 0.1%"] is True
     assert v["LTP/bbr slowest, 1.0%"] is True                 # 1.05/2.0
     assert v["LTP/cubic time to 0.3 accuracy, 1% loss"] is True  # 10 s / 20 s
