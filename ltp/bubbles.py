@@ -50,9 +50,12 @@ def critical_mask(byte_ranges, total: int, segment_size: int) -> tuple:
         return mask, []
     for rng in byte_ranges:
         try:
-            start, end = (int(x) for x in rng)
-        except (TypeError, ValueError):
+            raw_start, raw_end = rng
+            start, end = int(raw_start), int(raw_end)
+        except (TypeError, ValueError, OverflowError):
             raise LocalProtocolError("critical ranges must be (start, end) byte pairs") from None
+        if start != raw_start or end != raw_end:  # int() would truncate: (0.5, 10) is not a byte range
+            raise LocalProtocolError(f"critical range {tuple(rng)!r} is not whole bytes; pass integer offsets")
         if not 0 <= start < end <= total:
             raise LocalProtocolError(
                 f"critical range ({start}, {end}) is outside the {total}-byte buffer; use 0 <= start < end <= len")

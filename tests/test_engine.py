@@ -340,6 +340,12 @@ def test_api_misuse_raises_clear_errors():
         eng.send(peer, b"abcdef", now=0.0, element_size=4)
     with pytest.raises(LocalProtocolError, match="outside"):
         eng.send(peer, bytes(16), now=0.0, critical=[(8, 32)])
+    with pytest.raises(LocalProtocolError, match="whole bytes"):  # was truncated to (0, 10) and sent
+        eng.send(peer, bytes(16), now=0.0, critical=[(0.5, 10)])
+    for bad in ([(1, 2, 3)], [(float("nan"), 4)], [("a", 4)], [5]):
+        with pytest.raises(LocalProtocolError, match="byte pairs"):
+            eng.send(peer, bytes(16), now=0.0, critical=bad)
+    assert eng.send(peer, bytes(16), now=0.0, critical=[(np.int64(0), 8.0)])  # integral values of any type are fine
     with pytest.raises(LocalProtocolError, match="empty"):
         eng.send(peer, b"", now=0.0)
     with pytest.raises(LocalProtocolError, match="read-only"):
