@@ -76,6 +76,15 @@ _SO_SNDBUFFORCE = 32 if sys.platform.startswith("linux") else None
 _SO_RCVBUFFORCE = 33 if sys.platform.startswith("linux") else None
 
 
+def _v4_mapped(host: str) -> bool:
+    """Whether ``host`` is an IPv4-mapped IPv6 address (``::ffff:a.b.c.d``)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.version == 6 and ip.ipv4_mapped is not None
+
+
 def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -340,13 +349,23 @@ class Endpoint:
             if ip.version == 6 and not six:
                 raise LocalProtocolError(f"peer {host!r} is IPv6 but this endpoint is bound to IPv4 "
                                          f"{self._local_addr}; open the endpoint on '::' to reach IPv6 peers")
-            resolved = (f"::ffff:{ip}", port) if ip.version == 4 and six else (str(ip), port)
+            if ip.version == 4 and six and not self._wildcard and not _v4_mapped(self._local_addr[0]):
+                raise LocalProtocolError(f"peer {host!r} is IPv4 but this endpoint is bound to the IPv6 address "
+                                         f"{self._local_addr[0]!r}; open it on '::' (both families) or on an IPv4 "
+                                         "address")
+            if ip.version == 4 and six:
+                resolved = (f"::ffff:{ip}", port)
+            elif ip.version == 6 and ip.ipv4_mapped is not None:  # the kernel writes these dotted: so must we
+                resolved = (f"::ffff:{ip.ipv4_mapped}", port)
+            else:
+                resolved = (str(ip), port)
             if len(self._literal_peers) >= LITERAL_PEER_CACHE:
                 self._literal_peers.clear()
             self._literal_peers[(host, port)] = resolved
             return resolved
         try:
-            infos = await self._loop.getaddrinfo(host, port, family=self._family, type=socket.SOCK_DGRAM)
+            infos = await self._loop.getaddrinfo(host, port, family=self._family, type=socket.SOCK_DGRAM,
+                                                 flags=socket.AI_V4MAPPED if six else 0)  # an IPv4-only name too
         except socket.gaierror as exc:
             raise LocalProtocolError(f"cannot resolve peer host {host!r}: {exc.strerror}; "
                                      "check the name or pass an IP address") from None

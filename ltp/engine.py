@@ -143,6 +143,18 @@ def _writable_view(buf) -> memoryview:
     return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
 
 
+MAX_TAG = (1 << 64) - 1  # tags travel as an unsigned 64-bit field of the REG (docs/protocol.md)
+
+
+def _check_tag(tag, what: str, *, wildcard: bool = False) -> None:
+    """Refuse a tag that cannot travel: an int in [0, 2**64) (``None`` too where ``wildcard``)."""
+    if wildcard and tag is None:
+        return
+    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= MAX_TAG:
+        kind = "an int in [0, 2**64)" + (" or None (any tag)" if wildcard else "")
+        raise LocalProtocolError(f"tag={tag!r}: {what} needs {kind}")
+
+
 class Engine:
     """All LTP state of one endpoint (sans-IO)."""
 
@@ -195,6 +207,7 @@ class Engine:
         ``element_size`` (bytes; no element is split between packets) defaults to
         the item size of ``data``'s buffer: 8 for float64, 4 for float32, 1 for bytes."""
         self._check_open()
+        _check_tag(tag, "send()")
         peer = self._norm_addr(peer)
         if element_size is None:
             try:
@@ -223,13 +236,14 @@ class Engine:
         flow = FlowSender(handle=handle, peer=peer, flow_id=fid, token=token, data=data,
                           element_size=element_size, segment_size=seg, reliable=reliable, critical=critical,
                           tag=tag, now=now, job_key=self.config.job_key, source=source)
+        reg = flow.reg_datagram(now, path.est_word(), path.base_pto(), self._wall_us(now))  # before it is known
         if not path.flows:
             path.begin_busy(now)
         path.flows.append(flow)
         self._tx[(peer, fid)] = flow
         self._tx_by_handle[handle] = flow
         self.stats.flows_sent += 1
-        self._ctrl.append((flow.reg_datagram(now, path.est_word(), path.base_pto(), self._wall_us(now)), peer))
+        self._ctrl.append((reg, peer))
         return handle
 
     def set_source(self, peer, addr) -> None:
@@ -257,6 +271,8 @@ class Engine:
             raise LocalProtocolError(f"timeout={timeout!r}: pass None (wait for Early Close) or seconds >= 0")
         handle = self._new_handle()
         group = RecvGroup(handle, now, None if timeout is None else now + timeout)
+        for peer, tag, _ in slots:
+            _check_tag(tag, "a receive", wildcard=True)
         for i, (peer, tag, buf) in enumerate(slots):
             dest = _writable_view(buf)
             if len(dest) == 0:
@@ -287,8 +303,7 @@ class Engine:
         the receive drops an unused one. An unclaimed message that an earlier hint placed in ``buf`` is
         cancelled (its sender hears STOP): the buffer now waits for this one."""
         self._check_open()
-        if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
-            raise LocalProtocolError(f"tag={tag!r}: expect() needs the message's tag, an int >= 0")
+        _check_tag(tag, "expect()")
         dest = _writable_view(buf)
         if len(dest) == 0:
             raise LocalProtocolError("expect() buffer is empty; size it to the expected message")

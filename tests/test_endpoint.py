@@ -278,6 +278,43 @@ def test_ip_literal_peers_are_checked_once_and_the_memory_of_them_is_bounded(mon
     ltp.run(main())
 
 
+def _has_ipv6_loopback() -> bool:
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
+@pytest.mark.parametrize("spelling", ["127.0.0.1", "::ffff:127.0.0.1", "::FFFF:127.0.0.1", "::ffff:7f00:1"])
+def test_a_dual_stack_endpoint_reaches_an_ipv4_peer_however_its_address_is_written(spelling):
+    """'::ffff:7f00:1' was kept as written while the kernel reports the peer as '::ffff:127.0.0.1': every ACK
+    then came from an unknown flow and the send timed out."""
+    async def main():
+        async with await ltp.open_endpoint(("::", 0)) as a, await ltp.open_endpoint(("127.0.0.1", 0)) as b:
+            data = np.arange(50_000, dtype=np.float32)
+            out = np.zeros_like(data)
+            port = b.local_addr[1]
+            rep, got = await asyncio.gather(a.send((spelling, port), data, reliable=True, timeout=10),
+                                            b.recv(out, tag=0, timeout=10))
+            assert rep.delivered_fraction == 1.0 and np.array_equal(out, data)
+
+    ltp.run(main())
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_an_endpoint_bound_to_one_ipv6_address_refuses_an_ipv4_peer_naming_the_fix():
+    async def main():
+        async with await ltp.open_endpoint(("::1", 0)) as a:
+            with pytest.raises(LocalProtocolError, match="'::'"):
+                await a.send(("127.0.0.1", 9), b"x" * 8)
+
+    ltp.run(main())
+
+
 class _SteppedClock:
     """``time`` as ``ltp.endpoint`` sees it, with the wall clock stepped ``step`` seconds (NTP)."""
 

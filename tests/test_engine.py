@@ -346,6 +346,17 @@ def test_api_misuse_raises_clear_errors():
         with pytest.raises(LocalProtocolError, match="byte pairs"):
             eng.send(peer, bytes(16), now=0.0, critical=bad)
     assert eng.send(peer, bytes(16), now=0.0, critical=[(np.int64(0), 8.0)])  # integral values of any type are fine
+    # a float tag once raised struct.error from the REG's packing and left a half-made flow whose timer kept failing
+    flows = len(eng._tx)
+    for bad in (1.5, -1, 1 << 64, "x", True, None):
+        with pytest.raises(LocalProtocolError, match="tag="):
+            eng.send(peer, bytes(16), now=0.0, tag=bad)
+        with pytest.raises(LocalProtocolError, match="tag="):
+            eng.expect(peer, bad, bytearray(4), now=0.0)
+        if bad is not None:  # None is a receive's wildcard
+            with pytest.raises(LocalProtocolError, match="tag="):
+                eng.post_receive([(peer, bad, bytearray(4))], now=0.0)
+    assert len(eng._tx) == flows and not eng._matcher.groups
     with pytest.raises(LocalProtocolError, match="empty"):
         eng.send(peer, b"", now=0.0)
     with pytest.raises(LocalProtocolError, match="read-only"):
