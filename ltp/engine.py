@@ -381,9 +381,7 @@ class Engine:
         mv = buf if isinstance(buf, memoryview) else memoryview(buf)
         self.stats.datagrams_in += stop - start
         self.stats.bytes_in += int(_add_reduce(lengths[start:stop]))
-        path = self._paths.get(addr)
-        if path is not None:
-            path.last_heard = now
+        heard = False  # a datagram in the batch carried one of our flows' tokens: the peer is alive
         i = start
         while i < stop:
             o = int(offsets[i])
@@ -406,6 +404,7 @@ class Engine:
                         if nbad:
                             self.stats.drop("bad_seq_or_length", nbad)
                         self._after_ingest(flow, now)
+                        heard = True
                         i = j
                         continue
             at = now
@@ -414,21 +413,28 @@ class Engine:
                 if t >= 0:
                     at = min(now, t - times_offset if times_offset is not None else t)
             try:
-                self._receive_one(mv[o:o + length], addr, at)
+                heard |= self._receive_one(mv[o:o + length], addr, at)
             except WireError as exc:
                 self.stats.drop(exc.reason)
             i += 1
+        if heard:  # never for junk or a forged source without a token: neither may keep a dead peer alive
+            path = self._paths.get(addr)
+            if path is not None:
+                path.last_heard = now
 
-    def _receive_one(self, data: memoryview, addr, now: float) -> None:
+    def _receive_one(self, data: memoryview, addr, now: float) -> bool:
+        """Process one datagram off the DATA fast path; True when it carried the token of one of our flows
+        (the dead-peer rule counts only those as hearing from the peer)."""
         ptype, flags, fid, token, w2, w3 = wire.unpack_header(data)
         key = (addr, fid)
         if ptype == wire.T_DATA:
             flow = self._rx.get(key)
             if flow is None or flow.token != token:
                 self._admission.on_unknown_data(key, token, now, open_flow=key in self._rx)
-                return
+                return False
             # reaching here means the kernel refused it (bad flags are caught above)
             self.stats.drop("bad_data")
+            return True
         elif ptype == wire.T_REG:
             too_small = self._admission.on_reg(data, addr, flags, fid, token, w3, now, now + self.wall_offset,
                                                existing=self._rx.get(key), find_slot=self._matcher.waiting_slot,
@@ -436,11 +442,12 @@ class Engine:
                                                attempt=w2)
             if too_small is not None:
                 self._fail_too_small(*too_small, addr, now)
+            return False  # a REG proves only that someone can write the peer's address
         elif ptype == wire.T_ACK:
             flow = self._tx.get(key)
             if flow is None or flow.token != token:
                 self.stats.drop("unknown_flow" if flow is None else "bad_token")
-                return
+                return False
             entries = wire.unpack_ack_entries(data, w3, 0, flags)
             grant = wire.ack_grant(data, flags)  # 0: none; a malformed one raises bad_grant
             flow.on_heard(now)
@@ -454,11 +461,12 @@ class Engine:
             if flow.all_acked():
                 flow.finish(now, CloseReason.ACKED)
                 self._end_send(flow, now)
+            return True
         elif ptype == wire.T_STOP:
             flow = self._tx.get(key)
             if flow is None or flow.token != token:
                 self.stats.drop("unknown_flow" if flow is None else "bad_token")
-                return
+                return False
             if len(data) != wire.HEADER_SIZE:
                 raise WireError("bad_length", "STOP")
             reason = wire.STOP_REASONS.get(w3 >> 24)
@@ -467,6 +475,7 @@ class Engine:
             flow.on_heard(now)
             flow.finish(now, reason, w2)
             self._end_send(flow, now)
+            return True
         elif ptype == wire.T_RESET:
             reason = wire.RESET_REASONS.get(w2, "unknown")
             flow = self._tx.get(key)
@@ -474,26 +483,27 @@ class Engine:
                 if reason == "unregistered" and flow.state == OPEN and \
                         flow.reregister(now, 2 * self._paths[addr].base_pto()):
                     self.stats.reregistrations += 1
-                    return
+                    return True
                 if reason == "stale" and flow.state == OPEN:
                     if not flow.answers_latest_reg(w3):
                         self.stats.drop("stale_old_copy")  # a newer, fresher copy is on its way or admitted
-                        return
+                        return True
                     if flow.retry_stale(now):
                         self.stats.stale_retries += 1
-                        return
+                        return True
                 flow.fail(now, TransferRefused(reason))
                 self._end_send(flow, now)
-                return
+                return True
             rflow = self._rx.get(key)
             if rflow is not None and rflow.token == token:
                 self._close_rx(rflow, now, Regime.CANCELLED, send_stop=False)
-                return
+                return True
             pend = self._pending.get(key)
             if pend is not None and pend.token == token:
                 self._admission.drop_pending(pend)
-                return
+                return True
             self.stats.drop("unknown_flow")
+        return False
 
     # ------------------------------------------------------------------ registration and matching
     def _srtt_of(self, addr) -> float | None:

@@ -139,7 +139,7 @@ class Path:
         self._out = bytearray(0)
         self.budget_left = False  # the last poll's flow ran out of segments before the window and pacer did
         self.wake: float | None = None  # when the pacer next allows a worthwhile burst
-        self.last_heard = float("-inf")  # last datagram of any kind from this peer (dead-peer rule)
+        self.last_heard = float("-inf")  # last datagram from this peer that carried one of our flows' tokens (dead-peer rule)
         self.grant: float | None = None  # the receiver's rate grant (datagram bytes/s; ltp/link_share.py)
         self.grant_at = float("-inf")  # when it was last renewed
         self._grant_floor: float | None = None  # the smallest grant of the current busy period

@@ -52,6 +52,34 @@ def test_silent_peer_fails_after_the_rtt_tied_limit_and_says_so(harness, floats)
     assert silent == pytest.approx(limit, abs=0.02)
 
 
+@pytest.mark.parametrize("junk", [b"\x00", bytes(16), b"\x01" + bytes(40)], ids=["byte", "zeros", "data_shaped"])
+def test_junk_from_a_dead_peers_address_does_not_keep_it_alive(harness, floats, junk):
+    """Found by a break-it sweep: one byte every 0.2 s from the peer's address (or forged with it) kept a send to
+    a dead peer open past idle_timeout_s, although every such datagram was dropped as malformed. Only a datagram
+    carrying one of our flows' tokens now counts as hearing from the peer."""
+    h = harness(seed=52, config=Config(peer_silence_min_s=0.2))
+    h.links(rate=GBIT, delay_s=0.005)
+    a = h.engines[0]
+    big = floats(2_000_000)
+    hs = a.send(h.addrs[1], big, now=h.now, reliable=True)
+    h.engines[1].post_receive([(h.addrs[0], 0, np.zeros_like(big))], now=h.now)
+    h.net.run(until=h.now + 0.05)
+    h.links(rate=GBIT, delay_s=0.005, loss=1.0, loss_min_size=0)  # the peer vanishes
+    died = h.now
+    limit = a.silence_limit(a._paths[h.addrs[1]])
+    while h.now < died + 3 * limit:
+        a.receive_datagram(junk, h.addrs[1], h.now)  # junk straight in, as from the wire
+        h.net.pump(h.addrs[0])
+        h.net.run(until=h.now + 0.02)
+        h._drain()
+        if any(i == 0 and e.handle == hs for i, e in h.events):
+            break
+    (ev,) = h.wait([(0, hs)], timeout=0.01)
+    assert isinstance(ev.error, TransferTimeout), ev
+    assert h.now - died <= limit + 0.1
+    assert sum(a.stats.dropped.values()) > 0
+
+
 def test_silence_limit_is_floored_and_capped():
     from ltp.engine import Engine
     from ltp.path import Path
