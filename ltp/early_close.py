@@ -395,7 +395,9 @@ class EarlyClose:
             if f is not None:
                 if f.reliable:
                     continue
-                v = lt if f is flow else (f.lt if f.lt is not None else self.lt_for(f, now))
+                # a flow that ended before any check measured it (a small message on a fast path) has no lt
+                # yet: its link's threshold is computed now, or the group's unregistered slots never expire
+                v = lt if f is flow and lt is not None else (f.lt if f.lt is not None else self.lt_for(f, now))
             elif s.report is not None:
                 continue
             else:

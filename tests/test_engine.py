@@ -225,6 +225,30 @@ def test_dead_peer_times_out_at_the_group_deadline_and_late_message_is_stopped(h
     assert ps.receive_memory == 0
 
 
+@pytest.mark.parametrize("n_floats", [100, 300, 25_000])
+def test_a_gather_of_messages_too_small_for_any_check_still_expires_a_dead_peer(harness, floats, n_floats):
+    """Found by a break-it sweep: a gather with no timeout waited forever for a peer that never sent when the
+    other peers' messages completed before any Early Close check had measured their links (100 kB on
+    loopback): the group's deadline was computed from those flows' thresholds, which nothing had set."""
+    h = harness(n_hosts=4, seed=24, config=Config(deadline_slack_s=0.005))
+    h.links(rate=GBIT, delay_s=0.0002)
+    ps = h.engines[0]
+    data = floats(n_floats)
+    for it in range(4):  # every link gets a history
+        outs = [np.zeros_like(data) for _ in range(3)]
+        hr = ps.post_receive([(h.addrs[i], it, outs[i - 1]) for i in (1, 2, 3)], now=h.now)
+        hs = [h.engines[i].send(h.addrs[0], data, now=h.now, tag=it) for i in (1, 2, 3)]
+        h.wait([(0, hr)] + [(i, x) for i, x in zip((1, 2, 3), hs)])
+    outs = [np.zeros_like(data) for _ in range(3)]
+    hr = ps.post_receive([(h.addrs[i], 9, outs[i - 1]) for i in (1, 2, 3)], now=h.now)
+    t0 = h.now
+    for i in (1, 2):
+        h.engines[i].send(h.addrs[0], data, now=h.now, tag=9)
+    (done,) = h.wait([(0, hr)], timeout=5)
+    assert [r.regime for r in done.reports] == ["complete", "complete", "timeout"]
+    assert h.now - t0 < 0.5
+
+
 def test_unexpected_message_is_buffered_then_delivered(harness, floats):
     h = harness(seed=23)
     h.links(rate=GBIT, delay_s=0.0002)
