@@ -450,6 +450,7 @@ class Engine:
                 return False
             entries = wire.unpack_ack_entries(data, w3, 0, flags)
             grant = wire.ack_grant(data, flags)  # 0: none; a malformed one raises bad_grant
+            confirms = not flow.reg_confirmed
             flow.on_heard(now)
             flow.receiver_count = max(flow.receiver_count, w2)
             path = self._paths[addr]
@@ -458,6 +459,10 @@ class Engine:
             lost = path.on_ack(flow, entries, now)
             if lost.shape[0]:
                 flow.requeue_lost(lost)
+            if confirms and flow.data_refused:
+                refused = flow.resend_refused(now)
+                if refused.shape[0]:
+                    flow.requeue_lost(refused)
             if flow.all_acked():
                 flow.finish(now, CloseReason.ACKED)
                 self._end_send(flow, now)

@@ -125,6 +125,9 @@ class FlowSender:
         self.reg_attempts = 0
         self.reg_next: float = now
         self.hold_data = False  # the receiver answered DATA with RESET unregistered: wait for a REG's answer
+        #: DATA was refused as unregistered (it overtook its REG, or the REG was lost): whatever is in flight
+        #: when a REG is next answered was dropped there, and goes again at once (``resend_refused``)
+        self.data_refused = False
 
     # -- registration ---------------------------------------------------
     def reg_datagram(self, now: float, est_word: int, rto: float, wall_us: int) -> bytes:
@@ -151,6 +154,7 @@ class FlowSender:
         False once the receiver forgot us more than MAX_REREGISTRATIONS times."""
         if not self.reg_confirmed:
             self.hold_data = True
+            self.data_refused = True
             if now - self.reg_sent_at >= min_interval:
                 self.reg_next = min(self.reg_next, now)
             return True
@@ -160,8 +164,17 @@ class FlowSender:
         if self.reregistrations > MAX_REREGISTRATIONS:
             return False
         self.reg_confirmed = False
+        self.data_refused = True
         self.reg_next = now
         return True
+
+    def resend_refused(self, now: float) -> np.ndarray:
+        """A REG was answered after DATA had been refused as unregistered: the segments still in flight were
+        sent before the receiver knew the flow and were dropped there. They are declared lost now (and go
+        again at once) instead of at the tail-loss timer, whose backed-off wait on a reordering path outlasts
+        the receiver's pending registration, which then expires and refuses the resent DATA again."""
+        self.data_refused = False
+        return self.window.expire(now)
 
     def answers_latest_reg(self, echoed_attempt: int) -> bool:
         """True when a RESET ``stale`` echoing ``echoed_attempt`` refers to our latest REG copy (0: a peer that
