@@ -895,7 +895,8 @@ class Engine:
                     group_at = t
         claim = self._claim_at if self._claims else None  # due at once: a copy step per loop turn
         return (pacing, reg, tail, silence, early, ack, group_at, self._admission.expiries.next_time(),
-                self._rx_idle_next if self._rx else None, claim, self._pool.next_expiry())
+                self._rx_idle_next if self._rx else None, claim, self._pool.next_expiry(),
+                self._matcher.unclaimed_expiry(self.config.unclaimed_ttl_s))
 
     def silence_limit(self, path: Path) -> float:
         """Seconds of silence after which a peer counts as dead (the dead-peer rule, :mod:`ltp.liveness`)."""

@@ -168,6 +168,13 @@ class ReceiveMatcher:
         if flow in self.unexpected:
             self.unexpected.remove(flow)
 
+    def unclaimed_expiry(self, ttl_s: float) -> float | None:
+        """When :meth:`pop_unclaimed` will next return a message (the head of the queue), or None."""
+        q = self.unexpected
+        if q and q[0].report is not None and q[0].slot is None:
+            return q[0].closed_at + ttl_s
+        return None
+
     def pop_unclaimed(self, now: float, ttl_s: float) -> FlowReceiver | None:
         """Remove and return the oldest unexpected message closed at least ``ttl_s`` ago with no
         slot, or None (only the head of the queue is looked at)."""

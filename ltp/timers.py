@@ -19,8 +19,10 @@ armed from the state it belongs to:
   kept in a :class:`DeadlineHeap`), ``IDLE_SCAN`` (the next scan of receive
   flows for silent senders) and ``CLAIM_COPY`` (due at once while an unexpected
   message is being copied into the receive that claimed it, a step per call:
-  :mod:`ltp.matching`) and ``SPARE_EXPIRY`` (the oldest spare internal
-  buffer is dropped: :mod:`ltp.buffer_pool`).
+  :mod:`ltp.matching`), ``SPARE_EXPIRY`` (the oldest spare internal
+  buffer is dropped: :mod:`ltp.buffer_pool`) and ``UNCLAIMED_EXPIRY`` (the
+  oldest message no receive claimed has waited ``unclaimed_ttl_s``: its
+  internal buffer goes, even on an endpoint nothing else wakes).
 
 :class:`TimerTable` keeps the earliest deadline of each kind, so the next
 deadline is their minimum and a test can ask which kind is due
@@ -63,6 +65,8 @@ class Timer(enum.IntEnum):
     CLAIM_COPY = 9
     #: the oldest spare internal receive buffer is dropped (:mod:`ltp.buffer_pool`)
     SPARE_EXPIRY = 10
+    #: the oldest closed message no receive claimed has waited unclaimed_ttl_s (its buffer is freed)
+    UNCLAIMED_EXPIRY = 11
 
 
 class TimerTable:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ltp.config import Config
 from ltp.engine import Engine
 from ltp.errors import LocalProtocolError, LTPError, TransferRefused, TransferTimeout
+from ltp.timers import Timer
 
 GBIT = 125e6  # bytes/s
 
@@ -267,6 +268,20 @@ def test_small_reliable_messages_survive_a_path_that_reorders_their_registration
         assert got.reports[0].regime == "complete" and (buf == i).all()
     assert a.stats.reregistrations > 20  # the path did reorder REGs behind their DATA
     assert b.stats.dropped.get("registration_expired", 0) <= 2
+
+
+def test_an_unclaimed_message_is_freed_at_its_ttl_on_an_endpoint_nothing_else_wakes(harness, floats):
+    """Found by a break-it sweep: unclaimed_ttl_s was enforced only when unrelated traffic woke the endpoint, so
+    an idle receiver kept a 50 MB message no one asked for (and a forged one's memory) indefinitely."""
+    h = harness(seed=25, config=Config(unclaimed_ttl_s=0.5))
+    h.links(rate=GBIT, delay_s=0.0002)
+    a, rx = h.engines
+    (sent,) = h.wait([(0, a.send(h.addrs[1], floats(100_000), now=h.now, tag=4))])
+    assert sent.report.delivered_fraction == 1.0 and rx.receive_memory > 0
+    closed = h.now
+    assert rx.timers().get(Timer.UNCLAIMED_EXPIRY) == pytest.approx(closed + 0.5, abs=0.01)
+    h.net.run(until=closed + 0.6)  # no traffic at all meanwhile
+    assert rx.receive_memory == 0 and rx.stats.dropped.get("unclaimed_message") == 1
 
 
 def test_unexpected_message_is_buffered_then_delivered(harness, floats):
