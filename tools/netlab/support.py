@@ -275,11 +275,15 @@ def _start_time(pid: int) -> str | None:
 
 
 def claim(lab_prefix: str) -> None:
-    """Record this process as the owner of the lab whose namespaces are ``<lab_prefix>-*``."""
+    """Record this process as the owner of the lab whose namespaces are ``<lab_prefix>-*``. Best effort: where
+    the state directory cannot be written the lab still runs, only without this protection."""
     path = _owner_path(lab_prefix)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    except OSError:
+        pass
 
 
 def release(lab_prefix: str) -> None:
