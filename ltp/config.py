@@ -102,6 +102,11 @@ class Config:
             raise LocalProtocolError(f"mtu={self.mtu}: use a value between 576 and 65535")
         if self.segment_size is not None and not 1 <= self.segment_size <= 65507 - 16:
             raise LocalProtocolError("segment_size must be between 1 and 65491 bytes")
+        if self.segment_size is not None and self.segment_size < self.min_segment_size:
+            # a peer refuses a message of several segments smaller than its min_segment_size (bad_registration)
+            raise LocalProtocolError(f"segment_size={self.segment_size} is below min_segment_size="
+                                     f"{self.min_segment_size}, which receivers refuse for multi-packet messages; "
+                                     "use a larger segment_size (or lower min_segment_size on every endpoint)")
         if not 0.0 < self.lt_fraction <= 1.0:
             raise LocalProtocolError("lt_fraction must be in (0, 1]; 0.8 is the paper's default")
         if self.deadline_slack_s < 0:

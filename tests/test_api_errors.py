@@ -166,3 +166,10 @@ async def test_port_in_use_names_the_address_and_the_fix():
 async def test_bad_local_address_is_refused_up_front(local):
     with pytest.raises(LocalProtocolError, match="local_addr"):
         await ltp.open_endpoint(local)
+
+
+def test_a_segment_size_that_receivers_refuse_is_a_config_error():
+    """Config(segment_size=3) was accepted and every multi-packet message then drew bad_registration."""
+    with pytest.raises(LocalProtocolError, match="min_segment_size"):
+        Config(segment_size=3)
+    assert Config(segment_size=32, min_segment_size=16).segment_size == 32
