@@ -11,6 +11,7 @@ import pytest
 import ltp
 from ltp.config import Config
 from ltp.errors import LocalProtocolError, TransferTimeout
+from net_helpers import ipv6_loopback
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -278,17 +279,7 @@ def test_ip_literal_peers_are_checked_once_and_the_memory_of_them_is_bounded(mon
     ltp.run(main())
 
 
-def _has_ipv6_loopback() -> bool:
-    import socket
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
 @pytest.mark.parametrize("spelling", ["127.0.0.1", "::ffff:127.0.0.1", "::FFFF:127.0.0.1", "::ffff:7f00:1"])
 def test_a_dual_stack_endpoint_reaches_an_ipv4_peer_however_its_address_is_written(spelling):
     """'::ffff:7f00:1' was kept as written while the kernel reports the peer as '::ffff:127.0.0.1': every ACK
@@ -305,7 +296,7 @@ def test_a_dual_stack_endpoint_reaches_an_ipv4_peer_however_its_address_is_writt
     ltp.run(main())
 
 
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_an_endpoint_bound_to_one_ipv6_address_refuses_an_ipv4_peer_naming_the_fix():
     async def main():
         async with await ltp.open_endpoint(("::1", 0)) as a:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from net_helpers import ipv6_loopback
 
 SO_NO_CHECK = 11      # <asm-generic/socket.h>; makes UDP_SEGMENT sends fail with EINVAL
 SO_RCVBUFFORCE = 33   # root may exceed net.core.rmem_max
@@ -44,20 +45,9 @@ def mod(request):
     return _load(request.param)
 
 
-def _ipv6_ok() -> bool:
-    if not socket.has_ipv6:
-        return False
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
 FAMILIES = [pytest.param((socket.AF_INET, "127.0.0.1"), id="ipv4"),
             pytest.param((socket.AF_INET6, "::1"), id="ipv6",
-                         marks=pytest.mark.skipif(not _ipv6_ok(), reason="no IPv6 loopback"))]
+                         marks=pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback"))]
 
 
 @pytest.fixture(params=FAMILIES)
