@@ -92,7 +92,7 @@ from .link_share import SHARE_REFRESH_S, datagram_share, on_loopback
 from .liveness import PEER_SILENCE_RTTS  # noqa: F401  (re-exported: the dead-peer rule's constant)
 from .matching import CLAIM_STEP_BYTES, ReceiveMatcher
 from .path import Path, Transmit
-from .placement import PlacementHints, overlap
+from .placement import PlacementHints, overlap, overlapping_pair
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .regimes import CloseReason, Regime, stop_reason
 from .reports import EndpointStats, SendReport
@@ -273,10 +273,15 @@ class Engine:
         group = RecvGroup(handle, now, None if timeout is None else now + timeout)
         for peer, tag, _ in slots:
             _check_tag(tag, "a receive", wildcard=True)
-        for i, (peer, tag, buf) in enumerate(slots):
-            dest = _writable_view(buf)
-            if len(dest) == 0:
-                raise LocalProtocolError("receive buffer is empty; size it to the expected message")
+        dests = [_writable_view(buf) for _, _, buf in slots]
+        if any(len(d) == 0 for d in dests):
+            raise LocalProtocolError("receive buffer is empty; size it to the expected message")
+        pair = overlapping_pair(dests)
+        if pair is not None:
+            raise LocalProtocolError(f"receive buffers {pair[0]} and {pair[1]} share memory: two messages would "
+                                     "write the same bytes; pass one separate buffer (or non-overlapping slice) "
+                                     "per peer")
+        for i, ((peer, tag, _), dest) in enumerate(zip(slots, dests)):
             slot = RecvSlot(group, i, None if peer is None else self._norm_addr(peer), tag, dest)
             group.slots.append(slot)
             if slot.peer is not None and tag is not None:

@@ -36,7 +36,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-__all__ = ["PlacementHints", "MAX_HINTS", "same_memory", "overlap"]
+__all__ = ["PlacementHints", "MAX_HINTS", "same_memory", "overlap", "overlapping_pair"]
 
 #: hints kept at most; adding one more drops the oldest (a peer that died never sends the message it was hinted for)
 MAX_HINTS = 4096
@@ -57,6 +57,15 @@ def overlap(a: memoryview, b: memoryview) -> bool:
         return False
     x, y = _address(a), _address(b)
     return x < y + len(b) and y < x + len(a)
+
+
+def overlapping_pair(views) -> tuple[int, int] | None:
+    """The indices ``(i, j)``, ``i < j``, of two byte views in ``views`` that share memory, or None."""
+    spans = sorted((_address(v), len(v), i) for i, v in enumerate(views) if len(v))
+    for (a, n, i), (b, _, j) in zip(spans, spans[1:]):
+        if b < a + n:
+            return min(i, j), max(i, j)
+    return None
 
 
 class PlacementHints:

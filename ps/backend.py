@@ -515,18 +515,24 @@ class LtpProcessGroup(dist.ProcessGroup):
 
     async def _send(self, buf: torch.Tensor, peer: int, tag: int, deadline: float, what: str) -> None:
         view = _bytes(buf)
+        first = None  # the first attempt's failure: a later attempt with no time left only says "timeout"
         for attempt in range(SEND_ATTEMPTS):
             last = attempt == SEND_ATTEMPTS - 1 or time.monotonic() >= deadline or self._closed
+            started = time.monotonic()
             try:
                 rep = await self._transport.send(self.peers[peer], view, reliable=True, tag=tag, element_size=1,
                                                  timeout=self._left(deadline))
             except Exception as exc:  # noqa: BLE001 - name the real cause, keep it chained
+                cause = f"{type(exc).__name__} after {time.monotonic() - started:.3g} s: {exc}"
                 if not last:
+                    first = first or cause
                     self.stats["send_retries"] += 1
                     continue  # the transport gave up early (e.g. the peer was starved of CPU): send again
+                if first is not None:
+                    cause += f"; the first attempt failed with {first}"
                 raise LtpBackendError(f"ltp backend rank {self._rank}: {what}: sending {view.nbytes} bytes to "
                                       f"rank {peer} at {self.peers[peer]} failed ({attempt + 1} attempts): "
-                                      f"{type(exc).__name__}: {exc}") from exc
+                                      f"{cause}") from exc
             if rep.delivered_bytes == view.nbytes:
                 break
             if last:

@@ -26,6 +26,7 @@ RUN_TIMEOUT_S = 240  # seconds per launch
 def _env(**kw):
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that crashes says where, in the output the tests print
     env.pop("LTP_PS_SECRET", None)
     env.update({k: str(v) for k, v in kw.items()})
     return env
@@ -152,7 +153,8 @@ def test_killed_rank_gives_a_clear_error_and_no_hang(tmp_path, hook):
             if p.poll() is None:
                 p.kill()
     took = time.monotonic() - t0
-    assert procs[1].returncode == 3, outs[1][1][-3000:]
+    every = "\n".join(f"--- rank {r} (exit {p.returncode}):\n{o[1][-2500:]}" for r, (p, o) in enumerate(zip(procs, outs)))
+    assert procs[1].returncode == 3, every
     for r in (0, 2):
         err = outs[r][1]
         assert procs[r].returncode not in (0, None), f"rank {r} reported success after its peer died"

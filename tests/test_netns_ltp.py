@@ -42,6 +42,7 @@ def test_loss_tolerant_transfer_completes_through_rate_limit(lab):
         # the receiver may only close early once lt_fraction (80%) and every critical segment arrived
         assert res["delivered_fraction"] >= 0.8
     assert res["delivered_fraction"] > 0.3
+    assert res["verified"] is True  # every byte outside the bubbles is the message's, every byte inside is zero
     # 10 MB at 200 Mbit/s takes at least 0.4 s of line time
     assert res["duration_s"] >= 0.9 * 10_000_000 * 8 / 200e6 * res["delivered_fraction"]
     assert 0.05 <= res["goodput_gbps"] <= 0.2

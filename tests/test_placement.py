@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import numpy as np
 import pytest
@@ -11,9 +12,10 @@ from hypothesis import strategies as st
 
 import ltp
 from ltp.config import Config
+from ltp.engine import Engine
 from ltp.errors import LocalProtocolError
 from ltp.matching import CLAIM_STEP_BYTES
-from ltp.placement import PlacementHints, overlap, same_memory
+from ltp.placement import PlacementHints, overlap, overlapping_pair, same_memory
 from ltp.timers import Timer
 
 GBIT = 125e6  # bytes/s
@@ -71,6 +73,33 @@ def test_same_memory_and_overlap_compare_addresses_not_contents():
     assert not same_memory(v, memoryview(bytearray(b"x" * 32)))  # equal bytes, other memory
     assert overlap(v[:8], v[7:9]) and overlap(v[4:6], v) and not overlap(v[:8], v[8:16])
     assert not overlap(v, memoryview(bytearray(32))) and not overlap(v[:0], v)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), min_size=0, max_size=8))
+def test_property_overlapping_pair_finds_a_shared_byte_iff_any_pair_shares_one(spans):
+    """Views of one 64-byte buffer (some empty), against every pair checked with :func:`overlap`."""
+    v = memoryview(bytearray(64))
+    views = [v[a:a + n] for a, n in spans]
+    pairs = [(i, j) for i in range(len(views)) for j in range(i + 1, len(views)) if overlap(views[i], views[j])]
+    got = overlapping_pair(views)
+    assert (got is None) == (not pairs)
+    if got is not None:
+        assert got in pairs
+
+
+def test_a_gather_into_buffers_that_share_memory_is_refused():
+    """Two messages would write the same bytes: refused before anything is posted, naming both buffers."""
+    eng = Engine(Config(), rng=random.Random(0))
+    a, b = ("127.0.0.1", 1), ("127.0.0.1", 2)
+    buf = bytearray(64)
+    for into in ([buf, buf], [memoryview(buf)[:40], memoryview(buf)[32:]], [bytearray(8), buf, memoryview(buf)[63:]]):
+        peers = [a, b, ("127.0.0.1", 3)][:len(into)]
+        with pytest.raises(LocalProtocolError, match="share memory"):
+            eng.post_receive([(p, 5, x) for p, x in zip(peers, into)], now=0.0)
+    assert not eng._matcher.groups
+    eng.post_receive([(a, 5, memoryview(buf)[:32]), (b, 5, memoryview(buf)[32:])], now=0.0)  # adjacent halves: fine
+    assert len(eng._matcher.groups) == 1
 
 
 @settings(max_examples=200, deadline=None)
