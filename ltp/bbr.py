@@ -15,7 +15,8 @@ loss does not shrink the window — the property LTP needs (§III-D).
 
 States, as in BBR:
 
-* STARTUP: gains 2/ln 2 (2.89) until BtlBw stops growing by 25% for 3 rounds.
+* STARTUP: gains 2/ln 2 (2.89) until BtlBw stops growing by 25% for 3 rounds
+  (rounds whose sample was app-limited do not count, as in Linux).
 * DRAIN: pacing gain 1/2.89 until in-flight ≤ BDP.
 * PROBE_BW: pacing gain cycles 1.25, 0.75, 1 ×6, one phase per RTprop
   (starting phase drawn from the injected ``random.Random``); cwnd gain 2.
@@ -182,7 +183,11 @@ class BBR:
             self.rtprop = rtt_s
             self._rtprop_stamp = now
         self._update_ack_aggregation(now, acked)
-        if round_start:
+        if round_start and not app_limited:
+            # as Linux's BBR: a round whose sample the sender limited (it had nothing more to send) says nothing
+            # about whether the pipe is full. Counting them took a path that only ever carries messages of one
+            # flight out of STARTUP after three such rounds, to a pacing gain of 1 at a BtlBw no larger than
+            # those messages' bytes per round trip: each message was then paced out over 1-2 round trips more.
             self._check_full_pipe()
         self._update_state(now, inflight, expired, round_start)
 

@@ -310,10 +310,13 @@ class Path:
             min_rtt = self.bbr.rtprop if self.bbr.rtprop is not None else (rtt if rtt >= 0 else 0.0)
             if interval > 0 and interval >= min_rtt:
                 rate = (self.delivered - prior_delivered) / interval
-        if prior_delivered >= 0:
-            # srtt follows the freshest sample (the newest transmission acknowledged), so it
-            # sees queueing; RTprop below takes the smallest sample of the batch
-            fresh = now - sample_sent
+        # srtt follows the freshest sample (the newest transmission acknowledged), so it sees queueing; RTprop
+        # below takes the smallest sample of the batch. With none (every entry echoed an older attempt), a first
+        # transmission's exact RTT (SendWindow.first_tx_time) still counts: without it, a long path whose first
+        # messages all fit in one flight never learned its RTT, and its 8 ms start-up probe timeout resent every
+        # such message two or three times.
+        fresh = now - sample_sent if prior_delivered >= 0 else (rtt if rtt >= 0 else None)
+        if fresh is not None:
             if self.srtt is None:
                 self.srtt, self.rttvar = fresh, fresh / 2
             else:

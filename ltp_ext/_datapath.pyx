@@ -200,7 +200,7 @@ ctypedef struct _AckAcc:
 cdef class SendWindow:
     """Sender-side per-segment state, packet building, ACK processing and loss detection."""
 
-    cdef readonly object data, critical, state, attempt, sent_time, sent_idx
+    cdef readonly object data, critical, state, attempt, sent_time, first_tx_time, sent_idx
     cdef readonly object snap_delivered, snap_delivered_time, snap_first_sent, log_seq, log_acked
     cdef readonly object flow_id, token, flags
     cdef readonly int64_t total, seg_size, seg_count, last_len
@@ -217,6 +217,7 @@ cdef class SendWindow:
     cdef uint8_t *_state
     cdef uint8_t *_attempt
     cdef double *_sent_time
+    cdef double *_first_tx
     cdef int64_t *_sent_idx
     cdef int64_t *_snap_d
     cdef double *_snap_dt
@@ -248,6 +249,7 @@ cdef class SendWindow:
         self.state = np.zeros(n, np.uint8)
         self.attempt = np.zeros(n, np.uint8)
         self.sent_time = np.zeros(n, np.float64)
+        self.first_tx_time = np.zeros(n, np.float64)  # when attempt 1 left (see _ack_one)
         self.sent_idx = np.full(n, -1, np.int64)
         self.snap_delivered = np.zeros(n, np.int64)
         self.snap_delivered_time = np.zeros(n, np.float64)
@@ -263,6 +265,7 @@ cdef class SendWindow:
         self._state = <uint8_t *>_ptr(self.state)
         self._attempt = <uint8_t *>_ptr(self.attempt)
         self._sent_time = <double *>_ptr(self.sent_time)
+        self._first_tx = <double *>_ptr(self.first_tx_time)
         self._sent_idx = <int64_t *>_ptr(self.sent_idx)
         self._snap_d = <int64_t *>_ptr(self.snap_delivered)
         self._snap_dt = <double *>_ptr(self.snap_delivered_time)
@@ -339,6 +342,8 @@ cdef class SendWindow:
         cdef int64_t length = self._len(seq)
         if st != _PENDING:
             self.retransmits += 1
+        else:
+            self._first_tx[seq] = now
         if st == _INFLIGHT:
             self.inflight_count -= 1
             self.inflight_bytes -= length + _HDR
@@ -447,6 +452,12 @@ cdef class SendWindow:
             if idx > acc.best_idx:
                 acc.best_idx = idx
                 acc.best_seq = seq
+        elif a == 1:
+            # the first transmission, acknowledged after the segment was sent again (a probe timeout that fired
+            # before the path's first RTT was known): its send time is kept, so the RTT is exact
+            r = acc.now - self._first_tx[seq]
+            if acc.rtt < 0.0 or r < acc.rtt:
+                acc.rtt = r
         self._state[seq] = _ACKED
         self.acked_count += 1
         self.acked_bytes += wire - _HDR

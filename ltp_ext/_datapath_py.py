@@ -83,6 +83,7 @@ class SendWindow(_Geometry):
         self.state = np.zeros(n, np.uint8)
         self.attempt = np.zeros(n, np.uint8)
         self.sent_time = np.zeros(n, np.float64)
+        self.first_tx_time = np.zeros(n, np.float64)  # when attempt 1 left: an ACK echoing it is an exact RTT sample
         self.sent_idx = np.full(n, -1, np.int64)
         self.snap_delivered = np.zeros(n, np.int64)
         self.snap_delivered_time = np.zeros(n, np.float64)
@@ -151,6 +152,8 @@ class SendWindow(_Geometry):
             st = self.state[seq]
             if st != SEG_PENDING:
                 self.retransmits += 1
+            else:
+                self.first_tx_time[seq] = now
             if st == SEG_INFLIGHT:
                 self.inflight_count -= 1
                 self.inflight_bytes -= self.seg_len(seq) + HEADER_SIZE
@@ -218,6 +221,12 @@ class SendWindow(_Geometry):
                 if idx > best_idx:
                     best_idx = idx
                     best_seq = seq
+            elif a == 1:
+                # the first transmission, acknowledged after the segment was sent again (a probe timeout that
+                # fired before the path's first RTT was known): its send time is kept, so the RTT is exact
+                r = now - self.first_tx_time[seq]
+                if rtt < 0.0 or r < rtt:
+                    rtt = r
             self.state[seq] = SEG_ACKED
             self.acked_count += 1
             self.acked_bytes += wire - HEADER_SIZE

@@ -45,6 +45,21 @@ def test_startup_fills_pipe_drains_and_probes_bandwidth():
     assert bbr.pacing_rate in (1.25e6, 0.75e6, 1e6)
 
 
+def test_app_limited_rounds_do_not_end_startup():
+    """As Linux's BBR: a round whose sample was app-limited says nothing about a full pipe. A path that only
+    carries one-flight messages stays in STARTUP (gain 2.89) instead of cruising at a BtlBw it never tested."""
+    bbr = BBR(mss=MSS, rng=random.Random(1))
+    now, delivered = 0.0, 0
+    for _ in range(20):  # flat samples, every one app-limited
+        prior, now = delivered, now + 0.08
+        delivered += 150_000
+        bbr.on_ack(now, delivered=delivered, prior_delivered=prior, rate_bps=1.5e6, rtt_s=0.08, inflight=0,
+                   app_limited=True)
+    assert bbr.state == STARTUP and not bbr.filled_pipe and bbr.btlbw == 1.5e6
+    _drive(bbr, rate=1.5e6, rtt=0.08, rounds=5, start=now, delivered0=delivered, inflight=10**9)
+    assert bbr.filled_pipe  # the same flat samples, not app-limited: the pipe is full
+
+
 def test_btlbw_is_windowed_max_and_expires_after_ten_rounds():
     bbr = BBR(mss=MSS)
     now, d = _drive(bbr, rate=5e6, rtt=0.01, rounds=1)

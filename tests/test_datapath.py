@@ -226,15 +226,23 @@ def test_on_ack_nothing_new(dp):
     assert r[9].shape == (0,) and r[9].dtype == np.int64
 
 
-def test_stale_attempt_acks_without_sample(dp):
+def test_an_older_attempts_ack_gives_no_rate_sample_and_only_the_first_gives_an_rtt(dp):
+    """Attempt 1's send time is kept (``first_tx_time``): its ACK, after the segment was sent again, is an exact
+    RTT. A later attempt's send time is overwritten by the next one, so its late ACK gives no RTT; neither gives a
+    delivery-rate sample (the snapshot is the latest transmission's)."""
     w = send_window(dp)
-    build(w, [0], now=1.0)
+    build(w, [0, 1], now=1.0)
     w.expire(1.0)
     assert w.state[0] == dp.SEG_LOST
-    build(w, [0], now=2.0)
+    build(w, [0, 1], now=2.0)
+    assert w.first_tx_time[:2].tolist() == [1.0, 1.0] and w.sent_time[:2].tolist() == [2.0, 2.0]
     r = ack(w, [(0, 1)], now=3.0)        # the first transmission arrived after all
+    assert r[0] == 1 and r[4] == 2.0 and r[5] == -1
+    assert w.state[0] == dp.SEG_ACKED and w.inflight_count == 1 and w.acked_in_window == 0
+    w.expire(2.0)
+    build(w, [1], now=4.0)               # attempt 3
+    r = ack(w, [(1, 2)], now=5.0)        # attempt 2, sent at 2.0: its time is gone
     assert r[0] == 1 and r[4] == -1.0 and r[5] == -1
-    assert w.state[0] == dp.SEG_ACKED and w.inflight_count == 0 and w.acked_in_window == 0
     assert w.oldest_inflight_time() == -1.0
 
 
@@ -469,7 +477,7 @@ def _outcome(fn, *args):
         return ("raise", type(exc))
 
 
-SEND_ARRAYS = ("state", "attempt", "critical", "sent_time", "sent_idx", "snap_delivered", "snap_delivered_time",
+SEND_ARRAYS = ("state", "attempt", "critical", "sent_time", "first_tx_time", "sent_idx", "snap_delivered", "snap_delivered_time",
                "snap_first_sent", "log_acked")
 SEND_COUNTERS = ("total", "seg_size", "seg_count", "last_len", "log_base", "head", "tail", "acked_in_window",
                  "acked_count", "acked_bytes", "inflight_count", "inflight_bytes", "packets_sent", "retransmits",

@@ -82,6 +82,7 @@ def test_grant_uses_gradient():
 @dataclasses.dataclass
 class _Raw:
     btlbw_bps: float
+    rtprop_s: float = 0.0
 
 
 def _recv(nbytes, dur, raw=None):
@@ -97,6 +98,35 @@ def test_rate_monitor_reads_ltps_btlbw_in_the_unit_ltp_reports_it(harness):
     (done,) = h.wait([(0, h.engines[0].send(h.addrs[1], data, now=h.now, reliable=True))])
     rate = RateMonitor.sample_rate(SendReport(("h", 1), 0, data.size, data.size, 1.0, raw=done.report))
     assert rate == pytest.approx(10e6, rel=0.15), rate
+
+
+def test_a_small_transfers_btlbw_is_a_lower_bound_that_never_lowers_the_estimate(harness):
+    """A 20 kB message over a 40 ms path measures a fraction of a 100 MB/s link (it never filled the pipe); taken
+    as the rate, MLfabric's planner (no propagation delay in its model) charged each such transfer its round trip
+    as link time and aggregated to avoid a PS link it thought congested."""
+    h = harness(seed=3)
+    h.links(rate=100e6, delay_s=0.02)
+    small = np.zeros(20_000, np.uint8)
+    for i in range(2):  # the first on a fresh path has no BtlBw yet (goodput), the second has one
+        (done,) = h.wait([(0, h.engines[0].send(h.addrs[1], small, now=h.now, reliable=True))])
+        assert (done.report.btlbw_bps > 0) == (i == 1)
+        rep = SendReport(("h", 1), 0, small.size, small.size, 1.0, duration_s=done.report.duration_s,
+                         raw=done.report)
+        rate, bound = RateMonitor.sample(rep)
+        assert rate < 10e6 and bound, (i, rate)  # latency-bound, and flagged so
+    big = np.zeros(20_000_000, np.uint8)  # 5 BDPs: the pipe is full for most of it
+    (done,) = h.wait([(0, h.engines[0].send(h.addrs[1], big, now=h.now, reliable=True))])
+    rate_big, bound_big = RateMonitor.sample(SendReport(("h", 1), 0, big.size, big.size, 1.0, raw=done.report))
+    assert rate_big == pytest.approx(100e6, rel=0.2) and not bound_big
+    m = RateMonitor(1.0, now=0.0)
+    m.observe(rep, src="worker:0", dst="server:0")
+    assert m.samples == 1 and m.lower_bounds == 1
+    assert m.take(1.0) is None  # a lower bound alone makes no estimate
+    m.observe(_recv(20_000_000, 0.3, _Raw(80e6, 0.04)), src="worker:0", dst="server:0")  # fills the pipe: a rate
+    m.observe(_recv(20_000, 0.04, _Raw(0.5e6, 0.04)), src="worker:0", dst="server:0")  # lower: no news
+    assert m.take(2.0)[0]["worker:0"] == pytest.approx(80e6)
+    m.observe(_recv(20_000, 0.04, _Raw(120e6, 0.04)), src="worker:0", dst="server:0")  # a higher bound raises it
+    assert m.take(3.0)[0]["worker:0"] == pytest.approx(100e6)
 
 
 def test_rate_monitor_uses_btlbw_then_goodput_and_refreshes_every_t_lag():

@@ -95,6 +95,30 @@ def test_idle_gaps_between_messages_keep_the_model(harness):
     assert STARTUP not in states and max(times[1:]) <= 1.3 * wire + RTT
 
 
+@pytest.mark.parametrize("size, delay_s", [(20_000, 0.04), (153_000, 0.04), (153_000, 0.01), (600_000, 0.02)])
+def test_one_flight_messages_on_a_long_path_are_sent_once_and_not_paced_out_over_round_trips(harness, size,
+                                                                                          delay_s):
+    """A PS's gradients and parameters over a WAN: each message fits in one flight and the path idles between
+    them. Two faults made such messages slow or wasteful: the first flight's ACKs gave no RTT sample (the
+    start-up probe timeout had resent it), so every 20 kB message went out ~4x; and, once the RTT was learned,
+    app-limited rounds ended STARTUP, so messages were paced at the BtlBw they themselves had shown (2.1 round
+    trips each for 153 kB at 80 ms)."""
+    h = harness(n_hosts=2, seed=7, config=Config())
+    h.links(rate=125e6, delay_s=delay_s)  # 1 Gbit/s
+    rtt = 2 * delay_s
+    segs = -(-size // SEG)
+    times, sent = [], 0
+    for i in range(20):
+        (done,) = h.wait([(0, h.engines[0].send(h.addrs[1], np.zeros(size, np.uint8), now=h.now, reliable=True,
+                                                tag=i))])
+        times.append(done.report.duration_s)
+        sent += done.report.packets_sent
+        h.net.run(until=h.now + 0.05)  # the worker computes
+    assert sent <= 1.1 * 20 * segs, sent / (20 * segs)
+    wire = (size + segs * (16 + 28)) / 125e6
+    assert np.median(times[5:]) <= 1.65 * rtt + wire, [round(t / rtt, 2) for t in times]
+
+
 def _ring(harness, n, *, steps, seed):
     """``n`` hosts in a ring; host i's one uplink carries its data to i+1 and its ACKs to i-1 (one FIFO)."""
     h = harness(n_hosts=n, seed=seed, config=Config())

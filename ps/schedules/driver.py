@@ -56,6 +56,9 @@ GRANTS_PER_BATCH = 32  # grants queued for one node that one ``deliver_batch`` c
 CONTROL_BYTES = 1 << 16  # bytes: the largest control message (a grant of a few hundred steps)
 MIN_RATE_SAMPLE_BYTES = 16384  # bytes: smaller transfers are latency-bound, their goodput says nothing of the rate
 RATE_EWMA = 0.5  # weight of a new rate sample in the monitor's running estimate
+#: a transfer of fewer bytes than this many round trips at its own BtlBw never filled its path: what it measured is
+#: bounded by the bytes it had in flight per round trip (latency-bound), so the path carries at least that rate
+PIPE_FILL_RTTS = 4.0
 DOWN = 0  # control stream direction: host -> node (grants, stop)
 UP = 1  # node -> host (ready notes, transfer reports)
 _LEN = struct.Struct("<I")
@@ -151,6 +154,14 @@ class RateMonitor:
     bottleneck-bandwidth estimate (LTP's ``btlbw_bps``) when it has one, else
     the goodput of a transfer of at least ``MIN_RATE_SAMPLE_BYTES``; the sample
     bounds ``src``'s up rate and ``dst``'s down rate (smoothed, ``RATE_EWMA``).
+    A BtlBw from a transfer shorter than ``PIPE_FILL_RTTS`` round trips at that
+    rate (a goodput: that lasted fewer round trips, or that LTP measured
+    before its sender's model had a BtlBw) is only a lower bound (the message never filled the path: a 20 kB
+    gradient over 40 ms measures 0.5 MB/s on a 1 Gbit/s link): it may raise an
+    estimate, never lower one, and makes none on its own.  The planner's model
+    has no propagation delay (``mlfabric_links``), so a latency-bound rate would
+    charge every transfer its round trip as link time, and serialising n of them
+    at the PS would look n round trips long.
     ``take(now)`` returns ``(up, down)`` every ``t_lag_s`` (else None).
     """
 
@@ -161,29 +172,44 @@ class RateMonitor:
         self.up: dict = {}
         self.down: dict = {}
         self.samples = 0
+        self.lower_bounds = 0  # samples that were only lower bounds (latency-bound transfers)
         self._next = now + self.t_lag_s
 
     @staticmethod
     def sample_rate(report) -> float | None:
         """Bytes/s this report says the path carried, or None."""
+        sample = RateMonitor.sample(report)
+        return None if sample is None else sample[0]
+
+    @staticmethod
+    def sample(report) -> tuple[float, bool] | None:
+        """``(bytes/s, lower_bound)`` from one report, or None when it says nothing of the rate."""
         raw = getattr(report, "raw", None)
-        btlbw = float(getattr(raw, "btlbw_bps", 0.0) or 0.0)  # bytes/s, as on LTP's wire (docs/protocol.md)
-        if btlbw > 0:
-            return btlbw
         nbytes = (report.received_bytes if isinstance(report, RecvReport)
                   else report.delivered_bytes if isinstance(report, SendReport) else 0)
+        btlbw = float(getattr(raw, "btlbw_bps", 0.0) or 0.0)  # bytes/s, as on LTP's wire (docs/protocol.md)
+        rtprop = float(getattr(raw, "rtprop_s", 0.0) or 0.0)  # 0: the transport does not say
+        if btlbw > 0:
+            return btlbw, rtprop > 0 and nbytes < PIPE_FILL_RTTS * btlbw * rtprop
         dur = float(getattr(report, "duration_s", 0.0) or 0.0)
         if nbytes >= MIN_RATE_SAMPLE_BYTES and dur > 0:
-            return nbytes / dur
+            # LTP with no BtlBw: its sender had not yet filled the pipe (a receiver sees the sender's estimate only
+            # once STARTUP is over), so the goodput is its start-up pacing, not the path's rate
+            unmeasured = raw is not None and hasattr(raw, "btlbw_bps")
+            return nbytes / dur, unmeasured or (rtprop > 0 and dur < PIPE_FILL_RTTS * rtprop)
         return None
 
     def observe(self, report, *, src: str, dst: str) -> None:
-        rate = self.sample_rate(report)
-        if rate is None:
+        sample = self.sample(report)
+        if sample is None:
             return
+        rate, bound = sample
         self.samples += 1
+        self.lower_bounds += bound
         for table, node in ((self.up, src), (self.down, dst)):
             old = table.get(node)
+            if bound and (old is None or rate <= old):
+                continue  # the path carries at least ``rate``: no news when the estimate is already that high
             table[node] = rate if old is None else (1 - RATE_EWMA) * old + RATE_EWMA * rate
 
     def next_deadline(self) -> float:
