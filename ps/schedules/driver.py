@@ -154,14 +154,15 @@ class RateMonitor:
     bottleneck-bandwidth estimate (LTP's ``btlbw_bps``) when it has one, else
     the goodput of a transfer of at least ``MIN_RATE_SAMPLE_BYTES``; the sample
     bounds ``src``'s up rate and ``dst``'s down rate (smoothed, ``RATE_EWMA``).
-    A BtlBw from a transfer shorter than ``PIPE_FILL_RTTS`` round trips at that
-    rate (a goodput: that lasted fewer round trips, or that LTP measured
-    before its sender's model had a BtlBw) is only a lower bound (the message never filled the path: a 20 kB
-    gradient over 40 ms measures 0.5 MB/s on a 1 Gbit/s link): it may raise an
-    estimate, never lower one, and makes none on its own.  The planner's model
-    has no propagation delay (``mlfabric_links``), so a latency-bound rate would
-    charge every transfer its round trip as link time, and serialising n of them
-    at the PS would look n round trips long.
+    A sample from a transfer that never filled its path is only a lower bound
+    (a 20 kB gradient over 40 ms measures 0.5 MB/s on a 1 Gbit/s link): a BtlBw
+    from a message shorter than ``PIPE_FILL_RTTS`` round trips at that rate, a
+    goodput that lasted fewer round trips, or an LTP goodput with no BtlBw (its
+    sender was still in STARTUP). A lower bound may raise an estimate, never
+    lower one, and makes none on its own. The planner's model has no
+    propagation delay (``mlfabric_links``): a latency-bound rate would charge
+    every transfer its round trip as link time, and n of them serialised at the
+    PS would look n round trips long.
     ``take(now)`` returns ``(up, down)`` every ``t_lag_s`` (else None).
     """
 
