@@ -16,7 +16,9 @@ loss does not shrink the window — the property LTP needs (§III-D).
 States, as in BBR:
 
 * STARTUP: gains 2/ln 2 (2.89) until BtlBw stops growing by 25% for 3 rounds
-  (rounds whose sample was app-limited do not count, as in Linux).
+  (rounds whose sample was app-limited do not count, as in Linux). The estimates count as
+  *settled* for receivers (``estimates_settled``, header word 3) once BtlBw stops growing for 3
+  rounds of either kind, or the pipe filled.
 * DRAIN: pacing gain 1/2.89 until in-flight ≤ BDP.
 * PROBE_BW: pacing gain cycles 1.25, 0.75, 1 ×6, one phase per RTprop
   (starting phase drawn from the injected ``random.Random``); cwnd gain 2.
@@ -97,6 +99,11 @@ class BBR:
         self._full_bw = 0.0
         self._full_bw_count = 0
         self.filled_pipe = False
+        # BtlBw stopped growing for FULL_BW_ROUNDS rounds, app-limited ones included: the estimates a receiver may
+        # plan with (Path.est_word). Not the STARTUP exit: a path of one-flight messages settles without a full pipe
+        self._settled_bw = 0.0
+        self._settled_count = 0
+        self.estimates_settled = False
         self._cycle_index = 0
         self._cycle_stamp = 0.0
         self._probe_rtt_done: float | None = None
@@ -183,6 +190,8 @@ class BBR:
             self.rtprop = rtt_s
             self._rtprop_stamp = now
         self._update_ack_aggregation(now, acked)
+        if round_start:
+            self._check_settled()
         if round_start and not app_limited:
             # as Linux's BBR: a round whose sample the sender limited (it had nothing more to send) says nothing
             # about whether the pipe is full. Counting them took a path that only ever carries messages of one
@@ -190,6 +199,18 @@ class BBR:
             # those messages' bytes per round trip: each message was then paced out over 1-2 round trips more.
             self._check_full_pipe()
         self._update_state(now, inflight, expired, round_start)
+
+    def _check_settled(self) -> None:
+        if self.estimates_settled:
+            return
+        bw = self.btlbw
+        if bw >= self._settled_bw * FULL_BW_THRESH:
+            self._settled_bw = bw
+            self._settled_count = 0
+            return
+        self._settled_count += 1
+        if self._settled_count >= FULL_BW_ROUNDS:
+            self.estimates_settled = True
 
     def _check_full_pipe(self) -> None:
         if self.filled_pipe:

@@ -683,11 +683,12 @@ class Engine:
         if self._matcher.settled(group):
             errors = [s.error for s in group.slots if s.error is not None]
             self._finish_group(group, now, errors[0] if errors else None)
-        elif not group.done:
-            # a slot changed (a flow closed, a message was claimed): the deadline of the slots nobody registered
-            # for may be known only now, so the group's timer is worked out on the next timer turn. Without this,
-            # a gather whose registered messages all completed before any timer ran (one-packet messages on a
-            # path with no STARTUP exit yet) waited for an unrelated timer to find its dead peer's deadline.
+        elif not group.done and group.t0 is not None and any(s.flow is None and s.report is None
+                                                               for s in group.slots):
+            # a slot changed (a flow closed, a message was claimed) in a group whose clock runs and that still
+            # has slots nobody registered for: their deadline may be known only now, so the group's timer is
+            # worked out on the next timer turn. Without this, a gather whose registered messages all completed
+            # before any timer ran (one-packet messages) waited for an unrelated timer to find its dead peer.
             group.wake = now
 
     def _finish_group(self, group: RecvGroup, now: float, error: Exception | None) -> None:

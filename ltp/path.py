@@ -166,12 +166,12 @@ class Path:
     def est_word(self) -> int:
         """Header word 3 carrying this path's RTprop (µs) and BtlBw (bytes/s).
 
-        Zero ("unknown") until the model has left STARTUP: before the pipe is
-        full, BtlBw is a growing lower bound and the flow runs below it, so a
+        Zero ("unknown") until BtlBw has stopped growing (``bbr.estimates_settled``,
+        or a full pipe): while it grows it is a lower bound the flow outruns, so a
         receiver's expected-completion time built from it would be wrong.
         """
         rt = self.bbr.rtprop
-        if not self.bbr.filled_pipe or not rt:
+        if not (self.bbr.filled_pipe or self.bbr.estimates_settled) or not rt:
             return 0
         return wire.estimates_word(int(rt * 1e6), int(self.bbr.btlbw))
 

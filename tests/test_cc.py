@@ -56,8 +56,19 @@ def test_app_limited_rounds_do_not_end_startup():
         bbr.on_ack(now, delivered=delivered, prior_delivered=prior, rate_bps=1.5e6, rtt_s=0.08, inflight=0,
                    app_limited=True)
     assert bbr.state == STARTUP and not bbr.filled_pipe and bbr.btlbw == 1.5e6
+    # ...but BtlBw stopped growing, so receivers may plan with the estimates (the header's word 3): Early Close's
+    # first threshold on a link comes from them
+    assert bbr.estimates_settled
     _drive(bbr, rate=1.5e6, rtt=0.08, rounds=5, start=now, delivered0=delivered, inflight=10**9)
     assert bbr.filled_pipe  # the same flat samples, not app-limited: the pipe is full
+
+
+def test_estimates_are_unsettled_while_btlbw_grows():
+    bbr = BBR(mss=MSS, rng=random.Random(1))
+    now, d = 0.0, 0
+    for k in range(8):  # doubling every round, app-limited or not
+        now, d = _drive(bbr, rate=1e6 * 2 ** k, rtt=0.01, rounds=1, start=now, delivered0=d)
+        assert not bbr.estimates_settled
 
 
 def test_btlbw_is_windowed_max_and_expires_after_ten_rounds():
