@@ -75,6 +75,27 @@ class _MaxFilter:
         return self._q[0][1] if self._q else 0.0
 
 
+class _Plateau:
+    """Whether a growing bandwidth has stopped growing: below ``FULL_BW_THRESH`` × the last baseline for
+    ``FULL_BW_ROUNDS`` rounds in a row (fed once per round; ``reached`` never goes back)."""
+
+    def __init__(self) -> None:
+        self._base = 0.0
+        self._count = 0
+        self.reached = False
+
+    def update(self, bw: float) -> None:
+        if self.reached:
+            return
+        if bw >= self._base * FULL_BW_THRESH:
+            self._base = bw
+            self._count = 0
+            return
+        self._count += 1
+        if self._count >= FULL_BW_ROUNDS:
+            self.reached = True
+
+
 class BBR:
     """BBR-style model of one path. Rates are bytes/s, times seconds."""
 
@@ -96,14 +117,10 @@ class BBR:
         self._rtprop_stamp = 0.0
         self.round_count = 0
         self._next_round_delivered = 0
-        self._full_bw = 0.0
-        self._full_bw_count = 0
-        self.filled_pipe = False
-        # BtlBw stopped growing for FULL_BW_ROUNDS rounds, app-limited ones included: the estimates a receiver may
-        # plan with (Path.est_word). Not the STARTUP exit: a path of one-flight messages settles without a full pipe
-        self._settled_bw = 0.0
-        self._settled_count = 0
-        self.estimates_settled = False
+        self._full_pipe = _Plateau()  # rounds the sender did not limit: the STARTUP exit
+        # rounds of either kind: the estimates a receiver may plan with (Path.est_word). Not the STARTUP exit: a
+        # path of one-flight messages settles without a full pipe
+        self._settled = _Plateau()
         self._cycle_index = 0
         self._cycle_stamp = 0.0
         self._probe_rtt_done: float | None = None
@@ -191,38 +208,24 @@ class BBR:
             self._rtprop_stamp = now
         self._update_ack_aggregation(now, acked)
         if round_start:
-            self._check_settled()
+            self._settled.update(self.btlbw)
         if round_start and not app_limited:
             # as Linux's BBR: a round whose sample the sender limited (it had nothing more to send) says nothing
             # about whether the pipe is full. Counting them took a path that only ever carries messages of one
             # flight out of STARTUP after three such rounds, to a pacing gain of 1 at a BtlBw no larger than
             # those messages' bytes per round trip: each message was then paced out over 1-2 round trips more.
-            self._check_full_pipe()
+            self._full_pipe.update(self.btlbw)
         self._update_state(now, inflight, expired, round_start)
 
-    def _check_settled(self) -> None:
-        if self.estimates_settled:
-            return
-        bw = self.btlbw
-        if bw >= self._settled_bw * FULL_BW_THRESH:
-            self._settled_bw = bw
-            self._settled_count = 0
-            return
-        self._settled_count += 1
-        if self._settled_count >= FULL_BW_ROUNDS:
-            self.estimates_settled = True
+    @property
+    def filled_pipe(self) -> bool:
+        """STARTUP found the pipe full (BtlBw flat for 3 rounds the sender did not limit)."""
+        return self._full_pipe.reached
 
-    def _check_full_pipe(self) -> None:
-        if self.filled_pipe:
-            return
-        bw = self.btlbw
-        if bw >= self._full_bw * FULL_BW_THRESH:
-            self._full_bw = bw
-            self._full_bw_count = 0
-            return
-        self._full_bw_count += 1
-        if self._full_bw_count >= FULL_BW_ROUNDS:
-            self.filled_pipe = True
+    @property
+    def estimates_settled(self) -> bool:
+        """BtlBw flat for 3 rounds of either kind: receivers may plan with RTprop/BtlBw."""
+        return self._settled.reached
 
     def _enter_probe_bw(self, now: float) -> None:
         self.state = PROBE_BW
