@@ -177,12 +177,6 @@ class RateMonitor:
         self._next = now + self.t_lag_s
 
     @staticmethod
-    def sample_rate(report) -> float | None:
-        """Bytes/s this report says the path carried, or None."""
-        sample = RateMonitor.sample(report)
-        return None if sample is None else sample[0]
-
-    @staticmethod
     def sample(report) -> tuple[float, bool] | None:
         """``(bytes/s, lower_bound)`` from one report, or None when it says nothing of the rate."""
         raw = getattr(report, "raw", None)
