@@ -181,6 +181,52 @@ def test_delayer_keeps_up_with_1gbps(lab):
     assert best > 0.5, r
 
 
+_STAMP_RX = textwrap.dedent("""
+    import json, socket, struct, time
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, 35, 1)  # SO_TIMESTAMPNS
+    s.bind(("0.0.0.0", 9999)); s.settimeout(10)
+    print("ready", flush=True)
+    out = []
+    for _ in range(10):
+        data, anc, _, _ = s.recvmsg(2048, 1024)
+        now = time.time()
+        stamp = [struct.unpack("qq", d[:16]) for lvl, typ, d in anc if typ == 35][0]
+        sent = float(data.split()[0])
+        out.append((stamp[0] + stamp[1] / 1e9 - sent, now - sent))
+    print(json.dumps(out))
+""")
+_STAMP_TX = textwrap.dedent("""
+    import socket, sys, time
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _ in range(10):
+        s.sendto(("%r " % time.time() + "x" * 1000).encode(), (sys.argv[1], 9999)); time.sleep(0.01)
+""")
+
+
+@pytest.mark.parametrize("direction", ["ingress", "egress"])
+def test_kernel_receive_timestamps_include_the_delay(direction):
+    """A datagram's kernel receive stamp (SO_TIMESTAMPNS, which LTP's RTT samples and Early Close clocks use)
+    is taken after the emulated delay, as a NIC stamps a packet at the end of a long link. A delayer in the
+    receiving host's PREROUTING held packets after the kernel stamped them: every stamp was early by the whole
+    delay, and LTP at a host with ingress delay measured a ~0 RTT (found with ``ltp-ps launch --delay``)."""
+    import json
+    with Lab(n_hosts=2, prefix=_prefix()) as lab:
+        h0, h1 = lab.hosts
+        if direction == "ingress":
+            lab.impair(h1, "ingress", delay_s=0.030)
+        else:
+            lab.impair(h0, "egress", delay_s=0.030)
+        rx = lab.popen(h1, [sys.executable, "-c", _STAMP_RX], stdout=subprocess.PIPE, text=True)
+        assert rx.stdout.readline().strip() == "ready"
+        lab.run(h0, [sys.executable, "-c", _STAMP_TX, h1.addr], check=True, timeout=30)
+        got = json.loads(rx.stdout.readline())
+        rx.wait(timeout=10)
+    stamps = [stamp for stamp, _ in got]
+    assert min(stamps) >= 0.029, got  # stamped after the delay, not when the packet entered the host
+    assert all(read - stamp < 0.010 for stamp, read in got), got
+
+
 def test_two_tier_topology():
     with Lab(racks=[2, 2], prefix=_prefix()) as lab:
         assert [h.rack for h in lab.hosts] == [0, 0, 1, 1]

@@ -36,18 +36,21 @@ Theory of operation
                    (host namespace)                     (switch namespace)
         rate       tbf on ltppI (the host's DOWNLINK,   tbf on ltpeth0 (the host's uplink)
                    bridge-side veth egress)
-        delay      nfqueue: C delayer on the host's     nfqueue: C delayer in the switch
-                   PREROUTING (receiving side);         namespace, PREROUTING of bridged
-                   netem: netem under the downlink tbf  packets (br_netfilter, physdev-in);
-                                                        netem: netem on ltpeth0
+        delay      nfqueue: C delayer in the switch     nfqueue: C delayer in the switch
+                   namespace, FORWARD of bridged        namespace, PREROUTING of bridged
+                   packets out of ltppI (physdev-out);  packets (br_netfilter, physdev-in);
+                   netem: netem under the downlink tbf  netem: netem on ltpeth0
         =========  ===================================  ====================================
 
     The delayer always sits on the receiving side of the impaired hop: a packet held on the
-    sender's egress stays charged to its TCP socket and TCP throttles itself (TSQ). The
-    loss rule is the same for every transport: drop IPv4 packets longer than 200 bytes
-    (data, not ACKs) with probability ``loss`` using ``numgen random``; ``all_sizes=True``
-    drops every IPv4 packet. Order on the downlink path: rate (tbf, switch side), then loss,
-    then delay (both at the host).
+    sender's egress stays charged to its TCP socket and TCP throttles itself (TSQ). It never
+    sits in the receiving host: the kernel stamps a datagram's arrival (``SO_TIMESTAMPNS``)
+    when it enters the host, before a PREROUTING hook there, so a delayer in the host made
+    every receive timestamp early by the delay (``Lab._delay_point``). The loss rule is the
+    same for every transport: drop IPv4 packets longer than 200 bytes (data, not ACKs) with
+    probability ``loss`` using ``numgen random``; ``all_sizes=True`` drops every IPv4 packet.
+    Order on the downlink path: delay (switch, as the packet is forwarded to the port), rate
+    (tbf on the port), then loss (at the host; with ``gro``, at the port before the tbf).
 
     Cleanup. :meth:`Lab.close` (run by ``__exit__``, by a SIGTERM handler installed while the
     lab is open, and by ``atexit``) kills every process in the lab's namespaces and deletes
@@ -424,33 +427,40 @@ class Lab:
                     ipr.tc("add", "netem", index=idx, handle="1:", **kw)
         if not delay_changed or (backend != "nfqueue" and (h.index, direction) not in self._delayers):
             return  # a running delayer keeps its held packets when only the rate changes
-        # user-space delayer: on the receiving side of the impaired hop
+        # user-space delayer: in the switch, on the receiving side of the impaired hop
         self._stop_delayer(h, direction)
         if imp.delay_s > 0 and backend == "nfqueue":
-            if direction == "ingress":
-                ns, queue = h.netns, 0
-                rule = ["-i", h.ifname]
-            else:
-                ns, queue = self.switch_ns, h.index + 1
-                self._sh(ns, ["sysctl -qw net.bridge.bridge-nf-call-iptables=1"])
-                rule = ["-m", "physdev", "--physdev-in", h.port]
+            ns, queue, table, chain, rule = self._delay_point(h, direction)
+            self._sh(ns, ["sysctl -qw net.bridge.bridge-nf-call-iptables=1"])
             self._delayers[(h.index, direction)] = start_delayer(
                 ns, queue, imp.delay_s, imp.jitter_s, seed=1 + 2 * h.index + (direction == "egress"))
-            r = support._ns_exec(ns, ["iptables-legacy", "-t", "raw", "-A", "PREROUTING", *rule,
+            r = support._ns_exec(ns, ["iptables-legacy", "-t", table, "-A", chain, *rule,
                                       "-j", "NFQUEUE", "--queue-num", str(queue)])
             if r.returncode != 0:
                 self._stop_delayer(h, direction)
                 raise RuntimeError(f"iptables-legacy NFQUEUE rule failed in {ns}: {r.stderr.strip()}")
 
+    def _delay_point(self, h: Host, direction: str) -> tuple:
+        """(namespace, NFQUEUE number, iptables table, chain, match) of the user-space delayer of (h, direction).
+
+        Both directions delay bridged packets in the switch namespace: ingress (to h) as the switch forwards
+        them out of h's port (FORWARD, ``--physdev-out``), egress (from h) as they enter it (PREROUTING,
+        ``--physdev-in``). Not in the host: the kernel stamps a packet's receive time (``SO_TIMESTAMPNS``) when
+        it enters the host, before a PREROUTING delayer holds it, so a delayer there made every timestamp
+        early by the whole delay (LTP's RTT samples at a host with ingress delay read ~0 instead of the
+        delay). Crossing the veth into the host namespace clears the stamp, so the host stamps the packet
+        when it really arrives, as a NIC does at the end of a long link."""
+        if direction == "ingress":
+            return (self.switch_ns, INGRESS_QUEUE_BASE + h.index, "mangle", "FORWARD",
+                    ["-m", "physdev", "--physdev-out", h.port, "--physdev-is-bridged"])
+        return self.switch_ns, h.index + 1, "raw", "PREROUTING", ["-m", "physdev", "--physdev-in", h.port]
+
     def _stop_delayer(self, h: Host, direction: str) -> None:
         p = self._delayers.pop((h.index, direction), None)
         if p is None:
             return
-        if direction == "ingress":
-            ns, queue, rule = h.netns, 0, ["-i", h.ifname]
-        else:
-            ns, queue, rule = self.switch_ns, h.index + 1, ["-m", "physdev", "--physdev-in", h.port]
-        support._ns_exec(ns, ["iptables-legacy", "-t", "raw", "-D", "PREROUTING", *rule,
+        ns, queue, table, chain, rule = self._delay_point(h, direction)
+        support._ns_exec(ns, ["iptables-legacy", "-t", table, "-D", chain, *rule,
                               "-j", "NFQUEUE", "--queue-num", str(queue)])
         _terminate(p)
 
@@ -629,7 +639,7 @@ class Lab:
         h = self._host(h)
         if (h.index, direction) not in self._delayers:
             return None
-        ns, queue = (h.netns, 0) if direction == "ingress" else (self.switch_ns, h.index + 1)
+        ns, queue = self._delay_point(h, direction)[:2]
         r = support._ns_exec(ns, ["cat", "/proc/net/netfilter/nfnetlink_queue"])
         for line in r.stdout.splitlines():
             f = line.split()
@@ -661,7 +671,8 @@ class Lab:
                     hosts=[dataclasses.asdict(h) for h in self.hosts])
 
 
-UPLINK_QUEUE_BASE = 1000  # NFQUEUE numbers of uplink delayers (host delayers use 0 .. n_hosts)
+UPLINK_QUEUE_BASE = 1000  # NFQUEUE numbers of uplink delayers (host egress delayers use 1 .. n_hosts)
+INGRESS_QUEUE_BASE = 2000  # NFQUEUE numbers of host ingress delayers (2000 + host index)
 
 
 class RateRedrawer:
