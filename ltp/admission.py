@@ -220,7 +220,7 @@ class Admission:
         self.ctrl.append((wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES[code or reason], 0), addr))
 
     def on_reg(self, data, addr, flags: int, fid: int, token: int, w3: int, now: float, wall: float, *,
-               existing=None, find_slot=None, hinted=None, attempt: int = 0):
+               existing=None, find_slot=None, hinted=None, attempt: int = 0, processed: float | None = None):
         """Admit, repeat-answer or refuse one REG from ``addr`` (layers 1-3).
 
         ``existing``: the open receive flow with this ``(addr, fid)``, if any;
@@ -231,10 +231,15 @@ class Admission:
         RESET ``stale`` so the sender can tell an answer to its latest copy from
         one to a copy that sat in a queue. Returns None, or ``(slot, total)`` when
         the ``total``-byte message does not fit the slot: the sender was refused
-        (``too_large``) and the caller fails the slot.
+        (``too_large``) and the caller fails the slot. ``now`` is when the REG arrived
+        (the registration's time, from which Early Close counts); ``processed`` (default
+        ``now``) is when it is read, from which a pending registration's life counts: a
+        REG read from a backlog has its first DATA queued right behind it, and must not
+        expire before the next read reaches it.
         """
         cfg = self.config
         key = (addr, fid)
+        life_from = now if processed is None else max(now, processed)  # a pending registration's life starts
         has_mac = bool(flags & wire.F_MAC)
         (total, seg, elem, count, tag, mode, ranges, mac, mac_end, stamp) = wire.unpack_reg_body(
             data, wire.HEADER_SIZE, has_mac)
@@ -257,15 +262,15 @@ class Admission:
             if (existing or pend).token == token:
                 received = existing.window.received if existing is not None else 0
                 self.ctrl.append((wire.pack_ack(fid, token, received, 0, (), self.grant(seg, addr)), addr))
-                self.stats.drop("duplicate_reg")
+                self.stats.reg_repeats += 1
                 if pend is not None:
-                    pend.expires = max(pend.expires, now + pending_lifetime(self._rtt_hint(addr, w3)))
+                    pend.expires = max(pend.expires, life_from + pending_lifetime(self._rtt_hint(addr, w3)))
             else:
                 self.stats.drop("flow_id_collision")
             return None
         rec = self.closed.get(key)
         if rec is not None and rec[0] == token:
-            self.stats.drop("duplicate_reg")
+            self.stats.reg_repeats += 1
             self.ctrl.append((stop_datagram(fid, token, rec[1], rec[2]), addr))
             return None
         if total > cfg.max_flow_bytes:
@@ -305,7 +310,7 @@ class Admission:
         pend = PendingRegistration(key=key, peer=addr, flow_id=fid, token=token, total=total, seg_size=seg,
                                    element_size=elem, seg_count=count, tag=tag, reliable=bool(mode),
                                    ranges=ranges, est=wire.split_estimates(w3), registered=now,
-                                   expires=now + pending_lifetime(self._rtt_hint(addr, w3)))
+                                   expires=life_from + pending_lifetime(self._rtt_hint(addr, w3)))
         self.pending[key] = pend
         self.expiries.push(pend.expires, key)
         if addr not in self.per_peer and not on_loopback(addr):

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 
 from .errors import LocalProtocolError
 
-__all__ = ["Config", "DCN", "WAN"]
+__all__ = ["Config", "DCN", "WAN", "REG_COPIES_MAX"]
 
 _GiB = 1 << 30
 _MiB = 1 << 20
+#: most REG copies per registration attempt (Config.reg_copies)
+REG_COPIES_MAX = 4
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,11 @@ class Config:
     min_burst_packets: int = 8
     #: loss recovery: smallest probe timeout; REG retransmission starts at this times two
     min_pto_s: float = 0.004
+    #: REG datagrams per registration attempt, sent back to back, each stamped afresh. A receiver drops
+    #: DATA of a flow it holds no registration for, so a lost REG costs the whole first flight and at
+    #: least a round trip; two copies make that p^2 instead of p at random loss p (and each copy is
+    #: answered, so a lost answer is p^2 too). 1 sends one; at most REG_COPIES_MAX.
+    reg_copies: int = 2
     #: a transfer fails when the peer has been silent this long (upper bound of the dead-peer rule)
     idle_timeout_s: float = 10.0
     #: dead-peer rule: a send fails after max(this, PEER_SILENCE_RTTS x smoothed RTT) of silence
@@ -118,6 +125,10 @@ class Config:
                                                and self.link_rate < float("inf")):
             raise LocalProtocolError(f"link_rate={self.link_rate!r}: pass the link's rate in bytes/s "
                                      "(125e6 for 1 Gbit/s), or None when it is unknown")
+        if isinstance(self.reg_copies, bool) or not isinstance(self.reg_copies, int) or \
+                not 1 <= self.reg_copies <= REG_COPIES_MAX:
+            raise LocalProtocolError(f"reg_copies={self.reg_copies!r}: pass an int from 1 to {REG_COPIES_MAX} "
+                                     "(2, the default, survives one lost REG)")
         if self.job_key is not None and not isinstance(self.job_key, (bytes, bytearray)):
             raise LocalProtocolError("job_key must be bytes (e.g. secret.encode())")
         for name in ("max_flow_bytes", "max_flows_per_peer", "max_receive_memory", "lt_window",

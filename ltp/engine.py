@@ -235,15 +235,16 @@ class Engine:
         handle = self._new_handle()
         flow = FlowSender(handle=handle, peer=peer, flow_id=fid, token=token, data=data,
                           element_size=element_size, segment_size=seg, reliable=reliable, critical=critical,
-                          tag=tag, now=now, job_key=self.config.job_key, source=source)
-        reg = flow.reg_datagram(now, path.est_word(), path.base_pto(), self._wall_us(now))  # before it is known
+                          tag=tag, now=now, job_key=self.config.job_key, source=source,
+                          reg_copies=self.config.reg_copies)
+        regs = flow.reg_datagrams(now, path.est_word(), path.base_pto(), self._wall_us(now))  # before it is known
         if not path.flows:
             path.begin_busy(now)
         path.flows.append(flow)
         self._tx[(peer, fid)] = flow
         self._tx_by_handle[handle] = flow
         self.stats.flows_sent += 1
-        self._ctrl.append((reg, peer))
+        self._ctrl.extend((reg, peer) for reg in regs)
         return handle
 
     def set_source(self, peer, addr) -> None:
@@ -418,7 +419,7 @@ class Engine:
                 if t >= 0:
                     at = min(now, t - times_offset if times_offset is not None else t)
             try:
-                heard |= self._receive_one(mv[o:o + length], addr, at)
+                heard |= self._receive_one(mv[o:o + length], addr, at, now)
             except WireError as exc:
                 self.stats.drop(exc.reason)
             i += 1
@@ -427,9 +428,11 @@ class Engine:
             if path is not None:
                 path.last_heard = now
 
-    def _receive_one(self, data: memoryview, addr, now: float) -> bool:
+    def _receive_one(self, data: memoryview, addr, now: float, processed: float | None = None) -> bool:
         """Process one datagram off the DATA fast path; True when it carried the token of one of our flows
-        (the dead-peer rule counts only those as hearing from the peer)."""
+        (the dead-peer rule counts only those as hearing from the peer). ``now``: when it arrived (its kernel
+        timestamp where known); ``processed``: when it is processed (the batch's ``now``), which is when a
+        pending registration's life starts: a REG read late has its DATA queued right behind it."""
         ptype, flags, fid, token, w2, w3 = wire.unpack_header(data)
         key = (addr, fid)
         if ptype == wire.T_DATA:
@@ -444,7 +447,7 @@ class Engine:
             too_small = self._admission.on_reg(data, addr, flags, fid, token, w3, now, now + self.wall_offset,
                                                existing=self._rx.get(key), find_slot=self._matcher.waiting_slot,
                                                hinted=self._hints.fits,
-                                               attempt=w2)
+                                               attempt=w2, processed=processed)
             if too_small is not None:
                 self._fail_too_small(*too_small, addr, now)
             return False  # a REG proves only that someone can write the peer's address
@@ -498,8 +501,9 @@ class Engine:
                     if not flow.answers_latest_reg(w3):
                         self.stats.drop("stale_old_copy")  # a newer, fresher copy is on its way or admitted
                         return True
+                    before = flow.stale_retries
                     if flow.retry_stale(now):
-                        self.stats.stale_retries += 1
+                        self.stats.stale_retries += flow.stale_retries - before  # a round's second copy: 0
                         return True
                 flow.fail(now, TransferRefused(reason))
                 self._end_send(flow, now)
@@ -936,8 +940,8 @@ class Engine:
                     self._end_send(flow, now)
                     continue
                 if not flow.reg_confirmed and now >= flow.reg_next:
-                    self._ctrl.append((flow.reg_datagram(now, path.est_word(), path.base_pto(), self._wall_us(now)),
-                                       flow.peer))
+                    self._ctrl.extend((reg, flow.peer) for reg in flow.reg_datagrams(
+                        now, path.est_word(), path.base_pto(), self._wall_us(now)))
                 if flow.window.inflight_count and max(flow.window.oldest_inflight_time(), flow.last_heard) + pto <= now:
                     # a nanosecond of slack so the transmission the timer was armed for is included
                     lost = flow.window.expire(now - pto + 1e-9)

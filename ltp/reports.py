@@ -75,6 +75,9 @@ class EndpointStats:
     #: refused registrations by reason ("unauthenticated", "stale", "replayed", "too_many_flows",
     #: "too_many_host_flows", "too_many_pending", "out_of_memory", "too_large", ...)
     refused: dict = field(default_factory=dict)
+    #: REG datagrams for a flow already registered, open or closed (a round's other copies,
+    #: ``Config.reg_copies``, or a repeat that crossed its answer): answered again, not dropped
+    reg_repeats: int = 0
     #: RESET "unregistered" answers received for open sends (each may make the send register again)
     reregistrations: int = 0
     #: RESET "stale" answers that made an open send register again with a fresh stamp (``sender.STALE_RETRIES``)

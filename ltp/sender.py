@@ -61,7 +61,7 @@ class FlowSender:
 
     def __init__(self, *, handle: int, peer, flow_id: int, token: int, data, element_size: int,
                  segment_size: int, reliable: bool, critical, tag: int, now: float,
-                 job_key: bytes | None = None, source=None) -> None:
+                 job_key: bytes | None = None, source=None, reg_copies: int = 1) -> None:
         try:
             mv = memoryview(data)
         except TypeError:
@@ -120,9 +120,12 @@ class FlowSender:
         self.source = source  # our address as the peer sees it (bound into the MAC)
         self.reregistrations = 0
         self.stale_retries = 0
+        self._stale_retry_round = -1  # the round whose refusal the latest retry_stale answered
         self.reg_sent_at = now
         self.reg_confirmed = False
-        self.reg_attempts = 0
+        self.reg_attempts = 0  # REG datagrams sent (each copy is an attempt: its own stamp, MAC and attempt byte)
+        self.reg_rounds = 0  # registration rounds (reg_copies copies each); the back-off counts these
+        self.reg_copies = reg_copies
         self.reg_next: float = now
         self.hold_data = False  # the receiver answered DATA with RESET unregistered: wait for a REG's answer
         #: DATA was refused as unregistered (it overtook its REG, or the REG was lost): whatever is in flight
@@ -130,17 +133,21 @@ class FlowSender:
         self.data_refused = False
 
     # -- registration ---------------------------------------------------
-    def reg_datagram(self, now: float, est_word: int, rto: float, wall_us: int) -> bytes:
-        """The REG datagram to (re)send now, stamped ``wall_us``; schedules the next repetition."""
-        self.reg_attempts += 1
+    def reg_datagrams(self, now: float, est_word: int, rto: float, wall_us: int) -> list:
+        """The REG datagrams to (re)send now, ``reg_copies`` of them, each stamped ``wall_us`` with its own
+        attempt byte (so each has its own MAC: a receiver's replay cache refuses identical bytes, and each
+        copy is answered); schedules the next round."""
+        self.reg_rounds += 1
         self.reg_sent_at = now
-        self.reg_next = now + min(rto * (2 ** min(self.reg_attempts - 1, 8)), 1.0)
-        head = wire.pack_header(wire.T_REG, self._reg_flags, self.flow_id, self.token,
-                                self.reg_attempts & 0xFF, est_word)
-        signed = head + wire.pack_reg_body(*self._reg_fields, timestamp_us=max(0, int(wall_us)))
-        if self._job_key:
-            return signed + reg_mac(self._job_key, self.source, signed)
-        return signed
+        self.reg_next = now + min(rto * (2 ** min(self.reg_rounds - 1, 8)), 1.0)
+        out = []
+        for _ in range(self.reg_copies):
+            self.reg_attempts += 1
+            head = wire.pack_header(wire.T_REG, self._reg_flags, self.flow_id, self.token,
+                                    self.reg_attempts & 0xFF, est_word)
+            signed = head + wire.pack_reg_body(*self._reg_fields, timestamp_us=max(0, int(wall_us)))
+            out.append(signed + reg_mac(self._job_key, self.source, signed) if self._job_key else signed)
+        return out
 
     def reregister(self, now: float, min_interval: float) -> bool:
         """The receiver says it holds no registration of ours: send REG again now.
@@ -177,16 +184,20 @@ class FlowSender:
         return self.window.expire(now)
 
     def answers_latest_reg(self, echoed_attempt: int) -> bool:
-        """True when a RESET ``stale`` echoing ``echoed_attempt`` refers to our latest REG copy (0: a peer that
-        echoes nothing, taken as the latest).  An answer to an older copy, one that sat in a queue or a stopped
-        peer's socket buffer past the window, says nothing about the copies stamped since."""
-        return echoed_attempt == 0 or echoed_attempt == self.reg_attempts & 0xFF
+        """True when a RESET ``stale`` echoing ``echoed_attempt`` refers to a copy of our latest REG round (0: a
+        peer that echoes nothing, taken as the latest).  An answer to an older round's copy, one that sat in a
+        queue or a stopped peer's socket buffer past the window, says nothing about the copies stamped since."""
+        return echoed_attempt == 0 or (self.reg_attempts - echoed_attempt) & 0xFF < self.reg_copies
 
     def retry_stale(self, now: float) -> bool:
         """The receiver refused our REG as ``stale``: register again now with a fresh stamp, holding DATA until
-        a REG is answered.  False after :data:`STALE_RETRIES` such retries (the clocks really differ)."""
+        a REG is answered.  False after :data:`STALE_RETRIES` such retries (the clocks really differ).  The
+        copies of one round draw one refusal each: a retry already waiting for its round counts once."""
+        if self._stale_retry_round == self.reg_rounds:
+            return True
         if self.stale_retries >= STALE_RETRIES:
             return False
+        self._stale_retry_round = self.reg_rounds
         self.stale_retries += 1
         self.reg_confirmed = False
         self.hold_data = True

@@ -36,6 +36,8 @@ class SimLink:
     queue_bytes: int | None = None
     #: drop only datagrams larger than this (lets ACKs through, like the lab's default rule)
     loss_min_size: int = 0
+    #: deterministic loss: ``drop_if(data)`` true drops that datagram (counted as ``lost``), e.g. "the first REG"
+    drop_if: object = None
     busy_until: float = 0.0
     stats: dict = field(default_factory=lambda: {"sent": 0, "lost": 0, "queue_drop": 0, "dup": 0})
 
@@ -113,6 +115,9 @@ class SimNetwork:
             return
         link = self.link(src, dst)
         link.stats["sent"] += 1
+        if link.drop_if is not None and link.drop_if(data):
+            link.stats["lost"] += 1
+            return
         if len(data) > link.loss_min_size and link.loss and self.rng.random() < link.loss:
             link.stats["lost"] += 1
             return

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ltp import wire
-from ltp.admission import PENDING_MAX_S, ReplayCache, address_bytes, pending_lifetime, reg_mac
+from ltp.admission import PENDING_MAX_S, PENDING_MIN_S, ReplayCache, address_bytes, pending_lifetime, reg_mac
 from ltp.config import Config
 from ltp.engine import Engine
 from ltp.errors import TransferRefused
@@ -42,6 +42,14 @@ def out(eng, now):
 
 def regs(dgrams):
     return [d for d, _ in dgrams if d[0] & 0x0F == wire.T_REG]
+
+
+def datas(dgrams):
+    """The DATA datagrams of ``dgrams`` ((bytes, addr) pairs), in order."""
+    return [d for d, _ in dgrams if d[0] & 0x0F == wire.T_DATA]
+
+
+COPIES = Config().reg_copies  # REG datagrams per registration round (each is answered, refused or counted)
 
 
 def captured_reg(size=16 * MiB, key=KEY, now=0.0, tag=0):
@@ -127,8 +135,9 @@ def test_stale_registration_is_refused_and_the_sender_learns_why():
     h = a.send(B, np.ones(1000, np.float32), now=0.0)
     ev = exchange(a, b, [d for d, _ in out(a, 0.0)], 0.0, h)[0][h]
     assert isinstance(ev.error, TransferRefused) and ev.error.reason == "stale"
-    # each fresh REG drew 'stale' again: a skewed clock fails after STALE_RETRIES round trips, not at once
-    assert b.stats.refused == {"stale": 1 + STALE_RETRIES} and a.stats.stale_retries == STALE_RETRIES
+    # each fresh REG round drew 'stale' again (once per copy): a skewed clock fails after STALE_RETRIES round
+    # trips, not at once, and a round's second refusal is not a second retry
+    assert b.stats.refused == {"stale": COPIES * (1 + STALE_RETRIES)} and a.stats.stale_retries == STALE_RETRIES
 
 
 @pytest.mark.parametrize("pause", [10.5, 30.0])
@@ -148,9 +157,9 @@ def test_a_reg_stamped_before_a_pause_is_stamped_afresh_and_the_transfer_complet
         b.receive_datagram(d, A, pause)
     for d, _ in out(b, pause):  # the answers reach A before its late timer runs
         a.receive_datagram(d, B, pause + 0.0005)
-    assert b.stats.refused == {"stale": 1} and a.stats.stale_retries == 1
+    assert b.stats.refused == {"stale": COPIES} and a.stats.stale_retries == 1
     sent, received = exchange(a, b, [], pause + 0.0005, hs, hr)
-    assert b.stats.refused == {"stale": 1}
+    assert b.stats.refused == {"stale": COPIES}
     assert sent[hs].error is None and received[hr].error is None
     assert np.array_equal(buf, data)
 
@@ -186,7 +195,7 @@ def test_every_repeated_reg_is_fresh_and_accepted():
     assert again[16:] != first[16:] and again[-16:] != first[-16:]
     b.receive_datagram(first, A, 0.051)
     b.receive_datagram(again, A, 0.052)
-    assert b.stats.refused == {} and b.stats.dropped == {"duplicate_reg": 1}
+    assert b.stats.refused == {} and b.stats.dropped == {} and b.stats.reg_repeats == 1
 
 
 def test_memory_is_committed_on_first_data_not_on_reg():
@@ -194,11 +203,12 @@ def test_memory_is_committed_on_first_data_not_on_reg():
     data = np.arange(250_000, dtype=np.float32)  # 1 MB
     a.send(B, data, now=0.0)
     dg = out(a, 0.0)
-    reg, datas = dg[0][0], [d for d, _ in dg[1:]]
-    assert reg[0] & 0x0F == wire.T_REG and datas
-    b.receive_datagram(reg, A, 0.001)
+    reg, first = regs(dg), datas(dg)
+    assert len(reg) == COPIES and first
+    for r in reg:
+        b.receive_datagram(r, A, 0.001)
     assert b.receive_memory == 0 and len(b._pending) == 1
-    b.receive_datagram(datas[0], A, 0.002)
+    b.receive_datagram(first[0], A, 0.002)
     assert not b._pending and b.receive_memory == -(-data.nbytes // 1456) + data.nbytes  # bitmap + buffer
     assert b.stats.flows_received == 1
 
@@ -207,8 +217,8 @@ def test_data_with_a_wrong_token_does_not_commit_memory():
     a, b = engines()
     a.send(B, np.ones(250_000, np.float32), now=0.0)
     dg = out(a, 0.0)
-    b.receive_datagram(dg[0][0], A, 0.001)
-    forged = bytearray(dg[1][0])
+    b.receive_datagram(regs(dg)[0], A, 0.001)
+    forged = bytearray(datas(dg)[0])
     forged[4] ^= 0xFF
     b.receive_datagram(bytes(forged), A, 0.002)
     assert b.receive_memory == 0 and len(b._pending) == 1 and b.stats.dropped["bad_token"] == 1
@@ -262,7 +272,8 @@ def test_sender_registers_again_when_the_receiver_forgot_it():
     data = np.arange(20_000, dtype=np.float32)
     hs = a.send(B, data, now=0.0)
     dg = out(a, 0.0)
-    b.receive_datagram(dg[0][0], A, 0.001)  # REG only; its DATA is "late"
+    for r in regs(dg):
+        b.receive_datagram(r, A, 0.001)  # REG only; its DATA is "late"
     for d, _ in out(b, 0.001):
         a.receive_datagram(d, B, 0.002)  # the confirming ACK
     b.handle_timer(PENDING_MAX_S + 0.01)  # no RTT known on either side: the longest life
@@ -270,7 +281,7 @@ def test_sender_registers_again_when_the_receiver_forgot_it():
     buf = np.zeros_like(data)
     t = PENDING_MAX_S + 0.02
     hr = b.post_receive([(A, 0, buf)], now=t)
-    sent, received = exchange(a, b, [d for d, _ in dg[1:]], t, hs, hr)
+    sent, received = exchange(a, b, datas(dg), t, hs, hr)
     assert a.stats.reregistrations >= 1
     assert sent[hs].error is None and received[hr].error is None
     assert np.array_equal(buf, data)
@@ -304,8 +315,8 @@ def test_host_memory_cap_refuses_on_evidence():
         s = Engine(Config(job_key=KEY), rng=random.Random(port), local_addr=src, wall_offset=T0)
         s.send(B, np.ones(MiB // 4, np.float32), now=0.0)
         dg = out(s, 0.0)
-        b.receive_datagram(dg[0][0], src, 0.001)  # every REG fits the cap on its own: pending
-        first.append((dg[1][0], src))
+        b.receive_datagram(regs(dg)[0], src, 0.001)  # every REG fits the cap on its own: pending
+        first.append((datas(dg)[0], src))
     assert len(b._pending) == 3 and b.receive_memory == 0
     for d, src in first:  # the first DATA commits memory: the third does not fit
         b.receive_datagram(d, src, 0.002)
@@ -371,3 +382,50 @@ def test_mutated_regs_never_admitted(flips, port):
         return  # the flips cancelled out: the genuine REG
     assert b.receive_memory == 0 and not b._pending
     assert sum(b.stats.refused.values()) + sum(b.stats.dropped.values()) >= 1
+
+
+def _deliver_late(eng, dgrams, src, arrived: float, processed: float) -> None:
+    """Hand ``dgrams`` to ``eng`` as one batch read at ``processed`` whose kernel timestamps say ``arrived``."""
+    buf = b"".join(dgrams)
+    lens = np.array([len(d) for d in dgrams], np.int64)
+    offs = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    times = np.full(len(dgrams), arrived + T0)
+    eng.receive_batch(buf, offs, lens, 0, len(dgrams), src, processed, times, times_offset=T0)
+
+
+@pytest.mark.parametrize("late_s", [0.0, 0.3])
+def test_a_registration_read_from_a_late_backlog_waits_for_its_data_behind_it(late_s):
+    """A REG and its first DATA arrived together, but the receiver read them ``late_s`` after they arrived
+    (a busy loop; or the lab's user-space delayer, which holds packets *after* the kernel stamped them), the
+    REG in one read and its DATA in the next, with the timer run in between. The registration's life counts
+    from when the REG was read: found in ``ltp-ps launch --workers 8 --delay 0.05 --loss 0.1``, where the
+    PS (srtt 1 ms, so a 50 ms life) expired registrations whose DATA was next in its socket, and the
+    workers' round-0 pushes failed after 8 re-registrations. The flow's own clock still starts at arrival."""
+    a, b = engines()
+    b.send(A, np.ones(1000, np.float32), now=0.0)  # B sends A a first message: B learns a ~1 ms RTT to A
+    a.post_receive([(B, 0, np.zeros(1000, np.float32))], now=0.0)
+    now = 0.0
+    for _ in range(20):
+        now += 0.0005
+        for d, _ in out(b, now):
+            a.receive_datagram(d, B, now)
+        a.handle_timer(now)
+        for d, _ in out(a, now):
+            b.receive_datagram(d, A, now + 0.0005)
+        b.handle_timer(now)
+    assert pending_lifetime(b._srtt_of(A)) == PENDING_MIN_S
+    before = dict(b.stats.dropped)
+    now = 1.0
+    data = np.arange(50_000, dtype=np.float32)
+    a.send(B, data, now=now, tag=1)
+    dg = out(a, now)
+    arrived, read = now + 0.001, now + 0.001 + late_s
+    _deliver_late(b, regs(dg), A, arrived, read)
+    assert len(b._pending) == 1
+    b.handle_timer(read + 0.9 * PENDING_MIN_S)  # the loop ran its timers before the next read
+    _deliver_late(b, datas(dg)[:4], A, arrived, read + 0.9 * PENDING_MIN_S)
+    new = {k: v - before.get(k, 0) for k, v in b.stats.dropped.items() if v != before.get(k, 0)}
+    assert new == {}, new  # nothing expired, no DATA unknown
+    assert not b._pending and b.stats.flows_received == 1
+    (flow,) = [f for f in b._rx.values() if f.tag == 1]
+    assert flow.start == pytest.approx(arrived)  # Early Close counts from the arrival

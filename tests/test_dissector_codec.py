@@ -44,7 +44,9 @@ def test_engine_datagrams_dissect_field_by_field(job_key):
     assert [(r.first, r.end) for r in reg.ranges] == body[6] and reg.timestamp == body[9]
     if job_key:
         assert reg.mac == body[7]
-    for raw in out[1:]:
+    copies = sum(1 for raw in out if raw[0] & 0x0F == wire.T_REG)
+    assert copies == Config().reg_copies and all(raw[0] & 0x0F == wire.T_REG for raw in out[:copies])
+    for raw in out[copies:]:
         pkt = LTPT(raw)
         _, flags, _, _, w2, w3 = wire.unpack_header(raw)
         assert pkt.type == wire.T_DATA and pkt.seq == w2 >> 8 and pkt.attempt == w2 & 0xFF

@@ -395,7 +395,8 @@ def test_caps_refuse_oversized_and_out_of_memory_registrations(harness, floats):
     assert isinstance(ev.error, TransferRefused) and ev.error.reason == "too_large"
     (ev,) = h.wait([(0, a.send(h.addrs[1], floats(20_000), now=h.now))])  # 120k buffered + 80k > 200k
     assert isinstance(ev.error, TransferRefused) and ev.error.reason == "out_of_memory"
-    assert h.engines[1].stats.refused == {"too_large": 1, "out_of_memory": 1}
+    copies = Config().reg_copies  # each REG copy is refused (and answered) on its own
+    assert h.engines[1].stats.refused == {"too_large": copies, "out_of_memory": copies}
 
 
 def test_job_key_rejects_unauthenticated_registration(harness, floats):
@@ -403,7 +404,7 @@ def test_job_key_rejects_unauthenticated_registration(harness, floats):
     h.links(rate=GBIT, delay_s=0.0002)
     (ev,) = h.wait([(0, h.engines[0].send(h.addrs[1], floats(1000), now=h.now))])
     assert isinstance(ev.error, TransferRefused) and ev.error.reason == "unauthenticated"
-    assert h.engines[1].stats.dropped.get("unauthenticated") == 1
+    assert h.engines[1].stats.dropped.get("unauthenticated") == Config().reg_copies
     (ev,) = h.wait([(2, h.engines[2].send(h.addrs[1], floats(1000), now=h.now))])
     assert ev.error is None
 
@@ -524,7 +525,7 @@ def test_flows_per_peer_cap_refuses_the_extra_registration(harness, floats):
     errors = [e.error for e in evs]
     assert sum(isinstance(e, TransferRefused) and e.reason == "too_many_flows" for e in errors) == 1
     assert sum(e is None for e in errors) == 2
-    assert h.engines[1].stats.refused == {"too_many_flows": 1}
+    assert h.engines[1].stats.refused == {"too_many_flows": Config().reg_copies}
 
 
 def _incast_rounds(floats, *, n, size, rate, delay_s, queue_bytes, rounds, seed=3, loss=0.0, link_rate=None):

@@ -84,7 +84,9 @@ def test_receiver_bookkeeping_holds_under_random_traffic(seed, loss, n_senders, 
         for e in engs:
             while e.next_event() is not None:
                 pass
-    end = net.now + max(40.0, cfg.unclaimed_ttl_s + 1.0)  # every timer, idle rule and TTL has passed by then
+    # every timer, idle rule and TTL has passed by then: a message the idle rule closes (its sender went silent)
+    # is kept unclaimed for the TTL from that close
+    end = net.now + max(40.0, cfg.idle_timeout_s + cfg.unclaimed_ttl_s + 1.0)
     net.run(until=end)  # (the simulator's clock stops at its last event when none is left)
     _check(rx)
     # unclaimed messages are purged lazily, on the next timer run (they arm no timer of their own)

@@ -204,7 +204,7 @@ def test_reset_unregistered_before_the_reg_was_answered_holds_data():
     """FlowSender: RESET ``unregistered`` while its REG is unanswered holds DATA and brings the REG forward."""
     f = FlowSender(handle=1, peer=("10.0.0.2", 1), flow_id=5, token=9, data=bytes(10_000), element_size=1,
                    segment_size=1000, reliable=True, critical=(), tag=0, now=0.0)
-    f.reg_datagram(0.0, 0, 0.020, 0)  # next REG by back-off at 0.020
+    f.reg_datagrams(0.0, 0, 0.020, 0)  # next REG by back-off at 0.020
     assert f.has_sendable() and f.reg_next == pytest.approx(0.020)
     assert f.reregister(0.001, 0.008)  # too soon after the REG: hold DATA, keep the back-off
     assert not f.has_sendable() and f.reg_next == pytest.approx(0.020) and f.reregistrations == 0
