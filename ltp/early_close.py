@@ -86,6 +86,17 @@ timeout), and closes the moment its first pass ends. A lost packet thus
 costs its own bytes, never a retransmission round trip, and a slow sender
 is not cut: without loss every flow of a slow-but-steady sender is delivered
 whole.
+
+**Critical segments at the deadline** (*choice*). The paper delivers critical
+data reliably, and Early Close before the deadline already waits for it. At
+the group deadline a flow still missing a critical segment (its first copy was
+lost, and its sender registered late, so the retransmission is a round trip
+away) stays open until the segment arrives, up to the hard deadline, and then
+closes at once: closed without it the message is worth nothing to its receiver
+(the parameter server cannot use a gradient whose header is missing), so the
+deadline would throw away everything that did arrive. Simulator, 4 senders of
+160 kB, one starting 20-40 ms late with its header lost: cut at 99.1 %
+delivered without the header, before this.
 """
 
 from __future__ import annotations
@@ -321,7 +332,11 @@ def decide(now: float, *, start: float, lt: float | None, deadline: float | None
         return DEADLINE, None
     advancing = stall_at is None or now < stall_at
     if deadline is not None and now >= deadline:
-        if hard_deadline is None or lossy or not advancing or first_pass_done:
+        if hard_deadline is None:
+            return DEADLINE, None
+        if not critical_ok:  # closed now it would be worth nothing: wait for the critical retransmission
+            return None, hard_deadline
+        if lossy or not advancing or first_pass_done:
             return DEADLINE, None
         return None, _earliest(stall_at, hard_deadline)  # a slow sender still in its first pass: keep going
     wake = deadline
