@@ -865,7 +865,7 @@ class Engine:
     def _deadlines(self) -> tuple:
         """The earliest deadline of each timer kind (None: not armed), in :class:`~ltp.timers.Timer` order."""
         # plain local minima: get_timer runs once per event-loop turn, over every open flow
-        pacing = reg = tail = silence = None
+        pacing = reg = tail = silence = reorder = None
         floor = self._heard_floor
         for path in self._paths.values():
             if not path.flows:
@@ -888,6 +888,10 @@ class Engine:
                         t = max(oldest, flow.last_heard) + pto
                         if tail is None or t < tail:
                             tail = t
+                    if w.acked_in_window:
+                        t = path.reorder_deadline(flow)
+                        if t is not None and (reorder is None or t < reorder):
+                            reorder = t
                 t = max(flow.last_heard, path.last_heard, floor) + limit
                 if silence is None or t < silence:
                     silence = t
@@ -912,7 +916,7 @@ class Engine:
         claim = self._claim_at if self._claims else None  # due at once: a copy step per loop turn
         return (pacing, reg, tail, silence, early, ack, group_at, self._admission.expiries.next_time(),
                 self._rx_idle_next if self._rx else None, claim, self._pool.next_expiry(),
-                self._matcher.unclaimed_expiry(self.config.unclaimed_ttl_s))
+                self._matcher.unclaimed_expiry(self.config.unclaimed_ttl_s), reorder)
 
     def silence_limit(self, path: Path) -> float:
         """Seconds of silence after which a peer counts as dead (the dead-peer rule, :mod:`ltp.liveness`)."""
@@ -942,6 +946,11 @@ class Engine:
                 if not flow.reg_confirmed and now >= flow.reg_next:
                     self._ctrl.extend((reg, flow.peer) for reg in flow.reg_datagrams(
                         now, path.est_word(), path.base_pto(), self._wall_us(now)))
+                t = path.reorder_deadline(flow)
+                if t is not None and t <= now:  # RACK: overtaken and a round trip + reordering window old
+                    lost = flow.window.detect_reordered(now - flow.rack_rtt - path.reorder_window(flow) + 1e-9)
+                    if lost.shape[0]:
+                        flow.requeue_lost(lost)
                 if flow.window.inflight_count and max(flow.window.oldest_inflight_time(), flow.last_heard) + pto <= now:
                     # a nanosecond of slack so the transmission the timer was armed for is included
                     lost = flow.window.expire(now - pto + 1e-9)

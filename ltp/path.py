@@ -26,13 +26,22 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import wire
 from .bbr import BBR
 from .config import Config
 from .link_share import GRANT_TTL_S, GRANTED_MIN_BURST_PACKETS, PROVISIONAL_GRANT_S
 from .pacing import Pacer
 
-__all__ = ["Path", "SegmentTransmit", "Transmit", "PTO_BACKOFF_MAX"]
+__all__ = ["Path", "SegmentTransmit", "Transmit", "PTO_BACKOFF_MAX", "REORDER_WINDOW_RTPROPS"]
+
+#: RACK's reordering window (RFC 8985), in RTprops: a transmission that a later one overtook (that one was
+#: acknowledged first) is lost once its own round trip and this much more have passed. RFC 8985's initial
+#: value, min_rtt / 4; LTP's paths do not reorder, so it is never widened. Without the rule a loss among a
+#: message's last three packets waited for the tail-loss timer, re-armed by every ACK: about 2.5 round trips
+#: instead of 1.25 (simulator: a 30 kB message on a 20 ms path lost its 20th of 21 packets and took 189 ms).
+REORDER_WINDOW_RTPROPS = 0.25
 
 #: the probe timeout doubles per tail-loss timeout in a row without an acknowledgement, at most this many times
 #: (4 ms -> 32 ms at the default ``min_pto_s``). Without it, a PS that did not read its socket for 100 ms (busy
@@ -296,6 +305,22 @@ class Path:
         t = self.pacer.next_time(now, want)
         return t if t > now else None
 
+    def reorder_window(self, flow) -> float:
+        """RACK's reordering window for ``flow``: :data:`REORDER_WINDOW_RTPROPS` x RTprop (x its own latest
+        RTT sample before RTprop is known)."""
+        base = self.bbr.rtprop if self.bbr.rtprop is not None else flow.rack_rtt
+        return REORDER_WINDOW_RTPROPS * (base or 0.0)
+
+    def reorder_deadline(self, flow) -> float | None:
+        """When RACK declares ``flow``'s oldest in-flight transmission lost if nothing else arrives: its send
+        time + the newest acknowledged transmission's RTT + the reordering window; None unless a later
+        transmission was acknowledged (``acked_in_window``)."""
+        w = flow.window
+        if flow.rack_rtt is None or not w.inflight_count or not w.acked_in_window:
+            return None
+        oldest = w.oldest_inflight_time()
+        return oldest + flow.rack_rtt + self.reorder_window(flow) if oldest >= 0 else None
+
     # -- ACK processing ------------------------------------------------------
     def on_ack(self, flow, entries, now: float):
         """Feed ACK entries of ``flow`` to its window and the model; returns newly lost segments."""
@@ -322,6 +347,12 @@ class Path:
             else:
                 self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - fresh)
                 self.srtt = 0.875 * self.srtt + 0.125 * fresh
+        if prior_delivered >= 0:  # RACK: the newest transmission acknowledged times the ones it overtook
+            flow.rack_rtt = now - sample_sent
+        if flow.rack_rtt is not None and flow.window.acked_in_window:
+            late = flow.window.detect_reordered(now - flow.rack_rtt - self.reorder_window(flow) + 1e-9)
+            if late.shape[0]:
+                lost = np.concatenate((lost, late)) if lost.shape[0] else late
         if newly:
             self.pto_count = 0
             self.bbr.on_ack(now, delivered=self.delivered, prior_delivered=prior_delivered,

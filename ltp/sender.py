@@ -128,6 +128,7 @@ class FlowSender:
         self.reg_copies = reg_copies
         self.reg_next: float = now
         self.hold_data = False  # the receiver answered DATA with RESET unregistered: wait for a REG's answer
+        self.rack_rtt: float | None = None  # RTT of the newest transmission acknowledged (RACK; Path.on_ack)
         #: DATA was refused as unregistered (it overtook its REG, or the REG was lost): whatever is in flight
         #: when a REG is next answered was dropped there, and goes again at once (``resend_refused``)
         self.data_refused = False

@@ -8,7 +8,9 @@ armed from the state it belongs to:
 
 * per path — ``PACING`` (the pacer's next send time);
 * per send flow — ``REG_REPEAT`` (an unconfirmed REG is sent again),
-  ``TAIL_LOSS`` (the probe timeout: in-flight data and no ACK for a PTO) and
+  ``TAIL_LOSS`` (the probe timeout: in-flight data and no ACK for a PTO),
+  ``REORDER`` (RACK: a transmission that a later one overtook is lost a round
+  trip and a reordering window after it was sent, :meth:`Path.reorder_deadline`) and
   ``PEER_SILENCE`` (the dead-peer rule);
 * per receive flow — ``EARLY_CLOSE`` (its Early Close decision can change with
   no new data) and ``ACK_DELAY`` (its oldest unacknowledged DATA waited
@@ -67,6 +69,8 @@ class Timer(enum.IntEnum):
     SPARE_EXPIRY = 10
     #: the oldest closed message no receive claimed has waited unclaimed_ttl_s (its buffer is freed)
     UNCLAIMED_EXPIRY = 11
+    #: RACK: an in-flight transmission that a later one overtook is declared lost (ltp/path.py)
+    REORDER = 12
 
 
 class TimerTable:

@@ -512,6 +512,11 @@ cdef class SendWindow:
         """Declare lost every in-flight transmission sent at or before ``cutoff`` (tail-loss timer)."""
         return self._detect(0, cutoff)
 
+    def detect_reordered(self, double cutoff):
+        """Declare lost every in-flight transmission sent at or before ``cutoff`` that a later transmission
+        overtook: one sent after it was acknowledged (the RACK time threshold, RFC 8985)."""
+        return self._detect(-1, cutoff)
+
     cdef object _detect(self, int threshold, double cutoff):
         cdef int64_t cnt = 0, i, seq
         while self.head < self.tail:
@@ -524,8 +529,9 @@ cdef class SendWindow:
             if self._sent_idx[seq] != self.head or self._state[seq] != _INFLIGHT:
                 self.head += 1
                 continue
-            if ((threshold != 0 and self.acked_in_window >= threshold)
-                    or (threshold == 0 and self._sent_time[seq] <= cutoff)):
+            if ((threshold > 0 and self.acked_in_window >= threshold)
+                    or (threshold == 0 and self._sent_time[seq] <= cutoff)
+                    or (threshold < 0 and self.acked_in_window > 0 and self._sent_time[seq] <= cutoff)):
                 self._state[seq] = _LOST
                 self.inflight_count -= 1
                 self.inflight_bytes -= self._len(seq) + _HDR

@@ -16,6 +16,11 @@ Because the head has at least as many acknowledged successors as any later
 entry, stopping at the first head that does not qualify is exact.
 :meth:`SendWindow.expire` is the tail-loss timer's counterpart: it declares
 lost every in-flight transmission sent before a cutoff.
+:meth:`SendWindow.detect_reordered` is the RACK time threshold (RFC 8985): it
+declares lost every in-flight transmission sent before a cutoff that has an
+acknowledged successor in the log (``acked_in_window`` > 0 at the head), which
+catches a loss among a message's last packets, where fewer than three
+successors exist, a round trip and a reordering window after it was sent.
 
 :class:`RecvWindow` is the per-flow state of a receiver: it validates each DATA
 datagram of its flow, copies the payload straight into the destination buffer
@@ -250,6 +255,11 @@ class SendWindow(_Geometry):
         """Declare lost every in-flight transmission sent at or before ``cutoff`` (tail-loss timer)."""
         return self._detect(0, cutoff)
 
+    def detect_reordered(self, cutoff: float) -> np.ndarray:
+        """Declare lost every in-flight transmission sent at or before ``cutoff`` that a later transmission
+        overtook: one sent after it was acknowledged (the RACK time threshold, RFC 8985)."""
+        return self._detect(-1, cutoff)
+
     def _detect(self, threshold: int, cutoff: float) -> np.ndarray:
         lost = []
         while self.head < self.tail:
@@ -262,7 +272,9 @@ class SendWindow(_Geometry):
             if self.sent_idx[seq] != self.head or self.state[seq] != SEG_INFLIGHT:
                 self.head += 1
                 continue
-            if (threshold and self.acked_in_window >= threshold) or (not threshold and self.sent_time[seq] <= cutoff):
+            if ((threshold > 0 and self.acked_in_window >= threshold)
+                    or (threshold == 0 and self.sent_time[seq] <= cutoff)
+                    or (threshold < 0 and self.acked_in_window > 0 and self.sent_time[seq] <= cutoff)):
                 self.state[seq] = SEG_LOST
                 self.inflight_count -= 1
                 self.inflight_bytes -= self.seg_len(seq) + HEADER_SIZE

@@ -285,6 +285,23 @@ def test_expire_cutoff_and_oldest(dp):
     assert w.oldest_inflight_time() == -1.0
 
 
+def test_detect_reordered_declares_only_overtaken_transmissions_old_enough(dp):
+    """RACK's time threshold: lost = in flight, sent at or before the cutoff, with a later transmission in the
+    send log already acknowledged. A message's last packets have fewer than three successors, so the
+    3-out-of-order rule never sees their loss."""
+    w = send_window(dp)
+    for t in range(5):
+        build(w, [t], now=float(t))
+    assert ack(w, [(3, 1)], now=5.0)[9].tolist() == []  # one successor acknowledged: not 3
+    assert w.acked_in_window == 1 and w.oldest_inflight_time() == 0.0
+    assert w.detect_reordered(0.5).tolist() == [0]      # sent at 0.0 <= 0.5, overtaken by 3
+    assert w.detect_reordered(1.5).tolist() == [1]
+    assert w.detect_reordered(10.0).tolist() == [2]     # 4 was sent after the newest acknowledged (3): kept
+    assert w.inflight_count == 1 and w.oldest_inflight_time() == 4.0 and w.acked_in_window == 0
+    assert w.detect_reordered(10.0).tolist() == []
+    assert w.expire(10.0).tolist() == [4]               # only the tail-loss timer takes the last one
+
+
 def test_send_log_compacts_then_grows(dp):
     w = send_window(dp, total=40, seg=10)       # 4 segments: log capacity 64
     for t in range(64):
@@ -506,7 +523,7 @@ def send_scenarios(draw):
     crit = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
     ops = []
     for _ in range(draw(st.integers(1, 60))):
-        kind = draw(st.sampled_from(["build", "build", "build", "ack", "ack", "ack", "expire"]))
+        kind = draw(st.sampled_from(["build", "build", "build", "ack", "ack", "ack", "expire", "reordered"]))
         dt = draw(st.sampled_from([0.0, 0.001, 0.01, 0.5]))
         if kind == "build":
             seqs = draw(st.lists(st.integers(0, n - 1), max_size=12))
@@ -525,7 +542,7 @@ def send_scenarios(draw):
             form = draw(st.sampled_from(["u32", "u32", "u32", "list", "i64"]))
             ops.append(("ack", dt, entries, form, draw(st.integers(0, 10 ** 9))))
         else:
-            ops.append(("expire", dt, draw(st.sampled_from([0.0, 0.001, 0.01, 0.02, 1.0]))))
+            ops.append((kind, dt, draw(st.sampled_from([0.0, 0.001, 0.01, 0.02, 1.0]))))
     return total, seg, crit, ops
 
 
@@ -563,7 +580,7 @@ def test_send_window_matches_twin(comp, scenario):
                        "i64": lambda v: np.array(v, np.int64)}[form](vals)
                 results.append(_outcome(w.on_ack, arg, now, delivered, now / 4))
             else:
-                results.append(_outcome(w.expire, now - op[2]))
+                results.append(_outcome(w.expire if op[0] == "expire" else w.detect_reordered, now - op[2]))
         assert _same(results[0], results[1]), (op, results)
         assert_same_snapshot(send_snapshot(ws[0]), send_snapshot(ws[1]))
 
