@@ -374,11 +374,16 @@ class EarlyClose:
     ``start``, ``last_arrival``, ``window``, ``slot``, ...).
     """
 
-    def __init__(self, *, slack_s: float, lt_fraction: float, window: int = 32, max_links: int = 4096) -> None:
+    def __init__(self, *, slack_s: float, lt_fraction: float, window: int = 32, max_links: int = 4096,
+                 rate_cap=None) -> None:
         """``slack_s``: the deadline slack C (seconds); ``lt_fraction``: the fraction a flow needs
-        to close early; ``window``/``max_links``: see :class:`LinkThresholds`."""
+        to close early; ``window``/``max_links``: see :class:`LinkThresholds`; ``rate_cap(flow)``: the
+        payload rate (bytes/s) this receiver grants the flow's sender, 0 for none (*choice*: the initial
+        formula's BtlBw is the smaller of the sender's estimate and that share, as the receiver knows N
+        senders share its link; a sender's first estimate is of the link alone)."""
         self.slack_s = slack_s
         self.lt_fraction = lt_fraction
+        self._rate_cap = rate_cap
         self.thresholds = LinkThresholds(window, max_links)
         self._progress: dict = {}  # flow key -> FlowProgress, made once a flow passes its LT threshold
 
@@ -386,12 +391,17 @@ class EarlyClose:
         """LT threshold of ``flow`` (seconds after its Early Close start), or None while unknown."""
         flow.update_estimates()
         rtprop = flow.rtprop_us / 1e6
+        btlbw = flow.btlbw
+        if btlbw and self._rate_cap is not None:
+            cap = self._rate_cap(flow)
+            if cap:
+                btlbw = min(btlbw, cap)
         if flow.lt_anchor is None:  # the initial formula may be anchored now: say how far the flow got
             lt, flow.lt_anchor = self.thresholds.flow_threshold(
-                flow.peer, flow.total, rtprop, flow.btlbw, elapsed_s=now - flow.anchor,
+                flow.peer, flow.total, rtprop, btlbw, elapsed_s=now - flow.anchor,
                 remaining=flow.total - flow.window.received_bytes)
         else:
-            lt, _ = self.thresholds.flow_threshold(flow.peer, flow.total, rtprop, flow.btlbw, anchor=flow.lt_anchor)
+            lt, _ = self.thresholds.flow_threshold(flow.peer, flow.total, rtprop, btlbw, anchor=flow.lt_anchor)
         return lt
 
     def deadline_for(self, flow, lt: float | None, now: float) -> float | None:

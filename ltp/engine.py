@@ -189,7 +189,8 @@ class Engine:
         self._pool = BufferPool(self.config.max_receive_memory, SPARE_MIN_BYTES)  # spare internal buffers
         self._hints = PlacementHints()  # (peer, tag) -> the caller's buffer for a message not yet received
         self._early = EarlyClose(slack_s=self.config.deadline_slack_s, lt_fraction=self.config.lt_fraction,
-                                 window=self.config.lt_window, max_links=self.config.max_peers)
+                                 window=self.config.lt_window, max_links=self.config.max_peers,
+                                 rate_cap=self._granted_payload_rate)
         self._thresholds = self._early.thresholds  # LT history per (link, size)
         self._ack_dirty: dict = {}
         self._events: deque = deque()
@@ -520,6 +521,12 @@ class Engine:
         return False
 
     # ------------------------------------------------------------------ registration and matching
+    def _granted_payload_rate(self, flow) -> float:
+        """The payload bytes/s this host grants ``flow``'s sender now (its share of ``Config.link_rate``), 0 without
+        a grant: Early Close's initial LT formula takes no more than this for the sender's BtlBw."""
+        g = self._admission.grant(flow.seg_size, flow.peer)
+        return g * flow.seg_size / (wire.HEADER_SIZE + flow.seg_size) if g else 0.0
+
     def _srtt_of(self, addr) -> float | None:
         """This host's smoothed RTT to ``addr`` (seconds), or None."""
         path = self._paths.get(addr)

