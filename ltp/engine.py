@@ -953,11 +953,9 @@ class Engine:
                 if not flow.reg_confirmed and now >= flow.reg_next:
                     self._ctrl.extend((reg, flow.peer) for reg in flow.reg_datagrams(
                         now, path.est_word(), path.base_pto(), self._wall_us(now)))
-                t = path.reorder_deadline(flow)
-                if t is not None and t <= now:  # RACK: overtaken and a round trip + reordering window old
-                    lost = flow.window.detect_reordered(now - flow.rack_rtt - path.reorder_window(flow) + 1e-9)
-                    if lost.shape[0]:
-                        flow.requeue_lost(lost)
+                lost = path.reordered(flow, now)  # RACK: overtaken, and a round trip + reordering window old
+                if lost.shape[0]:
+                    flow.requeue_lost(lost)
                 if flow.window.inflight_count and max(flow.window.oldest_inflight_time(), flow.last_heard) + pto <= now:
                     # a nanosecond of slack so the transmission the timer was armed for is included
                     lost = flow.window.expire(now - pto + 1e-9)

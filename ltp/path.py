@@ -43,6 +43,8 @@ __all__ = ["Path", "SegmentTransmit", "Transmit", "PTO_BACKOFF_MAX", "REORDER_WI
 #: instead of 1.25 (simulator: a 30 kB message on a 20 ms path lost its 20th of 21 packets and took 189 ms).
 REORDER_WINDOW_RTPROPS = 0.25
 
+_NONE = np.empty(0, np.int64)  # no segments (read-only use)
+
 #: the probe timeout doubles per tail-loss timeout in a row without an acknowledgement, at most this many times
 #: (4 ms -> 32 ms at the default ``min_pto_s``). Without it, a PS that did not read its socket for 100 ms (busy
 #: broadcasting on a 2-core host) was sent each worker's whole window again every 4 ms: its socket dropped 93-103k
@@ -321,6 +323,15 @@ class Path:
         oldest = w.oldest_inflight_time()
         return oldest + flow.rack_rtt + self.reorder_window(flow) if oldest >= 0 else None
 
+    def reordered(self, flow, now: float):
+        """RACK: declare lost ``flow``'s in-flight transmissions that a later one overtook and that are due by
+        ``now`` (:meth:`reorder_deadline`; a nanosecond of slack so the one the timer was armed for is included);
+        returns their segments (empty unless a later transmission was acknowledged)."""
+        w = flow.window
+        if flow.rack_rtt is None or not w.acked_in_window:
+            return _NONE
+        return w.detect_reordered(now - flow.rack_rtt - self.reorder_window(flow) + 1e-9)
+
     # -- ACK processing ------------------------------------------------------
     def on_ack(self, flow, entries, now: float):
         """Feed ACK entries of ``flow`` to its window and the model; returns newly lost segments."""
@@ -349,10 +360,9 @@ class Path:
                 self.srtt = 0.875 * self.srtt + 0.125 * fresh
         if prior_delivered >= 0:  # RACK: the newest transmission acknowledged times the ones it overtook
             flow.rack_rtt = now - sample_sent
-        if flow.rack_rtt is not None and flow.window.acked_in_window:
-            late = flow.window.detect_reordered(now - flow.rack_rtt - self.reorder_window(flow) + 1e-9)
-            if late.shape[0]:
-                lost = np.concatenate((lost, late)) if lost.shape[0] else late
+        late = self.reordered(flow, now)
+        if late.shape[0]:
+            lost = np.concatenate((lost, late)) if lost.shape[0] else late
         if newly:
             self.pto_count = 0
             self.bbr.on_ack(now, delivered=self.delivered, prior_delivered=prior_delivered,
