@@ -89,7 +89,8 @@ def test_receiver_bookkeeping_holds_under_random_traffic(seed, loss, n_senders, 
     end = net.now + max(40.0, cfg.idle_timeout_s + cfg.unclaimed_ttl_s + 1.0)
     net.run(until=end)  # (the simulator's clock stops at its last event when none is left)
     _check(rx)
-    # unclaimed messages are purged lazily, on the next timer run (they arm no timer of their own)
-    rx.handle_timer(end)
+    # unclaimed messages are purged lazily, on the next timer run (they arm no timer of their own); the clock
+    # stopped at the last event, and a message closed then (the idle rule) is kept the TTL from its close
+    rx.handle_timer(max(end, net.now + cfg.idle_timeout_s + cfg.unclaimed_ttl_s + 1.0))
     _check(rx)
     assert not rx._rx and not rx._admission.pending and rx.receive_memory == 0
