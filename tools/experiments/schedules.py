@@ -128,9 +128,10 @@ TARGET_STAGGER_SB = 1.5  # issue 11: staggered reduce ends within the last arriv
 PREDICTION_TOLERANCE = 1.3  # measured / predicted beyond this (or below 1/this) needs an explanation
 
 RUN_COLUMNS = ["repeat", "schedule", "transport", "rounds", "completed", "round_s_median", "predicted_s",
-               "measured_over_predicted", "block_pair", "block_at", "retries", "replanned_after_attempts",
-               "before_s", "after_s", "after_over_before", "predicted_after_s", "rounds_lost", "grads_per_s",
-               "updates_per_s", "reduce_after_last_s", "stagger_bound_s", "pauses", "loadavg_1m", "error"]
+               "measured_over_predicted", "block_pair", "block_at", "block_in_place_after", "retries",
+               "replanned_after_attempts", "before_s", "after_s", "after_over_before", "predicted_after_s",
+               "rounds_lost", "grads_per_s", "updates_per_s", "reduce_after_last_s", "stagger_bound_s", "pauses",
+               "loadavg_1m", "error"]
 SUMMARY_COLUMNS = ["schedule", "n", "round_s_median", "round_s_min", "round_s_max", "predicted_s",
                    "measured_over_predicted", "grads_per_s", "loadavg_1m", "failures"]
 
@@ -395,6 +396,10 @@ def run_job(lab, schedule: str, *, order, topo_path: str, model_bytes: int, roun
                     res["block_pair"] = [a, b]
                     res["block_t"] = time.time()
                     res["block_after_iteration"] = rows[-1]["iteration"]
+                    # rounds rank 0 finished while the rules went in: the round after the last of them may
+                    # have crossed the pair before the block; every later round started behind it
+                    done = _rows(metrics)
+                    res["block_in_place_after"] = done[-1]["iteration"] if done else rows[-1]["iteration"]
             time.sleep(MEASURE_POLL_S)
         bad = [(name, p.poll()) for name, p in procs if name != "store" and p.poll() != 0]
         if bad:
@@ -467,6 +472,7 @@ def _summarise_job(schedule: str, job: dict, rounds: int) -> dict:
     row.update(block_pair=f"{job['block_pair'][0]}-{job['block_pair'][1]}", block_at=k + 1,
                retries=sum(r.get("attempts", 1) - 1 for r in rows),
                replanned_after_attempts=(hit.get("attempts") if hit else None),
+               block_in_place_after=job.get("block_in_place_after", k),
                before_s=statistics.median(before) if before else None,
                after_s=statistics.median(after) if after else None, rounds_lost=rounds - len(rows))
     row["round_s_median"] = row["before_s"]
