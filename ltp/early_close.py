@@ -375,22 +375,37 @@ class EarlyClose:
     """
 
     def __init__(self, *, slack_s: float, lt_fraction: float, window: int = 32, max_links: int = 4096,
-                 rate_cap=None) -> None:
+                 rate_cap=None, rtt_of=None) -> None:
         """``slack_s``: the deadline slack C (seconds); ``lt_fraction``: the fraction a flow needs
         to close early; ``window``/``max_links``: see :class:`LinkThresholds`; ``rate_cap(flow)``: the
         payload rate (bytes/s) this receiver grants the flow's sender, 0 for none (*choice*: the initial
         formula's BtlBw is the smaller of the sender's estimate and that share, as the receiver knows N
-        senders share its link; a sender's first estimate is of the link alone)."""
+        senders share its link; a sender's first estimate is of the link alone); ``rtt_of(peer)``: this
+        receiver's own smoothed RTT to ``peer`` (seconds) or None, used where the sender advertised no
+        RTprop (:meth:`rtprop_of`)."""
         self.slack_s = slack_s
         self.lt_fraction = lt_fraction
         self._rate_cap = rate_cap
+        self._rtt_of = rtt_of
         self.thresholds = LinkThresholds(window, max_links)
         self._progress: dict = {}  # flow key -> FlowProgress, made once a flow passes its LT threshold
+
+    def rtprop_of(self, flow) -> float:
+        """The round trip ``flow``'s stall window and LT margin are sized by (seconds; 0 while unknown).
+
+        The sender's advertised RTprop (from its first RTT sample; see ``Path.est_word``), else this
+        receiver's own smoothed RTT to the sender (*choice*: a round trip is the same loop in either
+        direction; a PS has one from its parameter broadcasts before any gradient arrives). Without either,
+        a sender whose first flight left it waiting a long round trip for ACKs looked stalled after the
+        30 ms slack and was cut at the deadline."""
+        if flow.rtprop_us:
+            return flow.rtprop_us / 1e6
+        return (self._rtt_of(flow.peer) or 0.0) if self._rtt_of is not None else 0.0
 
     def lt_for(self, flow, now: float) -> float | None:
         """LT threshold of ``flow`` (seconds after its Early Close start), or None while unknown."""
         flow.update_estimates()
-        rtprop = flow.rtprop_us / 1e6
+        rtprop = self.rtprop_of(flow)
         btlbw = flow.btlbw
         if btlbw and self._rate_cap is not None:
             cap = self._rate_cap(flow)
@@ -460,7 +475,7 @@ class EarlyClose:
         loss_rate, first_pass = prog.observe(flow.window.bitmap, flow.window.received)
         got = flow.window.received
         mean_gap = (flow.last_arrival - flow.start) / got if got else None
-        stall_at = flow.last_arrival + stall_window(flow.rtprop_us / 1e6, mean_gap, self.slack_s)
+        stall_at = flow.last_arrival + stall_window(self.rtprop_of(flow), mean_gap, self.slack_s)
         hard = None
         if deadline is not None:
             slot = flow.slot

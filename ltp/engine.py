@@ -190,7 +190,7 @@ class Engine:
         self._hints = PlacementHints()  # (peer, tag) -> the caller's buffer for a message not yet received
         self._early = EarlyClose(slack_s=self.config.deadline_slack_s, lt_fraction=self.config.lt_fraction,
                                  window=self.config.lt_window, max_links=self.config.max_peers,
-                                 rate_cap=self._granted_payload_rate)
+                                 rate_cap=self._granted_payload_rate, rtt_of=self._srtt_of)
         self._thresholds = self._early.thresholds  # LT history per (link, size)
         self._ack_dirty: dict = {}
         self._events: deque = deque()

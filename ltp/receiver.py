@@ -126,12 +126,15 @@ class FlowReceiver:
         return self.window.critical_received >= self.window.critical_total
 
     def update_estimates(self) -> None:
-        """Take the sender's newest RTprop/BtlBw from the last DATA header seen."""
+        """Take the sender's newest RTprop and BtlBw from the last DATA header seen (each where it is known:
+        a sender advertises RTprop from its first RTT sample, BtlBw only once it stopped growing)."""
         w3 = self.window.last_word3
         if w3:
             rt, bw = wire.split_estimates(w3)
-            if rt and bw:
-                self.rtprop_us, self.btlbw = rt, bw
+            if rt:
+                self.rtprop_us = rt
+            if bw:
+                self.btlbw = bw
 
     def close(self, now: float, regime: Regime) -> RecvReport:
         """Zero-fill what is missing and build the report."""

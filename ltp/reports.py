@@ -45,8 +45,8 @@ class RecvReport:
     regime: str
     duration_s: float
     duplicates: int
-    #: the sender's estimates as carried in its packet headers (BtlBw in **bytes**/s; 0 = unknown: the
-    #: sender had not left STARTUP)
+    #: the sender's estimates as carried in its packet headers (BtlBw in **bytes**/s; 0 = unknown: RTprop
+    #: before the sender's first RTT sample, BtlBw until it stopped growing)
     rtprop_s: float
     btlbw_bps: float
     #: Early Close thresholds, in seconds from the start of the receive group (its first
