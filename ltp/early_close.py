@@ -403,9 +403,17 @@ class EarlyClose:
         return (self._rtt_of(flow.peer) or 0.0) if self._rtt_of is not None else 0.0
 
     def lt_for(self, flow, now: float) -> float | None:
-        """LT threshold of ``flow`` (seconds after its Early Close start), or None while unknown."""
+        """LT threshold of ``flow`` (seconds after its Early Close start), or None while unknown.
+
+        Unknown also while no round trip to the sender is known (:meth:`rtprop_of` is 0: the sender has had
+        no acknowledgement yet and this receiver never sent to it). *Choice*: a link's history alone would
+        judge such a flow: a 27-packet message that arrived in one burst taught "0.5 ms", the sender's next
+        message waited a round trip for the first one's ACKs, and the deadline cut it at 18 % behind a
+        200 ms delay (a ring whose steps do not wait for their sends' ACKs)."""
         flow.update_estimates()
         rtprop = self.rtprop_of(flow)
+        if not rtprop:
+            return None
         btlbw = flow.btlbw
         if btlbw and self._rate_cap is not None:
             cap = self._rate_cap(flow)
