@@ -111,3 +111,39 @@ def test_rsgcm_rings_detach_too():
     want = np.mean(grads, axis=0)
     for role in roles:
         np.testing.assert_allclose(role.applied, want, rtol=1e-5, atol=1e-6)
+
+
+def test_leading_send_stages_with_a_head_start_keep_their_sends_within_the_stage():
+    """A head start times a leading send-only stage by its sends (a tree's farthest subtree first): a detached
+    partial there would end the stage at once and start the next beside it with no head start."""
+    from ltp_ps.schedules.partial import Partial
+    from ltp_ps.schedules.program import Program, Send
+
+    async def main():
+        net = MemoryNetwork(loss=0.0, segment_size=64, seed=0)
+        changed: list = []
+        eps = []
+        for _ in range(3):
+            ep = net.endpoint()
+            slow = SlowAckTransport(net, ep.local_addr, 0.3, changed)
+            net.endpoints[ep.local_addr] = slow
+            eps.append(slow)
+        starts = []
+        orig = eps[0].send
+
+        async def timed(peer, data, **kw):
+            starts.append((peer, asyncio.get_running_loop().time()))
+            return await orig(peer, data, **kw)
+
+        eps[0].send = timed
+        addrs = {worker(r): eps[r].local_addr for r in range(3)}
+        prog = Program("worker:0", ((Send("worker:2", "acc", 0, 16, 3, "tolerant", "partial"),),
+                                    (Send("worker:1", "acc", 0, 16, 4, "tolerant", "partial"),)))
+        sl = Slots()
+        sl.put_partial("acc", Partial.of_gradient(np.ones(16, np.float32)))
+        res = await Executor(eps[0], "worker:0", addrs, timeout_s=5.0).run(prog, sl, head_start_s=0.1)
+        assert all(r is not None and not isinstance(r, BaseException) for r in res.reports)
+        return starts
+
+    (p2, t2), (p1, t1) = asyncio.run(main())
+    assert t1 - t2 >= 0.09, "the second stage started before the first one's head start was over"

@@ -13,7 +13,8 @@ stage run concurrently:
   ``Transport.send``.  A ``"partial"`` payload is encoded from the slot's
   partial over ``[lo, hi)`` (:mod:`.partial` wire format) with its header and
   deficit table critical, plus the step's critical element ranges.
-* *Detached sends* (*choice*): a ``"partial"`` Send in no send group is encoded
+* *Detached sends* (*choice*): a ``"partial"`` Send in no send group (and not
+  in a leading send-only stage, whose head start times its sends) is encoded
   when its stage starts, into a buffer of its own, and its transfer then runs
   beside the later stages; ``run`` waits for all of them before it returns, so
   its reports are complete.  The next stage waits for the stage's receives
@@ -326,8 +327,9 @@ class Executor:
                 i0 += len(stage)
                 leading = leading and all(s.op in ("send", "forward") for s in stage)
                 if leading:  # send-only: nothing here can STOP the program
-                    ahead.append(asyncio.ensure_future(
-                        self._run_stage(stage, idx, slots, handlers, res, group_t0, group_ok, iteration)))
+                    ahead.append(asyncio.ensure_future(  # its sends end within it: its head start times them
+                        self._run_stage(stage, idx, slots, handlers, res, group_t0, group_ok, iteration,
+                                        detach=False)))
                     if k + 1 < len(program.stages):
                         await asyncio.wait({ahead[-1]}, timeout=head_start_s)
                     else:  # the program is all sends: it ends when every one has
@@ -353,7 +355,8 @@ class Executor:
             self._detached = {}
         return res
 
-    async def _run_stage(self, stage, idx, slots, handlers, res, group_t0, group_ok, iteration) -> bool:
+    async def _run_stage(self, stage, idx, slots, handlers, res, group_t0, group_ok, iteration, *,
+                         detach: bool = True) -> bool:
         # Local steps first in program order if the stage has no transfers; mixed stages run transfers then local.
         transfers = [(i, s) for i, s in zip(idx, stage) if s.op in ("send", "forward", "recv")]
         local = [(i, s) for i, s in zip(idx, stage) if s.op not in ("send", "forward", "recv")]
@@ -363,7 +366,7 @@ class Executor:
             # arrived, a relay of a copy that did not arrive whole): the step it returns runs instead (None: as is)
             transfers = [(i, prepare(s, slots) or s) for i, s in transfers]
         if transfers:
-            await self._transfers(transfers, slots, res, group_t0, group_ok, iteration)
+            await self._transfers(transfers, slots, res, group_t0, group_ok, iteration, detach=detach)
         for i, s in local:
             if await self._local(s, slots, handlers) == STOP:
                 return True
@@ -392,7 +395,7 @@ class Executor:
             out = await out
         return out
 
-    async def _transfers(self, transfers, slots, res, group_t0, group_ok, iteration) -> None:
+    async def _transfers(self, transfers, slots, res, group_t0, group_ok, iteration, *, detach: bool = True) -> None:
         loop = asyncio.get_running_loop()
         jobs = []
         # Sends: broadcast groups (reliable, same slot+tag, raw payload) and single sends.
@@ -409,7 +412,7 @@ class Executor:
             if s.op in ("send", "forward") and i not in in_bcast:
                 if s.payload in self.in_order_payloads:
                     ordered.setdefault(s.peer, []).append((i, s))
-                elif self._detachable(s):
+                elif detach and self._detachable(s):
                     copy = 0  # the first of this chunk's scratch buffers no send in flight reads
                     while (t := self._detached.get((s.peer, s.lo, s.hi, copy))) is not None and not t.done():
                         copy += 1
