@@ -77,7 +77,7 @@ PENDING_RTTS = 8
 #: ... but never less than this (seconds; covers a sender's first pacing gap) ...
 PENDING_MIN_S = 0.05
 #: ... nor more than this (seconds), which is also its life when neither side knows the RTT yet (a first
-#: REG on a path; a message that ends in BBR's STARTUP advertises no estimate): a guessed short life
+#: REG on a path, before the sender's first RTT sample; its header carries RTprop from then on): a guessed short life
 #: expires every registration on a path whose one-way delay exceeds it, since DATA held for the REG's
 #: answer arrives one round trip after the REG (measured: 50 ms one-way, 10 Mbit/s -- every re-registration
 #: expired, and the sends failed "unregistered")

@@ -24,8 +24,9 @@ receive claims it, as the claiming group's:
 
 * the **LT threshold** of the flow's link. Before it the receiver waits for
   everything. It starts at ``1.5·RTprop + size/BtlBw`` from the estimates the
-  sender carries in packet headers (the sender sends none until its model
-  has left STARTUP, when its BtlBw is still a growing lower bound). The
+  sender carries in packet headers (BtlBw only once it stopped growing: in
+  STARTUP it is a lower bound the flow outruns; RTprop from the sender's
+  first RTT sample, see :meth:`EarlyClose.rtprop_of`). The
   formula is anchored once, when valid estimates first arrive: elapsed time +
   ``1.5·RTprop + remaining/BtlBw`` — at registration exactly the paper's
   formula. Once the link (peer address) has delivered a message of this size,
