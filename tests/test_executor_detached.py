@@ -146,8 +146,8 @@ def test_leading_send_stages_with_a_head_start_keep_their_sends_within_the_stage
 
         eps[0].send = timed
         addrs = {worker(r): eps[r].local_addr for r in range(3)}
-        prog = Program("worker:0", ((Send("worker:2", "acc", 0, 16, 3, "tolerant", "partial"),),
-                                    (Send("worker:1", "acc", 0, 16, 4, "tolerant", "partial"),)))
+        prog = Program("worker:0", ((Send("worker:2", "acc", 0, 16, 3, "tolerant", "partial", detach=True),),
+                                    (Send("worker:1", "acc", 0, 16, 4, "tolerant", "partial", detach=True),)))
         sl = Slots()
         sl.put_partial("acc", Partial.of_gradient(np.ones(16, np.float32)))
         res = await Executor(eps[0], "worker:0", addrs, timeout_s=5.0).run(prog, sl, head_start_s=0.1)
@@ -156,3 +156,16 @@ def test_leading_send_stages_with_a_head_start_keep_their_sends_within_the_stage
 
     (p2, t2), (p1, t1) = asyncio.run(main())
     assert t1 - t2 >= 0.09, "the second stage started before the first one's head start was over"
+
+
+def test_only_sends_their_planner_marked_detach():
+    """Ring and RSGCM mark their sends; the other schedules' hops end within their stage, as before."""
+    from ltp_ps.schedules.program import Program, Send
+
+    assert Send("worker:1", "acc", 0, 4, 1).detach is False
+    for name in ("ring", "rsgcm"):
+        plan = create(name, World(workers=range(4), n_elems=400)).plan(0)
+        sends = [s for node in plan.programs for st in plan.program(node).stages for s in st if s.op == "send"]
+        assert sends and all(s.detach for s in sends), name
+    prog = Program("worker:0", ((Send("worker:1", "acc", 0, 4, 1, detach=True),),))
+    assert Program.from_json(prog.to_json()) == prog  # the mark survives a plan's JSON

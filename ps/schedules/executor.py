@@ -13,8 +13,10 @@ stage run concurrently:
   ``Transport.send``.  A ``"partial"`` payload is encoded from the slot's
   partial over ``[lo, hi)`` (:mod:`.partial` wire format) with its header and
   deficit table critical, plus the step's critical element ranges.
-* *Detached sends* (*choice*): a ``"partial"`` Send in no send group (and not
-  in a leading send-only stage, whose head start times its sends) is encoded
+* *Detached sends* (*choice*): a ``"partial"`` Send its planner marked
+  ``detach`` (ring and RSGCM; tree, Hoplite and MLfabric hops are left as they
+  were), in no send group and not in a leading send-only stage (whose head
+  start times its sends), is encoded
   when its stage starts, into a buffer of its own, and its transfer then runs
   beside the later stages; ``run`` waits for all of them before it returns, so
   its reports are complete.  The next stage waits for the stage's receives
@@ -481,9 +483,10 @@ class Executor:
 
     @staticmethod
     def _detachable(s) -> bool:
-        """Whether send step ``s`` may finish beside later stages (module comment, *Detached sends*): a partial,
-        encoded into a buffer of its own, in no send group (whose reach a later stage reads)."""
-        return s.payload == "partial" and getattr(s, "group", None) is None
+        """Whether send step ``s`` may finish beside later stages (module comment, *Detached sends*): its planner
+        marked it (``Send.detach``), and it is a partial, encoded into a buffer of its own, in no send group
+        (whose reach a later stage reads)."""
+        return getattr(s, "detach", False) and s.payload == "partial" and getattr(s, "group", None) is None
 
     async def _send(self, i, s, slots, res, iteration) -> None:
         """One send step; its report (or the exception) goes to ``res.reports[i]``."""

@@ -108,6 +108,9 @@ class Send:
     critical: tuple = ()  # absolute element ranges that must arrive (besides header/tables)
     timeout_s: float | None = None  # seconds; None: the executor's default for the payload
     group: str | None = None  # names the peers this stage reached, for a later Recv's ``only_if``
+    #: the planner's word that nothing later waits on this send's end: a ``"partial"`` send so marked finishes
+    #: beside the later stages (executor, *Detached sends*); ring and RSGCM mark theirs
+    detach: bool = False
     op: str = dataclasses.field(default="send", init=False)
 
     def __post_init__(self):

@@ -65,7 +65,7 @@ def ring_programs(order, chunks, iteration: int, *, critical=lambda lo, hi: ()) 
             (slo, shi), (rlo, rhi) = chunks[cs], chunks[cr]
             slot = f"rs:{k}"
             stages.append((Send(right, SLOT_ACC, slo, shi, pack(iteration, PHASE_REDUCE_SCATTER, k, cs, KIND_PARTIAL),
-                                TOLERANT, "partial", critical=critical(slo, shi)),
+                                TOLERANT, "partial", critical=critical(slo, shi), detach=True),
                            Recv(left, slot, rlo, rhi, pack(iteration, PHASE_REDUCE_SCATTER, k, cr, KIND_PARTIAL),
                                 TOLERANT, "partial")))
             stages.append((Combine(SLOT_ACC, slot, rlo, rhi),))
@@ -73,7 +73,8 @@ def ring_programs(order, chunks, iteration: int, *, critical=lambda lo, hi: ()) 
             cs, cr = (p + 1 - k) % n, (p - k) % n
             (slo, shi), (rlo, rhi) = chunks[cs], chunks[cr]
             stages.append((Send(right, SLOT_ACC if k == 0 else SLOT_AG, slo, shi,
-                                pack(iteration, PHASE_ALL_GATHER, k, cs, KIND_PARTIAL), RELIABLE, "partial"),
+                                pack(iteration, PHASE_ALL_GATHER, k, cs, KIND_PARTIAL), RELIABLE, "partial",
+                                detach=True),
                            Recv(left, SLOT_AG, rlo, rhi, pack(iteration, PHASE_ALL_GATHER, k, cr, KIND_PARTIAL),
                                 RELIABLE, "partial")))
         own = (p + 1) % n

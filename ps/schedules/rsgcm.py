@@ -1019,7 +1019,7 @@ def _ring_stages(ring: Sequence[int], pos: int, s: int, blk: tuple, grid: Sequen
         for g, lo, hi in pieces[cs]:
             crit = critical(lo, hi) if rs_mode == TOLERANT else ()
             io.append(Send(nxt, out, lo, hi, pack_tag(iteration, PHASE_REDUCE_SCATTER, step_no, g, KIND_PARTIAL),
-                           rs_mode, "partial", critical=crit, timeout_s=timeout_s))
+                           rs_mode, "partial", critical=crit, timeout_s=timeout_s, detach=True))
         for g, lo, hi in pieces[cr]:
             io.append(Recv(prv, slot, lo, hi, pack_tag(iteration, PHASE_REDUCE_SCATTER, step_no, g, KIND_PARTIAL),
                            rs_mode, "partial", timeout_s=timeout_s))
@@ -1032,7 +1032,7 @@ def _ring_stages(ring: Sequence[int], pos: int, s: int, blk: tuple, grid: Sequen
         io = []
         for g, lo, hi in pieces[cs]:
             io.append(Send(nxt, out, lo, hi, pack_tag(iteration, PHASE_ALL_GATHER, step_no, g, KIND_PARTIAL),
-                           RELIABLE, "partial", timeout_s=timeout_s))
+                           RELIABLE, "partial", timeout_s=timeout_s, detach=True))
         for g, lo, hi in pieces[cr]:
             io.append(Recv(prv, out, lo, hi, pack_tag(iteration, PHASE_ALL_GATHER, step_no, g, KIND_PARTIAL),
                            RELIABLE, "partial", timeout_s=timeout_s))
