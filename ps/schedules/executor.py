@@ -205,7 +205,6 @@ class Executor:
         self.payload_timeouts = dict(payload_timeouts or {})
         self.max_critical_ranges = max_critical_ranges
         self._scratch: dict = {}
-        self._detached: dict = {}  # (peer, lo, hi, copy) -> the detached send reading that scratch buffer
         self._exclude: set = set()
         self._group_timeouts: dict = {}
         self._pending: dict = {}  # node -> its reliable receives now waiting (tasks: abandon() ends them)
@@ -322,7 +321,7 @@ class Executor:
         i0 = 0
         ahead: list = []  # leading send-only stages still running beside later ones
         leading = head_start_s is not None
-        self._detached = {}
+        detached: dict = {}  # (peer, lo, hi, copy) -> this run's detached send reading that scratch buffer
         try:
             for k, stage in enumerate(program.stages):
                 idx = list(range(i0, i0 + len(stage)))
@@ -330,8 +329,7 @@ class Executor:
                 leading = leading and all(s.op in ("send", "forward") for s in stage)
                 if leading:  # send-only: nothing here can STOP the program
                     ahead.append(asyncio.ensure_future(  # its sends end within it: its head start times them
-                        self._run_stage(stage, idx, slots, handlers, res, group_t0, group_ok, iteration,
-                                        detach=False)))
+                        self._run_stage(stage, idx, slots, handlers, res, group_t0, group_ok, iteration)))
                     if k + 1 < len(program.stages):
                         await asyncio.wait({ahead[-1]}, timeout=head_start_s)
                     else:  # the program is all sends: it ends when every one has
@@ -341,24 +339,21 @@ class Executor:
                 if ahead:
                     await asyncio.gather(*ahead)
                     ahead = []
-                stop = await self._run_stage(stage, idx, slots, handlers, res, group_t0, group_ok, iteration)
+                stop = await self._run_stage(stage, idx, slots, handlers, res, group_t0, group_ok, iteration,
+                                             detached=detached)
                 if stop:
                     res.stopped = True
                     break
-            if ahead:
-                await asyncio.gather(*ahead)
-                ahead = []
-            await asyncio.gather(*self._detached.values())  # their reports are part of the result
+            await asyncio.gather(*detached.values())  # their reports are part of the result
         finally:
             for t in ahead:
                 t.cancel()
-            for t in self._detached.values():
+            for t in detached.values():
                 t.cancel()  # only where run() itself failed or was cancelled: done tasks ignore it
-            self._detached = {}
         return res
 
     async def _run_stage(self, stage, idx, slots, handlers, res, group_t0, group_ok, iteration, *,
-                         detach: bool = True) -> bool:
+                         detached: dict | None = None) -> bool:
         # Local steps first in program order if the stage has no transfers; mixed stages run transfers then local.
         transfers = [(i, s) for i, s in zip(idx, stage) if s.op in ("send", "forward", "recv")]
         local = [(i, s) for i, s in zip(idx, stage) if s.op not in ("send", "forward", "recv")]
@@ -368,7 +363,7 @@ class Executor:
             # arrived, a relay of a copy that did not arrive whole): the step it returns runs instead (None: as is)
             transfers = [(i, prepare(s, slots) or s) for i, s in transfers]
         if transfers:
-            await self._transfers(transfers, slots, res, group_t0, group_ok, iteration, detach=detach)
+            await self._transfers(transfers, slots, res, group_t0, group_ok, iteration, detached=detached)
         for i, s in local:
             if await self._local(s, slots, handlers) == STOP:
                 return True
@@ -397,7 +392,10 @@ class Executor:
             out = await out
         return out
 
-    async def _transfers(self, transfers, slots, res, group_t0, group_ok, iteration, *, detach: bool = True) -> None:
+    async def _transfers(self, transfers, slots, res, group_t0, group_ok, iteration, *,
+                         detached: dict | None = None) -> None:
+        """Run a stage's transfers; ``detached``: the run's detached sends, where this stage may add to them
+        (None: a leading send-only stage, whose sends end within it)."""
         loop = asyncio.get_running_loop()
         jobs = []
         # Sends: broadcast groups (reliable, same slot+tag, raw payload) and single sends.
@@ -414,14 +412,14 @@ class Executor:
             if s.op in ("send", "forward") and i not in in_bcast:
                 if s.payload in self.in_order_payloads:
                     ordered.setdefault(s.peer, []).append((i, s))
-                elif detach and self._detachable(s):
+                elif detached is not None and self._detachable(s):
                     copy = 0  # the first of this chunk's scratch buffers no send in flight reads
-                    while (t := self._detached.get((s.peer, s.lo, s.hi, copy))) is not None and not t.done():
+                    while (t := detached.get((s.peer, s.lo, s.hi, copy))) is not None and not t.done():
                         copy += 1
                     # encoded now, while the slot holds what this stage sends
                     prepared = self._prepare_send(i, s, slots, res, iteration, copy=copy)
                     if prepared is not None:
-                        self._detached[(s.peer, s.lo, s.hi, copy)] = asyncio.ensure_future(
+                        detached[(s.peer, s.lo, s.hi, copy)] = asyncio.ensure_future(
                             self._transmit(i, s, *prepared, res))
                 else:
                     jobs.append(self._send(i, s, slots, res, iteration))
