@@ -362,3 +362,25 @@ def test_transfer_events_count_a_reliable_chunk_cut_short_as_failed():
     assert whole.complete and not cut.complete and not holes.complete
     evs = transfer_events("worker:0", [params, params, params, partial], [whole, cut, holes, cut])
     assert [e.ok for e in evs] == [True, False, False, True]
+
+
+async def test_a_control_send_cancelled_after_taking_its_number_does_not_block_the_stream():
+    """Cancelling a ``send`` (the PS's driver closing with a grant on its way) must not leave a hole in the stream:
+    the message that took sequence ``k`` still goes, so the peer reads it and then whatever follows (the STOP)
+    instead of waiting for ``k`` until its pull timeout."""
+    for cancel_after in range(6):  # cancel at each await of the send's way out, the first ones included
+        net = MemoryNetwork(segment_size=512, seed=1)
+        nodes, eps, exes = _nodes(net, 1)
+        ps_ch = ControlChannel(exes[server(0)], worker(0), out_dir=DOWN, in_dir=UP)
+        w_ch = ControlChannel(exes[worker(0)], server(0), out_dir=UP, in_dir=DOWN)
+        t = asyncio.ensure_future(ps_ch.send({"grant": "g"}, timeout_s=2.0))
+        for _ in range(cancel_after):
+            await asyncio.sleep(0)
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+        await asyncio.wait_for(ps_ch.send({"stop": True}, timeout_s=2.0), 3.0)
+        got = [await w_ch.recv(1.0), await w_ch.recv(1.0)]
+        if ps_ch.out_seq == 1:  # cancelled before it took a number: only the STOP was sent
+            assert got[0] == {"stop": True} and got[1] is None, (cancel_after, got)
+        else:
+            assert got == [{"grant": "g"}, {"stop": True}], (cancel_after, got)

@@ -409,6 +409,11 @@ class ControllerDriver:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _retrieve(t: asyncio.Future) -> None:
+    if not t.cancelled():
+        t.exception()
+
+
 class ControlChannel:
     """One node's control streams with one peer over the executor: ordered reliable JSON messages.
 
@@ -440,25 +445,43 @@ class ControlChannel:
         self._inbuf = bytearray(CONTROL_BYTES)
         self.slots.bind("in", self._inbuf)
         self._lock = asyncio.Lock()
+        self._inflight: asyncio.Future | None = None  # the message being sent
 
     async def send(self, msg: Mapping, *, timeout_s: float | None = None) -> None:
+        """Send ``msg`` as this stream's next message; raises what the transfer raised.
+
+        Once the message has its sequence number it goes, even if the caller is cancelled (a PS's driver closing
+        with a grant on its way): the peer reads messages in sequence order, so a number taken and never sent
+        would hide every later message, the STOP included, until the peer's timeout.  A cancelled caller leaves
+        the transfer running on its own; the next ``send`` waits for it first, so messages still go one at a time.
+        """
         data = encode_message(msg)
         async with self._lock:
+            if self._inflight is not None:
+                await asyncio.wait({self._inflight})  # a cancelled caller's message, still on its way
             tag = control_tag(self.out_seq, self.out_dir, self.epoch)
             self.out_seq += 1
-            self.slots.bind("out", data)
-            self.slots.bind_critical("out", ())
             prog = Program(self.executor.me, ((Send(self.peer, "out", 0, 0, tag, RELIABLE, "grant",
                                                     timeout_s=timeout_s),),))
-            t0 = time.monotonic()
-            while True:
-                r = (await self.executor.run(prog, self.slots)).reports[0]
-                if not (isinstance(r, TimeoutError) and self.patience_s is not None
-                        and time.monotonic() - t0 < self.patience_s):
-                    break
-                self.retries += 1  # the same message again: the receiver reads each sequence number once
+            self._inflight = asyncio.ensure_future(self._transmit(prog, data))
+            self._inflight.add_done_callback(_retrieve)  # a cancelled caller's transfer fails unheard, not unlogged
+            r = await asyncio.shield(self._inflight)
+            self._inflight = None
         if isinstance(r, BaseException):
             raise r
+
+    async def _transmit(self, prog: Program, data: bytes):
+        """One message's transfer, retried while :attr:`patience_s` allows; returns its report or error."""
+        slots = Slots()  # its own: a cancelled caller's transfer may still be reading it when the next is bound
+        slots.bind("out", data)
+        slots.bind_critical("out", ())
+        t0 = time.monotonic()
+        while True:
+            r = (await self.executor.run(prog, slots)).reports[0]
+            if not (isinstance(r, TimeoutError) and self.patience_s is not None
+                    and time.monotonic() - t0 < self.patience_s):
+                return r
+            self.retries += 1  # the same message again: the receiver reads each sequence number once
 
     async def recv(self, timeout_s: float):
         tag = control_tag(self.in_seq, self.in_dir, self.epoch)

@@ -28,10 +28,15 @@ def _overlaps(a0, a1, ranges) -> bool:
 
 
 class MemoryNetwork:
-    def __init__(self, *, loss: float = 0.0, segment_size: int = 1024, seed: int = 0, buffered_sends: bool = False):
+    def __init__(self, *, loss: float = 0.0, segment_size: int = 1024, seed: int = 0, buffered_sends: bool = False,
+                 jitter_s: float = 0.0):
         """``buffered_sends``: a send to a stalled endpoint completes at once, as kernel TCP's socket buffers take
         it for a stopped process (its endpoints then say ``sends_confirm_peer`` False); by default it waits for
-        the peer, as an LTP send waits for the peer's own ACKs."""
+        the peer, as an LTP send waits for the peer's own ACKs.  ``jitter_s``: each send waits a seeded uniform
+        0..``jitter_s`` seconds before delivery, so sends overlap and finish out of order as on a loaded machine."""
+        if jitter_s < 0:
+            raise ValueError(f"jitter_s={jitter_s}: must be >= 0")
+        self.jitter_s = jitter_s
         self.loss = loss
         self.buffered_sends = buffered_sends
         self.segment_size = segment_size
@@ -125,7 +130,7 @@ class MemoryTransport(Transport):
         else:
             payload, bubbles = self.net.lose(view, critical)
         lost = sum(e - s for s, e in bubbles)
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.net.rng.random() * self.net.jitter_s if self.net.jitter_s else 0)
         dst._mailbox.deliver(self._addr, tag, payload, bubbles)
         n = view.nbytes
         frac = (n - lost) / n if n else 1.0
