@@ -423,6 +423,7 @@ async def worker_run(w, start: int = 0) -> dict:
     it = start
     while True:
         if views is not None:
+            await _settle(views)  # the look the last round left on its way: no two board accesses at once
             if await _await_decided(w, views, it):
                 return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True}
             what = await asyncio.to_thread(_sync_worker_views, w, views, it)
@@ -461,6 +462,7 @@ async def worker_run(w, start: int = 0) -> dict:
                 continue
             fresh = _observe_peers(w, views, prog, res, it)
             if fresh:
+                await _settle(views)
                 await asyncio.to_thread(_post_suspects, w, views, fresh)
         if h.stopped or res.stopped:
             return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True}
@@ -490,6 +492,7 @@ async def _declared_dead(w, v: "_Views", nodes) -> bool:
     """Wait (up to ``--pull-timeout``, looking every ``BOARD_POLL_S``) until the board declares every node of
     ``nodes`` dead, or the PS posts stop (the next round's board sync ends the run); False if neither came."""
     deadline = time.monotonic() + w.cfg.pull_timeout_s
+    await _settle(v)
     while True:
         stop, newest = await asyncio.to_thread(_poll_board, v)
         if stop is not None or set(nodes) <= {worker_node(r) for r in newest.dead}:
@@ -522,6 +525,11 @@ class _Views:
         self.max_returns = tree_views.MAX_RETURNS  # --max-returns (set by _views from the role's config)
         self.revived: dict = {}  # PS: rank -> the generation its membership was taken back for
         self.asked = 0  # worker: the generation it asked to come back as (0: none)
+        # worker: the decided-through mark of the last look that read the newest view after it (_read_board),
+        # and the stop that look saw: a round up to ``synced`` needs no look of its own before it runs
+        self.synced = -1
+        self.stop: int | None = None
+        self.looking: asyncio.Future | None = None  # a look beside the round, not yet taken in (_settle)
 
     def excluded(self, round_: int) -> set:
         """Nodes not sent to nor waited for in round ``round_``: its view's dead, and the newest view's (known
@@ -642,10 +650,15 @@ def _sync_worker_views(w, v: _Views, it: int) -> str:
     """Worker side, before round ``it`` (blocking board I/O): :data:`ROUND_STOP` if the PS has stopped,
     :data:`ROUND_OUT` while this worker is declared dead (it asks to come back, once per generation, and steps
     through the rounds until a view takes it back: ``tree_views``, "Coming back"), else :data:`ROUND_RUN`."""
-    stop, newest = _poll_board(v)
+    rank = w.cfg.rank
+    if v.synced >= it and rank not in v.tracker.newest.dead and not v.asked:
+        # the look beside the last round read round ``it``'s view (final: decided through ``synced``): no store
+        # round trip before this round (each one is a network round trip to the store's host)
+        stop, newest = v.stop, v.tracker.newest
+    else:
+        stop, newest = _poll_board(v)
     if stop is not None and it >= stop:
         return ROUND_STOP
-    rank = w.cfg.rank
     if rank in newest.dead:
         gen = newest.gen(rank) + 1
         if gen > v.max_returns:
@@ -677,17 +690,32 @@ DECLARED_DEAD = "declared dead"
 
 
 async def _run_watched(w, v: _Views, run, prog: Program, it: int):
-    """Run one round while looking at the board every ``BOARD_POLL_S``: a peer of the round declared dead
-    meanwhile is abandoned (no more waiting for it); returns the round's result, None when the PS posted
-    ``stop``, or :data:`DECLARED_DEAD` when this worker was (the round is cancelled: nothing more will come)."""
+    """Run one round while looking at the board beside it, at its start and then every ``BOARD_POLL_S``: a
+    peer of the round declared dead meanwhile is abandoned (no more waiting for it); returns the round's result,
+    None when the PS posted ``stop``, or :data:`DECLARED_DEAD` when this worker was (the round is cancelled:
+    nothing more will come).  The first look also holds the next round's view (``_Views.synced``), so the next
+    round starts without a store round trip (it is skipped when an earlier look holds that view already).  A look
+    still on its way when the round ends is left to finish and taken in by the next board access
+    (:func:`_settle`), never waited for here."""
     task = asyncio.ensure_future(run)
     peers = {st.peer for st in prog.steps() if st.op in ("send", "recv", "forward")}
+    loop = asyncio.get_running_loop()
+    # the first look at once, unless an earlier one already holds the next round's view
+    next_look = loop.time() + (tree_views.BOARD_POLL_S if v.synced >= it + 1 else 0.0)
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=tree_views.BOARD_POLL_S)
-            if done:
+            if v.looking is None and loop.time() >= next_look:
+                v.looking = asyncio.ensure_future(asyncio.to_thread(_read_board, v.board))
+            waits = {task} if v.looking is None else {task, v.looking}
+            timeout = None if v.looking is not None else max(0.0, next_look - loop.time())
+            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
                 return task.result()
-            stop, newest = await asyncio.to_thread(_poll_board, v)
+            if v.looking is None or not v.looking.done():
+                continue
+            look, v.looking = v.looking, None
+            next_look = loop.time() + tree_views.BOARD_POLL_S
+            stop, newest = _take_look(v, look.result())
             if stop is not None:
                 task.cancel()
                 try:
@@ -712,10 +740,32 @@ async def _run_watched(w, v: _Views, run, prog: Program, it: int):
             task.cancel()
 
 
-def _poll_board(v: _Views):
-    stop = v.board.stopped_at()
-    v.tracker.learn(v.board.latest())
+async def _settle(v: _Views) -> None:
+    """Take in the look at the board :func:`_run_watched` left on its way (raises what the look raised)."""
+    look, v.looking = v.looking, None
+    if look is not None:
+        _take_look(v, await look)
+
+
+def _read_board(board):
+    """``(decided, stop, newest view)`` read from ``board`` in that order (blocking).  The view is read after the
+    mark, and PS shard 0 publishes a view before the mark that makes it final, so the view read holds every
+    round up to the mark."""
+    return board.look()
+
+
+def _take_look(v: _Views, look):
+    decided, stop, view = look
+    v.tracker.learn(view)
+    v.decided = max(v.decided, decided)
+    v.synced = max(v.synced, decided)
+    v.stop = stop
     return stop, v.tracker.newest
+
+
+def _poll_board(v: _Views):
+    """A look at the board now (blocking): ``(stop, newest view)``."""
+    return _take_look(v, _read_board(v.board))
 
 
 def _observe_peers(w, v: _Views, prog: Program, res, it: int) -> list:

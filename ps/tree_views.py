@@ -83,6 +83,8 @@ DECIDED_POLL_S = 0.05
 SHARD0_WAIT_MIN_S = 60.0
 #: most worker ranks a view may name (a peer cannot make a process build an unbounded set)
 MAX_VIEW_RANKS = 1 << 16
+#: what a read of the store compares a key's value with: no value written is ever equal to it (``StoreBoard._peek``)
+_PEEK = "\x00ltp-peek"
 #: times a worker declared dead may come back by default (``--max-returns``; see "Coming back" above)
 MAX_RETURNS = 3
 #: the most ``--max-returns`` may say, and the highest generation a view read from the board may name
@@ -301,6 +303,10 @@ class MemoryBoard:
     def stopped_at(self) -> int | None:
         return self._stop
 
+    def look(self) -> tuple:
+        """``(decided, stop, newest view)``: see :meth:`StoreBoard.look`."""
+        return self._decided, self._stop, self._view
+
 
 def _rank_ok(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
@@ -311,14 +317,17 @@ class StoreBoard:
 
     Keys (under the job's prefix): ``tree/suspects`` (a counter) and ``tree/suspect/<i>``; ``tree/backs`` (a
     counter) and ``tree/back/<i>``; ``tree/views`` (a counter) and ``tree/view/<n>``; ``tree/decided``;
-    ``tree/stop``.  Reading costs one store round trip when nothing changed."""
+    ``tree/stop``.  Every read is one store round trip: a ``compare_set`` that cannot match (:data:`_PEEK`)
+    answers the value, or the sentinel for a missing key, where ``check`` + ``get`` take three (``get`` waits for
+    the key first).  Over a 200 ms path to the store a worker's look at the board took 1.2-2.0 s that way, longer
+    than its round; :meth:`look` now takes two round trips when no view is new."""
 
     def __init__(self, store, secret: bytes, log=None):
         self.store, self.secret = store, secret
         self.log = log or (lambda msg: None)
-        self._n_suspects = 0
+        self._entries_seen: dict[str, int] = {}  # kind -> the counter's value at the last read
+        self._entries_waiting: dict[str, set] = {}  # kind -> numbers taken whose entries were not written yet
         self._suspicions: dict[tuple, str] = {}
-        self._n_backs = 0
         self._backs: dict[int, int] = {}
         self._n_views = 0
         self._view: TreeView | None = None
@@ -330,12 +339,22 @@ class StoreBoard:
 
         self.store.set(key, _sign(self.secret, d))
 
+    def _peek(self, key: str) -> bytes | None:
+        """The raw value of ``key``, None if it is missing (one store round trip, never waits)."""
+        v = self.store.compare_set(key, _PEEK, _PEEK)
+        return None if v == _PEEK.encode() else v
+
     def _get(self, key: str) -> dict | None:
+        """The signed entry ``key``; None if it is missing, or not signed with the job's secret (counted)."""
+        raw = self._peek(key)
+        return None if raw is None else self._verified(raw, key)
+
+    def _verified(self, raw: bytes, key: str) -> dict | None:
         from .errors import RendezvousError
         from .schedule_cli import _verify
 
         try:
-            return _verify(self.secret, self.store.get(key), key)
+            return _verify(self.secret, raw, key)
         except (RendezvousError, ValueError, TypeError) as exc:
             self.rejected += 1
             self.log(f"[tree-views] skipped {key}: {exc}")
@@ -345,14 +364,30 @@ class StoreBoard:
         i = self.store.add("tree/suspects", 1)
         self._put(f"tree/suspect/{i}", {"rank": int(rank), "by": by, "why": why, "gen": int(gen)})
 
+    def _new_entries(self, kind: str):
+        """The signed entries ``tree/<kind>/<i>`` added since the last call (``tree/<kind>s`` counts them).  An
+        entry whose number was taken but which is not written yet (its writer is between the two) is read again
+        next time, not skipped."""
+        n = self.store.add(f"tree/{kind}s", 0)
+        seen, waiting = self._entries_seen.get(kind, 0), self._entries_waiting.setdefault(kind, set())
+        todo = sorted(waiting) + list(range(seen + 1, min(n, MAX_VIEW_RANKS * (RETURNS_LIMIT + 1)) + 1))
+        self._entries_seen[kind] = max(seen, n)
+        for i in todo:
+            key = f"tree/{kind}/{i}"
+            raw = self._peek(key)
+            if raw is None:
+                waiting.add(i)
+                continue
+            waiting.discard(i)
+            d = self._verified(raw, key)
+            if d is not None:
+                yield d
+
     def suspicions(self) -> dict[tuple, str]:
         """``(rank, generation) -> why`` of every suspicion posted (entries not signed or malformed: skipped)."""
-        n = self.store.add("tree/suspects", 0)
-        for i in range(self._n_suspects + 1, min(n, MAX_VIEW_RANKS * (RETURNS_LIMIT + 1)) + 1):
-            d = self._get(f"tree/suspect/{i}")
-            if d is not None and _rank_ok(d.get("rank")) and _rank_ok(d.get("gen", 0)):
+        for d in self._new_entries("suspect"):
+            if _rank_ok(d.get("rank")) and _rank_ok(d.get("gen", 0)):
                 self._suspicions.setdefault((d["rank"], d.get("gen", 0)), f"{d.get('by')}: {d.get('why')}")
-        self._n_suspects = max(self._n_suspects, n)
         return dict(self._suspicions)
 
     def suspects(self) -> dict[int, str]:
@@ -365,12 +400,9 @@ class StoreBoard:
 
     def backs(self) -> dict[int, int]:
         """rank -> the highest generation it asked to come back as."""
-        n = self.store.add("tree/backs", 0)
-        for i in range(self._n_backs + 1, min(n, MAX_VIEW_RANKS * (RETURNS_LIMIT + 1)) + 1):
-            d = self._get(f"tree/back/{i}")
-            if d is not None and _rank_ok(d.get("rank")) and _rank_ok(d.get("gen")):
+        for d in self._new_entries("back"):
+            if _rank_ok(d.get("rank")) and _rank_ok(d.get("gen")):
                 self._backs[d["rank"]] = max(self._backs.get(d["rank"], 0), d["gen"])
-        self._n_backs = max(self._n_backs, n)
         return dict(self._backs)
 
     def publish(self, view: TreeView) -> None:
@@ -384,7 +416,10 @@ class StoreBoard:
         self._view, self._n_views = view, view.number
 
     def latest(self) -> TreeView | None:
-        n = self.store.add("tree/views", 0)
+        return self._view_number(self.store.add("tree/views", 0))
+
+    def _view_number(self, n: int) -> TreeView | None:
+        """The newest view, reading view ``n`` if it is newer than the one held."""
         if n > self._n_views:
             d = self._get(f"tree/view/{n}")
             if d is not None:
@@ -401,20 +436,37 @@ class StoreBoard:
         a mark not above the highest one seen is not written (the mark only grows: a restarted shard 0 reads
         :meth:`decided` before it writes)."""
         if int(round_) > self._decided:  # the writer read decided() when it started
-            self._put("tree/decided", {"round": int(round_)})
+            # with the number of views published so far (shard 0 is their only author): a reader of the mark
+            # knows every view of the rounds it covers without reading the views counter (:meth:`look`)
+            self._put("tree/decided", {"round": int(round_), "views": self._n_views})
             self._decided = int(round_)
 
     def decided(self) -> int:
         """The decided-through mark (-1 before shard 0 has posted one)."""
-        if self.store.check(["tree/decided"]):
-            d = self._get("tree/decided")
-            r = d.get("round") if d is not None else None
-            if isinstance(r, int) and not isinstance(r, bool) and r >= 0:
-                self._decided = max(self._decided, r)
-            elif d is not None:
-                self.rejected += 1
-                self.log(f"[tree-views] skipped tree/decided: {d!r} is not a round")
+        self._read_decided()
         return self._decided
+
+    def _read_decided(self) -> int | None:
+        """Read the mark; returns the number of views published when it was posted (None: not known)."""
+        d = self._get("tree/decided")
+        if d is None:
+            return None
+        r, n = d.get("round"), d.get("views")
+        if not _rank_ok(r):
+            self.rejected += 1
+            self.log(f"[tree-views] skipped tree/decided: {d!r} is not a round")
+            return None
+        self._decided = max(self._decided, r)
+        return n if _rank_ok(n) else None
+
+    def look(self) -> tuple:
+        """``(decided, stop, newest view)`` for a worker about to run a round: two store round trips when no view
+        is new.  The mark carries the number of views published before it (:meth:`post_decided`), and a view
+        published later changes only rounds after the mark, so the view read holds every round up to
+        ``decided``."""
+        n = self._read_decided()
+        stop = self.stopped_at()
+        return self._decided, stop, (self.latest() if n is None else self._view_number(n))
 
     def post_stop(self, round_: int) -> None:
         self.store.set("tree/stop", json.dumps(int(round_)))
@@ -427,10 +479,11 @@ class StoreBoard:
             self.store.set("tree/stop", json.dumps(None))
 
     def stopped_at(self) -> int | None:
-        if not self.store.check(["tree/stop"]):
+        raw = self._peek("tree/stop")
+        if raw is None:
             return None
         try:
-            v = json.loads(self.store.get("tree/stop"))
+            v = json.loads(raw)
             return None if v is None else int(v)
         except (ValueError, TypeError):
             return None

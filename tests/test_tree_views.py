@@ -489,3 +489,108 @@ async def test_a_stalled_aggregator_of_one_tree_is_cut_out_alone_with_several_tr
     assert all(isinstance(r, dict) for r in res), res
     assert sum(w.executor.counters["stragglers_cut"] for w in workers) >= 1  # its relays were cut off
     _check_returned(servers, workers, agg, 30)
+
+
+# -- the board's cost per round: store round trips (each a network round trip to the store's host) ---------------------
+
+class _CountingStore:
+    """A store that counts its calls by name (each is one round trip to a TCPStore)."""
+
+    def __init__(self, store):
+        self._store, self.calls = store, []
+
+    def __getattr__(self, name):
+        f = getattr(self._store, name)
+
+        def call(*a, **k):
+            self.calls.append(name)
+            return f(*a, **k)
+        return call
+
+
+def test_store_board_reads_never_wait_and_a_look_costs_two_round_trips():
+    from torch.distributed import HashStore
+
+    store = _CountingStore(HashStore())
+    author, reader = StoreBoard(store, b"s" * 32), StoreBoard(store, b"s" * 32)
+    assert reader.look() == (-1, None, None)  # nothing posted yet: answered at once, not waited for
+    v = TreeView(1, 7, frozenset({3}))
+    author.publish(v)
+    author.post_decided(5)
+    store.calls.clear()
+    assert reader.look() == (5, None, v)
+    assert store.calls == ["compare_set"] * 3  # the mark (with the views count), the stop, view 1
+    author.post_decided(6)
+    store.calls.clear()
+    assert reader.look() == (6, None, v) and store.calls == ["compare_set"] * 2  # no new view: two round trips
+    author.post_stop(9)
+    assert reader.look() == (6, 9, v)
+    assert "get" not in store.calls and "check" not in store.calls  # get waits for the key, check + get is three
+    later = TreeView(2, 12, frozenset({3, 4}))
+    author.publish(later)  # after the mark: it changes only rounds after it, so a look need not see it yet
+    assert reader.look()[2] == v and reader.latest() == later
+
+
+def test_an_entry_whose_number_was_taken_but_not_yet_written_is_read_later_not_skipped():
+    from torch.distributed import HashStore
+
+    from ltp_ps.schedule_cli import _sign
+
+    store = HashStore()
+    a, b = StoreBoard(store, b"s" * 32), StoreBoard(store, b"s" * 32)
+    a.suspect(1, "worker:0", "first")
+    i = store.add("tree/suspects", 1)  # a writer between taking its number and writing its entry
+    a.suspect(2, "worker:0", "third")
+    assert b.suspects() == {1: "worker:0: first", 2: "worker:0: third"}
+    store.set(f"tree/suspect/{i}", _sign(b"s" * 32, {"rank": 5, "by": "worker:3", "why": "second"}))
+    assert b.suspects() == {1: "worker:0: first", 2: "worker:0: third", 5: "worker:3: second"}
+    j = store.add("tree/backs", 1)
+    assert b.backs() == {}
+    store.set(f"tree/back/{j}", _sign(b"s" * 32, {"rank": 5, "gen": 1}))
+    assert b.backs() == {5: 1}
+
+
+class _HeldBoard(MemoryBoard):
+    """A board whose looks wait until the test lets them go (a slow path to the store)."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.go = threading.Event()
+        self.looks = 0
+
+    def look(self):
+        self.looks += 1
+        assert self.go.wait(10)
+        return super().look()
+
+
+async def test_a_round_starts_without_a_board_round_trip_when_the_last_rounds_look_holds_its_view():
+    from types import SimpleNamespace
+
+    from ltp_ps import program_roles as pr
+    from ltp_ps.schedules.program import Program
+    from ltp_ps.schedules import World
+
+    board = _HeldBoard()
+    board.post_decided(4)
+    v = pr._Views(board, World(workers=range(3), n_elems=8), max_missed=2)
+    w = SimpleNamespace(cfg=SimpleNamespace(rank=1, max_returns=3), executor=SimpleNamespace(excluded=set()),
+                        planner=SimpleNamespace(set_world=lambda world: None))
+
+    async def round_():
+        return "result"
+
+    # round 2 ends before its look at the board does: the round's result is not held back by the look
+    res = await asyncio.wait_for(pr._run_watched(w, v, round_(), Program("worker:1", ()), 2), 5)
+    assert res == "result" and board.looks == 1 and v.looking is not None and v.synced == -1
+    board.go.set()
+    await pr._settle(v)  # the next board access takes the look in
+    assert v.synced == 4 and v.looking is None
+    board.go.clear()  # from here a look would hang the test: round 3 must not need one
+    assert await asyncio.wait_for(asyncio.to_thread(pr._sync_worker_views, w, v, 3), 5) == pr.ROUND_RUN
+    assert board.looks == 1
+    # a round the looks do not cover yet (or a worker declared dead) reads the board before it runs
+    board.go.set()
+    assert pr._sync_worker_views(w, v, 5) == pr.ROUND_RUN and board.looks == 2
