@@ -21,8 +21,9 @@ the roles (``ltp_ps.program_roles``) move their inputs and outputs to a
 * :func:`next_view` (PS shard 0 only, the single author): at the start of
   its round ``r`` it folds every suspect posted so far into a new
   :class:`TreeView` taking effect at round ``r + VIEW_LAG_ROUNDS``, so every
-  process can read it before it plans that round (a worker reads the board
-  before each round and every ``BOARD_POLL_S`` while a round runs).
+  process can read it before it plans that round (a worker looks at the
+  board beside each round, at its start and every ``BOARD_POLL_S``; the
+  look at the start holds the next round's view, see :meth:`StoreBoard.look`).
 * The *decided-through* mark (:func:`decided_through`): with the view it
   may write at the start of its round ``r``, shard 0 posts ``r +
   VIEW_LAG_ROUNDS``, the last round whose view is now final (a later view
