@@ -525,7 +525,7 @@ class _Views:
         self.max_returns = tree_views.MAX_RETURNS  # --max-returns (set by _views from the role's config)
         self.revived: dict = {}  # PS: rank -> the generation its membership was taken back for
         self.asked = 0  # worker: the generation it asked to come back as (0: none)
-        # worker: the decided-through mark of the last look that read the newest view after it (_read_board),
+        # worker: the decided-through mark of the last look that read the newest view after it (board.look),
         # and the stop that look saw: a round up to ``synced`` needs no look of its own before it runs
         self.synced = -1
         self.stop: int | None = None
@@ -705,7 +705,7 @@ async def _run_watched(w, v: _Views, run, prog: Program, it: int):
     try:
         while True:
             if v.looking is None and loop.time() >= next_look:
-                v.looking = asyncio.ensure_future(asyncio.to_thread(_read_board, v.board))
+                v.looking = asyncio.ensure_future(asyncio.to_thread(v.board.look))
             waits = {task} if v.looking is None else {task, v.looking}
             timeout = None if v.looking is not None else max(0.0, next_look - loop.time())
             done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -747,14 +747,8 @@ async def _settle(v: _Views) -> None:
         _take_look(v, await look)
 
 
-def _read_board(board):
-    """``(decided, stop, newest view)`` read from ``board`` in that order (blocking).  The view is read after the
-    mark, and PS shard 0 publishes a view before the mark that makes it final, so the view read holds every
-    round up to the mark."""
-    return board.look()
-
-
 def _take_look(v: _Views, look):
+    """Take in a board's ``look()`` (``(decided, stop, newest view)``); returns ``(stop, newest view)``."""
     decided, stop, view = look
     v.tracker.learn(view)
     v.decided = max(v.decided, decided)
@@ -765,7 +759,7 @@ def _take_look(v: _Views, look):
 
 def _poll_board(v: _Views):
     """A look at the board now (blocking): ``(stop, newest view)``."""
-    return _take_look(v, _read_board(v.board))
+    return _take_look(v, v.board.look())
 
 
 def _observe_peers(w, v: _Views, prog: Program, res, it: int) -> list:
