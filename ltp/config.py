@@ -100,8 +100,9 @@ class Config:
     share_egress: bool = True
     #: adapters send DATA by gather (header + segment straight from the message: one copy, by the kernel)
     gather_send: bool = True
-    #: the asyncio adapter reads a socket that wakes it for a datagram or two at a time, several times a loop
-    #: tick, on its timer instead (once a tick, as NAPI polls a busy NIC); see ltp/endpoint.py
+    #: the asyncio adapter reads a socket that wakes it several times a loop tick (a bulk or paced stream
+    #: into an endpoint with no send open) on its timer instead, once a tick, as NAPI polls a busy NIC;
+    #: see ltp/endpoint.py
     receive_polling: bool = True
 
     def __post_init__(self) -> None:

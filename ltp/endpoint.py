@@ -14,11 +14,19 @@ send late go out early, :meth:`Engine.flush_acks`). While batches keep coming (a
 ``DRAIN_MIN_DATAGRAMS``) a wake-up reads until the socket is empty, so datagrams that arrive
 while a batch is processed cost no second wake-up.
 **Receive polling** (``Config.receive_polling``, as NAPI does for a NIC): a socket that wakes the
-loop for one or two datagrams at a time, several times within one loop tick (a paced flow at
-100 Mbit/s-1 Gbit/s: a wake-up per datagram, tens of microseconds of loop and Python each), stops
-being watched and is read on the endpoint's timer instead, once per tick; a tick that finds
-fewer than ``POLL_EXIT_DATAGRAMS`` datagrams watches the socket again. Bursty or sparse arrivals
-(high-rate batches, control messages) never enter it, so their latency is unchanged.
+loop ``POLL_ENTER_WAKEUPS`` times within one loop tick stops being watched and is read on the
+endpoint's timer instead, once per tick; a tick that finds fewer than ``POLL_EXIT_DATAGRAMS``
+datagrams watches the socket again. Two kinds of stream wake a receiver that often: a paced flow at
+100 Mbit/s-1 Gbit/s, one datagram per wake-up, and an unlimited bulk receive, a few dozen (the
+sender's softirq wakes the receiver as soon as it sleeps); each wake-up costs tens of microseconds of
+loop, Python, ``epoll`` and an ACK datagram, which a tick's read of a few hundred datagrams pays once.
+Wake-ups that read batches count only while a receive past its first segments is open
+(``Engine.streaming``): a burst of small messages must not leave the next one waiting a tick. Sparse
+arrivals (control messages, a slow flow) never enter it, so their latency is unchanged; neither
+does an endpoint with a send open or a receive in its first segments (``Engine.sending``,
+``Engine.quickacking``), whose ACKs someone is waiting for. Polling adds at most a tick to when a
+bulk flow's datagrams are read and acknowledged; BBR's ACK-aggregation allowance (``ltp/bbr.py``,
+two ticks of BtlBw) keeps its sender's window open across it.
 The engine gets ``time.monotonic()`` as ``now``, not ``loop.time()``: uvloop's
 loop clock is cached per iteration at millisecond resolution, which would
 quantise every RTT and delivery-rate sample. Each received datagram also
@@ -183,8 +191,8 @@ class Endpoint:
                            "poll_entries": 0}
         self._polling = False  # receive polling: the socket is read on the timer, not watched
         self._poll_at = 0.0  # while polling: when the next read is due (engine clock)
-        self._small_wakeups = 0  # readable wake-ups of at most POLL_SMALL_READ datagrams since _small_since
-        self._small_since = 0.0
+        self._tick_wakeups = 0  # readable wake-ups since _tick_since, within one loop tick
+        self._tick_since = 0.0
         self._watch = _SocketWatch(self._loop, sock.fileno(), self._on_readable, self._on_writable)
 
     # ------------------------------------------------------------------ properties
@@ -441,17 +449,22 @@ class Endpoint:
 
     def _note_wakeup(self, n: int) -> None:
         """Count a readable wake-up that read ``n`` datagrams; start receive polling after
-        ``POLL_ENTER_WAKEUPS`` small ones within one loop tick, unless a send is open or a receive is in its
-        first segments (``Engine.sending``, ``Engine.quickacking``)."""
-        if n > POLL_SMALL_READ or self.engine.sending or self.engine.quickacking:
-            self._small_wakeups = 0  # a batch paid for its wake-up; a sender or a cold receive must not poll
+        ``POLL_ENTER_WAKEUPS`` of them within one loop tick. A wake-up counts when it read at most
+        ``POLL_SMALL_READ`` datagrams (a paced trickle), or any number while a bulk receive is open
+        (``Engine.streaming``); none counts while a send is open or a receive is in its first segments
+        (``Engine.sending``, ``Engine.quickacking``)."""
+        eng = self.engine
+        if eng.sending or eng.quickacking or (n > POLL_SMALL_READ and not eng.streaming):
+            # a sender or a cold receive must not poll; nor a burst of small messages (their next one would
+            # wait a tick to be read)
+            self._tick_wakeups = 0
             return
         now = _now()
-        if now - self._small_since > LOOP_TIMER_RESOLUTION_S:
-            self._small_since, self._small_wakeups = now, 0
-        self._small_wakeups += 1
-        if self._small_wakeups >= POLL_ENTER_WAKEUPS:
-            self._small_wakeups = 0
+        if now - self._tick_since > LOOP_TIMER_RESOLUTION_S:
+            self._tick_since, self._tick_wakeups = now, 0
+        self._tick_wakeups += 1
+        if self._tick_wakeups >= POLL_ENTER_WAKEUPS:
+            self._tick_wakeups = 0
             self._polling = True
             self._poll_at = now + LOOP_TIMER_RESOLUTION_S
             self._watch.want_readable(False)
@@ -691,10 +704,11 @@ def _one_datagram(tx) -> bool:
 #: second read would be an empty syscall per datagram)
 DRAIN_MIN_DATAGRAMS = 8
 
-#: receive polling (``Config.receive_polling``): this many readable wake-ups within one loop tick, each
-#: reading at most POLL_SMALL_READ datagrams, switch the endpoint to reading on its timer, once a tick (a
-#: paced 100 Mbit/s flow wakes a receiver ~8 times a millisecond, one datagram each); a polling tick
-#: that reads fewer than POLL_EXIT_DATAGRAMS switches it back (sparse traffic is read at once again)
+#: receive polling (``Config.receive_polling``): this many readable wake-ups within one loop tick switch
+#: the endpoint to reading on its timer, once a tick (a paced 100 Mbit/s flow wakes a receiver ~8 times a
+#: millisecond, one datagram each; an unlimited 4 Gbit/s flow 15-20 times, a few dozen each); wake-ups
+#: that read more than POLL_SMALL_READ datagrams count only while a bulk receive is open; a polling
+#: tick that reads fewer than POLL_EXIT_DATAGRAMS switches it back (sparse traffic is read at once again)
 POLL_ENTER_WAKEUPS = 4
 POLL_SMALL_READ = 2
 POLL_EXIT_DATAGRAMS = 2

@@ -850,6 +850,12 @@ class Engine:
         return bool(self._tx)
 
     @property
+    def streaming(self) -> bool:
+        """Whether a receive flow past its first :data:`QUICKACK_SEGMENTS` segments is open (a bulk transfer in
+        progress: receive polling may read it once a loop tick)."""
+        return any(f.window.received > QUICKACK_SEGMENTS for f in self._rx.values())
+
+    @property
     def quickacking(self) -> bool:
         """Whether an open receive flow is still in its first :data:`QUICKACK_SEGMENTS` segments (its sender may be
         in a slow-start round, waiting for every ACK: receive polling waits)."""

@@ -9,6 +9,8 @@ Three adapter rules, each pinned here:
   socket's wait queue is woken by every datagram the kernel frees);
 * one wake-up reads until the socket is empty, not until the first short batch (unless that
   batch held only a few datagrams: then they arrive slower than they are processed);
+* a socket that wakes a receiving endpoint several times a loop tick, one datagram or a few dozen at a
+  time, is read on the timer instead, once a tick (receive polling), and watched again when it quietens;
 
 and the engine's handling of the kernel arrival times the adapter passes through unshifted.
 """
@@ -29,7 +31,7 @@ import ltp_ext
 from ltp import wire
 from ltp.config import Config
 from ltp.endpoint import DRAIN_MIN_DATAGRAMS, LOOP_TIMER_RESOLUTION_S, timer_delay
-from ltp.engine import Engine
+from ltp.engine import QUICKACK_SEGMENTS, Engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -423,6 +425,118 @@ def test_sparse_datagrams_never_start_polling():
     assert stats["datagrams_in"] == 60 and stats["poll_entries"] == 0 and stats["polls"] == 0
 
 
+async def _batches_poll(streaming: bool) -> dict:
+    """``POLL_ENTER_WAKEUPS`` wake-ups within one loop tick, each reading a batch (an unlimited flow: the sender's
+    softirq wakes the receiver as soon as it sleeps, a few dozen datagrams at a time), into an endpoint whose
+    engine says a bulk receive is open (``streaming``) or not."""
+    import socket
+
+    ep = await ltp.open_endpoint(("127.0.0.1", 0))
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _ in range(ltp.endpoint.POLL_ENTER_WAKEUPS):
+            assert not ep._polling
+            for _ in range(3 * DRAIN_MIN_DATAGRAMS):
+                tx.sendto(bytes(40), ep.local_addr)  # loopback: queued at the receiver when sendto returns
+            before = ep.stats.datagrams_in
+            ep._on_readable()
+            assert ep.stats.datagrams_in - before == 3 * DRAIN_MIN_DATAGRAMS  # one batch per wake-up
+        return dict(polling=ep._polling, reading=ep._watch.reading, entries=ep.loop_stats["poll_entries"])
+    finally:
+        tx.close()
+        await ep.close()
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_wake_ups_that_read_batches_start_polling_only_while_a_bulk_receive_is_open(monkeypatch, streaming):
+    """During a bulk receive (``Engine.streaming``) wake-ups that read batches count toward polling as single
+    datagrams do; without one (a burst of small messages, the next of which would wait a tick) they do not."""
+    monkeypatch.setattr(ltp.endpoint, "_now", lambda: 100.0)  # every wake-up within one loop tick
+    monkeypatch.setattr(Engine, "streaming", property(lambda self: streaming))
+    got = asyncio.run(_batches_poll(streaming))
+    if streaming:
+        assert got == dict(polling=True, reading=False, entries=1)
+    else:
+        assert got == dict(polling=False, reading=True, entries=0)
+
+
+def test_streaming_is_a_receive_past_its_quick_ack_segments():
+    A, B = ("10.0.0.1", 1), ("10.0.0.2", 2)
+    snd = Engine(Config(), rng=random.Random(1), local_addr=A)
+    rcv = Engine(Config(), rng=random.Random(2), local_addr=B)
+    data = np.ones(1456 * (QUICKACK_SEGMENTS + 50), np.uint8)
+    rcv.post_receive([(A, 0, np.zeros_like(data))], now=0.0)
+    snd.send(B, data, now=0.0, reliable=True)
+    assert not rcv.streaming and not rcv.quickacking
+    seen, now = [], 0.0
+    while not seen or seen[-1] is not None:
+        now += 1e-4
+        for tx in snd.datagrams_to_send(now):
+            for d in tx.datagrams():
+                rcv.receive_datagram(d, A, now)
+        for tx in rcv.datagrams_to_send(now):
+            for d in tx.datagrams():
+                snd.receive_datagram(d, B, now)
+        seen.append(rcv.streaming if rcv._rx else None)
+        assert now < 5, "the transfer did not finish"
+    states = [x for x in seen if x is not None]
+    assert states[0] is False and True in states  # quick-ACK segments first, then a bulk receive
+    assert states.index(True) == len(states) - states[::-1].index(False)  # never back once streaming
+    assert not rcv.streaming  # the receive completed: nothing open
+
+
+_BULK_SENDER = """
+import asyncio, sys
+import numpy as np
+import ltp
+port, n = int(sys.argv[1]), int(sys.argv[2])
+async def main():
+    async with await ltp.open_endpoint(("127.0.0.1", 0)) as ep:
+        await ep.send(("127.0.0.1", port), np.arange(n, dtype=np.float32), reliable=True, tag=7, timeout=60)
+ltp.run(main())
+"""
+
+
+async def _bulk_receive(n: int) -> dict:
+    """A reliable message of ``n`` float32 from another process (an unlimited loopback flow) into an endpoint;
+    its wake-up counters, and whether every element arrived."""
+    import sys
+
+    ep = await ltp.open_endpoint(("127.0.0.1", 0))
+    try:
+        into = np.zeros(n, np.float32)
+        recv = asyncio.ensure_future(ep.recv(into, tag=7, timeout=60))
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _BULK_SENDER, str(ep.local_addr[1]),
+                                                    str(n))
+        assert await asyncio.wait_for(proc.wait(), 90) == 0
+        rep = await recv
+        stats = dict(ep.loop_stats)
+        stats["intact"] = bool((into == np.arange(n, dtype=np.float32)).all()) and rep.delivered_fraction == 1.0
+        return stats
+    finally:
+        await ep.close()
+
+
+def test_a_bulk_receive_read_on_the_timer_arrives_whole(monkeypatch):
+    """40 MB over loopback from another process into an endpoint that polls from its first wake-up after the
+    quick-ACK segments (``POLL_ENTER_WAKEUPS`` = 1 here, so the polled path is taken whatever the machine's
+    load): its datagrams and ACKs go once a tick, and every element arrives."""
+    monkeypatch.setattr(ltp.endpoint, "POLL_ENTER_WAKEUPS", 1)
+    stats = asyncio.run(_bulk_receive(10_000_000))
+    assert stats["intact"], stats
+    assert stats["poll_entries"] >= 1 and stats["polls"] > 0, stats
+
+
+def test_a_stream_of_small_batches_is_polled_too():
+    """20,000 datagrams 10 us apart: each wake-up reads a few (more than the one or two of a paced trickle),
+    and the endpoint still polls instead of waking for each few; every datagram is read."""
+    on = asyncio.run(_polling(True, n=20_000, gap_s=10e-6))
+    off = asyncio.run(_polling(False, n=20_000, gap_s=10e-6))
+    assert on["datagrams_in"] == off["datagrams_in"] == 20_000
+    assert on["poll_entries"] >= 1 and on["polls"] > 0 and off["poll_entries"] == off["polls"] == 0
+    assert on["readable"] + on["timer"] < 0.6 * (off["readable"] + off["timer"]), (on, off)
+
+
 async def _poll_pace():
     """While polling, the endpoint's timer fires at least once a tick although the engine wants none."""
     ep = await ltp.open_endpoint(("127.0.0.1", 0))
@@ -436,7 +550,10 @@ async def _poll_pace():
         await asyncio.sleep(0.02)
         assert not ep._polling and ep._watch.reading  # empty ticks: watched again
         assert ep.loop_stats["polls"] >= 1
-        ep._note_wakeup(ltp.endpoint.POLL_SMALL_READ + 1)  # a batch resets the count
+        for _ in range(ltp.endpoint.POLL_ENTER_WAKEUPS - 1):
+            ep._note_wakeup(1)
+        await asyncio.sleep(3 * LOOP_TIMER_RESOLUTION_S)
+        ep._note_wakeup(1)  # the count is per loop tick: wake-ups spread wider are sparse traffic
         assert not ep._polling
     finally:
         await ep.close()
