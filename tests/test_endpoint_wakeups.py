@@ -527,16 +527,6 @@ def test_a_bulk_receive_read_on_the_timer_arrives_whole(monkeypatch):
     assert stats["poll_entries"] >= 1 and stats["polls"] > 0, stats
 
 
-def test_a_stream_of_small_batches_is_polled_too():
-    """20,000 datagrams 10 us apart: each wake-up reads a few (more than the one or two of a paced trickle),
-    and the endpoint still polls instead of waking for each few; every datagram is read."""
-    on = asyncio.run(_polling(True, n=20_000, gap_s=10e-6))
-    off = asyncio.run(_polling(False, n=20_000, gap_s=10e-6))
-    assert on["datagrams_in"] == off["datagrams_in"] == 20_000
-    assert on["poll_entries"] >= 1 and on["polls"] > 0 and off["poll_entries"] == off["polls"] == 0
-    assert on["readable"] + on["timer"] < 0.6 * (off["readable"] + off["timer"]), (on, off)
-
-
 async def _poll_pace():
     """While polling, the endpoint's timer fires at least once a tick although the engine wants none."""
     ep = await ltp.open_endpoint(("127.0.0.1", 0))
