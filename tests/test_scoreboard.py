@@ -126,6 +126,60 @@ def test_twin_test_list_is_the_one_ci_runs_and_the_compiled_path_is_the_default(
     assert loaded and all(loaded.values()), loaded  # the guard test's claim, seen from a fresh interpreter
 
 
+def test_repeats_interleave_the_transports_and_judge_the_medians(tmp_path):
+    """Three runs per transfer, LTP and cubic alternating; one LTP run an outlier each way. The verdict is the
+    ratio of the medians (2.0 / 1.6 = 1.25: met), not of any single pair, and every run is kept."""
+    calls = []
+    ltp_cpu, cubic_cpu = iter([2.0, 5.0, 1.0]), iter([1.6, 1.5, 1.7])
+
+    def bench(*, transport, size, **kw):
+        calls.append(transport)
+        cpu = next(ltp_cpu if transport == "ltp" else cubic_cpu)
+        return dict(transport=transport, goodput_gbps=3.0, machine_cpu_s_per_gb=cpu, verified=True)
+
+    res = S.run(rows=("cpu",), quick=True, out=str(tmp_path), progress=False, verbose=False, bench=bench, repeats=3)
+    assert calls == ["ltp", "cubic"] * 3
+    cpu = next(c for c in res["checks"] if c["check"] == "LTP/cubic machine CPU per GB")
+    assert cpu["value"] == 1.25 and cpu["passed"] is True
+    assert [r["machine_cpu_s_per_gb"] for r in res["raw"]["clean/ltp"]["runs"]] == [2.0, 5.0, 1.0]
+    assert res["raw"]["clean/ltp"]["verified"] is True and res["params"]["repeats"] == 3
+    assert res["table"].startswith("single-flow rows: medians of 3 interleaved runs")
+
+
+def test_a_failed_repeat_is_reported_and_the_rest_still_count(tmp_path):
+    n = iter(range(10))
+
+    def bench(*, transport, size, **kw):
+        if next(n) == 1:
+            raise RuntimeError("receiver did not start")
+        return dict(transport=transport, goodput_gbps=0.95, machine_cpu_s_per_gb=3.0, duration_s=2.0,
+                    sender_cpu_s=1.0)
+
+    res = S.run(rows=("tbf",), quick=True, out=str(tmp_path), progress=False, verbose=False, bench=bench, repeats=3)
+    assert [f["measurement"] for f in res["failures"]] == ["tbf/ltp"]
+    assert len(res["raw"]["tbf/ltp"]["runs"]) == 2 and res["checks"][0]["value"] == 0.95
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_repeats_must_be_a_positive_integer(tmp_path, bad):
+    with pytest.raises(ValueError, match="repeats"):
+        S.run(rows=("cpu",), quick=True, out=str(tmp_path), progress=False, verbose=False,
+              bench=_fake_bench(TABLE), repeats=bad)
+
+
+def test_the_cli_repeats_default_is_three_or_one_with_quick(monkeypatch):
+    import argparse
+
+    seen = []
+    monkeypatch.setattr(S, "run", lambda **kw: seen.append(kw["repeats"]) or dict(failures=[]))
+    ap = argparse.ArgumentParser()
+    S.register(ap.add_subparsers())
+    for argv, want in ((["scoreboard"], 3), (["scoreboard", "--quick"], 1), (["scoreboard", "--repeats", "5"], 5)):
+        args = ap.parse_args(argv)
+        assert args.func(args) == 0
+        assert seen[-1] == want
+
+
 def test_failed_measurement_is_reported_not_passed(tmp_path):
     def broken(**kw):
         raise RuntimeError("receiver died")
