@@ -160,6 +160,23 @@ def test_a_failed_repeat_is_reported_and_the_rest_still_count(tmp_path):
     assert len(res["raw"]["tbf/ltp"]["runs"]) == 2 and res["checks"][0]["value"] == 0.95
 
 
+def test_a_transfer_that_reports_an_error_fails_the_board_whichever_repeat_it_is(tmp_path):
+    """run_bench marks a reliable transfer that did not complete, or corrupted data, with ``error``; the board must
+    fail on it, also when it is not the first of the repeats (whose other fields the merged figures show)."""
+    n = iter(range(10))
+
+    def bench(*, transport, size, **kw):
+        r = dict(transport=transport, goodput_gbps=0.95, machine_cpu_s_per_gb=3.0, duration_s=2.0, sender_cpu_s=1.0,
+                 verified=True)
+        if next(n) == 2:
+            r.update(verified=False, error="the transfer corrupted data")
+        return r
+
+    res = S.run(rows=("tbf",), quick=True, out=str(tmp_path), progress=False, verbose=False, bench=bench, repeats=3)
+    assert res["failures"] == [dict(measurement="tbf/ltp", error="the transfer corrupted data")]
+    assert [r["verified"] for r in res["raw"]["tbf/ltp"]["runs"]] == [True, True, False]
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_repeats_must_be_a_positive_integer(tmp_path, bad):
     with pytest.raises(ValueError, match="repeats"):

@@ -49,7 +49,8 @@ Theory of operation
     Files in ``--out``: ``results.json`` (every raw measurement and the table) and
     ``scoreboard.csv`` (one line per check).  Exit status 0 whether targets pass or not
     (a missed target is a measurement, not an error); non-zero only if a measurement
-    failed.
+    failed: it raised, or its transfer reported an ``error`` (a reliable transfer that did not
+    complete, or data that arrived corrupted), in any of its repeats.
 """
 from __future__ import annotations
 
@@ -162,7 +163,10 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
 
     def measure(key, **kw):
         try:
-            runs.setdefault(key, []).append(bench(gro=gro, **kw))
+            r = bench(gro=gro, **kw)
+            runs.setdefault(key, []).append(r)
+            if r.get("error"):  # a reliable transfer that did not complete, or corrupted data: the board fails
+                failures.append(dict(measurement=key, error=str(r["error"])[:2000]))
         except Exception as e:  # noqa: BLE001 - a failed measurement is reported, the board goes on
             failures.append(dict(measurement=key, error=f"{type(e).__name__}: {e}"[:2000]))
             runs.setdefault(key, [])
