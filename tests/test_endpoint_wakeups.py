@@ -425,10 +425,10 @@ def test_sparse_datagrams_never_start_polling():
     assert stats["datagrams_in"] == 60 and stats["poll_entries"] == 0 and stats["polls"] == 0
 
 
-async def _batches_poll(streaming: bool) -> dict:
+async def _batches_poll() -> dict:
     """``POLL_ENTER_WAKEUPS`` wake-ups within one loop tick, each reading a batch (an unlimited flow: the sender's
-    softirq wakes the receiver as soon as it sleeps, a few dozen datagrams at a time), into an endpoint whose
-    engine says a bulk receive is open (``streaming``) or not."""
+    softirq wakes the receiver as soon as it sleeps, a few dozen datagrams at a time); the caller sets whether the
+    engine says a bulk receive is open (``Engine.streaming``)."""
     import socket
 
     ep = await ltp.open_endpoint(("127.0.0.1", 0))
@@ -453,7 +453,7 @@ def test_wake_ups_that_read_batches_start_polling_only_while_a_bulk_receive_is_o
     datagrams do; without one (a burst of small messages, the next of which would wait a tick) they do not."""
     monkeypatch.setattr(ltp.endpoint, "_now", lambda: 100.0)  # every wake-up within one loop tick
     monkeypatch.setattr(Engine, "streaming", property(lambda self: streaming))
-    got = asyncio.run(_batches_poll(streaming))
+    got = asyncio.run(_batches_poll())
     if streaming:
         assert got == dict(polling=True, reading=False, entries=1)
     else:
