@@ -40,7 +40,11 @@ async def test_ring_digits_trains_and_replicas_stay_identical():
 
 @pytest.mark.parametrize("n", [2, 5])
 async def test_ring_under_segment_loss(n):
-    _, peers = make_ring(n, loss=0.05, seed=n, epochs=10, lr=0.1)
+    # 16 epochs, not 10: at 10 the run stops before SGD has settled, and which elements the seeded loss removes
+    # (the draw order follows task scheduling, so it changes under load) moved the final accuracy over
+    # 0.89-0.98 across 20 loss patterns with 5 workers (lossless: 0.947).  At 16 the same 20 patterns gave
+    # 0.950-0.981 (lossless: 0.978), so 0.9 tests convergence, not luck.
+    _, peers = make_ring(n, loss=0.05, seed=n, epochs=16, lr=0.1)
     out = await asyncio.gather(*(p.run() for p in peers))
     for p in peers[1:]:
         np.testing.assert_array_equal(p.params, peers[0].params)  # reliable all-gather: same bits everywhere
