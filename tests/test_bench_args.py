@@ -8,7 +8,8 @@ import pytest
 
 import numpy as np
 
-from ltp_tools.bench import _pattern, parse_rate, parse_size, parse_time, verify_delivery
+from ltp_tools.bench import parse_rate, parse_size, parse_time
+from ltp_tools.payload import pattern, verify
 
 
 @pytest.mark.parametrize("text, want", [("200M", 200_000_000), ("1G", 10 ** 9), ("512Mi", 512 * 2 ** 20),
@@ -41,25 +42,25 @@ def test_rates_and_times():
 
 @pytest.mark.parametrize("start, size", [(0, 1), (0, 17), (3, 5), (5, 11), (8, 8), (1455, 1460), (7, 1)])
 def test_the_test_pattern_at_any_offset_is_a_slice_of_the_whole(start, size):
-    whole = _pattern(start + size + 9)
-    assert np.array_equal(_pattern(size, start), whole[start:start + size])
+    whole = pattern(start + size + 9)
+    assert np.array_equal(pattern(size, start), whole[start:start + size])
 
 
 def test_a_tolerant_delivery_is_verified_outside_and_inside_its_bubbles():
     """``ltp-bench --mode tolerant`` once reported ``verified: null`` whenever a bubble existed."""
-    msg = _pattern(10_000).copy()
+    msg = pattern(10_000).copy()
     holed = msg.copy()
     holed[1456:2912] = 0
     holed[9000:] = 0
     bubbles = [(1456, 2912), (9000, 10_000)]
-    assert verify_delivery(holed, bubbles, step=700)
-    assert verify_delivery(msg, [], step=700)
-    assert not verify_delivery(holed, [], step=700)  # zeros where the report says data arrived
+    assert verify(holed, bubbles, step=700)
+    assert verify(msg, [], step=700)
+    assert not verify(holed, [], step=700)  # zeros where the report says data arrived
     bad = holed.copy()
     bad[5000] ^= 1
-    assert not verify_delivery(bad, bubbles, step=700)  # one flipped byte outside the bubbles
+    assert not verify(bad, bubbles, step=700)  # one flipped byte outside the bubbles
     bad = holed.copy()
     bad[2000] = 1
-    assert not verify_delivery(bad, bubbles, step=700)  # a bubble that is not zero-filled
-    assert not verify_delivery(holed, [(9000, 10_001)])  # a bubble past the end
-    assert not verify_delivery(holed, [(9000, 10_000), (1456, 2912)])  # out of order
+    assert not verify(bad, bubbles, step=700)  # a bubble that is not zero-filled
+    assert not verify(holed, [(9000, 10_001)])  # a bubble past the end
+    assert not verify(holed, [(9000, 10_000), (1456, 2912)])  # out of order

@@ -48,12 +48,16 @@ def test_loss_tolerant_transfer_completes_through_rate_limit(lab):
     assert 0.05 <= res["goodput_gbps"] <= 0.2
 
 
-def test_tcp_baseline_runs_on_the_same_link(lab):
+@pytest.mark.parametrize("tcp_buffer, verified", [("message", True), ("chunk", None)])
+def test_tcp_baseline_runs_on_the_same_link(lab, tcp_buffer, verified):
+    """By default TCP moves the test message between message-sized buffers, checked byte for byte as LTP's
+    are; ``chunk`` (the older, cache-hot baseline) has nothing to check."""
     from ltp_tools.bench import run_bench
 
-    res = run_bench(transport="cubic", size=20_000_000, loss=0.01, lab=lab, timeout=120)
+    res = run_bench(transport="cubic", size=20_000_000, loss=0.01, lab=lab, timeout=120, tcp_buffer=tcp_buffer)
     assert res["transport"] == "cubic" and res["goodput_gbps"] > 0
     assert 0.005 < res["measured_loss"] < 0.02
+    assert res["tcp_buffer"] == tcp_buffer and res["verified"] is verified and "error" not in res
 
 
 @pytest.mark.parametrize("gro", [False, True], ids=["nogro", "gro"])

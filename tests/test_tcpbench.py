@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from ltp_tools.tcpbench import available_cc, run_tcp_transfer, send
+from ltp_tools.payload import pattern
+from ltp_tools.tcpbench import available_cc, run_tcp_transfer, send, wait_ready
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -17,11 +18,26 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def server():
+def _start_server(*extra):
     port = _free_port()
     p = subprocess.Popen([sys.executable, "-m", "ltp_tools.tcpbench", "server", "--port", str(port),
-                          "--bind", "127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--bind", "127.0.0.1", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_ready(p, 30)
+    return port, p
+
+
+@pytest.fixture
+def server():
+    port, p = _start_server()
+    yield port, p
+    p.kill()
+    p.wait(timeout=5)
+
+
+@pytest.fixture
+def sized_server():
+    """A server that receives each transfer into one 3,000,001-byte buffer and checks it."""
+    port, p = _start_server("--size", "3000001")
     yield port, p
     p.kill()
     p.wait(timeout=5)
@@ -36,6 +52,71 @@ def test_loopback_transfer_each_cc(server, cc):
     assert abs(r["goodput_gbps"] - 20_000_000 * 8 / r["duration_s"] / 1e9) < 1e-9
     rx = json.loads(p.stdout.readline())
     assert rx["role"] == "receiver" and rx["size_bytes"] == 20_000_000 and "receiver_cpu_s" in rx
+
+
+def test_a_message_sized_transfer_is_received_whole_and_checked(sized_server):
+    """The default moves the test message between message-sized buffers (as LTP's benchmarks do), and the
+    server checks every byte; two transfers in a row each write their own bytes."""
+    port, p = sized_server
+    for _ in range(2):
+        r = send("127.0.0.1", port, 3_000_001, "cubic")
+        assert r["buffer"] == "message" and r["size_bytes"] == 3_000_001
+        rx = json.loads(p.stdout.readline())
+        assert rx["verified"] is True and rx["buffer"] == "message" and rx["size_bytes"] == 3_000_001
+
+
+@pytest.mark.parametrize("size, buffer, why", [
+    (3_000_001, "chunk", "bytes that are not the test message"),
+    (1_000_000, "message", "a transfer shorter than the buffer"),
+    (3_500_000, "message", "a transfer longer than the buffer"),
+])
+def test_a_wrong_transfer_fails_the_servers_check(sized_server, size, buffer, why):
+    port, p = sized_server
+    r = send("127.0.0.1", port, size, "cubic", buffer=buffer)
+    assert r["size_bytes"] == size  # the byte count matched what was sent, so only the check can catch it
+    rx = json.loads(p.stdout.readline())
+    assert rx["verified"] is False, why
+    assert rx["size_bytes"] == size
+
+
+def test_a_shared_message_buffer_is_sent_as_given(sized_server):
+    port, p = sized_server
+    data = pattern(3_000_001)
+    send("127.0.0.1", port, 3_000_001, "cubic", data=data)
+    assert json.loads(p.stdout.readline())["verified"] is True
+    with pytest.raises(ValueError, match="data holds 3000001 bytes, size is 5"):
+        send("127.0.0.1", port, 5, "cubic", data=data)
+    with pytest.raises(ValueError, match="choose one of message, chunk"):
+        send("127.0.0.1", port, 5, "cubic", buffer="hot")
+
+
+def test_the_chunk_buffer_is_not_checked(server):
+    """Without ``--size`` the server reads into one reused block: nothing to check (``verified`` null)."""
+    port, p = server
+    send("127.0.0.1", port, 2_000_000, "cubic", buffer="chunk")
+    rx = json.loads(p.stdout.readline())
+    assert rx["verified"] is None and rx["buffer"] == "chunk" and rx["size_bytes"] == 2_000_000
+
+
+def test_wait_ready_names_a_server_that_died_or_stayed_silent():
+    dead = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit('boom: cannot bind')"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with pytest.raises(RuntimeError, match="boom: cannot bind"):
+        wait_ready(dead, 10)
+    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with pytest.raises(RuntimeError, match="did not start within 0.5 s"):
+            wait_ready(silent, 0.5)
+    finally:
+        silent.kill()
+        silent.wait(timeout=5)
+
+
+def test_the_server_refuses_a_bad_size():
+    out = subprocess.run([sys.executable, "-m", "ltp_tools.tcpbench", "server", "--port", "0", "--size", "0"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--size" in out.stderr
 
 
 def test_client_cli_prints_one_json_line(server):
@@ -72,6 +153,7 @@ def test_run_tcp_transfer_in_lab():
         lab.impair(h0, loss=0.01)
         r = run_tcp_transfer(lab, h1, h0, 20_000_000, "cubic", timeout_s=30)
         assert r["size_bytes"] == 20_000_000 and r["receiver"]["size_bytes"] == 20_000_000
+        assert r["buffer"] == "message" and r["receiver"]["verified"] is True  # every byte, through 1 % loss
         assert r["receiver"]["peer"] == h1.addr
         assert r["total_retrans"] > 0          # 1 % of ~14k segments were dropped and resent
         st = lab.loss_stats(h0)

@@ -23,7 +23,10 @@ Theory of operation
     path, as a training job does, so Early Close has measured the link (a cold
     one-shot loss-tolerant transfer is judged by the paper's initial LT formula,
     which assumes the sender is already at full rate). For TCP the lab's ``tcpbench`` is used: the
-    client's clock stops when the server has read every byte. ``--mode
+    client's clock stops when the server has read every byte. Both transports
+    move the test message of :mod:`ltp_tools.payload` between message-sized
+    buffers, filled and faulted in before the clock and checked after it
+    (``verified``); ``--tcp-buffer chunk`` gives the older, cache-hot TCP baseline. ``--mode
     reliable`` (default) delivers every byte so goodput compares honestly with
     TCP; ``--mode tolerant`` reports its delivered fraction beside goodput.
     Goodput counts delivered payload bytes only.
@@ -45,6 +48,7 @@ import time
 import ltp
 from ltp_tools.argtypes import number
 from ltp_tools.machine_cpu import cpu_s_per_gb, machine_cpu_s
+from ltp_tools.payload import pattern, verify
 
 __all__ = ["main", "parse_size", "parse_rate", "parse_time", "run_bench"]
 
@@ -98,41 +102,6 @@ def _machine_delta(m0: float | None) -> float | None:
     return None if m0 is None or m1 is None else round(m1 - m0, 3)
 
 
-def _pattern(size: int, start: int = 0):
-    """Bytes ``start .. start+size`` of the test message (a little-endian uint64 counter)."""
-    import numpy as np
-
-    skip = start % 8
-    n8 = (skip + size + 7) // 8
-    return np.arange(start // 8, start // 8 + n8, dtype="<u8").view(np.uint8)[skip:skip + size]
-
-
-def verify_delivery(buf, bubbles, step: int = 1 << 24) -> bool:
-    """Whether ``buf`` holds the test message outside ``bubbles`` (half-open byte ranges) and zeros inside them.
-
-    Checked in chunks of ``step`` bytes (no message-sized temporaries)."""
-    import numpy as np
-
-    size = len(buf)
-    edges = [0]
-    for lo, hi in bubbles:
-        if not 0 <= lo <= hi <= size or lo < edges[-1]:
-            return False  # a report that names bytes outside the message, or out of order, is wrong
-        edges += [lo, hi]
-    edges.append(size)
-    for k in range(0, len(edges) - 1):
-        lo, hi, hole = edges[k], edges[k + 1], k % 2 == 1
-        for i in range(lo, hi, step):
-            j = min(hi, i + step)
-            chunk = buf[i:j]
-            if hole:
-                if chunk.any():
-                    return False
-            elif not np.array_equal(chunk, _pattern(j - i, i)):
-                return False
-    return True
-
-
 #: seconds the LTP receiver allows the sender's process to start, on top of --timeout
 SENDER_STARTUP_S = 30.0
 #: bytes per second the sender fills its message at before sending (the receiver's wait scales with --size)
@@ -162,7 +131,7 @@ def _ltp_receiver(args) -> int:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         ok = None
         if rep.total_bytes == args.size:  # every byte is checked: the pattern where it arrived, zeros in bubbles
-            ok = verify_delivery(buf, rep.bubbles)
+            ok = verify(buf, rep.bubbles)
         out = dict(regime=rep.regime, received_bytes=rep.received_bytes, delivered_fraction=rep.delivered_fraction,
                    receiver_cpu_s=round(cpu, 3), verified=ok, receiver_peak_rss=peak,
                    receiver_rss_before_transfer=base_rss, dropped=dict(ep.stats.dropped),
@@ -180,7 +149,7 @@ def _ltp_sender(args) -> int:
 
     async def main():
         ep = await ltp.open_endpoint(("0.0.0.0", 0), config=ltp.Config(mtu=args.mtu))
-        data = _pattern(args.size)
+        data = pattern(args.size)
         reliable = args.mode == "reliable"
         for w in range(args.warmup):
             await ep.send((args.host, args.port), data, reliable=reliable, tag=w, timeout=args.timeout)
@@ -232,20 +201,20 @@ def _outcome(p: subprocess.Popen, timeout: float) -> str:
 
 
 def _wait_ready(p: subprocess.Popen, timeout: float) -> None:
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        line = p.stdout.readline()
-        if not line:
-            break
-        if line.strip() == "READY":
-            return
-    raise RuntimeError(f"receiver did not start: {p.stderr.read()[-2000:] if p.stderr else ''}")
+    from ltp_tools.tcpbench import wait_ready
+
+    wait_ready(p, timeout, "the LTP receiver")
 
 
 def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 0.0, rate_bps: float | None = None,
               delay_s: float = 0.0, mtu: int = 1500, mode: str = "reliable", loss_both: bool = False,
-              timeout: float = 300.0, lab=None, port: int = 7447, warmup: int = 0, gro: bool = False) -> dict:
+              timeout: float = 300.0, lab=None, port: int = 7447, warmup: int = 0, gro: bool = False,
+              tcp_buffer: str = "message") -> dict:
     """Run one transfer and return the result dict (see module docstring).
+
+    ``tcp_buffer`` says where a TCP transfer's bytes live (:data:`ltp_tools.tcpbench.BUFFERS`): ``"message"``
+    moves them between message-sized buffers as LTP does (the default, and the only like-for-like
+    comparison of CPU per byte); ``"chunk"`` is the cache-hot block the TCP baseline used before 2026-11-29.
 
     ``gro=True`` builds the lab with receive GRO on the hosts' interfaces (:class:`~ltp_tools.netlab.Lab`);
     it needs the lab (loopback always has GRO) and is ignored when ``lab`` is given (that lab's setting holds).
@@ -306,14 +275,16 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             from ltp_tools import tcpbench
 
             if lab is not None:
-                res = tcpbench.run_tcp_transfer(lab, snd, rcv, size, cc=transport, timeout_s=timeout)
+                res = tcpbench.run_tcp_transfer(lab, snd, rcv, size, cc=transport, timeout_s=timeout,
+                                                buffer=tcp_buffer)
             else:
-                res = _tcp_loopback(size, transport, timeout)
+                res = _tcp_loopback(size, transport, timeout, tcp_buffer)
             rx = res.get("receiver", {})
             result = dict(transport=transport, mode="reliable", duration_s=res["duration_s"],
                           retransmitted_packets=res.get("total_retrans"), sender_cpu_s=res.get("sender_cpu_s"),
                           receiver_cpu_s=rx.get("receiver_cpu_s", rx.get("cpu_s")), delivered_fraction=1.0,
-                          machine_cpu_s=res.get("machine_cpu_s"),
+                          machine_cpu_s=res.get("machine_cpu_s"), verified=rx.get("verified"),
+                          tcp_buffer=res.get("buffer", tcp_buffer),
                           goodput_gbps=round(size * 8 / res["duration_s"] / 1e9, 4))
         delivered_bytes = int(result["goodput_gbps"] * 1e9 / 8 * result["duration_s"])
         per_gb = cpu_s_per_gb(result.get("machine_cpu_s"), delivered_bytes)
@@ -338,16 +309,20 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             own_lab.close()
 
 
-def _tcp_loopback(size: int, cc: str, timeout: float) -> dict:
+def _tcp_loopback(size: int, cc: str, timeout: float, buffer: str = "message") -> dict:
+    from ltp_tools.tcpbench import READY_BASE_S, READY_PER_BYTE_S, wait_ready
+
     py = sys.executable
     kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sized = ["--size", str(size)] if buffer == "message" else []
     srv = subprocess.Popen([py, "-m", "ltp_tools.tcpbench", "server", "--port", "5299", "--once", "--bind",
-                            "127.0.0.1"], **kw)
+                            "127.0.0.1", *sized], **kw)
     try:
+        wait_ready(srv, READY_BASE_S + size * READY_PER_BYTE_S)
         cli = subprocess.run([py, "-m", "ltp_tools.tcpbench", "client", "--host", "127.0.0.1", "--port", "5299",
-                              "--size", str(size), "--cc", cc], timeout=timeout, **kw)
+                              "--size", str(size), "--cc", cc, "--buffer", buffer], timeout=timeout, **kw)
         res = json.loads(cli.stdout.strip().splitlines()[-1])
-        res["receiver"] = _read_json(srv, 30)
+        res["receiver"] = _read_json(srv, 30 + size * READY_PER_BYTE_S)
         return res
     finally:
         if srv.poll() is None:
@@ -374,12 +349,15 @@ def main(argv=None) -> int:
     ap.add_argument("--gro", action="store_true",
                     help="receive GRO on the lab hosts' interfaces, as a NIC driver does (default: off, every "
                          "packet reaches the receiver alone)")
+    ap.add_argument("--tcp-buffer", choices=["message", "chunk"], default="message",
+                    help="TCP: send from and receive into message-sized buffers, as LTP does (default), or "
+                         "resend one cache-hot block and read into another (the baseline before 2026-11-29)")
     args = ap.parse_args(argv)
     for _ in range(args.repeats):
         try:
             res = run_bench(transport=args.transport, size=args.size, loss=args.loss, rate_bps=args.rate,
                             delay_s=args.delay, mtu=args.mtu, mode=args.mode, loss_both=args.loss_both,
-                            timeout=args.timeout, warmup=args.warmup, gro=args.gro)
+                            timeout=args.timeout, warmup=args.warmup, gro=args.gro, tcp_buffer=args.tcp_buffer)
         except (TimeoutError, subprocess.TimeoutExpired, ltp.LTPError, RuntimeError) as exc:
             # a transfer that did not finish is a result to report, not a crash
             print(f"ltp-bench: {args.transport} transfer of {args.size} B failed: {type(exc).__name__}: {exc}",

@@ -8,10 +8,13 @@ Theory of operation
     * LTP: one receiver process per peer posts a receive for the message; the sender process
       calls :meth:`ltp.Endpoint.broadcast` (reliable) once and its clock stops when every peer's
       transfer is acknowledged in full.
-    * TCP: a ``tcpbench server --once`` per peer; the sender process runs one
+    * TCP: a ``tcpbench server --once --size`` per peer; the sender process runs one
       :func:`ltp_tools.tcpbench.send` per peer on its own thread (``send()`` releases the GIL),
-      each stopping when its receiver confirmed the byte count; the broadcast time is from the
-      start until the last confirmation.
+      all from one message buffer, each stopping when its receiver confirmed the byte count;
+      the broadcast time is from the start until the last confirmation.
+
+    Both transports move the test message of :mod:`ltp_tools.payload` from one message-sized
+    buffer into one per peer, faulted in before the clock; every peer checks every byte after it.
 
     Result: one JSON line per run with ``duration_s``, ``goodput_gbps`` (N x size over the
     duration) and the machine-wide CPU over the transfer.
@@ -34,13 +37,14 @@ TCP_PORT = 5201
 
 _LTP_RECV = r'''
 import asyncio, sys, numpy as np, ltp
+from ltp_tools.payload import verify
 async def main():
     ep = await ltp.open_endpoint(("0.0.0.0", int(sys.argv[1])))
     buf = np.empty(int(sys.argv[2]), np.uint8)
-    buf.fill(0)  # fault the pages in before the clock starts, as ltp-bench's receiver (TCP's reuses one chunk)
+    buf.fill(0)  # fault the pages in before the clock starts, as ltp-bench's receiver and the TCP servers
     print("ready", flush=True)
     reports = await ep.recv(buf, tag=7, timeout=float(sys.argv[3]))
-    ok = bool((buf[::4096] == 0x5a).all()) and buf[-1] == 0x5a
+    ok = verify(buf)  # every byte, after the sender's clock
     print("done" if ok else "corrupt", flush=True)
     await asyncio.sleep(0.5)  # let the last ACKs leave
     await ep.close()
@@ -48,12 +52,13 @@ ltp.run(main())
 '''
 
 _LTP_SEND = r'''
-import asyncio, json, sys, time, numpy as np, ltp
+import asyncio, json, sys, time, ltp
 from ltp_tools.machine_cpu import machine_cpu_s
+from ltp_tools.payload import pattern
 async def main():
     peers = [(h, int(sys.argv[1])) for h in sys.argv[4:]]
     ep = await ltp.open_endpoint(("0.0.0.0", 0))
-    data = np.full(int(sys.argv[2]), 0x5a, np.uint8)
+    data = pattern(int(sys.argv[2]))
     m0, t0 = machine_cpu_s(), time.monotonic()
     reports = await ep.broadcast(peers, data, tag=7, timeout=float(sys.argv[3]))
     dur, m1 = time.monotonic() - t0, machine_cpu_s()
@@ -66,13 +71,15 @@ ltp.run(main())
 
 def tcp_broadcast(hosts: list[str], size: int, cc: str = "cubic", port: int = TCP_PORT) -> dict:
     """One process, one thread and one TCP connection per peer, all at once; returns the timing dict."""
+    from ltp_tools.payload import pattern
     from ltp_tools.tcpbench import send
 
     results: list = [None] * len(hosts)
+    data = pattern(size)  # one message, as the LTP sender has: filled before the clock, shared by the threads
 
     def one(i, h):
         try:
-            results[i] = send(h, port, size, cc=cc)
+            results[i] = send(h, port, size, cc=cc, data=data)
         except Exception as e:  # noqa: BLE001 - reported below
             results[i] = e
 
@@ -114,19 +121,27 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, time
             if not all(o and o[-1] == "done" for o in outs):
                 raise RuntimeError(f"an LTP receiver did not get the whole message intact: {outs}")
         else:
-            procs = [lab.popen(h, [py, "-m", "ltp_tools.tcpbench", "server", "--port", str(TCP_PORT), "--once"], **kw)
-                     for h in rcvs]
+            from ltp_tools.tcpbench import READY_BASE_S, READY_PER_BYTE_S, wait_ready
+
+            procs = [lab.popen(h, [py, "-m", "ltp_tools.tcpbench", "server", "--port", str(TCP_PORT), "--once",
+                                   "--size", str(size)], **kw) for h in rcvs]
+            for p in procs:  # each receiver has faulted its message buffer in before the sender starts
+                wait_ready(p, READY_BASE_S + size * READY_PER_BYTE_S)
             s = lab.run(snd, [py, "-c", f"import json; from ltp_tools.broadcast_bench import tcp_broadcast; "
                                         f"print(json.dumps(tcp_broadcast({addrs!r}, {size}, {transport!r})))"],
                         capture_output=True, text=True, timeout=timeout + 30)
+            rx = []
             for p in procs:
                 try:
-                    p.communicate(timeout=10)
+                    rx.append(p.communicate(timeout=30 + size * READY_PER_BYTE_S)[0].strip().splitlines())
                 except subprocess.TimeoutExpired:
                     p.kill()
+                    rx.append([])
             if s.returncode != 0:
                 raise RuntimeError(f"TCP broadcast sender failed: {s.stderr[-1500:]}")
             res = json.loads(s.stdout.strip().splitlines()[-1])
+            if not all(o and json.loads(o[-1]).get("verified") is True for o in rx):
+                raise RuntimeError(f"a TCP receiver did not get the whole message intact: {rx}")
     res.update(transport=transport, size_bytes=size, peers=peers,
                goodput_gbps=peers * size * 8 / res["duration_s"] / 1e9)
     return res
