@@ -103,6 +103,7 @@ class FlowReceiver:
         self.lt: float | None = None
         self.lt_anchor: float | None = None  # initial LT, fixed when valid estimates first arrive
         self.deadline: float | None = None
+        self.next_check = 0.0  # a reliable flow: when new data next runs its Early Close check (ltp.engine)
 
     @property
     def anchor(self) -> float:
@@ -138,6 +139,7 @@ class FlowReceiver:
 
     def close(self, now: float, regime: Regime) -> RecvReport:
         """Zero-fill what is missing and build the report."""
+        self.update_estimates()  # the newest the sender advertised, whenever the last check ran
         self.regime = regime
         self.closed_at = now
         runs = self.window.missing_runs() if not self.complete else []

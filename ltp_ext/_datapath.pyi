@@ -20,6 +20,7 @@ SEG_LOST: int
 
 _U8 = npt.NDArray[np.uint8]
 _U32 = npt.NDArray[np.uint32]
+_I32 = npt.NDArray[np.int32]
 _I64 = npt.NDArray[np.int64]
 _F64 = npt.NDArray[np.float64]
 
@@ -32,6 +33,12 @@ class SendWindow:
     def state(self) -> _U8: ...
     @property
     def attempt(self) -> _U8: ...
+    @property
+    def tx_batch(self) -> _I32: ...
+    @property
+    def first_batch(self) -> _I32: ...
+    @property
+    def batches(self) -> int: ...
     @property
     def sent_time(self) -> _F64: ...
     @property

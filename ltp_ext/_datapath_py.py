@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .constants import PACKET_REORDER_THRESHOLD
+from .constants import PACKET_REORDER_THRESHOLD, SEND_BATCH_MIN
 from .errors import LocalProtocolError
 from ._wire_py import F_CRITICAL, F_KNOWN, HEADER_SIZE, T_DATA, VERSION, pack_header_into
 
@@ -76,7 +76,14 @@ class _Geometry:
 
 
 class SendWindow(_Geometry):
-    """Sender-side per-segment state, packet building, ACK processing and loss detection."""
+    """Sender-side per-segment state, packet building, ACK processing and loss detection.
+
+    A transmission's send time and delivery-rate snapshot are the same for every packet of one
+    :meth:`build` call, so they are kept once per call (a *batch*) and each segment holds the batch of
+    its latest transmission (``tx_batch``) and of its first (``first_batch``). Batch 0 is "never sent"
+    (all zero). ``sent_time``, ``first_tx_time`` and the ``snap_*`` arrays are per-segment views built
+    on demand.
+    """
 
     def __init__(self, data, total: int, seg_size: int, flow_id: int, token: int, flags: int, critical) -> None:
         self.data = _as_bytes_view(data, False)
@@ -87,12 +94,15 @@ class SendWindow(_Geometry):
             raise LocalProtocolError("critical mask must have one entry per segment")
         self.state = np.zeros(n, np.uint8)
         self.attempt = np.zeros(n, np.uint8)
-        self.sent_time = np.zeros(n, np.float64)
-        self.first_tx_time = np.zeros(n, np.float64)  # when attempt 1 left: an ACK echoing it is an exact RTT sample
+        self.tx_batch = np.zeros(n, np.int32)
+        self.first_batch = np.zeros(n, np.int32)  # attempt 1's batch: an ACK echoing it is an exact RTT sample
         self.sent_idx = np.full(n, -1, np.int64)
-        self.snap_delivered = np.zeros(n, np.int64)
-        self.snap_delivered_time = np.zeros(n, np.float64)
-        self.snap_first_sent = np.zeros(n, np.float64)
+        # per batch: send time, and the path's delivered bytes, delivered time and first-sent time at send
+        self._b_time = np.zeros(SEND_BATCH_MIN, np.float64)
+        self._b_d = np.zeros(SEND_BATCH_MIN, np.int64)
+        self._b_dt = np.zeros(SEND_BATCH_MIN, np.float64)
+        self._b_fs = np.zeros(SEND_BATCH_MIN, np.float64)
+        self.batches = 1  # batch 0: never sent
         cap = max(64, n + n // 4)
         self.log_seq = np.empty(cap, np.int64)
         self.log_acked = np.zeros(cap, np.uint8)
@@ -113,6 +123,49 @@ class SendWindow(_Geometry):
     def seg_len(self, seq: int) -> int:
         """Payload bytes of segment ``seq``."""
         return self.last_len if seq == self.seg_count - 1 else self.seg_size
+
+    def _batch_open(self, now: float, delivered: int, delivered_time: float, first_sent_time: float) -> int:
+        b = self.batches
+        if b >= self._b_time.shape[0]:
+            cap = self._b_time.shape[0] * 2
+            if cap > 0x7FFFFFFF:
+                raise LocalProtocolError("too many send batches for one message")
+            for name in ("_b_time", "_b_d", "_b_dt", "_b_fs"):
+                old = getattr(self, name)
+                new = np.zeros(cap, old.dtype)
+                new[:b] = old[:b]
+                setattr(self, name, new)
+        self._b_time[b] = now
+        self._b_d[b] = delivered
+        self._b_dt[b] = delivered_time
+        self._b_fs[b] = first_sent_time
+        self.batches = b + 1
+        return b
+
+    @property
+    def sent_time(self) -> np.ndarray:
+        """Per segment: when its latest transmission left (0.0: never sent)."""
+        return self._b_time[self.tx_batch]
+
+    @property
+    def first_tx_time(self) -> np.ndarray:
+        """Per segment: when its first transmission left (0.0: never sent)."""
+        return self._b_time[self.first_batch]
+
+    @property
+    def snap_delivered(self) -> np.ndarray:
+        """Per segment: the path's delivered bytes when its latest transmission left."""
+        return self._b_d[self.tx_batch]
+
+    @property
+    def snap_delivered_time(self) -> np.ndarray:
+        """Per segment: the path's delivered time when its latest transmission left."""
+        return self._b_dt[self.tx_batch]
+
+    @property
+    def snap_first_sent(self) -> np.ndarray:
+        """Per segment: the path's first-sent time when its latest transmission left."""
+        return self._b_fs[self.tx_batch]
 
     def _log_append(self, seq: int) -> int:
         pos = self.tail - self.log_base
@@ -148,6 +201,7 @@ class SendWindow(_Geometry):
         mv = _as_bytes_view(out, True)
         stride = HEADER_SIZE + self.seg_size
         written = 0
+        batch = self._batch_open(now, delivered, delivered_time, first_sent_time) if len(seqs) else 0
         for k in range(len(seqs)):
             seq = int(seqs[k])
             if seq < 0 or seq >= self.seg_count:
@@ -158,7 +212,7 @@ class SendWindow(_Geometry):
             if st != SEG_PENDING:
                 self.retransmits += 1
             else:
-                self.first_tx_time[seq] = now
+                self.first_batch[seq] = batch
             if st == SEG_INFLIGHT:
                 self.inflight_count -= 1
                 self.inflight_bytes -= self.seg_len(seq) + HEADER_SIZE
@@ -172,10 +226,7 @@ class SendWindow(_Geometry):
             self.state[seq] = SEG_INFLIGHT
             self.inflight_count += 1
             self.inflight_bytes += length + HEADER_SIZE
-            self.sent_time[seq] = now
-            self.snap_delivered[seq] = delivered
-            self.snap_delivered_time[seq] = delivered_time
-            self.snap_first_sent[seq] = first_sent_time
+            self.tx_batch[seq] = batch
             self.sent_idx[seq] = self._log_append(seq)
             self.packets_sent += 1
             written = k * stride + HEADER_SIZE + length
@@ -216,7 +267,7 @@ class SendWindow(_Geometry):
                 self.inflight_count -= 1
                 self.inflight_bytes -= wire
             if a == self.attempt[seq]:
-                r = now - self.sent_time[seq]
+                r = now - self._b_time[self.tx_batch[seq]]
                 if rtt < 0.0 or r < rtt:
                     rtt = r
                 idx = int(self.sent_idx[seq])
@@ -229,7 +280,7 @@ class SendWindow(_Geometry):
             elif a == 1:
                 # the first transmission, acknowledged after the segment was sent again (a probe timeout that
                 # fired before the path's first RTT was known): its send time is kept, so the RTT is exact
-                r = now - self.first_tx_time[seq]
+                r = now - self._b_time[self.first_batch[seq]]
                 if rtt < 0.0 or r < rtt:
                     rtt = r
             self.state[seq] = SEG_ACKED
@@ -241,10 +292,11 @@ class SendWindow(_Geometry):
             delivered += newly_bytes
             delivered_time = now
         if best_seq >= 0:
-            prior_delivered = int(self.snap_delivered[best_seq])
-            prior_time = float(self.snap_delivered_time[best_seq])
-            first_sent = float(self.snap_first_sent[best_seq])
-            sample_sent = float(self.sent_time[best_seq])
+            b = int(self.tx_batch[best_seq])
+            prior_delivered = int(self._b_d[b])
+            prior_time = float(self._b_dt[b])
+            first_sent = float(self._b_fs[b])
+            sample_sent = float(self._b_time[b])
         else:
             prior_delivered, prior_time, first_sent, sample_sent = -1, 0.0, 0.0, 0.0
         lost = self._detect(PACKET_REORDER_THRESHOLD, -1.0)
@@ -273,8 +325,8 @@ class SendWindow(_Geometry):
                 self.head += 1
                 continue
             if ((threshold > 0 and self.acked_in_window >= threshold)
-                    or (threshold == 0 and self.sent_time[seq] <= cutoff)
-                    or (threshold < 0 and self.acked_in_window > 0 and self.sent_time[seq] <= cutoff)):
+                    or (threshold == 0 and self._b_time[self.tx_batch[seq]] <= cutoff)
+                    or (threshold < 0 and self.acked_in_window > 0 and self._b_time[self.tx_batch[seq]] <= cutoff)):
                 self.state[seq] = SEG_LOST
                 self.inflight_count -= 1
                 self.inflight_bytes -= self.seg_len(seq) + HEADER_SIZE
@@ -292,7 +344,7 @@ class SendWindow(_Geometry):
             i = h - self.log_base
             seq = int(self.log_seq[i])
             if not self.log_acked[i] and self.sent_idx[seq] == h and self.state[seq] == SEG_INFLIGHT:
-                return float(self.sent_time[seq])
+                return float(self._b_time[self.tx_batch[seq]])
             h += 1
         return -1.0
 

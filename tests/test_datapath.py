@@ -89,7 +89,8 @@ def test_send_window_geometry(dp):
     assert (w.seg_count, w.last_len, w.total, w.seg_size) == (10, 50, 950, 100)
     assert w.seg_len(9) == 50 and w.seg_len(0) == 100
     for name, dtype in (("state", np.uint8), ("attempt", np.uint8), ("critical", np.uint8),
-                        ("sent_time", np.float64), ("sent_idx", np.int64)):
+                        ("sent_time", np.float64), ("sent_idx", np.int64), ("tx_batch", np.int32),
+                        ("first_batch", np.int32), ("first_tx_time", np.float64), ("snap_delivered", np.int64)):
         arr = getattr(w, name)
         assert isinstance(arr, np.ndarray) and arr.dtype == dtype and arr.shape == (10,)
     assert (w.head, w.tail, w.log_base) == (0, 0, 0)
@@ -116,6 +117,31 @@ def test_build_writes_headers_and_payload(dp):
     assert w.sent_idx[[0, 1, 9]].tolist() == [0, 1, 2]
     assert w.log_seq[:3].tolist() == [0, 1, 9]
     assert (w.packets_sent, w.inflight_count, w.inflight_bytes, w.retransmits) == (3, 3, 3 * H + 250, 0)
+
+
+def test_a_build_call_is_one_send_batch_and_the_batch_table_grows_intact(dp):
+    """Send time and rate snapshot are kept once per ``build`` call (8 bytes per segment, not 40): every
+    segment of a call shares its batch, an empty call opens none, and the table survives growing past
+    ``SEND_BATCH_MIN`` with each segment's values as they were sent."""
+    from ltp_ext.constants import SEND_BATCH_MIN
+
+    w = send_window(dp, total=100 * (2 * SEND_BATCH_MIN + 10), seg=100)
+    assert w.batches == 1 and w.tx_batch.itemsize == w.first_batch.itemsize == 4
+    build(w, [], now=9.0)
+    assert w.batches == 1
+    build(w, [0, 1, 2], now=1.0, delivered=5, dtime=0.5, first=0.25)
+    assert w.batches == 2 and w.tx_batch[:4].tolist() == [1, 1, 1, 0]
+    for k in range(3, 2 * SEND_BATCH_MIN + 10):  # one segment per call: the table doubles twice
+        build(w, [k], now=1.0 + k, delivered=100 * k, dtime=0.5 + k, first=0.25 + k)
+    assert w.batches == 2 + (2 * SEND_BATCH_MIN + 7)  # batch 0, the three-segment call, one per later call
+    k = np.arange(3, 2 * SEND_BATCH_MIN + 10)
+    assert w.sent_time[:3].tolist() == [1.0] * 3 and np.array_equal(w.sent_time[3:], 1.0 + k)
+    assert np.array_equal(w.snap_delivered[3:], 100 * k) and np.array_equal(w.snap_first_sent[3:], 0.25 + k)
+    assert np.array_equal(w.first_tx_time, w.sent_time)
+    build(w, [1], now=500.0)  # a retransmission: a new latest batch, the first one kept
+    assert w.sent_time[1] == 500.0 and w.first_tx_time[1] == 1.0 and w.tx_batch[1] == w.batches - 1
+    r = ack(w, [(2, 1)], now=600.0)  # the rate sample reads segment 2's batch
+    assert r[4] == 599.0 and r[5:9] == (5, 0.5, 0.25, 1.0)
 
 
 def test_build_retransmission_counts(dp):
@@ -495,10 +521,10 @@ def _outcome(fn, *args):
 
 
 SEND_ARRAYS = ("state", "attempt", "critical", "sent_time", "first_tx_time", "sent_idx", "snap_delivered", "snap_delivered_time",
-               "snap_first_sent", "log_acked")
+               "snap_first_sent", "log_acked", "tx_batch", "first_batch")
 SEND_COUNTERS = ("total", "seg_size", "seg_count", "last_len", "log_base", "head", "tail", "acked_in_window",
                  "acked_count", "acked_bytes", "inflight_count", "inflight_bytes", "packets_sent", "retransmits",
-                 "lost_events", "bad_acks", "dup_acks")
+                 "lost_events", "bad_acks", "dup_acks", "batches")
 
 
 def send_snapshot(w) -> dict:

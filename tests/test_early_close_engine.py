@@ -175,3 +175,38 @@ def test_a_receive_posted_mid_message_starts_the_groups_clock_at_its_posting(har
     _, recv = h.wait([(1, hc), (2, hr)])
     assert [r.regime for r in recv.reports] == [Regime.COMPLETE, Regime.COMPLETE]
     assert np.array_equal(outs[1], data)
+
+
+@pytest.mark.parametrize("reliable", [True, False])
+def test_new_data_checks_a_reliable_receive_once_per_interval_and_every_other_one_each_time(
+        harness, floats, monkeypatch, reliable):
+    """``decide`` never closes a reliable flow before it is complete, so new data runs its Early Close check at
+    most once per ``RELIABLE_CHECK_INTERVAL_S`` (a bulk receive ran it on every ``recvmmsg`` batch); an
+    unreliable flow is checked on every arrival, and either completes on the datagram that completes it."""
+    checks = []
+    real = EarlyClose.check
+
+    def spy(self, flow, now):
+        checks.append((flow.reliable, now))
+        return real(self, flow, now)
+
+    monkeypatch.setattr(EarlyClose, "check", spy)
+    h = harness(seed=5)
+    h.links(rate=GBIT, delay_s=0.0005)
+    a, b = h.engines
+    data = floats(300_000)  # 1.2 MB: about 9.6 ms at 1 Gbit/s, 825 segments
+    out = np.zeros_like(data)
+    hr = b.post_receive([(h.addrs[0], 0, out)], now=h.now)
+    hs = a.send(h.addrs[1], data, now=h.now, reliable=reliable)
+    sent, recv = h.wait([(0, hs), (1, hr)])
+    rep = recv.reports[0]
+    assert rep.regime == Regime.COMPLETE and np.array_equal(out, data)
+    assert rep.rtprop_s > 0  # the newest estimates the sender advertised, whenever the last check ran
+    ours = [t for r, t in checks if r == reliable]
+    segments = sent.report.packets_sent - sent.report.retransmitted_packets
+    span = max(ours) - min(ours)
+    if reliable:
+        assert len(ours) <= span / ltp.engine.RELIABLE_CHECK_INTERVAL_S + 2 < segments / 20, (len(ours), span)
+        assert all(t2 - t1 >= ltp.engine.RELIABLE_CHECK_INTERVAL_S for t1, t2 in zip(ours, ours[1:]))
+    else:
+        assert len(ours) >= segments - 1, (len(ours), segments)  # the completing datagram closes it unchecked
