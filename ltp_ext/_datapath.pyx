@@ -206,10 +206,12 @@ cdef class SendWindow:
     segment holds the batch of its latest transmission (``tx_batch``) and of its first
     (``first_batch``): 8 bytes per segment instead of 40, which a bulk send writes into fresh pages
     (the kernel zeroes each on first touch) and every ACK reads. Batch 0 is "never sent" (all zero).
-    ``sent_time``, ``first_tx_time`` and the ``snap_*`` arrays are per-segment views built on demand.
+    The send log and ``tx_index`` (1 + a segment's latest send index, 0: never) are int32 for the same
+    reason. ``sent_time``, ``first_tx_time``, ``sent_idx`` and the ``snap_*`` arrays are per-segment views
+    built on demand.
     """
 
-    cdef readonly object data, critical, state, attempt, tx_batch, first_batch, sent_idx, log_seq, log_acked
+    cdef readonly object data, critical, state, attempt, tx_batch, first_batch, tx_index, log_seq, log_acked
     cdef readonly object flow_id, token, flags
     cdef readonly int64_t total, seg_size, seg_count, last_len
     cdef readonly int64_t log_base, head, tail, acked_in_window
@@ -226,14 +228,14 @@ cdef class SendWindow:
     cdef uint8_t *_attempt
     cdef int32_t *_txb
     cdef int32_t *_fb
-    cdef int64_t *_sent_idx
+    cdef int32_t *_txi               # per segment: 1 + the send index of its latest transmission (0: never)
     cdef object _b_time_arr, _b_d_arr, _b_dt_arr, _b_fs_arr
     cdef double *_b_time             # per batch: send time
     cdef int64_t *_b_d               # per batch: the path's delivered bytes at send (rate sample snapshot)
     cdef double *_b_dt               # per batch: its delivered time
     cdef double *_b_fs               # per batch: its first-sent time
     cdef int64_t _nb, _b_cap         # batches used (batch 0 included), capacity
-    cdef int64_t *_log_seq
+    cdef int32_t *_log_seq
     cdef uint8_t *_log_acked
     cdef int64_t *_lost
     cdef int64_t _log_cap
@@ -261,13 +263,15 @@ cdef class SendWindow:
         self.attempt = np.zeros(n, np.uint8)
         self.tx_batch = np.zeros(n, np.int32)
         self.first_batch = np.zeros(n, np.int32)  # attempt 1's batch: its send time (see _ack_one)
-        self.sent_idx = np.full(n, -1, np.int64)
+        if n > _I32_MAX:
+            raise LocalProtocolError("too many segments for one message")
+        self.tx_index = np.zeros(n, np.int32)
         self._b_cap = 0
         self._nb = 0
         self._batch_grow()
         self._nb = 1  # batch 0: never sent
         cap = max(64, n + n // 4)
-        self.log_seq = np.empty(cap, np.int64)
+        self.log_seq = np.empty(cap, np.int32)
         self.log_acked = np.zeros(cap, np.uint8)
         self._lost_buf = np.empty(n, np.int64)
         self._data = <const uint8_t *>_export(mv, &self._data_view, PyBUF_SIMPLE)
@@ -278,8 +282,8 @@ cdef class SendWindow:
         self._attempt = <uint8_t *>_ptr(self.attempt)
         self._txb = <int32_t *>_ptr(self.tx_batch)
         self._fb = <int32_t *>_ptr(self.first_batch)
-        self._sent_idx = <int64_t *>_ptr(self.sent_idx)
-        self._log_seq = <int64_t *>_ptr(self.log_seq)
+        self._txi = <int32_t *>_ptr(self.tx_index)
+        self._log_seq = <int32_t *>_ptr(self.log_seq)
         self._log_acked = <uint8_t *>_ptr(self.log_acked)
         self._lost = <int64_t *>_ptr(self._lost_buf)
         self._log_cap = cap
@@ -346,6 +350,11 @@ cdef class SendWindow:
         return self._nb
 
     @property
+    def sent_idx(self):
+        """Per segment: the send index of its latest transmission (-1: never sent)."""
+        return self.tx_index.astype(np.int64) - 1
+
+    @property
     def sent_time(self):
         """Per segment: when its latest transmission left (0.0: never sent)."""
         return self._b_time_arr[self.tx_batch]
@@ -376,28 +385,30 @@ cdef class SendWindow:
         cdef int64_t start = self.head - self.log_base
         cdef int64_t cap = self._log_cap
         if keep * 2 > cap:
-            new_seq = np.empty(cap * 2, np.int64)
+            new_seq = np.empty(cap * 2, np.int32)
             new_acked = np.zeros(cap * 2, np.uint8)
-            memcpy(_ptr(new_seq), self._log_seq + start, <size_t>keep * sizeof(int64_t))
+            memcpy(_ptr(new_seq), self._log_seq + start, <size_t>keep * sizeof(int32_t))
             memcpy(_ptr(new_acked), self._log_acked + start, <size_t>keep)
             self.log_seq = new_seq
             self.log_acked = new_acked
-            self._log_seq = <int64_t *>_ptr(new_seq)
+            self._log_seq = <int32_t *>_ptr(new_seq)
             self._log_acked = <uint8_t *>_ptr(new_acked)
             self._log_cap = cap * 2
         else:
-            memmove(self._log_seq, self._log_seq + start, <size_t>keep * sizeof(int64_t))
+            memmove(self._log_seq, self._log_seq + start, <size_t>keep * sizeof(int32_t))
             memmove(self._log_acked, self._log_acked + start, <size_t>keep)
             memset(self._log_acked + keep, 0, <size_t>(cap - keep))
         self.log_base = self.head
         return 0
 
     cdef inline int64_t _log_append(self, int64_t seq) except -1:
+        if self.tail >= _I32_MAX - 1:
+            raise LocalProtocolError("too many transmissions for one message")
         cdef int64_t pos = self.tail - self.log_base
         if pos >= self._log_cap:
             self._log_grow()
             pos = self.tail - self.log_base
-        self._log_seq[pos] = seq
+        self._log_seq[pos] = <int32_t>seq
         self._log_acked[pos] = 0
         cdef int64_t idx = self.tail
         self.tail += 1
@@ -439,7 +450,7 @@ cdef class SendWindow:
         self.inflight_count += 1
         self.inflight_bytes += length + _HDR
         self._txb[seq] = batch
-        self._sent_idx[seq] = self._log_append(seq)
+        self._txi[seq] = <int32_t>(self._log_append(seq) + 1)
         self.packets_sent += 1
         return end
 
@@ -514,7 +525,7 @@ cdef class SendWindow:
             r = acc.now - self._b_time[self._txb[seq]]
             if acc.rtt < 0.0 or r < acc.rtt:
                 acc.rtt = r
-            idx = self._sent_idx[seq]
+            idx = self._txi[seq] - 1
             if idx >= self.head:
                 self._log_acked[idx - self.log_base] = 1
                 self.acked_in_window += 1
@@ -596,7 +607,7 @@ cdef class SendWindow:
                 self.acked_in_window -= 1
                 self.head += 1
                 continue
-            if self._sent_idx[seq] != self.head or self._state[seq] != _INFLIGHT:
+            if self._txi[seq] != self.head + 1 or self._state[seq] != _INFLIGHT:
                 self.head += 1
                 continue
             if ((threshold > 0 and self.acked_in_window >= threshold)
@@ -619,7 +630,7 @@ cdef class SendWindow:
         while h < self.tail:
             i = h - self.log_base
             seq = self._log_seq[i]
-            if not self._log_acked[i] and self._sent_idx[seq] == h and self._state[seq] == _INFLIGHT:
+            if not self._log_acked[i] and self._txi[seq] == h + 1 and self._state[seq] == _INFLIGHT:
                 return self._b_time[self._txb[seq]]
             h += 1
         return -1.0

@@ -41,6 +41,8 @@ from .constants import PACKET_REORDER_THRESHOLD, SEND_BATCH_MIN
 from .errors import LocalProtocolError
 from ._wire_py import F_CRITICAL, F_KNOWN, HEADER_SIZE, T_DATA, VERSION, pack_header_into
 
+_I32_MAX = 0x7FFFFFFF  # the send log, tx_index and the batch numbers are int32 (as the compiled window's)
+
 SEG_PENDING = 0
 SEG_INFLIGHT = 1
 SEG_ACKED = 2
@@ -81,8 +83,9 @@ class SendWindow(_Geometry):
     A transmission's send time and delivery-rate snapshot are the same for every packet of one
     :meth:`build` call, so they are kept once per call (a *batch*) and each segment holds the batch of
     its latest transmission (``tx_batch``) and of its first (``first_batch``). Batch 0 is "never sent"
-    (all zero). ``sent_time``, ``first_tx_time`` and the ``snap_*`` arrays are per-segment views built
-    on demand.
+    (all zero). The send log and ``tx_index`` (1 + a segment's latest send index, 0: never) are int32 for
+    the same reason. ``sent_time``, ``first_tx_time``, ``sent_idx`` and the ``snap_*`` arrays are per-segment
+    views built on demand.
     """
 
     def __init__(self, data, total: int, seg_size: int, flow_id: int, token: int, flags: int, critical) -> None:
@@ -96,7 +99,9 @@ class SendWindow(_Geometry):
         self.attempt = np.zeros(n, np.uint8)
         self.tx_batch = np.zeros(n, np.int32)
         self.first_batch = np.zeros(n, np.int32)  # attempt 1's batch: an ACK echoing it is an exact RTT sample
-        self.sent_idx = np.full(n, -1, np.int64)
+        if n > _I32_MAX:
+            raise LocalProtocolError("too many segments for one message")
+        self.tx_index = np.zeros(n, np.int32)  # 1 + the send index of the latest transmission (0: never)
         # per batch: send time, and the path's delivered bytes, delivered time and first-sent time at send
         self._b_time = np.zeros(SEND_BATCH_MIN, np.float64)
         self._b_d = np.zeros(SEND_BATCH_MIN, np.int64)
@@ -104,7 +109,7 @@ class SendWindow(_Geometry):
         self._b_fs = np.zeros(SEND_BATCH_MIN, np.float64)
         self.batches = 1  # batch 0: never sent
         cap = max(64, n + n // 4)
-        self.log_seq = np.empty(cap, np.int64)
+        self.log_seq = np.empty(cap, np.int32)
         self.log_acked = np.zeros(cap, np.uint8)
         self.log_base = 0  # send index of log_seq[0]
         self.head = 0  # oldest unresolved send index
@@ -128,7 +133,7 @@ class SendWindow(_Geometry):
         b = self.batches
         if b >= self._b_time.shape[0]:
             cap = self._b_time.shape[0] * 2
-            if cap > 0x7FFFFFFF:
+            if cap > _I32_MAX:
                 raise LocalProtocolError("too many send batches for one message")
             for name in ("_b_time", "_b_d", "_b_dt", "_b_fs"):
                 old = getattr(self, name)
@@ -141,6 +146,11 @@ class SendWindow(_Geometry):
         self._b_fs[b] = first_sent_time
         self.batches = b + 1
         return b
+
+    @property
+    def sent_idx(self) -> np.ndarray:
+        """Per segment: the send index of its latest transmission (-1: never sent)."""
+        return self.tx_index.astype(np.int64) - 1
 
     @property
     def sent_time(self) -> np.ndarray:
@@ -168,12 +178,14 @@ class SendWindow(_Geometry):
         return self._b_fs[self.tx_batch]
 
     def _log_append(self, seq: int) -> int:
+        if self.tail >= _I32_MAX - 1:
+            raise LocalProtocolError("too many transmissions for one message")
         pos = self.tail - self.log_base
         if pos >= self.log_seq.shape[0]:
             keep = self.tail - self.head
             start = self.head - self.log_base
             if keep * 2 > self.log_seq.shape[0]:
-                new_seq = np.empty(self.log_seq.shape[0] * 2, np.int64)
+                new_seq = np.empty(self.log_seq.shape[0] * 2, np.int32)
                 new_acked = np.zeros(self.log_seq.shape[0] * 2, np.uint8)
             else:
                 new_seq, new_acked = self.log_seq, self.log_acked
@@ -227,7 +239,7 @@ class SendWindow(_Geometry):
             self.inflight_count += 1
             self.inflight_bytes += length + HEADER_SIZE
             self.tx_batch[seq] = batch
-            self.sent_idx[seq] = self._log_append(seq)
+            self.tx_index[seq] = self._log_append(seq) + 1
             self.packets_sent += 1
             written = k * stride + HEADER_SIZE + length
         return written
@@ -270,7 +282,7 @@ class SendWindow(_Geometry):
                 r = now - self._b_time[self.tx_batch[seq]]
                 if rtt < 0.0 or r < rtt:
                     rtt = r
-                idx = int(self.sent_idx[seq])
+                idx = int(self.tx_index[seq]) - 1
                 if idx >= self.head:
                     self.log_acked[idx - self.log_base] = 1
                     self.acked_in_window += 1
@@ -321,7 +333,7 @@ class SendWindow(_Geometry):
                 self.acked_in_window -= 1
                 self.head += 1
                 continue
-            if self.sent_idx[seq] != self.head or self.state[seq] != SEG_INFLIGHT:
+            if self.tx_index[seq] != self.head + 1 or self.state[seq] != SEG_INFLIGHT:
                 self.head += 1
                 continue
             if ((threshold > 0 and self.acked_in_window >= threshold)
@@ -343,7 +355,7 @@ class SendWindow(_Geometry):
         while h < self.tail:
             i = h - self.log_base
             seq = int(self.log_seq[i])
-            if not self.log_acked[i] and self.sent_idx[seq] == h and self.state[seq] == SEG_INFLIGHT:
+            if not self.log_acked[i] and self.tx_index[seq] == h + 1 and self.state[seq] == SEG_INFLIGHT:
                 return float(self._b_time[self.tx_batch[seq]])
             h += 1
         return -1.0

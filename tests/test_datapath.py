@@ -126,7 +126,8 @@ def test_a_build_call_is_one_send_batch_and_the_batch_table_grows_intact(dp):
     from ltp_ext.constants import SEND_BATCH_MIN
 
     w = send_window(dp, total=100 * (2 * SEND_BATCH_MIN + 10), seg=100)
-    assert w.batches == 1 and w.tx_batch.itemsize == w.first_batch.itemsize == 4
+    assert w.batches == 1 and w.tx_batch.itemsize == w.first_batch.itemsize == w.tx_index.itemsize == 4
+    assert w.log_seq.itemsize == 4 and w.sent_idx.tolist() == [-1] * w.seg_count
     build(w, [], now=9.0)
     assert w.batches == 1
     build(w, [0, 1, 2], now=1.0, delivered=5, dtime=0.5, first=0.25)
@@ -521,7 +522,7 @@ def _outcome(fn, *args):
 
 
 SEND_ARRAYS = ("state", "attempt", "critical", "sent_time", "first_tx_time", "sent_idx", "snap_delivered", "snap_delivered_time",
-               "snap_first_sent", "log_acked", "tx_batch", "first_batch")
+               "snap_first_sent", "log_acked", "tx_batch", "first_batch", "tx_index")
 SEND_COUNTERS = ("total", "seg_size", "seg_count", "last_len", "log_base", "head", "tail", "acked_in_window",
                  "acked_count", "acked_bytes", "inflight_count", "inflight_bytes", "packets_sent", "retransmits",
                  "lost_events", "bad_acks", "dup_acks", "batches")
