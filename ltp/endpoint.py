@@ -133,9 +133,18 @@ class _SocketWatch:
             return
         self.reading = on
         if on:
+            if self._rset is not None:
+                self._rset.register(self._fd, select.EPOLLIN)  # level-triggered: ready at once if data waits
             self._loop.add_reader(self._rfd, self._on_readable)
         else:
             self._loop.remove_reader(self._rfd)
+            if self._rset is not None:
+                # off the socket's wait queue too: every datagram the kernel queues would otherwise call
+                # the set's wake-up (a lock and a ready-list entry) for a watch nobody reads
+                try:
+                    self._rset.unregister(self._fd)
+                except OSError:  # the socket is already closed (closing removed it from the set)
+                    pass
 
     def want_writable(self, on: bool) -> None:
         """Start (True) or stop (False) calling ``on_writable`` while the socket can take data."""

@@ -654,3 +654,38 @@ def test_a_refused_address_inside_a_run_fails_only_its_own_peer():
     _, got, refused = asyncio.run(_control_run(refuse_middle=True))
     assert got == [1, 3, 4], got  # flow ids: 2 went to the refused broadcast address
     assert refused == 1
+
+
+@pytest.mark.skipif(not hasattr(select, "epoll"), reason="the private epoll sets are Linux-only")
+async def test_a_socket_not_watched_is_off_its_wait_queue_and_watched_again_at_once():
+    """While an endpoint reads on its timer (receive polling) its socket leaves the private reading set as well
+    as the loop: every datagram the kernel queued would otherwise run the set's wake-up (a lock and a ready-list
+    entry, in the sending host's softirq on a veth path) for a watch nobody reads. Watched again, a datagram
+    that arrived meanwhile wakes it at once (level-triggered)."""
+    import socket
+
+    from ltp.endpoint import _SocketWatch
+
+    loop = asyncio.get_running_loop()
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.setblocking(False)
+    woke = asyncio.Event()
+    watch = _SocketWatch(loop, rx.fileno(), woke.set, lambda: None)
+    try:
+        watch.want_readable(False)
+        tx.sendto(b"x", rx.getsockname())
+        await asyncio.sleep(0.05)
+        assert not woke.is_set()
+        assert watch._rset.poll(0) == []  # not in the set at all: the kernel has no entry to wake
+        watch.want_readable(True)
+        await asyncio.wait_for(woke.wait(), 1.0)  # the datagram queued while unwatched
+        assert rx.recv(16) == b"x"
+        rx.close()
+        watch.want_readable(False)  # a socket closed under the watch: nothing raises
+    finally:
+        watch.close()
+        tx.close()
+        if rx.fileno() >= 0:
+            rx.close()
