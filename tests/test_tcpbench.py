@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from ltp_tools.payload import pattern
-from ltp_tools.tcpbench import available_cc, run_tcp_transfer, send, wait_ready
+from ltp_tools.ready import wait_ready
+from ltp_tools.tcpbench import available_cc, run_tcp_transfer, send
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,7 +23,7 @@ def _start_server(*extra):
     port = _free_port()
     p = subprocess.Popen([sys.executable, "-m", "ltp_tools.tcpbench", "server", "--port", str(port),
                           "--bind", "127.0.0.1", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_ready(p, 30)
+    wait_ready(p, 30, "tcpbench server")
     return port, p
 
 
@@ -101,13 +102,18 @@ def test_the_chunk_buffer_is_not_checked(server):
 def test_wait_ready_names_a_server_that_died_or_stayed_silent():
     dead = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit('boom: cannot bind')"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with pytest.raises(RuntimeError, match="boom: cannot bind"):
-        wait_ready(dead, 10)
+    with pytest.raises(RuntimeError, match=r"tcpbench server did not start .*exit 1.*boom: cannot bind"):
+        wait_ready(dead, 10, "tcpbench server")
+    from ltp_tools.experiments._common import ExperimentError
+    from ltp_tools.experiments._common import wait_ready as experiment_wait_ready
+
+    with pytest.raises(ExperimentError, match="incast PS did not start"):  # the experiments' own error type
+        experiment_wait_ready(dead, 10, "incast PS")
     silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         with pytest.raises(RuntimeError, match="did not start within 0.5 s"):
-            wait_ready(silent, 0.5)
+            wait_ready(silent, 0.5, "tcpbench server")
     finally:
         silent.kill()
         silent.wait(timeout=5)

@@ -201,7 +201,7 @@ def _outcome(p: subprocess.Popen, timeout: float) -> str:
 
 
 def _wait_ready(p: subprocess.Popen, timeout: float) -> None:
-    from ltp_tools.tcpbench import wait_ready
+    from ltp_tools.ready import wait_ready
 
     wait_ready(p, timeout, "the LTP receiver")
 
@@ -310,7 +310,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
 
 
 def _tcp_loopback(size: int, cc: str, timeout: float, buffer: str = "message") -> dict:
-    from ltp_tools.tcpbench import READY_BASE_S, READY_PER_BYTE_S, wait_ready
+    from ltp_tools.ready import wait_ready
+    from ltp_tools.tcpbench import READY_BASE_S, READY_PER_BYTE_S
 
     py = sys.executable
     kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -318,7 +319,7 @@ def _tcp_loopback(size: int, cc: str, timeout: float, buffer: str = "message") -
     srv = subprocess.Popen([py, "-m", "ltp_tools.tcpbench", "server", "--port", "5299", "--once", "--bind",
                             "127.0.0.1", *sized], **kw)
     try:
-        wait_ready(srv, READY_BASE_S + size * READY_PER_BYTE_S)
+        wait_ready(srv, READY_BASE_S + size * READY_PER_BYTE_S, "tcpbench server")
         cli = subprocess.run([py, "-m", "ltp_tools.tcpbench", "client", "--host", "127.0.0.1", "--port", "5299",
                               "--size", str(size), "--cc", cc, "--buffer", buffer], timeout=timeout, **kw)
         res = json.loads(cli.stdout.strip().splitlines()[-1])

@@ -121,12 +121,13 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, time
             if not all(o and o[-1] == "done" for o in outs):
                 raise RuntimeError(f"an LTP receiver did not get the whole message intact: {outs}")
         else:
-            from ltp_tools.tcpbench import READY_BASE_S, READY_PER_BYTE_S, wait_ready
+            from ltp_tools.ready import wait_ready
+            from ltp_tools.tcpbench import READY_BASE_S, READY_PER_BYTE_S
 
             procs = [lab.popen(h, [py, "-m", "ltp_tools.tcpbench", "server", "--port", str(TCP_PORT), "--once",
                                    "--size", str(size)], **kw) for h in rcvs]
             for p in procs:  # each receiver has faulted its message buffer in before the sender starts
-                wait_ready(p, READY_BASE_S + size * READY_PER_BYTE_S)
+                wait_ready(p, READY_BASE_S + size * READY_PER_BYTE_S, "tcpbench server")
             s = lab.run(snd, [py, "-c", f"import json; from ltp_tools.broadcast_bench import tcp_broadcast; "
                                         f"print(json.dumps(tcp_broadcast({addrs!r}, {size}, {transport!r})))"],
                         capture_output=True, text=True, timeout=timeout + 30)

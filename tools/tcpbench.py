@@ -36,6 +36,7 @@ import time
 
 from ltp_tools.argtypes import number
 from ltp_tools.machine_cpu import machine_cpu_s
+from ltp_tools.ready import wait_ready
 
 CHUNK = 256 * 1024  # bytes per send() / recv_into() call
 #: where a transfer's bytes live (module docstring): "message" is the default, "chunk" the old cache-hot block
@@ -197,29 +198,6 @@ def send(host: str, port: int, size: int, cc: str = "cubic", connect_timeout_s: 
                 total_retrans=info.get("total_retrans"))
 
 
-def wait_ready(p, timeout_s: float, what: str = "tcpbench server") -> None:
-    """Wait until process ``p`` (text stdout pipe) prints ``READY``; ``RuntimeError`` naming ``what`` and its
-    last words if it exits or says nothing within ``timeout_s`` seconds."""
-    import selectors
-
-    t_end = time.monotonic() + timeout_s
-    with selectors.DefaultSelector() as sel:
-        sel.register(p.stdout, selectors.EVENT_READ)
-        while True:
-            left = t_end - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                break
-            line = p.stdout.readline()
-            if not line:
-                break
-            if line.strip() == "READY":
-                return
-    err = ""
-    if p.poll() is not None and p.stderr is not None:
-        err = p.stderr.read()[-2000:]
-    raise RuntimeError(f"{what} did not start within {timeout_s:g} s: {err.strip() or 'no output'}")
-
-
 def run_tcp_transfer(lab, src_host, dst_host, size: int, cc: str = "cubic", port: int = 5201,
                      timeout_s: float = 120.0, buffer: str = "message") -> dict:
     """Run one tcpbench transfer of ``size`` bytes from ``src_host`` to ``dst_host`` inside ``lab``.
@@ -237,7 +215,7 @@ def run_tcp_transfer(lab, src_host, dst_host, size: int, cc: str = "cubic", port
     server = lab.popen(dst, [sys.executable, "-m", "ltp_tools.tcpbench", "server", "--port", str(port), "--once",
                              *sized], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_ready(server, READY_BASE_S + size * READY_PER_BYTE_S)
+        wait_ready(server, READY_BASE_S + size * READY_PER_BYTE_S, "tcpbench server")
         try:
             r = lab.run(src_host, [sys.executable, "-m", "ltp_tools.tcpbench", "client", "--host", dst.addr,
                                    "--port", str(port), "--size", str(size), "--cc", cc, "--buffer", buffer],

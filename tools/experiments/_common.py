@@ -31,7 +31,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from typing import Iterable, Sequence
 
 RESULTS_ROOT = "results"
@@ -163,18 +162,11 @@ def read_json_lines(p: subprocess.Popen, timeout: float, what: str) -> list[dict
 
 
 def wait_ready(p: subprocess.Popen, timeout: float, what: str) -> None:
-    """Block until ``p`` prints ``READY`` on stdout."""
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        line = p.stdout.readline()
-        if not line:
-            break
-        if line.strip() == "READY":
-            return
-    err = ""
-    if p.poll() is not None and p.stderr is not None:
-        err = p.stderr.read()[-1500:]
-    raise ExperimentError(f"{what} did not become ready within {timeout:.0f} s (exit {p.poll()}):\n{err}")
+    """Block until ``p`` prints ``READY`` on stdout (:func:`ltp_tools.ready.wait_ready`, raising
+    :class:`ExperimentError`)."""
+    from ltp_tools.ready import wait_ready as _wait
+
+    _wait(p, timeout, what, ExperimentError)
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
