@@ -259,12 +259,12 @@ cdef class SendWindow:
         if crit.ndim != 1 or crit.shape[0] != n:
             raise LocalProtocolError("critical mask must have one entry per segment")
         self.critical = crit
+        if n > _I32_MAX:
+            raise LocalProtocolError("too many segments for one message")
         self.state = np.zeros(n, np.uint8)
         self.attempt = np.zeros(n, np.uint8)
         self.tx_batch = np.zeros(n, np.int32)
         self.first_batch = np.zeros(n, np.int32)  # attempt 1's batch: its send time (see _ack_one)
-        if n > _I32_MAX:
-            raise LocalProtocolError("too many segments for one message")
         self.tx_index = np.zeros(n, np.int32)
         self._b_cap = 0
         self._nb = 0

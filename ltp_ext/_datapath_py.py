@@ -95,12 +95,12 @@ class SendWindow(_Geometry):
         self.critical = np.ascontiguousarray(critical, dtype=np.uint8)
         if self.critical.shape[0] != n:
             raise LocalProtocolError("critical mask must have one entry per segment")
+        if n > _I32_MAX:
+            raise LocalProtocolError("too many segments for one message")
         self.state = np.zeros(n, np.uint8)
         self.attempt = np.zeros(n, np.uint8)
         self.tx_batch = np.zeros(n, np.int32)
         self.first_batch = np.zeros(n, np.int32)  # attempt 1's batch: an ACK echoing it is an exact RTT sample
-        if n > _I32_MAX:
-            raise LocalProtocolError("too many segments for one message")
         self.tx_index = np.zeros(n, np.int32)  # 1 + the send index of the latest transmission (0: never)
         # per batch: send time, and the path's delivered bytes, delivered time and first-sent time at send
         self._b_time = np.zeros(SEND_BATCH_MIN, np.float64)
