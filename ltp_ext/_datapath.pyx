@@ -202,7 +202,8 @@ cdef class SendWindow:
     """Sender-side per-segment state, packet building, ACK processing and loss detection.
 
     A transmission's send time and delivery-rate snapshot are the same for every packet of one
-    :meth:`build` call, so they are kept once per call (a *batch*, :data:`SEND_BATCH_FIELDS`) and each
+    :meth:`build` call, so they are kept once per call (a *batch*: a table that starts at
+    :data:`~ltp_ext.constants.SEND_BATCH_MIN` entries and doubles) and each
     segment holds the batch of its latest transmission (``tx_batch``) and of its first
     (``first_batch``): 8 bytes per segment instead of 40, which a bulk send writes into fresh pages
     (the kernel zeroes each on first touch) and every ACK reads. Batch 0 is "never sent" (all zero).
