@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ltp_ext.constants import SEND_THREADS_MAX
+
 from .errors import LocalProtocolError
 
 __all__ = ["Config", "DCN", "WAN", "REG_COPIES_MAX"]
@@ -104,6 +106,10 @@ class Config:
     #: into an endpoint with no send open) on its timer instead, once a tick, as NAPI polls a busy NIC;
     #: see ltp/endpoint.py
     receive_polling: bool = True
+    #: threads that make the asyncio adapter's DATA sends (``UdpIO`` sender threads: the kernel's per-packet
+    #: send path, and on a veth path the receiving side's softirq too, runs beside the event loop instead
+    #: of inside it); 0 sends from the event loop's thread. One destination is always served by one thread
+    send_threads: int = 2
 
     def __post_init__(self) -> None:
         if not 576 <= self.mtu <= 65535:
@@ -132,6 +138,10 @@ class Config:
                                      "(2, the default, survives one lost REG)")
         if self.job_key is not None and not isinstance(self.job_key, (bytes, bytearray)):
             raise LocalProtocolError("job_key must be bytes (e.g. secret.encode())")
+        if isinstance(self.send_threads, bool) or not isinstance(self.send_threads, int) or \
+                not 0 <= self.send_threads <= SEND_THREADS_MAX:
+            raise LocalProtocolError(f"send_threads={self.send_threads!r}: pass an int from 0 (send from the "
+                                     f"event loop) to {SEND_THREADS_MAX}")
         for name in ("max_flow_bytes", "max_flows_per_peer", "max_receive_memory", "lt_window",
                      "initial_cwnd_packets", "min_burst_packets", "io_batch", "max_closed_flows", "ack_every",
                      "max_flows_per_host", "max_pending_registrations", "replay_cache_entries",

@@ -177,7 +177,8 @@ class Endpoint:
         self._loop = asyncio.get_running_loop()
         self._sock = sock
         self.config = config
-        self._io = _udpio.UdpIO(sock, batch=config.io_batch, max_datagram=max(2048, config.mtu))
+        self._io = _udpio.UdpIO(sock, batch=config.io_batch, max_datagram=max(2048, config.mtu),
+                                send_threads=config.send_threads if config.gather_send else 0)
         self._local_addr = sock.getsockname()[:2]
         # the engine stamps REGs with the wall clock: tell it how far that is from our `now`;
         # DATA goes out by gather send: headers from the engine, payload straight from the message
@@ -332,6 +333,7 @@ class Endpoint:
         self._watch.close()
         if self._timer is not None:
             self._timer.cancel()
+        self._io.stop_send_threads()  # the DATA they still hold goes out before the socket closes
         self._sock.close()
         for fut in self._waiters.values():
             if not fut.done():
@@ -661,6 +663,8 @@ class Endpoint:
                                                       f"check the address (a broadcast or unroutable one?)")
         if self._pending and not self._watch.writing:
             self._watch.want_writable(True)
+        if io.send_threads:
+            io.reap()  # release the message buffers of batches the sender threads finished
         while True:
             ev = eng.next_event()
             if ev is None:

@@ -15,6 +15,8 @@ GSO_MAX_BYTES: int
 MAX_SEGMENT_SIZE: int
 GRO_SLOT_SIZE: int
 MAX_BATCH: int
+SEND_THREADS_MAX: int
+SEND_QUEUE_DEPTH: int
 SO_TIMESTAMPNS_OPT: int
 SO_RXQ_OVFL_OPT: int
 IP_RECVERR_OPT: int
@@ -35,6 +37,7 @@ class UdpIO:
     drops_enabled: bool
     icmp_errors: int
     socket_drops: int
+    send_threads: int
     def __init__(
         self,
         sock: socket.socket,
@@ -46,6 +49,7 @@ class UdpIO:
         timestamps: bool = True,
         recverr: bool = True,
         drops: bool = True,
+        send_threads: int = 0,
     ) -> None: ...
     @property
     def buffer(self) -> memoryview: ...
@@ -67,3 +71,6 @@ class UdpIO:
     def send_segments(
         self, addr: Address | None, headers: Buffer, payload: Buffer, seqs: Any, seg_size: int, total: int
     ) -> int: ...
+    def reap(self) -> int: ...
+    def wait_sent(self) -> None: ...
+    def stop_send_threads(self) -> None: ...

@@ -39,6 +39,24 @@ the error of that entry decides:
 
 The GIL is released around every ``recvmmsg``/``sendmmsg``; nothing in the
 per-datagram loops touches Python objects.
+
+Sender threads (``send_threads`` > 0, started by the first ``send_segments``).
+Each is a C thread that never takes the GIL and owns a ring of
+``SEND_QUEUE_DEPTH`` jobs.  ``send_segments`` builds the call's GSO messages
+into a free job of the thread serving the destination (assigned at first use
+to the thread serving the fewest destinations, so one destination's packets
+keep their order), copies the 16-byte headers into it, keeps the payload's
+buffer exported, and queues it; it returns at once with every packet
+accepted, and waits (GIL released) only while that thread holds a full ring.
+The thread sends on its own ``dup`` of the socket, so the caller closing the
+socket cannot hand the descriptor to someone else mid-batch; it waits in
+``poll`` when the socket is full, retries an ICMP-reported error once and then
+drops that message, sends a GSO message the kernel refuses packet by packet,
+and drops a message on any other error, counting every errno.  The caller's
+thread *reaps* finished jobs (``reap``, ``stats``, its next ``send_segments``):
+their counts join ``stats`` and their payload buffers are released.  On the
+lab's veth path the sending syscall also runs the receiving host's softirq,
+so a second core takes most of the per-packet kernel work off the event loop's.
 """
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBuffer_IsContiguous, PyBUF_STRIDES, PyBUF_SIMPLE
@@ -55,6 +73,11 @@ import socket as _socket
 import struct as _struct
 
 import numpy as np
+
+from .constants import SEND_QUEUE_DEPTH, SEND_THREADS_MAX
+
+# the queue depth as a C int (named in ltp_ext/constants.py)
+cdef int _QDEPTH = SEND_QUEUE_DEPTH
 
 cdef extern from *:
     """
@@ -217,6 +240,277 @@ cdef extern from *:
     int ltp_encode_addr(int family, const char *host, unsigned int port, unsigned int flowinfo,
                         unsigned int scope, sockaddr_storage *ss) nogil
 
+# ---------------------------------------------------------------------------- send threads
+# A sender thread owns a ring of jobs; a job is one send_segments() call built into its own
+# mmsghdr/iovec/header arrays (the caller's headers are copied, the payload is referenced and
+# the caller's Python buffer is held until the job is reaped).  The thread runs entirely in C,
+# never takes the GIL and blocks (poll) when the socket buffer is full, so every packet handed
+# to it goes out unless the kernel refuses it (counted per errno, dropped like a loss).
+cdef extern from *:
+    """
+    #include <pthread.h>
+    #include <poll.h>
+    #include <signal.h>
+    #include <stdlib.h>
+    #include <unistd.h>
+
+    #define LTP_TX_ERRS 4            /* distinct errnos a job records */
+    #define LTP_TX_FULL_WAIT_MS 20   /* a full socket: wait this long for room, then try again */
+
+    typedef struct {
+        struct mmsghdr *msgs;    /* one per GSO super-datagram (or packet without GSO) */
+        struct iovec *iov;       /* two per packet: header, payload segment */
+        char *hdrs;              /* the packets' 16-byte headers, copied */
+        char *cmsg;              /* LTP_CMSG_SIZE per message */
+        int *nseg;               /* packets per message */
+        int cap_msgs, cap_pkts;
+        int nm;
+        struct sockaddr_storage name;
+        /* results, written by the thread, read by the owner after the job is done */
+        long long dgrams, syscalls, eagain;
+        int err_code[LTP_TX_ERRS];
+        long long err_count[LTP_TX_ERRS];
+        int gso_failed;          /* 1: EINVAL on a GSO message; 2: EIO (GSO unusable) */
+    } ltp_tx_job;
+
+    typedef struct {
+        pthread_t thread;
+        pthread_mutex_t mu;
+        pthread_cond_t cv_work, cv_done;
+        int fd;                  /* a dup of the socket: closing the caller's socket cannot pull it away */
+        int depth;
+        ltp_tx_job *jobs;
+        long long head;          /* jobs submitted (owner, under mu) */
+        long long done;          /* jobs finished (thread, under mu) */
+        int stop;                /* 1: finish the queued jobs and exit; 2: drop what a full socket holds up */
+        int running;
+    } ltp_tx_worker;
+
+    static int ltp_tx_is_icmp(int e) {
+        return e == ECONNREFUSED || e == EHOSTUNREACH || e == ENETUNREACH || e == EHOSTDOWN;
+    }
+
+    static void ltp_tx_count(ltp_tx_job *j, int e) {
+        int i;
+        for (i = 0; i < LTP_TX_ERRS; i++) {
+            if (j->err_count[i] == 0) j->err_code[i] = e;
+            if (j->err_code[i] == e) { j->err_count[i]++; return; }
+        }
+        j->err_count[LTP_TX_ERRS - 1]++;   /* more distinct errnos than slots: lumped with the last */
+    }
+
+    /* The socket is full: wait for room.  Returns 0 to try again, -1 when the owner is dropping. */
+    static int ltp_tx_wait_room(ltp_tx_worker *w, ltp_tx_job *j, int e) {
+        struct pollfd p;
+        j->eagain++;
+        if (e == ENOBUFS) ltp_tx_count(j, e);
+        if (__atomic_load_n(&w->stop, __ATOMIC_RELAXED) == 2) return -1;
+        if (e == ENOBUFS) { usleep(100); return 0; }  /* the device queue, not the socket: poll says writable */
+        p.fd = w->fd; p.events = POLLOUT; p.revents = 0;
+        poll(&p, 1, LTP_TX_FULL_WAIT_MS);
+        return 0;
+    }
+
+    /* Message k without GSO: its packets one by one (a kernel that refused the super-datagram). */
+    static void ltp_tx_singles(ltp_tx_worker *w, ltp_tx_job *j, int k) {
+        struct msghdr h;
+        int p = 0, r, e;
+        struct iovec *iov = j->msgs[k].msg_hdr.msg_iov;
+        while (p < j->nseg[k]) {
+            memset(&h, 0, sizeof(h));
+            h.msg_name = j->msgs[k].msg_hdr.msg_name;
+            h.msg_namelen = j->msgs[k].msg_hdr.msg_namelen;
+            h.msg_iov = iov + 2 * p;
+            h.msg_iovlen = 2;
+            r = (int)sendmsg(w->fd, &h, 0);
+            j->syscalls++;
+            if (r >= 0) { j->dgrams++; p++; continue; }
+            e = errno;
+            if (e == EINTR) continue;
+            if (e == EAGAIN || e == EWOULDBLOCK || e == ENOBUFS) {
+                if (ltp_tx_wait_room(w, j, e) < 0) return;
+                continue;
+            }
+            ltp_tx_count(j, e);
+            p++;   /* refused: this packet is lost */
+        }
+    }
+
+    static void ltp_tx_run(ltp_tx_worker *w, ltp_tx_job *j) {
+        int k = 0, retry_at = -1, r, i, e;
+        while (k < j->nm) {
+            r = sendmmsg(w->fd, j->msgs + k, (unsigned int)(j->nm - k), 0);
+            j->syscalls++;
+            if (r > 0) {
+                for (i = 0; i < r; i++) j->dgrams += j->nseg[k + i];
+                k += r;
+                continue;
+            }
+            e = errno;
+            if (e == EINTR) continue;
+            if (e == EAGAIN || e == EWOULDBLOCK || e == ENOBUFS) {
+                if (ltp_tx_wait_room(w, j, e) < 0) return;
+                continue;
+            }
+            ltp_tx_count(j, e);
+            if (ltp_tx_is_icmp(e)) {
+                /* the failed call consumed the pending ICMP report: retry once, then drop like a loss */
+                if (retry_at == k) { k++; retry_at = -1; } else retry_at = k;
+                continue;
+            }
+            if (j->nseg[k] > 1 && (e == EINVAL || e == EIO)) {
+                if (e == EIO) j->gso_failed = 2; else if (!j->gso_failed) j->gso_failed = 1;
+                ltp_tx_singles(w, j, k);
+                k++;
+                continue;
+            }
+            k++;   /* anything else (EMSGSIZE, EPERM...): this message is lost */
+        }
+    }
+
+    static void *ltp_tx_main(void *arg) {
+        ltp_tx_worker *w = (ltp_tx_worker *)arg;
+        ltp_tx_job *j;
+        sigset_t all;
+        sigfillset(&all);
+        pthread_sigmask(SIG_BLOCK, &all, NULL);   /* signals belong to the interpreter's thread */
+        pthread_mutex_lock(&w->mu);
+        for (;;) {
+            while (w->done == w->head && !w->stop) pthread_cond_wait(&w->cv_work, &w->mu);
+            if (w->done == w->head) break;
+            j = &w->jobs[w->done % w->depth];
+            pthread_mutex_unlock(&w->mu);
+            ltp_tx_run(w, j);
+            pthread_mutex_lock(&w->mu);
+            w->done++;
+            pthread_cond_broadcast(&w->cv_done);
+        }
+        pthread_mutex_unlock(&w->mu);
+        return NULL;
+    }
+
+    static void ltp_tx_free_jobs(ltp_tx_worker *w) {
+        int i;
+        if (w->jobs == NULL) return;
+        for (i = 0; i < w->depth; i++) {
+            free(w->jobs[i].msgs); free(w->jobs[i].iov); free(w->jobs[i].hdrs);
+            free(w->jobs[i].cmsg); free(w->jobs[i].nseg);
+        }
+        free(w->jobs);
+        w->jobs = NULL;
+    }
+
+    /* 0 on success, else an errno (nothing left allocated or running). */
+    static int ltp_tx_start(ltp_tx_worker *w, int fd, int depth) {
+        int e;
+        memset(w, 0, sizeof(*w));
+        w->depth = depth;
+        w->jobs = (ltp_tx_job *)calloc((size_t)depth, sizeof(ltp_tx_job));
+        if (w->jobs == NULL) return ENOMEM;
+        w->fd = dup(fd);
+        if (w->fd < 0) { e = errno; ltp_tx_free_jobs(w); return e; }
+        pthread_mutex_init(&w->mu, NULL);
+        pthread_cond_init(&w->cv_work, NULL);
+        pthread_cond_init(&w->cv_done, NULL);
+        e = pthread_create(&w->thread, NULL, ltp_tx_main, w);
+        if (e != 0) {
+            close(w->fd);
+            pthread_mutex_destroy(&w->mu); pthread_cond_destroy(&w->cv_work); pthread_cond_destroy(&w->cv_done);
+            ltp_tx_free_jobs(w);
+            return e;
+        }
+        w->running = 1;
+        return 0;
+    }
+
+    /* Room for a job of n packets in nm messages in the slot `slot`; 0 or ENOMEM. */
+    static int ltp_tx_reserve(ltp_tx_job *j, int nm, int n) {
+        void *p;
+        if (nm > j->cap_msgs) {
+            p = realloc(j->msgs, (size_t)nm * sizeof(struct mmsghdr)); if (!p) return ENOMEM; j->msgs = p;
+            p = realloc(j->cmsg, (size_t)nm * LTP_CMSG_SIZE); if (!p) return ENOMEM; j->cmsg = p;
+            p = realloc(j->nseg, (size_t)nm * sizeof(int)); if (!p) return ENOMEM; j->nseg = p;
+            j->cap_msgs = nm;
+        }
+        if (n > j->cap_pkts) {
+            p = realloc(j->iov, (size_t)n * 2 * sizeof(struct iovec)); if (!p) return ENOMEM; j->iov = p;
+            p = realloc(j->hdrs, (size_t)n * 16); if (!p) return ENOMEM; j->hdrs = p;
+            j->cap_pkts = n;
+        }
+        return 0;
+    }
+
+    static void ltp_tx_submit(ltp_tx_worker *w) {
+        pthread_mutex_lock(&w->mu);
+        w->head++;
+        pthread_cond_signal(&w->cv_work);
+        pthread_mutex_unlock(&w->mu);
+    }
+
+    static long long ltp_tx_done(ltp_tx_worker *w) {
+        long long d;
+        if (!w->running) return w->done;   /* joined: nothing runs concurrently */
+        pthread_mutex_lock(&w->mu);
+        d = w->done;
+        pthread_mutex_unlock(&w->mu);
+        return d;
+    }
+
+    /* Block until more than `reaped` jobs are done (or all submitted ones are); returns done. */
+    static long long ltp_tx_wait(ltp_tx_worker *w, long long reaped, int all) {
+        long long d;
+        if (!w->running) return w->done;
+        pthread_mutex_lock(&w->mu);
+        while (all ? w->done < w->head : w->done <= reaped) pthread_cond_wait(&w->cv_done, &w->mu);
+        d = w->done;
+        pthread_mutex_unlock(&w->mu);
+        return d;
+    }
+
+    /* Stop the thread (mode 1: after its queued jobs; 2: dropping what a full socket holds up) and join it. */
+    static void ltp_tx_stop(ltp_tx_worker *w, int mode) {
+        if (!w->running) return;
+        pthread_mutex_lock(&w->mu);
+        __atomic_store_n(&w->stop, mode, __ATOMIC_RELAXED);
+        pthread_cond_signal(&w->cv_work);
+        pthread_mutex_unlock(&w->mu);
+        pthread_join(w->thread, NULL);
+        close(w->fd);
+        pthread_mutex_destroy(&w->mu);
+        pthread_cond_destroy(&w->cv_work);
+        pthread_cond_destroy(&w->cv_done);
+        w->running = 0;
+    }
+    """
+    int LTP_TX_ERRS
+    ctypedef struct ltp_tx_job:
+        mmsghdr *msgs
+        iovec *iov
+        char *hdrs
+        char *cmsg
+        int *nseg
+        int nm
+        sockaddr_storage name
+        long long dgrams
+        long long syscalls
+        long long eagain
+        int err_code[4]
+        long long err_count[4]
+        int gso_failed
+    ctypedef struct ltp_tx_worker:
+        int depth
+        ltp_tx_job *jobs
+        long long head
+        long long done
+        int running
+    int ltp_tx_start(ltp_tx_worker *w, int fd, int depth) nogil
+    int ltp_tx_reserve(ltp_tx_job *j, int nm, int n) nogil
+    void ltp_tx_submit(ltp_tx_worker *w) nogil
+    long long ltp_tx_done(ltp_tx_worker *w) nogil
+    long long ltp_tx_wait(ltp_tx_worker *w, long long reaped, int all) nogil
+    void ltp_tx_stop(ltp_tx_worker *w, int mode) nogil
+    void ltp_tx_free_jobs(ltp_tx_worker *w) nogil
+
 
 #: Errno values that ICMP reports on UDP sockets; counted and ignored, never raised.
 ICMP_ERRNOS = frozenset({_errno.ECONNREFUSED, _errno.EHOSTUNREACH, _errno.ENETUNREACH, _errno.EHOSTDOWN})
@@ -355,8 +649,23 @@ cdef class UdpIO:
     cdef int64_t _dgrams_out
     cdef int64_t _eagain
     cdef dict _errors
+    # sender threads
+    cdef readonly int send_threads
+    cdef ltp_tx_worker *_tx
+    cdef Py_buffer *_tx_bufs      # per worker, SEND_QUEUE_DEPTH payload buffers held until reaped
+    cdef long long *_tx_reaped    # per worker: jobs whose results were folded in and buffers released
+    cdef int _tx_started
+    cdef long _tx_pid
+    cdef dict _tx_assign          # destination sockaddr bytes -> its thread
+    cdef int *_tx_load            # destinations assigned per thread
 
     def __cinit__(self):
+        self._tx = NULL
+        self._tx_bufs = NULL
+        self._tx_reaped = NULL
+        self._tx_started = 0
+        self._tx_load = NULL
+        self.send_threads = 0
         self._rmsgs = NULL
         self._riov = NULL
         self._rnames = NULL
@@ -374,7 +683,7 @@ cdef class UdpIO:
         self._g_first = NULL
 
     def __init__(self, sock, *, int batch=64, int max_datagram=2048, bint gso=True, bint gro=True,
-                 bint timestamps=True, bint recverr=True, bint drops=True):
+                 bint timestamps=True, bint recverr=True, bint drops=True, int send_threads=0):
         if self._rmsgs != NULL:
             raise RuntimeError("UdpIO.__init__ called twice; create a new UdpIO instead")
         if not isinstance(sock, _socket.socket):
@@ -388,6 +697,9 @@ cdef class UdpIO:
             raise ValueError(f"batch must be in 1..{MAX_BATCH}, got {batch}")
         if not 1 <= max_datagram <= 65535:
             raise ValueError(f"max_datagram must be in 1..65535, got {max_datagram}")
+        if not 0 <= send_threads <= SEND_THREADS_MAX:
+            raise ValueError(f"send_threads must be in 0..{SEND_THREADS_MAX} (0: send in the caller), "
+                             f"got {send_threads}")
         self._sock = sock
         self.family = int(sock.family)
         self.batch = batch
@@ -476,8 +788,46 @@ cdef class UdpIO:
         self._dgrams_out = 0
         self._eagain = 0
         self._errors = {}
+        self._tx_assign = {}
+        self.send_threads = send_threads  # started by the first send_segments
+
+    cdef _start_send_threads(self):
+        cdef int i, e = 0, n = self.send_threads, fd = self._fd()
+        if self._tx == NULL:
+            self._tx = <ltp_tx_worker *>calloc(n, sizeof(ltp_tx_worker))
+            self._tx_bufs = <Py_buffer *>calloc(n * _QDEPTH, sizeof(Py_buffer))
+            self._tx_reaped = <long long *>calloc(n, sizeof(long long))
+            self._tx_load = <int *>calloc(n, sizeof(int))
+            if self._tx == NULL or self._tx_bufs == NULL or self._tx_reaped == NULL or self._tx_load == NULL:
+                raise MemoryError()
+        for i in range(n):
+            e = ltp_tx_start(&self._tx[i], fd, _QDEPTH)
+            if e != 0:
+                break
+            self._tx_started += 1
+        if e != 0:
+            self._stop_threads(2)
+            raise OSError(e, f"UdpIO: cannot start a sender thread: {_os.strerror(e)}; pass send_threads=0")
+        self._tx_pid = _os.getpid()
+
+    cdef void _stop_threads(self, int mode):
+        cdef int i
+        for i in range(self._tx_started):
+            with nogil:
+                ltp_tx_stop(&self._tx[i], mode)
+        self._reap_all()
+        for i in range(self._tx_started):
+            ltp_tx_free_jobs(&self._tx[i])
+        self._tx_started = 0
+        self.send_threads = 0
 
     def __dealloc__(self):
+        if self._tx != NULL:
+            self._stop_threads(2)
+        free(self._tx)
+        free(self._tx_bufs)
+        free(self._tx_reaped)
+        free(self._tx_load)
         free(self._rmsgs)
         free(self._riov)
         free(self._rnames)
@@ -529,6 +879,160 @@ cdef class UdpIO:
     cdef void _count_error_name(self, str name):
         self._errors[name] = self._errors.get(name, 0) + 1
 
+    # ------------------------------------------------------------------ sender threads
+
+    cdef void _reap(self, int w):
+        """Fold the results of sender thread ``w``'s finished jobs into the stats; release their buffers."""
+        cdef ltp_tx_worker *wk = &self._tx[w]
+        cdef long long done = ltp_tx_done(wk)
+        cdef ltp_tx_job *j
+        cdef int slot, i, c
+        while self._tx_reaped[w] < done:
+            slot = <int>(self._tx_reaped[w] % wk.depth)
+            j = &wk.jobs[slot]
+            self._syscalls += j.syscalls
+            self._dgrams_out += j.dgrams
+            self._eagain += j.eagain
+            for i in range(LTP_TX_ERRS):
+                for c in range(j.err_count[i]):
+                    self._count_error(j.err_code[i])
+            if j.gso_failed == 2:
+                self.gso_enabled = False
+            PyBuffer_Release(&self._tx_bufs[w * _QDEPTH + slot])
+            self._tx_reaped[w] += 1
+
+    cdef void _reap_all(self):
+        cdef int w
+        for w in range(self._tx_started):
+            self._reap(w)
+
+    def reap(self):
+        """Fold finished background sends into ``stats`` and release the buffers they held.
+
+        Returns how many ``send_segments`` batches the sender threads still
+        hold (0 without sender threads).  ``send_segments`` and ``stats`` reap
+        by themselves; call it when a payload buffer must be released (a
+        ``bytearray`` cannot be resized while a batch of it is queued).
+        """
+        cdef int w
+        cdef long long queued = 0
+        self._reap_all()
+        for w in range(self._tx_started):
+            queued += self._tx[w].head - self._tx_reaped[w]
+        return queued
+
+    def wait_sent(self):
+        """Block (GIL released) until the sender threads sent every batch handed to them, then reap."""
+        cdef int w
+        for w in range(self._tx_started):
+            with nogil:
+                ltp_tx_wait(&self._tx[w], 0, 1)
+        self._reap_all()
+
+    def stop_send_threads(self):
+        """Let the sender threads send what they hold, stop them and reap; later sends run in the caller.
+
+        Call it before closing the socket.  Idempotent; a no-op without sender threads.
+        """
+        if self._tx_started:
+            self._stop_threads(1)
+        self.send_threads = 0
+
+    cdef int _tx_enqueue(self, sockaddr_storage *name, int namelen, char *hbuf, char *pbuf,
+                         const int64_t[::1] sv, Py_ssize_t n, Py_ssize_t seg_size, Py_ssize_t total,
+                         bint gso_ok, Py_buffer *pv) except -1:
+        """Build ``send_segments``' packets into a job of one sender thread and queue it; takes over ``pv``."""
+        cdef int w = 0, slot, nm = 0, e, i
+        cdef Py_ssize_t j, seq, plen, first_len, m_pkts, m_bytes
+        cdef ltp_tx_worker *wk
+        cdef ltp_tx_job *job
+        cdef msghdr *h
+        if self._tx_started == 0:
+            self._start_send_threads()
+        if _os.getpid() != self._tx_pid:
+            raise RuntimeError("UdpIO: this process was forked from the one that started the sender threads; "
+                               "create the UdpIO (and its endpoint) in the process that uses it")
+        if n > 0x3fffffff:
+            raise ValueError(f"send_segments: {n} packets in one call is too many for a sender thread")
+        # one destination, one thread (its packets keep their order); a new one goes to the least loaded
+        key = PyBytes_FromStringAndSize(<char *>name, namelen)
+        tw = self._tx_assign.get(key)
+        if tw is None:
+            if len(self._tx_assign) >= _ADDR_CACHE_MAX:
+                self._tx_assign.clear()
+                memset(self._tx_load, 0, self._tx_started * sizeof(int))
+            for i in range(1, self._tx_started):
+                if self._tx_load[i] < self._tx_load[w]:
+                    w = i
+            self._tx_load[w] += 1
+            self._tx_assign[key] = w
+        else:
+            w = tw
+        wk = &self._tx[w]
+        self._reap(w)
+        while wk.head - self._tx_reaped[w] >= wk.depth:
+            with nogil:
+                ltp_tx_wait(wk, self._tx_reaped[w], 0)
+            self._reap(w)
+        slot = <int>(wk.head % wk.depth)
+        job = &wk.jobs[slot]
+        if ltp_tx_reserve(job, <int>n, <int>n) != 0:
+            raise MemoryError()
+        memcpy(job.hdrs, hbuf, n * 16)
+        if namelen > 0:
+            memcpy(&job.name, name, namelen)
+        j = 0
+        while j < n:
+            h = &job.msgs[nm].msg_hdr
+            h.msg_iov = &job.iov[2 * j]
+            m_pkts = 0
+            m_bytes = 0
+            first_len = -1
+            while j < n and m_pkts < (GSO_MAX_SEGMENTS if gso_ok else 1):
+                seq = sv[j]
+                plen = total - seq * seg_size
+                if plen > seg_size:
+                    plen = seg_size
+                if first_len >= 0 and (plen > first_len or m_bytes + 16 + plen > GSO_MAX_BYTES):
+                    break
+                job.iov[2 * j].iov_base = job.hdrs + j * 16
+                job.iov[2 * j].iov_len = 16
+                job.iov[2 * j + 1].iov_base = pbuf + seq * seg_size
+                job.iov[2 * j + 1].iov_len = <size_t>plen
+                m_pkts += 1
+                m_bytes += 16 + plen
+                j += 1
+                if first_len < 0:
+                    first_len = plen
+                elif plen < first_len:
+                    break  # a short packet ends the batch
+            h.msg_iovlen = <size_t>(2 * m_pkts)
+            if namelen > 0:
+                h.msg_name = &job.name
+                h.msg_namelen = namelen
+            else:
+                h.msg_name = NULL
+                h.msg_namelen = 0
+            if m_pkts > 1:
+                ltp_set_gso(h, job.cmsg + nm * LTP_CMSG_SIZE, <uint16_t>(16 + first_len))
+            else:
+                h.msg_control = NULL
+                h.msg_controllen = 0
+            h.msg_flags = 0
+            job.nseg[nm] = <int>m_pkts
+            nm += 1
+        job.nm = nm
+        job.dgrams = 0
+        job.syscalls = 0
+        job.eagain = 0
+        for e in range(LTP_TX_ERRS):
+            job.err_count[e] = 0
+            job.err_code[e] = 0
+        job.gso_failed = 0
+        self._tx_bufs[w * _QDEPTH + slot] = pv[0]
+        ltp_tx_submit(wk)
+        return 0
+
     # ------------------------------------------------------------------ receive
 
     @property
@@ -554,7 +1058,10 @@ cdef class UdpIO:
     @property
     def stats(self):
         """Counters: syscalls, datagrams_in, slots_in (receive buffers the kernel filled: a coalesced GRO run
-        counts once, its datagrams each count in datagrams_in), datagrams_out, eagain, errors (errno name -> count)."""
+        counts once, its datagrams each count in datagrams_in), datagrams_out, eagain, errors (errno name -> count).
+        Sender threads' batches count once they are finished (``wait_sent`` waits for them)."""
+        if self._tx_started:
+            self._reap_all()
         return {
             "syscalls": self._syscalls,
             "datagrams_in": self._dgrams_in,
@@ -815,8 +1322,16 @@ cdef class UdpIO:
         ends its batch.  Non-blocking: returns the number of packets
         accepted (all of them unless EAGAIN/ENOBUFS stopped it); a packet the
         destination refuses twice (ICMP) is counted as sent, as a loss.
+
+        With sender threads (``send_threads`` > 0) the packets are queued to
+        the thread that serves ``addr`` (one destination, one thread, in
+        order) and all are accepted at once; the thread waits for room in a
+        full socket.  ``payload`` is held (its buffer exported) until the
+        batch is reaped; ``headers`` is copied.  The call waits only when
+        that thread already holds ``SEND_QUEUE_DEPTH`` batches.
         """
         cdef Py_buffer hv, pv
+        cdef bint pv_given = False
         cdef const int64_t[::1] sv = np.ascontiguousarray(seqs, dtype=np.int64)
         cdef Py_ssize_t n = sv.shape[0], k = 0, j, nm, m_pkts, m_bytes, plen, first_len, accepted = 0
         cdef Py_ssize_t gi, seq
@@ -852,6 +1367,10 @@ cdef class UdpIO:
                     raise ValueError(f"segment {q} is outside a {total}-byte message of {seg_size}-byte segments")
             hbuf = <char *>hv.buf
             pbuf = <char *>pv.buf
+            if self.send_threads:
+                self._tx_enqueue(&name, namelen, hbuf, pbuf, sv, n, seg_size, total, gso_ok, &pv)
+                pv_given = True
+                return n
             while k < n:
                 # fill up to _scap messages, each a GSO batch of equal-size packets
                 nm = 0
@@ -934,7 +1453,8 @@ cdef class UdpIO:
                     break
                 raise OSError(e, f"UdpIO.send_segments: sendmmsg failed: {_os.strerror(e)}")
         finally:
-            PyBuffer_Release(&pv)
+            if not pv_given:
+                PyBuffer_Release(&pv)
             PyBuffer_Release(&hv)
         return accepted
 

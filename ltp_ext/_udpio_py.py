@@ -33,6 +33,19 @@ Errors.  With ``recverr=True`` (default) ``IP_RECVERR`` is set, so the kernel
 queues every ICMP error about a datagram we sent, *with the peer's address*
 (an unconnected socket otherwise only sees a bare errno); ``recv_errors()``
 drains that queue (``MSG_ERRQUEUE``) so the caller can tell which peer is gone.
+
+Sender threads (``send_threads`` > 0).  ``send_segments`` copies the
+headers, keeps a view of the payload and queues the batch to the thread that
+serves its destination (assigned at first use to the thread serving the
+fewest destinations, so one destination's packets keep their order); the
+call returns with every packet accepted and waits only when that thread holds
+``SEND_QUEUE_DEPTH`` batches.  The thread sends on its own duplicate of the
+socket and waits for room when the socket is full, so a batch handed to it
+goes out unless the kernel refuses a packet (counted per errno, dropped as a
+loss).  Finished batches are *reaped* by the caller's thread (``reap``,
+``stats``, the next ``send_segments``): their counts join ``stats`` and their
+payload views are released.  The compiled module runs the same design in C
+threads that never hold the GIL.
 """
 
 from __future__ import annotations
@@ -40,11 +53,16 @@ from __future__ import annotations
 import errno as _errno
 import operator as _operator
 import os as _os
+import queue as _queue
+import select as _select
 import socket as _socket
 import sys
 import struct as _struct
+import threading as _threading
 
 import numpy as np
+
+from .constants import SEND_QUEUE_DEPTH, SEND_THREADS_MAX
 
 __all__ = [
     "UdpIO",
@@ -54,6 +72,8 @@ __all__ = [
     "MAX_SEGMENT_SIZE",
     "GRO_SLOT_SIZE",
     "MAX_BATCH",
+    "SEND_THREADS_MAX",
+    "SEND_QUEUE_DEPTH",
 ]
 
 SOL_UDP = 17
@@ -144,9 +164,10 @@ class UdpIO:
     """
 
     def __init__(self, sock, *, batch: int = 64, max_datagram: int = 2048, gso: bool = True, gro: bool = True,
-                 timestamps: bool = True, recverr: bool = True, drops: bool = True):
+                 timestamps: bool = True, recverr: bool = True, drops: bool = True, send_threads: int = 0):
         batch = _operator.index(batch)
         max_datagram = _operator.index(max_datagram)
+        send_threads = _operator.index(send_threads)
         if not isinstance(sock, _socket.socket):
             raise TypeError(f"UdpIO needs a socket.socket, got {type(sock).__name__}")
         if sock.fileno() < 0:
@@ -158,6 +179,9 @@ class UdpIO:
             raise ValueError(f"batch must be in 1..{MAX_BATCH}, got {batch}")
         if not 1 <= max_datagram <= 65535:
             raise ValueError(f"max_datagram must be in 1..65535, got {max_datagram}")
+        if not 0 <= send_threads <= SEND_THREADS_MAX:
+            raise ValueError(f"send_threads must be in 0..{SEND_THREADS_MAX} (0: send in the caller), "
+                             f"got {send_threads}")
         self._sock = sock
         self._family = int(sock.family)
         self._batch = batch
@@ -210,6 +234,12 @@ class UdpIO:
         self._eagain = 0
         self._errors: dict[str, int] = {}
         self._icmp_errors = 0
+        self._send_threads = send_threads  # started by the first send_segments
+        self._tx: list = []         # per thread: [queue, thread, submitted, finished jobs (deque)]
+        self._tx_assign: dict = {}  # destination -> its thread
+        self._tx_load: list = []
+        self._tx_pid = 0
+        self._tx_sock = None
 
     # read-only attributes, as in the compiled module
     family = property(lambda self: self._family, doc="The socket family (AF_INET or AF_INET6).")
@@ -227,6 +257,8 @@ class UdpIO:
                                 "as the last datagram that carried it said (0 before any drop).")
     recverr_enabled = property(lambda self: self._recverr,
                                doc="IP_RECVERR enabled: ICMP reports are read with recv_errors().")
+    send_threads = property(lambda self: self._send_threads,
+                            doc="Sender threads that make send_segments' sends (0: the caller sends).")
 
     def _alloc_out(self, cap: int) -> None:
         self._cap = cap
@@ -256,6 +288,120 @@ class UdpIO:
         name = _errno.errorcode.get(e, str(e))
         self._errors[name] = self._errors.get(name, 0) + 1
 
+    # ------------------------------------------------------------------ sender threads
+
+    def _start_send_threads(self) -> None:
+        self._tx_sock = self._sock.dup()  # closing the caller's socket cannot pull it from under a thread
+        for _ in range(self._send_threads):
+            q: _queue.Queue = _queue.Queue(maxsize=SEND_QUEUE_DEPTH)
+            done: _queue.SimpleQueue = _queue.SimpleQueue()
+            # the thread holds the queues and the socket, not the UdpIO: a dropped UdpIO stops it (__del__)
+            t = _threading.Thread(target=_tx_main, args=(self._tx_sock, q, done), name="ltp-udpio-send",
+                                  daemon=True)
+            t.start()
+            self._tx.append([q, t, 0, done, 0])
+            self._tx_load.append(0)
+        self._tx_pid = _os.getpid()
+
+    def __del__(self) -> None:
+        for tx in getattr(self, "_tx", ()):
+            tx[0].put(None)  # the thread sends what it holds, then ends
+
+    def _reap(self, w: int) -> None:
+        tx = self._tx[w]
+        while True:
+            try:
+                job = tx[3].get_nowait()
+            except _queue.Empty:
+                return
+            self._syscalls += job["syscalls"]
+            self._dgrams_out += job["dgrams"]
+            self._eagain += job["eagain"]
+            for e in job["errors"]:
+                self._count_error(e)
+            if job["gso_failed"] == 2:
+                self._gso = False
+            job["msgs"] = None
+            job["payload"].release()
+            tx[4] += 1
+
+    def reap(self) -> int:
+        """Fold finished background sends into ``stats`` and release the buffers they held.
+
+        Returns how many ``send_segments`` batches the sender threads still
+        hold (0 without sender threads).  ``send_segments`` and ``stats`` reap
+        by themselves; call it when a payload buffer must be released (a
+        ``bytearray`` cannot be resized while a batch of it is queued).
+        """
+        queued = 0
+        for w, tx in enumerate(self._tx):
+            self._reap(w)
+            queued += tx[2] - tx[4]
+        return queued
+
+    def wait_sent(self) -> None:
+        """Block until the sender threads sent every batch handed to them, then reap."""
+        for tx in self._tx:
+            tx[0].join()
+        self.reap()
+
+    def stop_send_threads(self) -> None:
+        """Let the sender threads send what they hold, stop them and reap; later sends run in the caller.
+
+        Call it before closing the socket.  Idempotent; a no-op without sender threads.
+        """
+        for tx in self._tx:
+            tx[0].put(None)
+        for tx in self._tx:
+            tx[1].join()
+        self.reap()
+        self._tx = []
+        self._send_threads = 0
+        if self._tx_sock is not None:
+            self._tx_sock.close()
+            self._tx_sock = None
+
+    def _tx_enqueue(self, name, hv: memoryview, pv: memoryview, sv, n: int, seg_size: int, total: int,
+                    gso_ok: bool) -> None:
+        if not self._tx:
+            self._start_send_threads()
+        if _os.getpid() != self._tx_pid:
+            raise RuntimeError("UdpIO: this process was forked from the one that started the sender threads; "
+                               "create the UdpIO (and its endpoint) in the process that uses it")
+        key = name
+        w = self._tx_assign.get(key)
+        if w is None:
+            if len(self._tx_assign) >= _ADDR_CACHE_MAX:
+                self._tx_assign.clear()
+                self._tx_load = [0] * len(self._tx)
+            w = min(range(len(self._tx)), key=lambda i: (self._tx_load[i], i))
+            self._tx_load[w] += 1
+            self._tx_assign[key] = w
+        hdrs = bytes(hv[:16 * n])
+        msgs, j = [], 0
+        while j < n:
+            parts, first_len, m_bytes, k = [], -1, 0, j
+            while j < n and (j - k) < (GSO_MAX_SEGMENTS if gso_ok else 1):
+                seq = int(sv[j])
+                plen = min(seg_size, total - seq * seg_size)
+                if first_len >= 0 and (plen > first_len or m_bytes + 16 + plen > GSO_MAX_BYTES):
+                    break
+                parts += [hdrs[16 * j:16 * j + 16], pv[seq * seg_size:seq * seg_size + plen]]
+                m_bytes += 16 + plen
+                j += 1
+                if first_len < 0:
+                    first_len = plen
+                elif plen < first_len:
+                    break  # a short packet ends the batch
+            m_pkts = j - k
+            anc = [(SOL_UDP, UDP_SEGMENT, _U16.pack(16 + first_len))] if m_pkts > 1 else []
+            msgs.append((parts, anc, m_pkts))
+        job = dict(name=name, msgs=msgs, payload=pv, dgrams=0, syscalls=0, eagain=0, errors=[], gso_failed=0)
+        tx = self._tx[w]
+        self._reap(w)
+        tx[0].put(job)  # waits while the thread holds SEND_QUEUE_DEPTH batches
+        tx[2] += 1
+
     # ------------------------------------------------------------------ receive
 
     @property
@@ -281,7 +427,10 @@ class UdpIO:
     @property
     def stats(self) -> dict:
         """Counters: syscalls, datagrams_in, slots_in (receive buffers the kernel filled: a coalesced GRO run
-        counts once, its datagrams each count in datagrams_in), datagrams_out, eagain, errors (errno name -> count)."""
+        counts once, its datagrams each count in datagrams_in), datagrams_out, eagain, errors (errno name -> count).
+        Sender threads' batches count once they are finished (``wait_sent`` waits for them)."""
+        if self._tx:
+            self.reap()
         return {
             "syscalls": self._syscalls,
             "datagrams_in": self._dgrams_in,
@@ -489,6 +638,13 @@ class UdpIO:
         ends its batch.  Non-blocking: returns the number of packets
         accepted (all of them unless EAGAIN/ENOBUFS stopped it); a packet the
         destination refuses twice (ICMP) is counted as sent, as a loss.
+
+        With sender threads (``send_threads`` > 0) the packets are queued to
+        the thread that serves ``addr`` (one destination, one thread, in
+        order) and all are accepted at once; the thread waits for room in a
+        full socket.  ``payload`` is held (its buffer exported) until the
+        batch is reaped; ``headers`` is copied.  The call waits only when
+        that thread already holds ``SEND_QUEUE_DEPTH`` batches.
         """
         fd = self._fd()
         del fd
@@ -509,6 +665,9 @@ class UdpIO:
         for q in sv.tolist():
             if q < 0 or q * seg_size >= total:
                 raise ValueError(f"segment {q} is outside a {total}-byte message of {seg_size}-byte segments")
+        if self._send_threads:
+            self._tx_enqueue(name, hv, pv, sv, n, seg_size, total, self._gso)
+            return n
         sock = self._sock
         gso_ok = self._gso
         accepted = 0
@@ -646,3 +805,82 @@ class UdpIO:
         if many:
             return it
         return accepted
+
+
+# ---------------------------------------------------------------------------- sender threads (twin)
+def _tx_main(sock, q, done) -> None:
+    """A sender thread: send each queued job on ``sock`` and hand it back through ``done``."""
+    while True:
+        job = q.get()
+        if job is None:
+            q.task_done()
+            return
+        try:
+            _tx_run(sock, job)
+        finally:
+            done.put(job)
+            q.task_done()
+
+
+def _tx_wait_room(sock, job: dict, e: int) -> None:
+    job["eagain"] += 1
+    if e == _errno.ENOBUFS:
+        job["errors"].append(e)
+        _select.select([], [], [], 0.0001)  # the device queue, not the socket: it reads as writable
+    else:
+        _select.select([], [sock], [], 0.02)
+
+
+def _tx_send(sock, job: dict, parts: list, anc: list) -> int:
+    """One sendmsg of a job's message; 0 when sent, else its errno (EAGAIN-class ones already waited out)."""
+    name = job["name"]
+    job["syscalls"] += 1
+    try:
+        if name is None:
+            sock.sendmsg(parts, anc)
+        else:
+            sock.sendmsg(parts, anc, 0, name)
+    except InterruptedError:
+        return _errno.EINTR
+    except OSError as exc:
+        e = exc.errno
+        if e in (_errno.EAGAIN, _errno.EWOULDBLOCK, _errno.ENOBUFS):
+            _tx_wait_room(sock, job, e)
+        return e
+    return 0
+
+
+def _tx_run(sock, job: dict) -> None:
+    msgs = job["msgs"]
+    k, retry_at = 0, -1
+    while k < len(msgs):
+        parts, anc, m_pkts = msgs[k]
+        e = _tx_send(sock, job, parts, anc)
+        if e == 0:
+            job["dgrams"] += m_pkts
+            k += 1
+            continue
+        if e in (_errno.EINTR, _errno.EAGAIN, _errno.EWOULDBLOCK, _errno.ENOBUFS):
+            continue
+        job["errors"].append(e)
+        if e in ICMP_ERRNOS:
+            # the failed call consumed the pending ICMP report: retry once, then drop like a loss
+            if retry_at == k:
+                k += 1
+                retry_at = -1
+            else:
+                retry_at = k
+            continue
+        if m_pkts > 1 and e in (_errno.EINVAL, _errno.EIO):
+            job["gso_failed"] = 2 if e == _errno.EIO else max(job["gso_failed"], 1)
+            p = 0
+            while p < m_pkts:  # the kernel refused the super-datagram: its packets one by one
+                e = _tx_send(sock, job, parts[2 * p:2 * p + 2], [])
+                if e == 0:
+                    job["dgrams"] += 1
+                elif e not in (_errno.EINTR, _errno.EAGAIN, _errno.EWOULDBLOCK, _errno.ENOBUFS):
+                    job["errors"].append(e)  # refused: this packet is lost
+                else:
+                    continue
+                p += 1
+        k += 1  # anything else (EMSGSIZE, EPERM...): this message is lost

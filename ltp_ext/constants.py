@@ -6,7 +6,7 @@ from here (the compiled module copies them into C variables at import).
 
 from __future__ import annotations
 
-__all__ = ["PACKET_REORDER_THRESHOLD", "SEND_BATCH_MIN"]
+__all__ = ["PACKET_REORDER_THRESHOLD", "SEND_BATCH_MIN", "SEND_THREADS_MAX", "SEND_QUEUE_DEPTH"]
 
 #: packet-reordering threshold (packets): a transmission is declared lost once this many
 #: transmissions sent after it have been acknowledged (the "3 out of order" rule of TCP/QUIC).
@@ -16,3 +16,10 @@ PACKET_REORDER_THRESHOLD = 3
 #: a send window's first table of send batches (one entry per ``SendWindow.build`` call: its send time and
 #: delivery-rate snapshot), doubled as needed
 SEND_BATCH_MIN = 64
+
+#: most sender threads one ``UdpIO`` runs (``send_threads``; ``Config.send_threads``)
+SEND_THREADS_MAX = 8
+
+#: batches (``UdpIO.send_segments`` calls) one sender thread holds queued; the next call to it waits for one to
+#: finish (16 pacing ticks of sends: the thread is never starved, and the caller never runs far ahead of the wire)
+SEND_QUEUE_DEPTH = 16

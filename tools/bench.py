@@ -46,6 +46,7 @@ import sys
 import time
 
 import ltp
+from ltp_ext.constants import SEND_THREADS_MAX
 from ltp_tools.argtypes import number
 from ltp_tools.machine_cpu import cpu_s_per_gb, machine_cpu_s
 from ltp_tools.payload import pattern, verify
@@ -108,13 +109,18 @@ SENDER_STARTUP_S = 30.0
 PATTERN_FILL_BPS = 100e6
 
 # ---------------------------------------------------------------------------- LTP roles
+def _threads(args) -> dict:
+    """``Config`` keywords for ``--send-threads`` (absent: the Config default)."""
+    return {} if args.send_threads is None else {"send_threads": args.send_threads}
+
+
 def _ltp_receiver(args) -> int:
     import numpy as np
 
     import ltp
 
     async def main():
-        cfg = ltp.Config(mtu=args.mtu, deadline_slack_s=0.1 if args.delay_s else 0.03)
+        cfg = ltp.Config(mtu=args.mtu, deadline_slack_s=0.1 if args.delay_s else 0.03, **_threads(args))
         ep = await ltp.open_endpoint((args.bind, args.port), config=cfg)
         buf = np.empty(args.size, np.uint8)
         buf.fill(0)  # fault the pages in before the clock starts
@@ -148,7 +154,7 @@ def _ltp_sender(args) -> int:
     import ltp
 
     async def main():
-        ep = await ltp.open_endpoint(("0.0.0.0", 0), config=ltp.Config(mtu=args.mtu))
+        ep = await ltp.open_endpoint(("0.0.0.0", 0), config=ltp.Config(mtu=args.mtu, **_threads(args)))
         data = pattern(args.size)
         reliable = args.mode == "reliable"
         for w in range(args.warmup):
@@ -165,7 +171,7 @@ def _ltp_sender(args) -> int:
                    packets_sent=rep.packets_sent, close_reason=rep.close_reason, sender_cpu_s=round(cpu, 3),
                    machine_cpu_s=machine,
                    rtprop_ms=round(rep.rtprop_s * 1e3, 3), btlbw_gbps=round(rep.btlbw_bps * 8 / 1e9, 3),
-                   sender_wakeups=dict(ep.loop_stats))
+                   sender_wakeups=dict(ep.loop_stats), send_threads=ep.config.send_threads)
         await ep.close()
         print(json.dumps(out), flush=True)
 
@@ -209,7 +215,7 @@ def _wait_ready(p: subprocess.Popen, timeout: float) -> None:
 def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 0.0, rate_bps: float | None = None,
               delay_s: float = 0.0, mtu: int = 1500, mode: str = "reliable", loss_both: bool = False,
               timeout: float = 300.0, lab=None, port: int = 7447, warmup: int = 0, gro: bool = False,
-              tcp_buffer: str = "message") -> dict:
+              tcp_buffer: str = "message", send_threads: int | None = None) -> dict:
     """Run one transfer and return the result dict (see module docstring).
 
     ``tcp_buffer`` says where a TCP transfer's bytes live (:data:`ltp_tools.tcpbench.BUFFERS`): ``"message"``
@@ -218,6 +224,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
 
     ``gro=True`` builds the lab with receive GRO on the hosts' interfaces (:class:`~ltp_tools.netlab.Lab`);
     it needs the lab (loopback always has GRO) and is ignored when ``lab`` is given (that lab's setting holds).
+    ``send_threads`` sets both LTP endpoints' ``Config.send_threads`` (None: its default).
     """
     from ltp_tools.netlab import Lab, check_support
 
@@ -246,6 +253,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
         kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         common = ["--size", str(size), "--mtu", str(mtu), "--timeout", str(timeout), "--mode", mode,
                   "--delay", f"{delay_s * 1e3}ms", "--warmup", str(warmup)]
+        if send_threads is not None:
+            common += ["--send-threads", str(send_threads)]
         t_wall = time.time()
         if transport == "ltp":
             rp = popen(rcv, [py, "-m", "ltp_tools.bench", "_ltp_recv", "--port", str(port), *common], **kw)
@@ -290,6 +299,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
         per_gb = cpu_s_per_gb(result.get("machine_cpu_s"), delivered_bytes)
         result["machine_cpu_s_per_gb"] = None if per_gb is None else round(per_gb, 3)
         stats = lab.loss_stats(rcv) if lab is not None else {}
+        if transport == "ltp":
+            result["send_threads"] = s.get("send_threads")
         result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
                       measured_loss=stats.get("measured_loss"), oversize_packets=stats.get("oversize"),
                       backend=lab.backend if lab is not None else "loopback",
@@ -353,12 +364,16 @@ def main(argv=None) -> int:
     ap.add_argument("--tcp-buffer", choices=["message", "chunk"], default="message",
                     help="TCP: send from and receive into message-sized buffers, as LTP does (default), or "
                          "resend one cache-hot block and read into another (the baseline before 2026-11-29)")
+    ap.add_argument("--send-threads", type=number(int, 0, SEND_THREADS_MAX, what="LTP sender threads"), default=None,
+                    help="LTP: threads that make the DATA sends (Config.send_threads; 0: the event loop's thread; "
+                         "default: the Config default)")
     args = ap.parse_args(argv)
     for _ in range(args.repeats):
         try:
             res = run_bench(transport=args.transport, size=args.size, loss=args.loss, rate_bps=args.rate,
                             delay_s=args.delay, mtu=args.mtu, mode=args.mode, loss_both=args.loss_both,
-                            timeout=args.timeout, warmup=args.warmup, gro=args.gro, tcp_buffer=args.tcp_buffer)
+                            timeout=args.timeout, warmup=args.warmup, gro=args.gro, tcp_buffer=args.tcp_buffer,
+                            send_threads=args.send_threads)
         except (TimeoutError, subprocess.TimeoutExpired, ltp.LTPError, RuntimeError) as exc:
             # a transfer that did not finish is a result to report, not a crash
             print(f"ltp-bench: {args.transport} transfer of {args.size} B failed: {type(exc).__name__}: {exc}",
@@ -383,6 +398,7 @@ def _role_main(argv) -> int:
     ap.add_argument("--mode", default="reliable")
     ap.add_argument("--delay", type=parse_time, default=0.0)
     ap.add_argument("--warmup", type=int, default=0)
+    ap.add_argument("--send-threads", type=int, default=None)
     args = ap.parse_args(argv)
     args.delay_s = args.delay
     return _ltp_receiver(args) if args.role == "_ltp_recv" else _ltp_sender(args)

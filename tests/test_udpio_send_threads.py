@@ -1,0 +1,280 @@
+"""Sender threads of ``UdpIO`` (``send_threads``), compiled and twin.
+
+``send_segments`` hands a batch to the thread that serves its destination and
+returns at once; the thread sends it (waiting for room in a full socket), the
+caller's thread reaps it (stats, the payload's buffer released).  These tests pin
+that what reaches the wire is exactly what the caller-side send would have sent,
+in order per destination, that nothing is lost or double-counted when the socket
+fills, the destination is unreachable or the caller's socket is closed early, and
+that threads never outlive their ``UdpIO``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from ltp.config import Config
+from ltp.errors import LocalProtocolError
+from ltp_ext.constants import SEND_QUEUE_DEPTH, SEND_THREADS_MAX
+from test_udpio import Sockets, _load, drain  # noqa: E402 (tests/ is on sys.path)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["compiled", "twin"])
+def mod(request):
+    return _load(request.param)
+
+
+@pytest.fixture
+def socks():
+    s = Sockets()
+    yield s
+    s.close()
+
+
+def _headers(n: int, tag: int = 0) -> bytearray:
+    return bytearray(b"".join(bytes([0x22, tag & 0xFF]) + k.to_bytes(14, "big") for k in range(n)))
+
+
+def _expected(headers: bytes, payload: bytes, seqs, seg: int, total: int) -> list[bytes]:
+    return [bytes(headers[16 * k:16 * k + 16]) + payload[q * seg:min(total, (q + 1) * seg)]
+            for k, q in enumerate(seqs)]
+
+
+def _threads_now() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("gso", [True, False])
+def test_a_threaded_batch_puts_the_same_bytes_on_the_wire_and_copies_the_headers(mod, socks, threads, gso):
+    a, b = socks.make(), socks.make()
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b, gso=gso, send_threads=threads)
+    assert tx.send_threads == threads
+    seg, total = 1456, 1456 * 150 + 300
+    pay = np.random.default_rng(7).integers(0, 256, total, dtype=np.uint8)
+    seqs = np.array(list(range(3, 120)) + [0, 2, 1, 5] + list(range(120, 151)), np.int64)
+    hdr = _headers(len(seqs))
+    want = _expected(hdr, pay.tobytes(), seqs.tolist(), seg, total)
+    assert tx.send_segments(a.getsockname(), hdr, pay, seqs, seg, total) == len(seqs)
+    hdr[:] = b"\xee" * len(hdr)  # the caller reuses its header buffer at once: the batch holds a copy
+    tx.wait_sent()
+    assert [d for d, _ in drain(rx, len(seqs))] == want
+    st = tx.stats
+    assert st["datagrams_out"] == len(seqs) and st["errors"] == {}
+    assert st["syscalls"] >= 1
+    assert tx.reap() == 0
+    tx.stop_send_threads()
+
+
+def test_each_destination_keeps_its_order_across_many_batches_and_threads(mod, socks):
+    dsts = [socks.make() for _ in range(4)]
+    rxs = [mod.UdpIO(d) for d in dsts]
+    src = socks.make()
+    tx = mod.UdpIO(src, send_threads=2)
+    seg, n_seg = 200, 50
+    pay = np.arange(seg * n_seg, dtype=np.uint8)
+    calls = 3 * SEND_QUEUE_DEPTH  # more than a thread's queue: the caller waits for room in between
+    for c in range(calls):
+        for i, d in enumerate(dsts):
+            seqs = np.array([(c + j) % n_seg for j in range(5)], np.int64)
+            assert tx.send_segments(d.getsockname(), _headers(5, tag=c), pay, seqs, seg, seg * n_seg) == 5
+    tx.wait_sent()
+    for i, rx in enumerate(rxs):
+        got = [d for d, _ in drain(rx, calls * 5)]
+        assert len(got) == calls * 5
+        assert [g[1] for g in got[::5]] == [c & 0xFF for c in range(calls)]  # batch order kept
+    assert tx.stats["datagrams_out"] == 4 * calls * 5
+    tx.stop_send_threads()
+
+
+def test_the_payload_is_held_until_its_batch_is_reaped(mod, socks):
+    a, b = socks.make(), socks.make()
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b, send_threads=1)
+    pay = bytearray(b"p" * 10_000)
+    tx.send_segments(a.getsockname(), _headers(10), pay, np.arange(10, dtype=np.int64), 1000, 10_000)
+    if tx.reap():  # still queued: the buffer is exported, as during any send
+        with pytest.raises(BufferError):
+            pay.extend(b"x")
+    tx.wait_sent()
+    assert tx.reap() == 0
+    pay.extend(b"x")  # released
+    assert len(drain(rx, 10)) == 10
+
+
+def test_closing_the_callers_socket_does_not_pull_the_socket_from_under_a_thread(mod, socks):
+    a = socks.make()
+    b = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    b.bind(("127.0.0.1", 0))
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b, send_threads=1)
+    pay = bytes(range(256)) * 200
+    for _ in range(8):
+        assert tx.send_segments(a.getsockname(), _headers(40), pay, np.arange(40, dtype=np.int64), 1000,
+                                len(pay)) == 40
+    b.close()
+    tx.wait_sent()
+    assert tx.stats["datagrams_out"] == 320
+    assert len(drain(rx, 320)) == 320
+    tx.stop_send_threads()
+    assert tx.send_threads == 0
+    with pytest.raises(OSError):  # now the caller sends, on its closed socket
+        tx.send_segments(a.getsockname(), _headers(1), pay, np.arange(1, dtype=np.int64), 1000, len(pay))
+
+
+def test_after_stop_the_caller_sends_and_counts_at_once(mod, socks):
+    a, b = socks.make(), socks.make()
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b, send_threads=2)
+    tx.stop_send_threads()  # before any thread started: idempotent, and sends run in the caller
+    tx.stop_send_threads()
+    assert tx.send_threads == 0
+    pay = bytes(3000)
+    assert tx.send_segments(a.getsockname(), _headers(3), pay, np.arange(3, dtype=np.int64), 1000, 3000) == 3
+    assert tx.stats["datagrams_out"] == 3  # no reaping needed
+    assert len(drain(rx, 3)) == 3
+
+
+@pytest.mark.parametrize("bad", [-1, SEND_THREADS_MAX + 1])
+def test_bad_thread_counts_raise(mod, socks, bad):
+    with pytest.raises(ValueError, match="send_threads must be in 0.."):
+        mod.UdpIO(socks.make(), send_threads=bad)
+
+
+@pytest.mark.parametrize("bad", [True, -1, SEND_THREADS_MAX + 1, 1.5])
+def test_config_refuses_bad_thread_counts(bad):
+    with pytest.raises(LocalProtocolError, match="send_threads="):
+        Config(send_threads=bad)
+
+
+def test_threads_end_with_their_udpio_even_without_stop(mod, socks):
+    a, b = socks.make(), socks.make()
+    before = _threads_now()
+    tx = mod.UdpIO(b, send_threads=3)
+    assert _threads_now() == before  # started by the first threaded send, not before
+    tx.send_segments(a.getsockname(), _headers(2), bytes(2000), np.arange(2, dtype=np.int64), 1000, 2000)
+    assert _threads_now() == before + 3
+    del tx
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _threads_now() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _threads_now() == before
+
+
+def test_a_forked_child_is_told_to_make_its_own_udpio(mod, socks):
+    a, b = socks.make(), socks.make()
+    tx = mod.UdpIO(b, send_threads=1)
+    tx.send_segments(a.getsockname(), _headers(1), bytes(1000), np.arange(1, dtype=np.int64), 1000, 1000)
+    tx.wait_sent()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            tx.send_segments(a.getsockname(), _headers(1), bytes(1000), np.arange(1, dtype=np.int64), 1000, 1000)
+            os.write(w, b"sent")
+        except RuntimeError as exc:
+            os.write(w, str(exc).encode()[:500])
+        finally:
+            os._exit(0)
+    os.close(w)
+    msg = os.read(r, 600).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert "forked" in msg and "create the UdpIO" in msg
+    tx.stop_send_threads()
+
+
+_NETNS_SCRIPT = """
+import importlib, json, socket, subprocess, sys
+import numpy as np
+mode = sys.argv[2]
+if mode == "full":
+    # lo throttled to 20 Mbit/s and a 4 kB send buffer: the thread meets a full socket again and again
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "20mbit", "burst", "3000",
+                    "limit", "10000000"], check=True)
+mod = importlib.import_module(sys.argv[1])
+r = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+r.setsockopt(socket.SOL_SOCKET, 33, 1 << 23)  # SO_RCVBUFFORCE: every datagram waits here until the end
+r.bind(("127.0.0.1", 0))
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+io = mod.UdpIO(s, send_threads=1)
+dst = r.getsockname() if mode == "full" else ("10.9.9.9", 7447)
+pay = bytes(range(256)) * 800
+hdr = b"".join(k.to_bytes(16, "big") for k in range(200))
+acc = [io.send_segments(dst, hdr[1600 * c:1600 * c + 1600], pay, np.arange(100 * c, 100 * c + 100) % 200, 1000,
+                        len(pay)) for c in range(2)]
+io.wait_sent()
+got = 0
+if mode == "full":  # the last packets may still sit in the 20 Mbit/s queue
+    r.settimeout(2.0)
+    while got < 200:
+        try:
+            r.recv(2048)
+            got += 1
+        except socket.timeout:
+            break
+print(json.dumps({"accepted": acc, "stats": io.stats, "received": got}))
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("case", ["full", "unreachable"])
+def test_a_thread_waits_out_a_full_socket_and_drops_what_the_kernel_refuses(mod, case):
+    if shutil.which("unshare") is None or shutil.which("tc") is None or os.geteuid() != 0:
+        pytest.skip("needs root, unshare(1) and tc(8) for a network namespace")
+    proc = subprocess.run(["unshare", "-n", sys.executable, "-c", _NETNS_SCRIPT, mod.__name__, case],
+                          capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0 and ("unshare" in proc.stderr or "RTNETLINK" in proc.stderr):
+        pytest.skip(f"cannot set up the namespace: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["accepted"] == [100, 100]
+    st = out["stats"]
+    if case == "full":
+        assert st["eagain"] > 0 and st["errors"] == {}   # it waited for room, never gave up
+        assert st["datagrams_out"] == 200 and out["received"] == 200
+    else:  # no route: every message refused twice (ICMP-class errno), counted, dropped like a loss
+        assert st["datagrams_out"] == 0
+        assert set(st["errors"]) == {"ENETUNREACH"} and st["errors"]["ENETUNREACH"] >= 2
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+async def test_an_endpoint_sends_and_broadcasts_exactly_through_its_threads(threads):
+    import ltp
+
+    cfg = Config(send_threads=threads)
+    ps = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
+    workers = [await ltp.open_endpoint(("127.0.0.1", 0), config=cfg) for _ in range(4)]
+    try:
+        assert ps._io.send_threads == threads
+        params = np.random.default_rng(threads).standard_normal(400_000).astype(np.float32)
+        for tag in range(2):  # twice: the second broadcast reuses the threads and their queues
+            outs = [np.zeros_like(params) for _ in workers]
+            reps, *_ = await asyncio.gather(ps.broadcast([w.local_addr for w in workers], params, tag=tag),
+                                            *[w.recv(o, tag=tag) for w, o in zip(workers, outs)])
+            assert all(r.delivered_fraction == 1.0 for r in reps)
+            assert all(np.array_equal(o, params) for o in outs)
+        grads = [np.full(100_000, i, np.float32) for i in range(4)]
+        outs = [np.zeros(100_000, np.float32) for _ in workers]
+        await asyncio.gather(ps.gather([w.local_addr for w in workers], outs, tag=5, timeout=10),
+                             *[w.send(ps.local_addr, g, tag=5, reliable=True) for w, g in zip(workers, grads)])
+        assert all(np.array_equal(o, g) for o, g in zip(outs, grads))
+        sent = ps.io_stats["datagrams_out"]
+        assert sent >= 2 * 4 * (params.nbytes // 1456)  # every DATA packet counted once reaped
+    finally:
+        for e in [ps, *workers]:
+            await e.close()
+    assert ps._io.send_threads == 0 and ps._io.reap() == 0  # close() stopped them after their last batch
