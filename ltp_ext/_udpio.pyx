@@ -65,6 +65,7 @@ from libc.errno cimport errno, EAGAIN, EINTR, ENOBUFS, EINVAL, EIO
 from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset, memcpy, memcmp
+from posix.unistd cimport getpid
 
 import errno as _errno
 import operator as _operator
@@ -800,6 +801,7 @@ cdef class UdpIO:
             self._tx_load = <int *>calloc(n, sizeof(int))
             if self._tx == NULL or self._tx_bufs == NULL or self._tx_reaped == NULL or self._tx_load == NULL:
                 raise MemoryError()
+        self._tx_pid = getpid()
         for i in range(n):
             e = ltp_tx_start(&self._tx[i], fd, _QDEPTH)
             if e != 0:
@@ -808,22 +810,35 @@ cdef class UdpIO:
         if e != 0:
             self._stop_threads(2)
             raise OSError(e, f"UdpIO: cannot start a sender thread: {_os.strerror(e)}; pass send_threads=0")
-        self._tx_pid = _os.getpid()
 
-    cdef void _stop_threads(self, int mode):
+    cdef void _stop_threads(self, int mode, bint fold=True):
+        """Stop and join the threads (mode: ``ltp_tx_stop``'s), release every buffer they held, free their jobs.
+
+        ``fold``: fold their counts into the stats (not from ``__dealloc__``, where the stats may be gone).
+        In a forked child the threads do not exist: nothing is joined, only this copy's memory released.
+        """
         cdef int i
+        cdef long long k
+        cdef bint ours = getpid() == self._tx_pid
         for i in range(self._tx_started):
-            with nogil:
-                ltp_tx_stop(&self._tx[i], mode)
-        self._reap_all()
+            if ours:
+                with nogil:
+                    ltp_tx_stop(&self._tx[i], mode)
+        if ours and fold:
+            self._reap_all()
         for i in range(self._tx_started):
+            k = self._tx_reaped[i]
+            while k < self._tx[i].head:  # not folded (or never run, in a child): release their buffers
+                PyBuffer_Release(&self._tx_bufs[i * _QDEPTH + <int>(k % _QDEPTH)])
+                k += 1
+            self._tx_reaped[i] = k
             ltp_tx_free_jobs(&self._tx[i])
         self._tx_started = 0
         self.send_threads = 0
 
     def __dealloc__(self):
         if self._tx != NULL:
-            self._stop_threads(2)
+            self._stop_threads(2, False)
         free(self._tx)
         free(self._tx_bufs)
         free(self._tx_reaped)
@@ -949,7 +964,7 @@ cdef class UdpIO:
         cdef msghdr *h
         if self._tx_started == 0:
             self._start_send_threads()
-        if _os.getpid() != self._tx_pid:
+        if getpid() != self._tx_pid:
             raise RuntimeError("UdpIO: this process was forked from the one that started the sender threads; "
                                "create the UdpIO (and its endpoint) in the process that uses it")
         if n > 0x3fffffff:

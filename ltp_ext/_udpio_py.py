@@ -304,7 +304,9 @@ class UdpIO:
         self._tx_pid = _os.getpid()
 
     def __del__(self) -> None:
-        for tx in getattr(self, "_tx", ()):
+        if getattr(self, "_tx_pid", 0) != _os.getpid():
+            return  # never started, or a forked child's copy: its threads are not in this process
+        for tx in self._tx:
             tx[0].put(None)  # the thread sends what it holds, then ends
 
     def _reap(self, w: int) -> None:

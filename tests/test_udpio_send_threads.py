@@ -15,6 +15,7 @@ import asyncio
 import gc
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -185,13 +186,34 @@ def test_a_forked_child_is_told_to_make_its_own_udpio(mod, socks):
             os.write(w, b"sent")
         except RuntimeError as exc:
             os.write(w, str(exc).encode()[:500])
+        try:
+            del tx  # the child's copy goes away: the parent's threads must not be joined from here
+            gc.collect()
+            os.write(w, b"|freed")
         finally:
             os._exit(0)
     os.close(w)
-    msg = os.read(r, 600).decode()
+    chunks, deadline = [], time.monotonic() + 20
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([r], [], [], 0.5)
+        if ready:
+            c = os.read(r, 1000)
+            if not c:
+                break
+            chunks.append(c)
     os.close(r)
-    os.waitpid(pid, 0)
-    assert "forked" in msg and "create the UdpIO" in msg
+    while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    hung = time.monotonic() >= deadline
+    if hung:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    msg = b"".join(chunks).decode()
+    assert not hung, f"the forked child hung dropping its copy: {msg!r}"
+    assert "forked" in msg and "create the UdpIO" in msg and msg.endswith("|freed")
+    tx.send_segments(a.getsockname(), _headers(1), bytes(1000), np.arange(1, dtype=np.int64), 1000, 1000)
+    tx.wait_sent()  # the parent's threads are unharmed
+    assert tx.stats["datagrams_out"] == 2
     tx.stop_send_threads()
 
 
