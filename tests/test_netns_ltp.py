@@ -60,6 +60,18 @@ def test_tcp_baseline_runs_on_the_same_link(lab, tcp_buffer, verified):
     assert res["tcp_buffer"] == tcp_buffer and res["verified"] is verified and "error" not in res
 
 
+@pytest.mark.parametrize("threads", [0, 3])
+def test_lossy_transfer_exact_with_and_without_sender_threads(lab, threads):
+    """``ltp-bench --send-threads``: the transfer through 2 % loss both ways (its ACKs too) is exact whether the
+    event loop's thread sends the DATA or sender threads do, and the sender reports which."""
+    from ltp_tools.bench import run_bench
+
+    res = run_bench(transport="ltp", size=20_000_000, loss=0.02, loss_both=True, mode="reliable", lab=lab,
+                    timeout=120, send_threads=threads)
+    assert res["verified"] is True and res["delivered_fraction"] == 1.0 and "error" not in res, res
+    assert res["send_threads"] == threads and res["retransmitted_packets"] > 0
+
+
 @pytest.mark.parametrize("gro", [False, True], ids=["nogro", "gro"])
 def test_reliable_transfer_exact_with_and_without_receive_gro(gro):
     """The same lossy reliable transfer on a lab without and with receive GRO at the hosts: exact either way,

@@ -109,6 +109,11 @@ def test_wait_ready_names_a_server_that_died_or_stayed_silent():
 
     with pytest.raises(ExperimentError, match="incast PS did not start"):  # the experiments' own error type
         experiment_wait_ready(dead, 10, "incast PS")
+    # its output ends before it exits (the race that reported a dying server as "exit None: no output")
+    late = subprocess.Popen([sys.executable, "-c", "import os, sys, time; os.close(1); time.sleep(0.3); "
+                             "sys.exit('late: cannot bind')"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with pytest.raises(RuntimeError, match=r"tcpbench server did not start \(exit 1\): late: cannot bind"):
+        wait_ready(late, 10, "tcpbench server")
     silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
