@@ -235,7 +235,7 @@ class UdpIO:
         self._errors: dict[str, int] = {}
         self._icmp_errors = 0
         self._send_threads = send_threads  # started by the first send_segments
-        self._tx: list = []         # per thread: [queue, thread, submitted, finished jobs (deque)]
+        self._tx: list = []         # per thread: [job queue, thread, submitted, finished-job queue, reaped]
         self._tx_assign: dict = {}  # destination -> its thread
         self._tx_load: list = []
         self._tx_pid = 0
@@ -352,11 +352,12 @@ class UdpIO:
 
         Call it before closing the socket.  Idempotent; a no-op without sender threads.
         """
-        for tx in self._tx:
-            tx[0].put(None)
-        for tx in self._tx:
-            tx[1].join()
-        self.reap()
+        if self._tx and self._tx_pid == _os.getpid():  # a forked child's copy has no threads to stop
+            for tx in self._tx:
+                tx[0].put(None)
+            for tx in self._tx:
+                tx[1].join()
+            self.reap()
         self._tx = []
         self._send_threads = 0
         if self._tx_sock is not None:
