@@ -629,6 +629,10 @@ class Endpoint:
         eng.flush_acks(now, due_by=now + LOOP_TIMER_RESOLUTION_S)
         refused: dict = {}  # peer -> the kernel's refusal of a send to it
         txs = eng.datagrams_to_send(now)
+        # sender threads take the DATA while sends to several peers are open (a broadcast, a PS's pushes): their
+        # kernel work then runs on more cores than the loop's; one peer's sends stay on the loop's thread, where
+        # a hand-off would only add its cost (docs/performance.md, "Change 10")
+        background = io.send_threads > 0 and eng.sending_to_several
         skip = 0  # the next ``skip`` transmits went out in one send_many already
         for i, tx in enumerate(txs):
             if skip:
@@ -646,7 +650,8 @@ class Endpoint:
                 continue
             try:
                 if isinstance(tx, SegmentTransmit):
-                    k = io.send_segments(tx.addr, tx.headers, tx.payload, tx.seqs, tx.seg_size, tx.total)
+                    k = io.send_segments(tx.addr, tx.headers, tx.payload, tx.seqs, tx.seg_size, tx.total,
+                                         background=background)
                     if k < len(tx):  # the socket buffer is full: keep the rest, assembled, for on_writable
                         self._pending.append((tx.addr, tx.assemble(k), tx.segment_size))
                     continue

@@ -858,6 +858,17 @@ class Engine:
         return bool(self._tx)
 
     @property
+    def sending_to_several(self) -> bool:
+        """Whether open sends go to two or more peers (an adapter's sender threads then send beside its loop)."""
+        peer = None
+        for p, _fid in self._tx:
+            if peer is None:
+                peer = p
+            elif p != peer:
+                return True
+        return False
+
+    @property
     def streaming(self) -> bool:
         """Whether a receive flow past its first :data:`QUICKACK_SEGMENTS` segments is open (a bulk transfer in
         progress: receive polling may read it once a loop tick)."""

@@ -971,8 +971,8 @@ cdef class UdpIO:
             raise ValueError(f"send_segments: {n} packets in one call is too many for a sender thread")
         # one destination, one thread (its packets keep their order); a new one goes to the least loaded
         key = PyBytes_FromStringAndSize(<char *>name, namelen)
-        tw = self._tx_assign.get(key)
-        if tw is None:
+        entry = self._tx_assign.get(key)
+        if entry is None:
             if len(self._tx_assign) >= _ADDR_CACHE_MAX:
                 self._tx_assign.clear()
                 memset(self._tx_load, 0, self._tx_started * sizeof(int))
@@ -980,9 +980,10 @@ cdef class UdpIO:
                 if self._tx_load[i] < self._tx_load[w]:
                     w = i
             self._tx_load[w] += 1
-            self._tx_assign[key] = w
+            entry = [w, 0]  # its thread, and the job count that includes its latest batch
+            self._tx_assign[key] = entry
         else:
-            w = tw
+            w = entry[0]
         wk = &self._tx[w]
         self._reap(w)
         while wk.head - self._tx_reaped[w] >= wk.depth:
@@ -1046,7 +1047,20 @@ cdef class UdpIO:
         job.gso_failed = 0
         self._tx_bufs[w * _QDEPTH + slot] = pv[0]
         ltp_tx_submit(wk)
+        entry[1] = wk.head
         return 0
+
+    cdef bint _tx_busy(self, sockaddr_storage *name, int namelen) except -1:
+        """Whether a batch for this destination is still queued or being sent (a send beside it must queue too)."""
+        cdef int w
+        if not self._tx_started:
+            return False
+        entry = self._tx_assign.get(PyBytes_FromStringAndSize(<char *>name, namelen))
+        if entry is None:
+            return False
+        w = entry[0]
+        self._reap(w)
+        return self._tx_reaped[w] < <long long>entry[1]
 
     # ------------------------------------------------------------------ receive
 
@@ -1327,7 +1341,8 @@ cdef class UdpIO:
         """
         return self._send(None, None, None, items, True)
 
-    def send_segments(self, addr, headers, payload, seqs, Py_ssize_t seg_size, Py_ssize_t total):
+    def send_segments(self, addr, headers, payload, seqs, Py_ssize_t seg_size, Py_ssize_t total,
+                      bint background=True):
         """Gather-send DATA packets without assembling them: header ``k`` + payload segment ``seqs[k]``.
 
         Packet ``k`` is the 16 bytes at ``headers[16k:16k+16]`` followed by
@@ -1338,12 +1353,15 @@ cdef class UdpIO:
         accepted (all of them unless EAGAIN/ENOBUFS stopped it); a packet the
         destination refuses twice (ICMP) is counted as sent, as a loss.
 
-        With sender threads (``send_threads`` > 0) the packets are queued to
-        the thread that serves ``addr`` (one destination, one thread, in
-        order) and all are accepted at once; the thread waits for room in a
-        full socket.  ``payload`` is held (its buffer exported) until the
-        batch is reaped; ``headers`` is copied.  The call waits only when
-        that thread already holds ``SEND_QUEUE_DEPTH`` batches.
+        With sender threads (``send_threads`` > 0) and ``background`` (the
+        default) the packets are queued to the thread that serves ``addr``
+        (one destination, one thread, in order) and all are accepted at once;
+        the thread waits for room in a full socket.  ``payload`` is held (its
+        buffer exported) until the batch is reaped; ``headers`` is copied.
+        The call waits only when that thread already holds
+        ``SEND_QUEUE_DEPTH`` batches.  ``background=False`` sends in the
+        caller, unless a batch for ``addr`` is still with its thread (then it
+        queues behind it, so the destination's packets keep their order).
         """
         cdef Py_buffer hv, pv
         cdef bint pv_given = False
@@ -1382,7 +1400,7 @@ cdef class UdpIO:
                     raise ValueError(f"segment {q} is outside a {total}-byte message of {seg_size}-byte segments")
             hbuf = <char *>hv.buf
             pbuf = <char *>pv.buf
-            if self.send_threads:
+            if self.send_threads and (background or self._tx_busy(&name, namelen)):
                 self._tx_enqueue(&name, namelen, hbuf, pbuf, sv, n, seg_size, total, gso_ok, &pv)
                 pv_given = True
                 return n

@@ -371,15 +371,16 @@ class UdpIO:
         if _os.getpid() != self._tx_pid:
             raise RuntimeError("UdpIO: this process was forked from the one that started the sender threads; "
                                "create the UdpIO (and its endpoint) in the process that uses it")
-        key = name
-        w = self._tx_assign.get(key)
-        if w is None:
+        entry = self._tx_assign.get(name)
+        if entry is None:
             if len(self._tx_assign) >= _ADDR_CACHE_MAX:
                 self._tx_assign.clear()
                 self._tx_load = [0] * len(self._tx)
             w = min(range(len(self._tx)), key=lambda i: (self._tx_load[i], i))
             self._tx_load[w] += 1
-            self._tx_assign[key] = w
+            entry = [w, 0]  # its thread, and the job count that includes its latest batch
+            self._tx_assign[name] = entry
+        w = entry[0]
         hdrs = bytes(hv[:16 * n])
         msgs, j = [], 0
         while j < n:
@@ -404,6 +405,15 @@ class UdpIO:
         self._reap(w)
         tx[0].put(job)  # waits while the thread holds SEND_QUEUE_DEPTH batches
         tx[2] += 1
+        entry[1] = tx[2]
+
+    def _tx_busy(self, name) -> bool:
+        """Whether a batch for this destination is still queued or being sent (a send beside it must queue too)."""
+        entry = self._tx_assign.get(name) if self._tx else None
+        if entry is None:
+            return False
+        self._reap(entry[0])
+        return self._tx[entry[0]][4] < entry[1]
 
     # ------------------------------------------------------------------ receive
 
@@ -631,7 +641,7 @@ class UdpIO:
         """
         return self._send(list(items), True)
 
-    def send_segments(self, addr, headers, payload, seqs, seg_size: int, total: int) -> int:
+    def send_segments(self, addr, headers, payload, seqs, seg_size: int, total: int, background: bool = True) -> int:
         """Gather-send DATA packets without assembling them: header ``k`` + payload segment ``seqs[k]``.
 
         Packet ``k`` is the 16 bytes at ``headers[16k:16k+16]`` followed by
@@ -642,12 +652,15 @@ class UdpIO:
         accepted (all of them unless EAGAIN/ENOBUFS stopped it); a packet the
         destination refuses twice (ICMP) is counted as sent, as a loss.
 
-        With sender threads (``send_threads`` > 0) the packets are queued to
-        the thread that serves ``addr`` (one destination, one thread, in
-        order) and all are accepted at once; the thread waits for room in a
-        full socket.  ``payload`` is held (its buffer exported) until the
-        batch is reaped; ``headers`` is copied.  The call waits only when
-        that thread already holds ``SEND_QUEUE_DEPTH`` batches.
+        With sender threads (``send_threads`` > 0) and ``background`` (the
+        default) the packets are queued to the thread that serves ``addr``
+        (one destination, one thread, in order) and all are accepted at once;
+        the thread waits for room in a full socket.  ``payload`` is held (its
+        buffer exported) until the batch is reaped; ``headers`` is copied.
+        The call waits only when that thread already holds
+        ``SEND_QUEUE_DEPTH`` batches.  ``background=False`` sends in the
+        caller, unless a batch for ``addr`` is still with its thread (then it
+        queues behind it, so the destination's packets keep their order).
         """
         fd = self._fd()
         del fd
@@ -668,7 +681,7 @@ class UdpIO:
         for q in sv.tolist():
             if q < 0 or q * seg_size >= total:
                 raise ValueError(f"segment {q} is outside a {total}-byte message of {seg_size}-byte segments")
-        if self._send_threads:
+        if self._send_threads and (background or self._tx_busy(name)):
             self._tx_enqueue(name, hv, pv, sv, n, seg_size, total, self._gso)
             return n
         sock = self._sock

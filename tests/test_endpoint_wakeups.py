@@ -610,7 +610,7 @@ async def _control_run(refuse_middle: bool):
         class Counting:  # counts the adapter's calls into the socket layer, passes everything through
             def __getattr__(self, name):
                 attr = getattr(real, name)
-                if name.startswith("send"):
+                if name.startswith("send") and callable(attr):  # not send_threads
                     def counted(*a, **k):
                         calls.append(name)
                         return attr(*a, **k)

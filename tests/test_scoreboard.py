@@ -2,6 +2,7 @@
 
 import pytest
 
+from ltp.config import Config
 from ltp_tools.experiments import scoreboard as S
 from ltp_tools.netlab import check_support
 
@@ -241,14 +242,15 @@ def test_quick_time_to_accuracy_row_in_the_lab(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(_problem is not None, reason=f"network lab unavailable: {_problem}")
-@pytest.mark.parametrize("transport", ["ltp", "cubic"])
-def test_broadcast_bench_delivers_to_every_peer(transport):
+@pytest.mark.parametrize("transport, threads", [("ltp", None), ("ltp", 0), ("ltp", 3), ("cubic", None)])
+def test_broadcast_bench_delivers_to_every_peer(transport, threads):
     from ltp_tools import broadcast_bench as BB
 
-    r = BB.run(transport=transport, size=3_000_000, peers=3, timeout=60)
+    r = BB.run(transport=transport, size=3_000_000, peers=3, timeout=60, send_threads=threads)
     assert r["duration_s"] > 0 and r["peers"] == 3 and r["goodput_gbps"] > 0
     if transport == "ltp":
         assert r["delivered"] == [1.0, 1.0, 1.0]
+        assert r["send_threads"] == (Config().send_threads if threads is None else threads)
 
 
 @pytest.mark.netns

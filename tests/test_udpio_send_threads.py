@@ -300,3 +300,65 @@ async def test_an_endpoint_sends_and_broadcasts_exactly_through_its_threads(thre
         for e in [ps, *workers]:
             await e.close()
     assert ps._io.send_threads == 0 and ps._io.reap() == 0  # close() stopped them after their last batch
+
+
+def test_a_foreground_send_goes_out_in_the_caller_unless_its_destination_has_a_batch_queued(mod, socks):
+    a, b = socks.make(), socks.make()
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b, send_threads=2)
+    before = _threads_now()
+    pay = np.arange(200_000, dtype=np.uint8)
+    seg, total = 1000, 200_000
+    # idle destination: sent by the caller, counted at once, no thread started
+    assert tx.send_segments(a.getsockname(), _headers(3, tag=1), pay, np.arange(3, dtype=np.int64), seg, total,
+                            background=False) == 3
+    assert tx.stats["datagrams_out"] == 3 and _threads_now() == before and tx.reap() == 0
+    # a big background batch, then a foreground one at once: the second queues behind the first (order kept)
+    assert tx.send_segments(a.getsockname(), _headers(200, tag=2), pay, np.arange(200, dtype=np.int64), seg,
+                            total) == 200
+    busy = tx.reap() > 0
+    assert tx.send_segments(a.getsockname(), _headers(5, tag=3), pay, np.arange(5, dtype=np.int64), seg, total,
+                            background=False) == 5
+    tx.wait_sent()
+    got = [d for d, _ in drain(rx, 208)]
+    assert [g[1] for g in got] == [1] * 3 + [2] * 200 + [3] * 5
+    assert tx.stats["datagrams_out"] == 208
+    if busy:  # it was still queued behind the big one: it went through the thread, not around it
+        assert _threads_now() == before + 2
+    tx.stop_send_threads()
+
+
+async def test_an_endpoint_sends_one_peers_data_itself_and_several_peers_data_through_its_threads():
+    import ltp
+
+    before = _threads_now()
+    ps = await ltp.open_endpoint(("127.0.0.1", 0), config=Config(send_threads=2))
+    workers = [await ltp.open_endpoint(("127.0.0.1", 0), config=Config(send_threads=2)) for _ in range(3)]
+    try:
+        params = np.arange(300_000, dtype=np.float32)
+        out = np.zeros_like(params)
+        await asyncio.gather(ps.send(workers[0].local_addr, params, tag=1), workers[0].recv(out, tag=1))
+        assert np.array_equal(out, params)
+        assert _threads_now() == before  # one peer: the loop's thread sent it all, no thread was started
+        outs = [np.zeros_like(params) for _ in workers]
+        await asyncio.gather(ps.broadcast([w.local_addr for w in workers], params, tag=2),
+                             *[w.recv(o, tag=2) for w, o in zip(workers, outs)])
+        assert all(np.array_equal(o, params) for o in outs)
+        assert _threads_now() == before + 2  # several peers: the sender threads took the DATA
+    finally:
+        for e in [ps, *workers]:
+            await e.close()
+    assert _threads_now() == before
+
+
+def test_the_engine_says_when_its_open_sends_go_to_several_peers():
+    import random
+
+    from ltp.engine import Engine
+
+    eng = Engine(Config(), rng=random.Random(1))
+    assert not eng.sending_to_several
+    eng.send(("10.0.0.2", 7447), np.zeros(10_000, np.float32), now=0.0)
+    eng.send(("10.0.0.2", 7447), np.zeros(10_000, np.float32), now=0.0)  # two flows, one peer
+    assert eng.sending and not eng.sending_to_several
+    eng.send(("10.0.0.3", 7447), np.zeros(10_000, np.float32), now=0.0)
+    assert eng.sending_to_several

@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 
+from ltp_ext.constants import SEND_THREADS_MAX
+from ltp_tools.argtypes import number
 from ltp_tools.machine_cpu import machine_cpu_s
 
 PORT = 7447
@@ -56,14 +58,16 @@ import asyncio, json, sys, time, ltp
 from ltp_tools.machine_cpu import machine_cpu_s
 from ltp_tools.payload import pattern
 async def main():
-    peers = [(h, int(sys.argv[1])) for h in sys.argv[4:]]
-    ep = await ltp.open_endpoint(("0.0.0.0", 0))
+    peers = [(h, int(sys.argv[1])) for h in sys.argv[5:]]
+    threads = int(sys.argv[4])
+    ep = await ltp.open_endpoint(("0.0.0.0", 0), config=ltp.Config(**({} if threads < 0 else {"send_threads": threads})))
     data = pattern(int(sys.argv[2]))
     m0, t0 = machine_cpu_s(), time.monotonic()
     reports = await ep.broadcast(peers, data, tag=7, timeout=float(sys.argv[3]))
     dur, m1 = time.monotonic() - t0, machine_cpu_s()
     print(json.dumps({"duration_s": dur, "machine_cpu_s": None if m0 is None else round(m1 - m0, 3),
-                      "delivered": [getattr(r, "delivered_fraction", None) for r in reports]}), flush=True)
+                      "delivered": [getattr(r, "delivered_fraction", None) for r in reports],
+                      "send_threads": ep.config.send_threads}), flush=True)
     await ep.close()
 ltp.run(main())
 '''
@@ -96,8 +100,11 @@ def tcp_broadcast(hosts: list[str], size: int, cc: str = "cubic", port: int = TC
     return {"duration_s": dur, "machine_cpu_s": None if m0 is None else round(m1 - m0, 3)}
 
 
-def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, timeout: float = 300.0) -> dict:
-    """One broadcast in a fresh lab of ``peers + 1`` hosts; the result dict (see the module docstring)."""
+def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, timeout: float = 300.0,
+        send_threads: int | None = None) -> dict:
+    """One broadcast in a fresh lab of ``peers + 1`` hosts; the result dict (see the module docstring).
+
+    ``send_threads``: the LTP sender's ``Config.send_threads`` (None: its default)."""
     from ltp_tools.netlab import Lab
 
     if peers < 1 or size < 1:
@@ -112,7 +119,8 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, time
             for p in procs:  # each receiver has bound and posted before the sender starts
                 if p.stdout.readline().strip() != "ready":
                     raise RuntimeError(f"an LTP receiver did not start: {p.stderr.read()[-800:]}")
-            s = lab.run(snd, [py, "-c", _LTP_SEND, str(PORT), str(size), str(timeout), *addrs],
+            s = lab.run(snd, [py, "-c", _LTP_SEND, str(PORT), str(size), str(timeout),
+                              str(-1 if send_threads is None else send_threads), *addrs],
                         capture_output=True, text=True, timeout=timeout + 30)
             if s.returncode != 0:
                 raise RuntimeError(f"LTP broadcast sender failed: {s.stderr[-1500:]}")
@@ -156,8 +164,11 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=parse_size, default=parse_size("100M"))
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--send-threads", type=number(int, 0, SEND_THREADS_MAX, what="LTP sender threads"), default=None,
+                    help="LTP: the sender's Config.send_threads (default: the Config default)")
     a = ap.parse_args(argv)
-    print(json.dumps(run(transport=a.transport, size=a.size, peers=a.peers, timeout=a.timeout)))
+    print(json.dumps(run(transport=a.transport, size=a.size, peers=a.peers, timeout=a.timeout,
+                         send_threads=a.send_threads)))
     return 0
 
 
