@@ -541,6 +541,56 @@ GRO_SLOT_SIZE = 65536
 #: Most ``mmsghdr`` entries per syscall accepted by the kernel (UIO_MAXIOV).
 MAX_BATCH = 1024
 
+# the GSO limits as C values, for the message builder below
+cdef Py_ssize_t _GSO_SEGS = GSO_MAX_SEGMENTS
+cdef Py_ssize_t _GSO_BYTES = GSO_MAX_BYTES
+
+
+cdef Py_ssize_t _gather_message(msghdr *h, iovec *iov, char *cbuf, char *hbuf, char *pbuf,
+                                const int64_t[::1] sv, Py_ssize_t j, Py_ssize_t n, Py_ssize_t seg_size,
+                                Py_ssize_t total, bint gso_ok, sockaddr_storage *name, int namelen) noexcept nogil:
+    """Fill ``h`` with one message of gather packets from packet ``j``; returns the packets it took (>= 1).
+
+    Packet ``k`` is the header at ``hbuf + 16k`` and segment ``sv[k]`` of ``pbuf``: two entries of ``iov`` each.
+    Under GSO the message takes equal-sized packets (a short one ends it) up to GSO_MAX_SEGMENTS and
+    GSO_MAX_BYTES, with its UDP_SEGMENT control message in ``cbuf`` (LTP_CMSG_SIZE bytes); without GSO, one
+    packet.  The caller-side send and the sender threads' jobs both cut their packets here.
+    """
+    cdef Py_ssize_t k = j, m_pkts = 0, m_bytes = 0, first_len = -1, seq, plen
+    h.msg_iov = iov
+    while j < n and m_pkts < (_GSO_SEGS if gso_ok else 1):
+        seq = sv[j]
+        plen = total - seq * seg_size
+        if plen > seg_size:
+            plen = seg_size
+        if first_len >= 0 and (plen > first_len or m_bytes + 16 + plen > _GSO_BYTES):
+            break
+        iov[2 * (j - k)].iov_base = hbuf + j * 16
+        iov[2 * (j - k)].iov_len = 16
+        iov[2 * (j - k) + 1].iov_base = pbuf + seq * seg_size
+        iov[2 * (j - k) + 1].iov_len = <size_t>plen
+        m_pkts += 1
+        m_bytes += 16 + plen
+        j += 1
+        if first_len < 0:
+            first_len = plen
+        elif plen < first_len:
+            break  # a short packet ends the batch
+    h.msg_iovlen = <size_t>(2 * m_pkts)
+    if namelen > 0:
+        h.msg_name = name
+        h.msg_namelen = namelen
+    else:
+        h.msg_name = NULL
+        h.msg_namelen = 0
+    if m_pkts > 1:
+        ltp_set_gso(h, cbuf, <uint16_t>(16 + first_len))
+    else:
+        h.msg_control = NULL
+        h.msg_controllen = 0
+    h.msg_flags = 0
+    return m_pkts
+
 #: IP_RECVERR / IPV6_RECVERR (Linux): ICMP errors queued on the socket with the peer's address
 IP_RECVERR_OPT = 11
 IPV6_RECVERR_OPT = 25
@@ -958,10 +1008,9 @@ cdef class UdpIO:
                          bint gso_ok, Py_buffer *pv) except -1:
         """Build ``send_segments``' packets into a job of one sender thread and queue it; takes over ``pv``."""
         cdef int w = 0, slot, nm = 0, e, i
-        cdef Py_ssize_t j, seq, plen, first_len, m_pkts, m_bytes
+        cdef Py_ssize_t j, m_pkts
         cdef ltp_tx_worker *wk
         cdef ltp_tx_job *job
-        cdef msghdr *h
         if self._tx_started == 0:
             self._start_send_threads()
         if getpid() != self._tx_pid:
@@ -999,43 +1048,10 @@ cdef class UdpIO:
             memcpy(&job.name, name, namelen)
         j = 0
         while j < n:
-            h = &job.msgs[nm].msg_hdr
-            h.msg_iov = &job.iov[2 * j]
-            m_pkts = 0
-            m_bytes = 0
-            first_len = -1
-            while j < n and m_pkts < (GSO_MAX_SEGMENTS if gso_ok else 1):
-                seq = sv[j]
-                plen = total - seq * seg_size
-                if plen > seg_size:
-                    plen = seg_size
-                if first_len >= 0 and (plen > first_len or m_bytes + 16 + plen > GSO_MAX_BYTES):
-                    break
-                job.iov[2 * j].iov_base = job.hdrs + j * 16
-                job.iov[2 * j].iov_len = 16
-                job.iov[2 * j + 1].iov_base = pbuf + seq * seg_size
-                job.iov[2 * j + 1].iov_len = <size_t>plen
-                m_pkts += 1
-                m_bytes += 16 + plen
-                j += 1
-                if first_len < 0:
-                    first_len = plen
-                elif plen < first_len:
-                    break  # a short packet ends the batch
-            h.msg_iovlen = <size_t>(2 * m_pkts)
-            if namelen > 0:
-                h.msg_name = &job.name
-                h.msg_namelen = namelen
-            else:
-                h.msg_name = NULL
-                h.msg_namelen = 0
-            if m_pkts > 1:
-                ltp_set_gso(h, job.cmsg + nm * LTP_CMSG_SIZE, <uint16_t>(16 + first_len))
-            else:
-                h.msg_control = NULL
-                h.msg_controllen = 0
-            h.msg_flags = 0
+            m_pkts = _gather_message(&job.msgs[nm].msg_hdr, &job.iov[2 * j], job.cmsg + nm * LTP_CMSG_SIZE,
+                                     job.hdrs, pbuf, sv, j, n, seg_size, total, gso_ok, &job.name, namelen)
             job.nseg[nm] = <int>m_pkts
+            j += m_pkts
             nm += 1
         job.nm = nm
         job.dgrams = 0
@@ -1366,8 +1382,8 @@ cdef class UdpIO:
         cdef Py_buffer hv, pv
         cdef bint pv_given = False
         cdef const int64_t[::1] sv = np.ascontiguousarray(seqs, dtype=np.int64)
-        cdef Py_ssize_t n = sv.shape[0], k = 0, j, nm, m_pkts, m_bytes, plen, first_len, accepted = 0
-        cdef Py_ssize_t gi, seq
+        cdef Py_ssize_t n = sv.shape[0], k = 0, j, nm, m_pkts, accepted = 0
+        cdef Py_ssize_t gi
         cdef int64_t q
         cdef sockaddr_storage name
         cdef int namelen
@@ -1375,7 +1391,6 @@ cdef class UdpIO:
         cdef int r, e
         cdef Py_ssize_t retry_at = -1
         cdef bint gso_ok = self.gso_enabled
-        cdef msghdr *h
         cdef char *hbuf
         cdef char *pbuf
         if seg_size <= 0 or seg_size + 16 > MAX_SEGMENT_SIZE:
@@ -1411,43 +1426,10 @@ cdef class UdpIO:
                 j = k
                 while nm < self._scap and j < n:
                     self._g_first[nm] = j
-                    h = &self._gmsgs[nm].msg_hdr
-                    h.msg_iov = &self._giov[gi]
-                    m_pkts = 0
-                    m_bytes = 0
-                    first_len = -1
-                    while j < n and m_pkts < (GSO_MAX_SEGMENTS if gso_ok else 1):
-                        seq = sv[j]
-                        plen = total - seq * seg_size
-                        if plen > seg_size:
-                            plen = seg_size
-                        if first_len >= 0 and (plen > first_len or m_bytes + 16 + plen > GSO_MAX_BYTES):
-                            break
-                        self._giov[gi].iov_base = hbuf + j * 16
-                        self._giov[gi].iov_len = 16
-                        self._giov[gi + 1].iov_base = pbuf + seq * seg_size
-                        self._giov[gi + 1].iov_len = <size_t>plen
-                        gi += 2
-                        m_pkts += 1
-                        m_bytes += 16 + plen
-                        j += 1
-                        if first_len < 0:
-                            first_len = plen
-                        elif plen < first_len:
-                            break  # a short packet ends the batch
-                    h.msg_iovlen = <size_t>(2 * m_pkts)
-                    if namelen > 0:
-                        h.msg_name = &name
-                        h.msg_namelen = namelen
-                    else:
-                        h.msg_name = NULL
-                        h.msg_namelen = 0
-                    if m_pkts > 1:
-                        ltp_set_gso(h, self._scmsg + nm * LTP_CMSG_SIZE, <uint16_t>(16 + first_len))
-                    else:
-                        h.msg_control = NULL
-                        h.msg_controllen = 0
-                    h.msg_flags = 0
+                    m_pkts = _gather_message(&self._gmsgs[nm].msg_hdr, &self._giov[gi], self._scmsg + nm * LTP_CMSG_SIZE,
+                                             hbuf, pbuf, sv, j, n, seg_size, total, gso_ok, &name, namelen)
+                    gi += 2 * m_pkts
+                    j += m_pkts
                     self._m_nseg[nm] = m_pkts
                     self._m_gso[nm] = m_pkts > 1
                     nm += 1

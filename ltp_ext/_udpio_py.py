@@ -384,22 +384,9 @@ class UdpIO:
         hdrs = bytes(hv[:16 * n])
         msgs, j = [], 0
         while j < n:
-            parts, first_len, m_bytes, k = [], -1, 0, j
-            while j < n and (j - k) < (GSO_MAX_SEGMENTS if gso_ok else 1):
-                seq = int(sv[j])
-                plen = min(seg_size, total - seq * seg_size)
-                if first_len >= 0 and (plen > first_len or m_bytes + 16 + plen > GSO_MAX_BYTES):
-                    break
-                parts += [hdrs[16 * j:16 * j + 16], pv[seq * seg_size:seq * seg_size + plen]]
-                m_bytes += 16 + plen
-                j += 1
-                if first_len < 0:
-                    first_len = plen
-                elif plen < first_len:
-                    break  # a short packet ends the batch
-            m_pkts = j - k
-            anc = [(SOL_UDP, UDP_SEGMENT, _U16.pack(16 + first_len))] if m_pkts > 1 else []
-            msgs.append((parts, anc, m_pkts))
+            msg = _gather_message(hdrs, pv, sv, j, n, seg_size, total, gso_ok)
+            msgs.append(msg)
+            j += msg[2]
         job = dict(name=name, msgs=msgs, payload=pv, dgrams=0, syscalls=0, eagain=0, errors=[], gso_failed=0)
         tx = self._tx[w]
         self._reap(w)
@@ -690,21 +677,8 @@ class UdpIO:
         k = 0
         retry_at = -1
         while k < n:
-            parts, j, first_len, m_bytes = [], k, -1, 0
-            while j < n and (j - k) < (GSO_MAX_SEGMENTS if gso_ok else 1):
-                seq = int(sv[j])
-                plen = min(seg_size, total - seq * seg_size)
-                if first_len >= 0 and (plen > first_len or m_bytes + 16 + plen > GSO_MAX_BYTES):
-                    break
-                parts += [hv[16 * j:16 * j + 16], pv[seq * seg_size:seq * seg_size + plen]]
-                m_bytes += 16 + plen
-                j += 1
-                if first_len < 0:
-                    first_len = plen
-                elif plen < first_len:
-                    break  # a short packet ends the batch
-            m_pkts = j - k
-            anc = [(SOL_UDP, UDP_SEGMENT, _U16.pack(16 + first_len))] if m_pkts > 1 else []
+            parts, anc, m_pkts = _gather_message(hv, pv, sv, k, n, seg_size, total, gso_ok)
+            j = k + m_pkts
             try:
                 self._syscalls += 1
                 if name is None:
@@ -821,6 +795,31 @@ class UdpIO:
         if many:
             return it
         return accepted
+
+
+def _gather_message(hv, pv, sv, j: int, n: int, seg_size: int, total: int, gso_ok: bool) -> tuple:
+    """One message of gather packets from packet ``j``: ``(parts, ancillary data, packets taken)``.
+
+    Packet ``k`` is header ``hv[16k:16k+16]`` + segment ``sv[k]`` of ``pv``.  Under GSO the message takes equal-sized
+    packets (a short one ends it) up to GSO_MAX_SEGMENTS and GSO_MAX_BYTES, with a UDP_SEGMENT control message;
+    without GSO, one packet.  The caller-side send and the sender threads' jobs both cut their packets here.
+    """
+    parts, first_len, m_bytes, k = [], -1, 0, j
+    while j < n and (j - k) < (GSO_MAX_SEGMENTS if gso_ok else 1):
+        seq = int(sv[j])
+        plen = min(seg_size, total - seq * seg_size)
+        if first_len >= 0 and (plen > first_len or m_bytes + 16 + plen > GSO_MAX_BYTES):
+            break
+        parts += [hv[16 * j:16 * j + 16], pv[seq * seg_size:seq * seg_size + plen]]
+        m_bytes += 16 + plen
+        j += 1
+        if first_len < 0:
+            first_len = plen
+        elif plen < first_len:
+            break  # a short packet ends the batch
+    m_pkts = j - k
+    anc = [(SOL_UDP, UDP_SEGMENT, _U16.pack(16 + first_len))] if m_pkts > 1 else []
+    return parts, anc, m_pkts
 
 
 # ---------------------------------------------------------------------------- sender threads (twin)
