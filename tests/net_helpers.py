@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
+import sys
+
+import pytest
 
 
 def ipv6_loopback() -> bool:
@@ -15,3 +21,18 @@ def ipv6_loopback() -> bool:
         return True
     except OSError:
         return False
+
+
+def run_in_fresh_netns(script: str, *args: str, tools: tuple[str, ...] = ("unshare",),
+                       setup_errors: tuple[str, ...] = ("unshare",), timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run ``python -c script *args`` in a new, empty network namespace (``unshare -n``); its CompletedProcess.
+
+    Skips (naming what is missing) without root or one of ``tools``, or when the child failed with a
+    namespace set-up error: its stderr names one of ``setup_errors``."""
+    if any(shutil.which(t) is None for t in tools) or os.geteuid() != 0:
+        pytest.skip(f"needs root and {', '.join(tools)} for a network namespace")
+    proc = subprocess.run(["unshare", "-n", sys.executable, "-c", script, *args],
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and any(e in proc.stderr for e in setup_errors):
+        pytest.skip(f"cannot set up the namespace: {proc.stderr.strip()[-200:]}")
+    return proc

@@ -11,18 +11,15 @@ import errno
 import importlib
 import json
 import os
-import shutil
 import socket
 import struct
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from net_helpers import ipv6_loopback
+from net_helpers import ipv6_loopback, run_in_fresh_netns
 
 SO_NO_CHECK = 11      # <asm-generic/socket.h>; makes UDP_SEGMENT sends fail with EINVAL
 SO_RCVBUFFORCE = 33   # root may exceed net.core.rmem_max
@@ -293,12 +290,7 @@ print(json.dumps({"sent": sent, "many": many, "stats": io.stats, "gso": io.gso_e
 def test_unreachable_destination_is_dropped_like_a_loss(mod):
     # In a fresh network namespace (no routes, lo down) every sendmsg fails with
     # ENETUNREACH: each message is counted, retried once, then dropped like a loss.
-    if shutil.which("unshare") is None or os.geteuid() != 0:
-        pytest.skip("needs root and unshare(1) for a network namespace")
-    proc = subprocess.run(["unshare", "-n", sys.executable, "-c", _UNREACHABLE_SCRIPT, mod.__name__],
-                          capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0 and "unshare" in proc.stderr:
-        pytest.skip(f"unshare -n failed: {proc.stderr.strip()}")
+    proc = run_in_fresh_netns(_UNREACHABLE_SCRIPT, mod.__name__)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["sent"] == 6 and out["many"] == 3
@@ -329,12 +321,8 @@ print(json.dumps({"sent": sent, "many": many, "stats": io.stats}))
 @pytest.mark.netns
 @pytest.mark.parametrize("gso", ["1", "0"], ids=["gso", "nogso"])
 def test_send_stops_early_on_eagain(mod, gso):
-    if shutil.which("unshare") is None or shutil.which("tc") is None or os.geteuid() != 0:
-        pytest.skip("needs root, unshare(1) and tc(8) for a throttled loopback in a network namespace")
-    proc = subprocess.run(["unshare", "-n", sys.executable, "-c", _EAGAIN_SCRIPT, mod.__name__, gso],
-                          capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0 and ("unshare" in proc.stderr or "RTNETLINK" in proc.stderr):
-        pytest.skip(f"cannot set up the namespace: {proc.stderr.strip()[-200:]}")
+    proc = run_in_fresh_netns(_EAGAIN_SCRIPT, mod.__name__, gso, tools=("unshare", "tc"),
+                              setup_errors=("unshare", "RTNETLINK"))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     first = out["sent"][0]

@@ -16,10 +16,7 @@ import gc
 import json
 import os
 import select
-import shutil
 import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -28,6 +25,7 @@ import pytest
 from ltp.config import Config
 from ltp.errors import LocalProtocolError
 from ltp_ext.constants import SEND_QUEUE_DEPTH, SEND_THREADS_MAX
+from net_helpers import run_in_fresh_netns
 from test_udpio import Sockets, _load, drain  # noqa: E402 (tests/ is on sys.path)
 
 pytestmark = pytest.mark.timeout(120)
@@ -255,12 +253,8 @@ print(json.dumps({"accepted": acc, "stats": io.stats, "received": got}))
 @pytest.mark.netns
 @pytest.mark.parametrize("case", ["full", "unreachable"])
 def test_a_thread_waits_out_a_full_socket_and_drops_what_the_kernel_refuses(mod, case):
-    if shutil.which("unshare") is None or shutil.which("tc") is None or os.geteuid() != 0:
-        pytest.skip("needs root, unshare(1) and tc(8) for a network namespace")
-    proc = subprocess.run(["unshare", "-n", sys.executable, "-c", _NETNS_SCRIPT, mod.__name__, case],
-                          capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0 and ("unshare" in proc.stderr or "RTNETLINK" in proc.stderr):
-        pytest.skip(f"cannot set up the namespace: {proc.stderr.strip()[-200:]}")
+    proc = run_in_fresh_netns(_NETNS_SCRIPT, mod.__name__, case, tools=("unshare", "tc"),
+                              setup_errors=("unshare", "RTNETLINK"))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["accepted"] == [100, 100]
