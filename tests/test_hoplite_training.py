@@ -58,7 +58,9 @@ def make_job(n_workers, *, loss=0.0, seed=0, schedule="hoplite", **server_kw):
 
 @pytest.mark.parametrize("n_workers", [2, 3, 5])
 async def test_hoplite_trains_digits_in_memory(n_workers, piece_bytes):
-    ps, workers = make_job(n_workers, epochs=6, lr=0.1)
+    # at least ~90 rounds whatever the worker count: 5 workers x 6 epochs made only 54, and ended at 0.897-0.906
+    # depending on torch's thread count (float summation order), too close to the 0.9 bar
+    ps, workers = make_job(n_workers, epochs=max(6, 2 * n_workers), lr=0.1)
     ps_ctrl = ps.planner.controller()
     ps_ctrl.start(0, [worker(r) for r in range(n_workers)], now=0.0)
     assert len(ps_ctrl.reduces) == (10 if piece_bytes else 1)
