@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import types
 
@@ -178,7 +179,26 @@ async def test_the_ps_posts_every_drop_for_the_worker_to_see():
     assert posted == [1]
 
 
-@pytest.mark.timeout(120)
+def _connected_to(port: int, pid: int) -> bool:
+    """Whether process ``pid`` holds an established TCP connection to local port ``port`` (``/proc/net/tcp*``)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in list(f)[1:]:
+                col = row.split()
+                if col[2].endswith(f":{port:04X}") and col[3] == "01" and col[9] in inodes:
+                    return True
+    return False
+
+
+@pytest.mark.timeout(150)
 def test_a_worker_whose_store_dies_exits_2_with_a_named_cause_not_a_traceback():
     """Found by trying to break it: under two torchrun agents, killing the PS's node took the agent's TCPStore
     with it, and the workers died of a raw ``DistNetworkError`` traceback (exit 1)."""
@@ -194,9 +214,15 @@ def test_a_worker_whose_store_dies_exits_2_with_a_named_cause_not_a_traceback():
         time.sleep(1.5)  # the store listens
         assert store.poll() is None, store.stdout.read()
         worker = subprocess.Popen(ps_cmd("worker", "--rank", "0", "--store", f"127.0.0.1:{port}", "--transport",
-                                         "tcp", "--store-timeout", "60"), env=child_env(),
+                                         "tcp", "--store-timeout", "30"), env=child_env(),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(4.0)  # it connected and waits for a PS that never comes
+        # it connected and waits for a PS that never comes (its start-up, torch's import included, took over 4 s
+        # on a loaded CI machine: a store killed before the connection leaves it retrying for --store-timeout)
+        deadline = time.monotonic() + 40
+        while not _connected_to(port, worker.pid) and worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _connected_to(port, worker.pid), "the worker never connected to the store"
+        time.sleep(0.5)
         assert worker.poll() is None, worker.communicate()
         store.kill()
         out, err = worker.communicate(timeout=60)
