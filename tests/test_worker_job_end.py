@@ -182,7 +182,11 @@ async def test_the_ps_posts_every_drop_for_the_worker_to_see():
 def _connected_to(port: int, pid: int) -> bool:
     """Whether process ``pid`` holds an established TCP connection to local port ``port`` (``/proc/net/tcp*``)."""
     inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # the process is gone
+        return False
+    for fd in fds:
         try:
             link = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
@@ -222,7 +226,7 @@ def test_a_worker_whose_store_dies_exits_2_with_a_named_cause_not_a_traceback():
         while not _connected_to(port, worker.pid) and worker.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _connected_to(port, worker.pid), "the worker never connected to the store"
-        time.sleep(0.5)
+        time.sleep(2.0)  # past the store client's handshake, into its wait for the PS
         assert worker.poll() is None, worker.communicate()
         store.kill()
         out, err = worker.communicate(timeout=60)
