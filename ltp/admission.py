@@ -40,7 +40,10 @@ answers, and what this host says to DATA that arrives too late:
 * an *expired tag* (a posted receive for ``(peer, tag)`` that passed its
   deadline or timeout with nothing registered) is remembered as long: a REG for
   it is answered with STOP ``deadline`` at once, so the sender stops instead of
-  sending a message nobody will read;
+  sending a message nobody will read -- until a receive for that ``(peer, tag)``
+  is posted again (:meth:`Admission.want_tag`): the application waits for it
+  once more (a control stream reads its next message again after a timeout),
+  and a message for it must not be turned away;
 * DATA of a flow this host holds nothing for is answered with RESET
   ``unregistered`` (at most :data:`UNREGISTERED_RESETS_PER_S`), so a sender
   whose REG was lost or expired registers again.
@@ -455,6 +458,10 @@ class Admission:
         self.expired_tags[(peer, tag)] = now + self.config.closed_flow_ttl_s
         while len(self.expired_tags) > self.config.max_closed_flows:
             self.expired_tags.popitem(last=False)
+
+    def want_tag(self, peer, tag: int) -> None:
+        """A receive for ``(peer, tag)`` is posted again: its REGs are no longer answered as expired."""
+        self.expired_tags.pop((peer, tag), None)
 
     def on_unknown_data(self, key, token: int, now: float, *, open_flow: bool) -> None:
         """DATA for ``key`` with no open flow of that token (``open_flow``: one with another token is open)."""

@@ -293,6 +293,7 @@ class Engine:
             group.slots.append(slot)
             if slot.peer is not None and tag is not None:
                 self._hints.discard(slot.peer, tag)
+                self._admission.want_tag(slot.peer, tag)
         self._matcher.add(group)
         for slot in group.slots:
             if self._match_unexpected(slot, now):

@@ -790,3 +790,53 @@ def test_a_message_still_arriving_that_its_receive_cannot_hold_is_refused_like_o
 def _deliver_unexpected_to(h, data, tag):
     (sent,) = h.wait([(0, h.engines[0].send(h.addrs[1], data, now=h.now, tag=tag))])
     assert sent.report.close_reason == "acked"
+
+
+def test_a_receive_posted_again_for_a_tag_that_timed_out_takes_its_message(harness, floats):
+    """A control stream that reads message ``k`` again after its read timed out (a PS resumed from a pause
+    re-reads, a worker re-reads while it waits) must get message ``k``.  Before, the first read's expiry marked
+    ``(peer, k)`` expired for ``closed_flow_ttl_s`` and the message was answered STOP ``deadline``: its sender
+    counted it sent, the reader waited for it forever."""
+    h = harness(seed=5)
+    h.links(rate=GBIT, delay_s=0.0002)
+    rx, tx = h.engines
+    data = floats(2_000)
+    out = np.zeros_like(data)
+    (first,) = h.wait([(0, rx.post_receive([(h.addrs[1], 7, out)], now=h.now, timeout=0.05))])
+    assert first.reports[0].regime == "timeout"
+    hr = rx.post_receive([(h.addrs[1], 7, out)], now=h.now, timeout=5.0)
+    hs = tx.send(h.addrs[0], data, now=h.now, tag=7, reliable=True)
+    got, sent = h.wait([(0, hr), (1, hs)])
+    assert got.reports[0].regime == "complete" and np.array_equal(out, data)
+    assert sent.report.close_reason == "acked"
+    # an expired tag nobody reads again still turns its message away
+    (gone,) = h.wait([(0, rx.post_receive([(h.addrs[1], 8, np.zeros_like(data))], now=h.now, timeout=0.05))])
+    (late,) = h.wait([(1, tx.send(h.addrs[0], data, now=h.now, tag=8, reliable=True))])
+    assert late.report.close_reason == "deadline" and late.report.delivered_fraction == 0
+
+
+def test_a_sender_stalled_mid_message_is_told_deadline_and_a_resend_reaches_the_receive_posted_again(
+        harness, floats):
+    """The transport side of a control message whose sender was SIGSTOPped half-way: the receiver closes the
+    flow at ``idle_timeout_s`` (regime ``timeout``, part of it in), the resumed sender hears STOP ``deadline``
+    (its report says so: it must not count the message delivered), and the same message sent again is taken by
+    a receive posted again for its tag.  ``ltp_ps``'s control stream builds its in-order delivery on this."""
+    cfg = Config(idle_timeout_s=0.5)
+    h = harness(seed=9, configs=[cfg, Config(peer_silence_min_s=5.0)])
+    h.links(rate=GBIT / 100, delay_s=0.0005)  # 10 Mbit/s: the 1 MB message takes ~0.8 s, so the stall lands inside
+    rx, tx = h.engines
+    data = floats(250_000)
+    out = np.zeros_like(data)
+    hr = rx.post_receive([(h.addrs[1], 3, out)], now=h.now, timeout=30.0)
+    hs = tx.send(h.addrs[0], data, now=h.now, tag=3, reliable=True)
+    h.net.run(until=h.now + 0.05)
+    h.net.stall(h.addrs[1], 2.0)
+    first, sent = h.wait([(0, hr), (1, hs)], timeout=10)
+    r = first.reports[0]
+    assert r.regime == "timeout" and 0 < r.received_bytes < data.nbytes, r
+    assert sent.report.close_reason == "deadline" and sent.report.delivered_fraction < 1.0
+    out[:] = 0
+    hr = rx.post_receive([(h.addrs[1], 3, out)], now=h.now, timeout=30.0)
+    again, resent = h.wait([(0, hr), (1, tx.send(h.addrs[0], data, now=h.now, tag=3, reliable=True))])
+    assert again.reports[0].regime == "complete" and np.array_equal(out, data)
+    assert resent.report.close_reason == "acked"

@@ -44,7 +44,8 @@ import struct
 import time
 from typing import Any, Awaitable, Callable, Mapping
 
-from ..transport.base import CANCELLED, RecvReport, SendReport
+from ..errors import TransportTimeout
+from ..transport.base import CANCELLED, TIMEOUT, CloseReason, RecvReport, SendReport
 from ..wire import KIND_GRANT, KIND_PARAMS
 from . import tags as _tags
 from .executor import Executor, Slots
@@ -55,6 +56,8 @@ T_LAG_S = 1.0  # seconds between rate refreshes handed to the controller (MLfabr
 GRANTS_PER_BATCH = 32  # grants queued for one node that one ``deliver_batch`` call takes at most
 CONTROL_BYTES = 1 << 16  # bytes: the largest control message (a grant of a few hundred steps)
 MIN_RATE_SAMPLE_BYTES = 16384  # bytes: smaller transfers are latency-bound, their goodput says nothing of the rate
+TURNED_AWAY_RESENDS = 3  # times a control message the peer's receive closed without is sent again before it fails
+#                          (more while the channel's patience lasts)
 RATE_EWMA = 0.5  # weight of a new rate sample in the monitor's running estimate
 #: a transfer of fewer bytes than this many round trips at its own BtlBw never filled its path: what it measured is
 #: bounded by the bytes it had in flight per round trip (latency-bound), so the path carries at least that rate
@@ -438,6 +441,10 @@ class ControlChannel:
         #: seconds must not cost them the job (its stream would also lose message ``k`` for good).
         self.patience_s = patience_s
         self.retries = 0
+        #: messages sent again because the peer's receive closed without them (``TURNED_AWAY_RESENDS``)
+        self.resends = 0
+        #: messages of which part arrived before their sender went silent, read again (see :meth:`recv`)
+        self.partial = 0
         self.out_dir, self.in_dir = out_dir, in_dir
         self.slots = Slots()
         self.out_seq = 0
@@ -476,8 +483,20 @@ class ControlChannel:
         slots.bind("out", data)
         slots.bind_critical("out", ())
         t0 = time.monotonic()
+        turned_away = 0
         while True:
             r = (await self.executor.run(prog, slots)).reports[0]
+            if isinstance(r, SendReport) and r.close_reason == CloseReason.DEADLINE:
+                # the peer's receive closed without it (it timed out, or we stalled half-way and it closed the
+                # flow as idle): the message did not arrive, and the peer reads this sequence number again
+                turned_away += 1
+                self.resends += 1
+                if turned_away <= TURNED_AWAY_RESENDS or (self.patience_s is not None
+                                                          and time.monotonic() - t0 < self.patience_s):
+                    continue
+                return TransportTimeout(f"control message to {self.peer} turned away {turned_away} times (its "
+                                        f"receive closed with {r.delivered_bytes}/{r.total_bytes} bytes in); the "
+                                        f"peer no longer reads this stream")
             if not (isinstance(r, TimeoutError) and self.patience_s is not None
                     and time.monotonic() - t0 < self.patience_s):
                 return r
@@ -485,9 +504,19 @@ class ControlChannel:
 
     async def recv(self, timeout_s: float):
         tag = control_tag(self.in_seq, self.in_dir, self.epoch)
-        res = await self.executor.run(Program(self.executor.me, ((Recv(self.peer, "in", 0, 0, tag, RELIABLE, "grant",
-                                                                       timeout_s=timeout_s),),)), self.slots)
-        r = res.reports[0]
+        end = time.monotonic() + timeout_s
+        while True:
+            prog = Program(self.executor.me, ((Recv(self.peer, "in", 0, 0, tag, RELIABLE, "grant",
+                                                    timeout_s=max(0.0, end - time.monotonic())),),))
+            r = (await self.executor.run(prog, self.slots)).reports[0]
+            if isinstance(r, RecvReport) and r.regime == TIMEOUT and r.received_bytes > 0:
+                # part of the message, then its sender went silent (paused half-way): the transport closed the
+                # flow and told the sender, which sends the message again; read this sequence number again
+                self.partial += 1
+                if time.monotonic() < end:
+                    continue
+                return None
+            break
         if not isinstance(r, RecvReport) or r.received_bytes == 0:
             if getattr(r, "regime", None) == CANCELLED:
                 raise ConnectionError(f"{self.peer} closed the control stream")
