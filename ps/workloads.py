@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .datasets import digits_split
 from .model_names import synthetic_params
 
 
@@ -141,14 +142,9 @@ class DigitsCNN(nn.Module):
 
 
 def digits_data(seed: int = 0):
-    """(x_train, y_train, x_test, y_test) tensors; fixed 80/20 split."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    d = load_digits()
-    x = (d.images / 16.0).astype(np.float32)[:, None]
-    xtr, xte, ytr, yte = train_test_split(x, d.target, test_size=0.2, random_state=seed, stratify=d.target)
-    return torch.from_numpy(xtr), torch.from_numpy(ytr).long(), torch.from_numpy(xte), torch.from_numpy(yte).long()
+    """(x_train, y_train, x_test, y_test) tensors; fixed stratified 80/20 split (cached: :mod:`ltp_ps.datasets`)."""
+    xtr, ytr, xte, yte = digits_split(seed)
+    return torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte), torch.from_numpy(yte)
 
 
 class DigitsWorkload(ModuleWorkload):
