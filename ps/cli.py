@@ -875,5 +875,12 @@ def store_gone_message(exc: BaseException) -> str:
             f"process can neither rejoin nor learn how the job ended; restart the job")
 
 
+def entry() -> None:
+    """The ``ltp-ps`` command: :func:`main`, then exit without the interpreter's teardown (:mod:`ltp_ps.quick_exit`)."""
+    from .quick_exit import run
+
+    run(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -82,4 +82,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .quick_exit import run as _run_quick
+
+    _run_quick(main)
