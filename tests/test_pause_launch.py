@@ -94,11 +94,12 @@ def test_a_hoplite_async_worker_paused_and_dropped_is_taken_back_and_contributes
     """``--mode async``: the PS writes the paused worker off at 10 s; resumed, it joins again and the PS takes it
     back between updates (it gets the next version with that update's members).  Before, the asynchronous PS never
     looked at the store again: the worker waited out the job with its join pending and the job ran one short."""
-    # --compute-delay sets a floor under the job's length whatever the machine's speed (at most 50 gradients per
-    # second per worker: about 10 s left after the 12 s pause ends); with 40 epochs and no delay a fast run ended
-    # 1 s after the PS wrote the worker off, before it could come back
-    late = _paused_worker_returns(tmp_path, "hoplite", epochs=60, after_rows=10,
-                                  extra=("--mode", "async", "--momentum", "0", "--lr", "0.4", "--compute-delay", "0.02"))
+    # --compute-delay sets a floor under the job's length whatever the machine's speed (at most 25 gradients per
+    # second per worker, 450 each: 18 s, about 5 s left after the 12 s pause ends, and the machine's own compute
+    # comes on top); with 40 epochs and no delay a fast run ended 1 s after the PS wrote the worker off, before it
+    # could come back.  (60 epochs at 0.02 s had the same floor and twice the compute: 100 s on a slow CI machine.)
+    late = _paused_worker_returns(tmp_path, "hoplite", epochs=30, after_rows=10,
+                                  extra=("--mode", "async", "--momentum", "0", "--lr", "0.4", "--compute-delay", "0.04"))
     assert late and late[-1]["workers"] == 3, late[-3:]
     assert sum("worker:1" in r["members"] for r in late) >= len(late) // 3, late[-5:]
     assert all(max(r["staleness"].values()) <= 2 for r in late)
