@@ -19,7 +19,7 @@ import asyncio
 import pytest
 
 from ltp_ps.errors import TransportTimeout
-from ltp_ps.schedules.driver import DOWN, UP, ControlChannel
+from ltp_ps.schedules.driver import DOWN, TURNED_AWAY_RESENDS, UP, ControlChannel
 from ltp_ps.schedules.executor import Executor
 from ltp_ps.transport.ltp import LtpTransport
 
@@ -124,4 +124,20 @@ async def test_a_message_turned_away_every_time_fails_after_its_resends():
             await ps.send({"n": 1}, timeout_s=5.0)
     finally:
         await _close(relay, trs)
-    assert ps.resends == 4
+    assert ps.resends == TURNED_AWAY_RESENDS
+
+
+async def test_a_patient_sender_turned_away_backs_off_instead_of_spinning():
+    """A worker's channel (patience: its --pull-timeout) whose PS no longer reads the stream: the copies it sends
+    again within its patience are spaced out (doubling up to RESEND_BACKOFF_MAX_S), not one per round trip."""
+    ps, worker, relay, trs = await _pair(pass_first=10**9, hold_s=0.0, sender_patience=1.5)
+    try:
+        assert await worker.recv(0.05) is None
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(TransportTimeout, match="turned away"):
+            await ps.send({"n": 1}, timeout_s=5.0)
+        took = asyncio.get_running_loop().time() - t0
+    finally:
+        await _close(relay, trs)
+    assert 1.5 <= took < 4.0, took
+    assert TURNED_AWAY_RESENDS <= ps.resends <= 9, ps.resends  # 0.02 s doubling: ~7 copies in 1.5 s, not hundreds

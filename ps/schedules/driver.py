@@ -58,6 +58,8 @@ CONTROL_BYTES = 1 << 16  # bytes: the largest control message (a grant of a few 
 MIN_RATE_SAMPLE_BYTES = 16384  # bytes: smaller transfers are latency-bound, their goodput says nothing of the rate
 TURNED_AWAY_RESENDS = 3  # times a control message the peer's receive closed without is sent again before it fails
 #                          (more while the channel's patience lasts)
+RESEND_BACKOFF_S = 0.02  # seconds before the first such resend; doubling each time, at most RESEND_BACKOFF_MAX_S
+RESEND_BACKOFF_MAX_S = 1.0
 RATE_EWMA = 0.5  # weight of a new rate sample in the monitor's running estimate
 #: a transfer of fewer bytes than this many round trips at its own BtlBw never filled its path: what it measured is
 #: bounded by the bytes it had in flight per round trip (latency-bound), so the path carries at least that rate
@@ -490,9 +492,12 @@ class ControlChannel:
                 # the peer's receive closed without it (it timed out, or we stalled half-way and it closed the
                 # flow as idle): the message did not arrive, and the peer reads this sequence number again
                 turned_away += 1
-                self.resends += 1
                 if turned_away <= TURNED_AWAY_RESENDS or (self.patience_s is not None
                                                           and time.monotonic() - t0 < self.patience_s):
+                    self.resends += 1
+                    # backing off: a peer that reads again has posted its receive by now; one that does not
+                    # turns each copy away within a round trip, which must not become a busy loop
+                    await asyncio.sleep(min(RESEND_BACKOFF_MAX_S, RESEND_BACKOFF_S * 2 ** (turned_away - 1)))
                     continue
                 return TransportTimeout(f"control message to {self.peer} turned away {turned_away} times (its "
                                         f"receive closed with {r.delivered_bytes}/{r.total_bytes} bytes in); the "
