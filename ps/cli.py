@@ -715,10 +715,11 @@ def launch(args) -> int:
         no_worker_since = None
         while True:
             fatal = False
-            for c in children:
+            # children found ended in one look: a death by signal first (its neighbours' failures are usually its
+            # consequence, and with fast exits they end within the same look), so the launch names the cause
+            ended = [c for c in children if c.poll() not in (None, 0) and id(c.proc) not in reported]
+            for c in sorted(ended, key=lambda c: c.poll() >= 0):
                 rc = c.poll()
-                if rc is None or rc == 0 or id(c.proc) in reported:
-                    continue
                 reported.add(id(c.proc))
                 what = _describe_exit(c.name, c.proc.pid, rc)
                 if c in servers and restarts_left > 0:
