@@ -9,11 +9,11 @@ and the model fingerprint (size, dtype, shard range) checked on resume.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import numpy as np
 import torch
 
+from .atomic_file import write_atomically
 from .errors import ConfigError
 
 
@@ -29,27 +29,7 @@ def save_checkpoint(directory: str, shard: int, *, params: np.ndarray, optimizer
     state = {"format": 1, "params": torch.from_numpy(params.copy()), "optimizer": optimizer_state,
              "iteration": iteration, "version": version, "n_params": n_params,
              "shard_range": tuple(shard_range), "dtype": dtype, "extra": extra or {}}
-    fd, tmp = tempfile.mkstemp(prefix=".ps-shard", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:  # make the rename durable
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    write_atomically(path, lambda f: torch.save(state, f), durable=True)
     return path
 
 

@@ -16,10 +16,11 @@ Cache directory: ``$LTP_CACHE_DIR``, else ``$XDG_CACHE_HOME/ltp``, else ``~/.cac
 from __future__ import annotations
 
 import os
-import tempfile
 from importlib import metadata
 
 import numpy as np
+
+from .atomic_file import write_atomically
 
 __all__ = ["digits_split", "cache_dir", "cache_path"]
 
@@ -79,14 +80,7 @@ def _read(path: str) -> tuple | None:
 def _write(path: str, arrays: tuple) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".digits-", suffix=".npz", dir=os.path.dirname(path))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **dict(zip(_KEYS, arrays)))
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_atomically(path, lambda f: np.savez(f, **dict(zip(_KEYS, arrays))))
     except OSError:
         pass  # a read-only or full cache: the next process computes the split again
 
