@@ -75,8 +75,7 @@ from torch._C._distributed_c10d import ReduceOp
 
 from . import collectives as C
 from .errors import ConfigError
-
-BACKEND_NAME = "ltp"
+from .torch_plugin import BACKEND_NAME, install
 #: bits of a collective tag that number the steps of one collective (so at most 4096 steps)
 STEP_BITS = 12
 #: tags with this bit set are point-to-point messages
@@ -1096,10 +1095,9 @@ def _create(opts, pg_options=None) -> LtpProcessGroup:
 
 
 def register() -> None:
-    """Register ``ltp`` with ``torch.distributed`` (idempotent; ``import ltp_ps`` does it)."""
-    if BACKEND_NAME in dist.Backend.backend_list and dist.Backend._plugins.get(BACKEND_NAME.upper()) is not None:
-        return
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    """Register ``ltp`` with ``torch.distributed`` (idempotent; ``import ltp_ps`` or ``import torch`` does it, see
+    :mod:`ltp_ps.torch_plugin`). Raises what torch raises."""
+    install()
 
 
 __all__ = ["BackendOptions", "LtpBackendError", "LtpProcessGroup", "LtpWork", "completion", "configure", "register"]

@@ -828,9 +828,12 @@ def resolve_transport(args) -> None:
 def _limit_threads() -> None:
     """One intra-op thread per process unless $LTP_PS_THREADS says otherwise: N workers + PS on few
     cores otherwise oversubscribe the CPU and every step waits on the slowest thread pool."""
+    import gc
+
     import torch
 
     torch.set_num_threads(int(os.environ.get("LTP_PS_THREADS", "1")))
+    gc.freeze()  # as quick_exit.run does for the imports before main: later collections skip torch's objects
 
 
 def main(argv=None) -> int:
