@@ -57,8 +57,9 @@ def _fake_job(tta_s, reach=None, rounds=ROUNDS):
     return launch
 
 
-def _fake_twins(loaded=None, rc=0):
-    return lambda: (loaded if loaded is not None else {"wire": True, "udpio": True}, {"rc": rc, "summary": "5 passed"})
+def _fake_twins(loaded=None, rc=0, failed=()):
+    return lambda: (loaded if loaded is not None else {"wire": True, "udpio": True},
+                    {"rc": rc, "summary": "5 passed", "failed": list(failed)})
 
 
 def test_verdicts_from_side_by_side_ratios(tmp_path):
@@ -109,12 +110,28 @@ def test_time_to_accuracy_counts_from_the_last_join_and_a_run_that_never_gets_th
 
 
 def test_twins_row_fails_on_a_twin_loaded_by_default_or_a_failing_twin_test(tmp_path):
+    bad = "FAILED tests/test_engine.py::test_x - AssertionError: boom"
     res = S.run(rows=("twins",), out=str(tmp_path), progress=False, verbose=False,
-                twins=_fake_twins({"wire": True, "udpio": False}, rc=1))
+                twins=_fake_twins({"wire": True, "udpio": False}, rc=1, failed=[bad]))
     v = {c["check"]: c for c in res["checks"]}
     assert v["compiled ltp_ext modules loaded by default"]["passed"] is False
     assert "udpio: TWIN" in v["compiled ltp_ext modules loaded by default"]["detail"]
     assert v["pure-Python twins pass CI's transport tests"]["passed"] is False and res["failures"]
+    # the board names the failing test, in the row and in its failures
+    assert bad in v["pure-Python twins pass CI's transport tests"]["detail"]
+    assert any(bad in f["error"] for f in res["failures"])
+
+
+def test_pytest_outcome_keeps_the_summary_and_the_failing_tests():
+    from ltp_tools.experiments import scoreboard_rows as SR
+
+    out = ("....F.E\n=== short test summary info ===\n"
+           "FAILED tests/test_a.py::test_one - assert 1 == 2\nERROR tests/test_b.py::test_two - OSError\n"
+           "1 failed, 5 passed, 1 error in 1.00s\n")
+    got = SR.pytest_outcome(out)
+    assert got["summary"] == "1 failed, 5 passed, 1 error in 1.00s"
+    assert got["failed"] == ["FAILED tests/test_a.py::test_one - assert 1 == 2", "ERROR tests/test_b.py::test_two - OSError"]
+    assert SR.pytest_outcome("") == {"summary": "", "failed": []}
 
 
 def test_twin_test_list_is_the_one_ci_runs_and_the_compiled_path_is_the_default():

@@ -310,7 +310,8 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
                 raw["twins"] = dict(loaded=loaded, twin_tests=twin)
                 checks.extend(SR.twins_checks(loaded, twin, _check))
                 if twin is not None and twin["rc"] != 0:
-                    failures.append(dict(measurement="twins", error=twin["summary"]))
+                    failures.append(dict(measurement="twins",
+                                         error="; ".join([twin["summary"], *twin.get("failed", [])])[:2000]))
             except Exception as e:  # noqa: BLE001
                 failures.append(dict(measurement="twins", error=f"{type(e).__name__}: {e}"[:2000]))
             bar.update(1)

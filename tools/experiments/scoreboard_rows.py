@@ -160,12 +160,19 @@ def compiled_default() -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def pytest_outcome(stdout: str) -> dict:
+    """pytest ``-q`` output -> ``summary`` (its last line) and ``failed`` (the short summary's ``FAILED``/``ERROR``
+    lines, so a board that fails says which test did)."""
+    lines = stdout.strip().splitlines()
+    failed = [ln.strip() for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+    return dict(summary=lines[-1] if lines else "", failed=failed)
+
+
 def run_twin_tests(root: str, files: list[str]) -> dict:
     env = dict(os.environ, LTP_NO_EXTENSIONS="1")
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=root, env=env,
                        capture_output=True, text=True, timeout=TWIN_TIMEOUT_S)
-    last = (p.stdout.strip().splitlines() or [""])[-1]
-    return dict(rc=p.returncode, summary=last)
+    return dict(rc=p.returncode, **pytest_outcome(p.stdout))
 
 
 def repo_root() -> str:
@@ -183,6 +190,7 @@ def twins_checks(loaded: dict, twin: dict | None, check) -> list[dict]:
         out.append(check("twins", "pure-Python twins pass CI's transport tests", None, "rc 0", None,
                          "not measured: no repository checkout (.ci/run, tests/) beside ltp_tools"))
     else:
+        detail = "; ".join([twin["summary"], *twin.get("failed", [])[:5]])
         out.append(check("twins", "pure-Python twins pass CI's transport tests", twin["rc"], "rc 0",
-                         twin["rc"] == 0, twin["summary"]))
+                         twin["rc"] == 0, detail[:2000]))
     return out
