@@ -76,6 +76,7 @@ from torch._C._distributed_c10d import ReduceOp
 from . import collectives as C
 from .errors import ConfigError
 from .torch_plugin import BACKEND_NAME, install
+
 #: bits of a collective tag that number the steps of one collective (so at most 4096 steps)
 STEP_BITS = 12
 #: tags with this bit set are point-to-point messages

@@ -263,8 +263,11 @@ def test_async_mode_every_worker_killed_fails_as_training_failed_naming_the_drop
 
 def test_async_mode_applies_exactly_its_update_budget():
     # Gradients in flight when the last update lands were applied too (152 updates for a budget of 147 with
-    # 7 workers); the summary then claimed more training than the run was asked for.
-    job = make_job(7, epochs=2, lr=0.1, mode="async", momentum=0.0)
+    # 7 workers); the summary then claimed more training than the run was asked for. The budget is the point,
+    # not the accuracy: at lr 0.1 the 7 stale-gradient workers sometimes collapsed the model (0.41 at epoch 1,
+    # 0.10 at epoch 2; one CI run in many), and the PS rightly failed the job. At lr 0.02 two epochs cannot
+    # reach the "clearly learned" level a collapse is judged from (ltp_ps.verdict), nor diverge.
+    job = make_job(7, epochs=2, lr=0.02, mode="async", momentum=0.0)
     asyncio.run(asyncio.wait_for(run_job(job), 60))
     ps = job.servers[0]
     assert ps.version == ps.total * 7 == ps.staleness.count
