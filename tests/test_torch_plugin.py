@@ -80,13 +80,25 @@ assert "ltp" in dist.Backend.backend_list
 def test_without_the_entry_point_autoload_is_not_assumed(monkeypatch):
     import importlib.metadata
 
-    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: [])
+    real = importlib.metadata.distribution(torch_plugin.DISTRIBUTION)
+
+    class NoEntryPoints:
+        entry_points = importlib.metadata.EntryPoints(
+            [ep for ep in real.entry_points if ep.group != "torch.backends"])
+
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: NoEntryPoints())
     assert not torch_plugin.autoload_installed()
 
-    def broken(**kw):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)  # a source tree on PYTHONPATH
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    assert not torch_plugin.autoload_installed()
+
+    def broken(name):
         raise OSError("unreadable metadata")
 
-    monkeypatch.setattr(importlib.metadata, "entry_points", broken)
+    monkeypatch.setattr(importlib.metadata, "distribution", broken)
     assert not torch_plugin.autoload_installed()
     monkeypatch.undo()
     monkeypatch.setenv(torch_plugin.AUTOLOAD_ENV, "0")
