@@ -172,6 +172,9 @@ class Endpoint:
     """An LTP endpoint on one UDP socket. Create it with :func:`open_endpoint`."""
 
     max_batches_per_wakeup = 32
+    #: feed the DATA of a lone bulk receive from the socket straight into its window (``UdpIO.drain``);
+    #: False: every batch goes through :meth:`Engine.receive_batch` (tests and benchmarks compare the two)
+    bulk_drain = True
 
     def __init__(self, sock: socket.socket, config: Config, rng: random.Random) -> None:
         self._loop = asyncio.get_running_loop()
@@ -196,9 +199,10 @@ class Endpoint:
         self._family = sock.family
         self._literal_peers: dict = {}  # (host, port) -> _resolve's answer, IP literals only (names may move)
         #: wake-ups of this endpoint by cause (socket readable, timer, socket writable); ``polls``: timer
-        #: wake-ups that read the socket while polling, ``poll_entries``: switches to receive polling
+        #: wake-ups that read the socket while polling, ``poll_entries``: switches to receive polling;
+        #: ``drained``: DATA datagrams fed straight into a bulk receive's window (:attr:`bulk_drain`)
         self.loop_stats = {"readable": 0, "timer": 0, "writable": 0, "stalled_timeouts": 0, "polls": 0,
-                           "poll_entries": 0}
+                           "poll_entries": 0, "drained": 0}
         self._polling = False  # receive polling: the socket is read on the timer, not watched
         self._poll_at = 0.0  # while polling: when the next read is due (engine clock)
         self._tick_wakeups = 0  # readable wake-ups since _tick_since, within one loop tick
@@ -497,14 +501,32 @@ class Endpoint:
     def _receive_pending(self, woken: bool = False) -> int:
         """Read what arrived; returns the number of datagrams read. ``woken``: the loop said the socket is
         ready (an empty read then means an error report is waiting, which is read at once so the watch
-        stops firing)."""
+        stops firing).
+
+        While one bulk receive is open (:meth:`Engine.bulk_flow`) its DATA goes from the socket straight
+        into the flow's window in compiled code (``UdpIO.drain``), batch after batch, and the engine
+        accounts for it once per drain (:meth:`Engine.bulk_ingested`); any other datagram ends the drain
+        and takes the per-batch path below."""
         io = self._io
         eng = self.engine
         empty = woken
         total = 0
-        for _ in range(self.max_batches_per_wakeup):
+        left = self.max_batches_per_wakeup
+        drain = self.bulk_drain
+        while left > 0:
+            flow = eng.bulk_flow() if drain else None
             try:
-                n = io.recv_batch()
+                if flow is not None:
+                    batches, n, used, nbytes, resume = io.drain(flow.window, flow.peer, left, DRAIN_MIN_DATAGRAMS)
+                    left -= batches
+                    if used:
+                        self.loop_stats["drained"] += used
+                        eng.bulk_ingested(flow, used, nbytes, self._clock())
+                    n_last = len(io)
+                else:
+                    left -= 1
+                    n = n_last = io.recv_batch()
+                    resume = 0
             except OSError as exc:  # socket-level failure: count it, never raise into the loop
                 eng.stats.drop(f"socket_error_{exc.errno}")
                 break
@@ -512,20 +534,9 @@ class Endpoint:
                 break
             empty = False
             total += n
-            now = self._clock()
-            buf, offs, lens = io.buffer, io.offsets, io.lengths
-            times = shift = None
-            if io.timestamps_enabled:
-                # kernel arrival times (CLOCK_REALTIME), moved onto the monotonic clock by the
-                # engine for the datagrams that need them (not every DATA datagram)
-                times, shift = io.times, eng.wall_offset
-            for addr, start, stop in io.runs():
-                try:
-                    eng.receive_batch(buf, offs, lens, start, stop, addr[:2], now, times, times_offset=shift)
-                except Exception:  # a bug must not kill the loop; count and log it
-                    eng.stats.drop("internal_error", stop - start)
-                    log.exception("ltp: error while processing datagrams from %s", addr)
-            if n < io.batch and n < DRAIN_MIN_DATAGRAMS:
+            if resume < n_last:
+                self._process_batch(resume)
+            if n_last < io.batch and n_last < DRAIN_MIN_DATAGRAMS:
                 break  # datagrams arrive slower than we process them: another read would find none
             # a short batch of several datagrams does not end the wake-up: the sender's softirq
             # keeps filling the socket while we process, and a read that finds more now saves a
@@ -542,6 +553,24 @@ class Endpoint:
                 self._errq_next = now + _ERRQ_POLL_S
                 self._read_errors()
         return total
+
+    def _process_batch(self, start: int) -> None:
+        """Hand the engine the datagrams of the adapter's last batch from index ``start`` on, run by run."""
+        io = self._io
+        eng = self.engine
+        now = self._clock()
+        buf, offs, lens = io.buffer, io.offsets, io.lengths
+        times = shift = None
+        if io.timestamps_enabled:
+            # kernel arrival times (CLOCK_REALTIME), moved onto the monotonic clock by the
+            # engine for the datagrams that need them (not every DATA datagram)
+            times, shift = io.times, eng.wall_offset
+        for addr, a, b in io.runs(start):
+            try:
+                eng.receive_batch(buf, offs, lens, a, b, addr[:2], now, times, times_offset=shift)
+            except Exception:  # a bug must not kill the loop; count and log it
+                eng.stats.drop("internal_error", b - a)
+                log.exception("ltp: error while processing datagrams from %s", addr)
 
     def _read_errors(self) -> None:
         """Feed ICMP unreachable reports (IP_RECVERR error queue) to the engine: a dead peer is noticed

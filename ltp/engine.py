@@ -201,6 +201,7 @@ class Engine:
         self._events: deque = deque()
         self._next_handle = 1
         self._closed_engine = False
+        self._bulk_bad = 0  # the bulk flow's bad_seq + bad_length when bulk_flow() handed it out
         self._wakes: dict = {}  # (peer, fid) -> when its Early Close decision can change (Timer.EARLY_CLOSE)
         self._due: float | None = None  # the deadline get_timer last gave (the adapter's timer is armed there)
         self._heard_floor = float("-inf")  # silence counts from no earlier than this (the own-stall rule)
@@ -434,6 +435,43 @@ class Engine:
             path = self._paths.get(addr)
             if path is not None:
                 path.last_heard = now
+
+    def bulk_flow(self) -> FlowReceiver | None:
+        """The receive whose DATA an adapter may feed from its socket straight into the flow's window
+        (``UdpIO.drain``), reporting it with :meth:`bulk_ingested`; None when there is no such receive.
+
+        It is the only open receive, past its first :data:`QUICKACK_SEGMENTS` segments (a bulk
+        transfer, whose ACKs and checks may wait for the end of a drain) and not closed. With several
+        open receives every batch goes through :meth:`receive_batch`, which interleaves them."""
+        if len(self._rx) != 1 or self._closed_engine:
+            return None
+        for flow in self._rx.values():
+            w = flow.window
+            if flow.regime is not None or w.received <= QUICKACK_SEGMENTS:
+                return None
+            self._bulk_bad = w.bad_seq + w.bad_length
+            return flow
+        return None
+
+    def bulk_ingested(self, flow: FlowReceiver, datagrams: int, nbytes: int, now: float) -> None:
+        """Account for ``datagrams`` DATA datagrams (``nbytes`` bytes) of ``flow``, from
+        :meth:`bulk_flow`, that the adapter fed straight into its window: the counters, the ACK
+        schedule and the flow's checks (as :meth:`receive_batch` does after each run it ingests)."""
+        if datagrams <= 0:
+            return
+        if self._rx.get(flow.key) is not flow:
+            raise LocalProtocolError("bulk_ingested: the flow is not the open receive bulk_flow() returned")
+        self.stats.datagrams_in += datagrams
+        self.stats.bytes_in += nbytes
+        w = flow.window
+        nbad = w.bad_seq + w.bad_length - self._bulk_bad
+        if nbad:
+            self.stats.drop("bad_seq_or_length", nbad)
+        self._bulk_bad = w.bad_seq + w.bad_length
+        self._after_ingest(flow, now)
+        path = self._paths.get(flow.peer)
+        if path is not None:
+            path.last_heard = now
 
     def _receive_one(self, data: memoryview, addr, now: float, processed: float | None = None) -> bool:
         """Process one datagram off the DATA fast path; True when it carried the token of one of our flows

@@ -642,22 +642,7 @@ cdef class SendWindow:
 cdef class RecvWindow:
     """Receiver-side per-flow state: validation, in-place reassembly, bitmap and ACK entries."""
 
-    cdef readonly object dest, bitmap, critical, acks, flow_id, token
-    cdef readonly int64_t total, seg_size, seg_count, last_len
-    cdef readonly object critical_total
-    cdef readonly int64_t critical_received, received, received_bytes, duplicates, bad_seq, bad_length
-    cdef readonly int64_t last_word3, n_acks
-
-    cdef Py_buffer _dest_view
-    cdef bint _have_view
-    cdef uint8_t *_dest
-    cdef uint8_t *_bitmap
-    cdef uint8_t *_crit
-    cdef uint32_t *_acks
-    cdef int64_t _cap
-    cdef uint64_t _match             # header bytes 0..7 expected (memory order) after masking
-    cdef uint64_t _mask
-    cdef bint _never                 # flow id / token cannot match any header
+    # attributes and the C-level _run are declared in _datapath.pxd (ltp_ext._udpio cimports them)
 
     def __cinit__(self, dest, total, seg_size, flow_id, token, critical, ack_capacity=4096):
         mv = _as_bytes_view(dest, True)

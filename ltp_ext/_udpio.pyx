@@ -62,9 +62,11 @@ so a second core takes most of the per-packet kernel work off the event loop's.
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBuffer_IsContiguous, PyBUF_STRIDES, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 from libc.errno cimport errno, EAGAIN, EINTR, ENOBUFS, EINVAL, EIO
-from libc.stdint cimport int64_t, uint16_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset, memcpy, memcmp
+
+from ._datapath cimport RecvWindow
 from posix.unistd cimport getpid
 
 import errno as _errno
@@ -174,6 +176,23 @@ cdef extern from *:
         return -1;
     }
 
+    /* Whether two sockaddrs name the same host and port (flowinfo and scope id are not compared). */
+    static int ltp_same_host_port(const struct sockaddr_storage *a, socklen_t la,
+                                  const struct sockaddr_storage *b, socklen_t lb) {
+        if (a->ss_family != b->ss_family) return 0;
+        if (a->ss_family == AF_INET) {
+            const struct sockaddr_in *x = (const struct sockaddr_in *)a, *y = (const struct sockaddr_in *)b;
+            return la >= sizeof(*x) && lb >= sizeof(*y) && x->sin_port == y->sin_port
+                   && x->sin_addr.s_addr == y->sin_addr.s_addr;
+        }
+        if (a->ss_family == AF_INET6) {
+            const struct sockaddr_in6 *x = (const struct sockaddr_in6 *)a, *y = (const struct sockaddr_in6 *)b;
+            return la >= sizeof(*x) && lb >= sizeof(*y) && x->sin6_port == y->sin6_port
+                   && memcmp(&x->sin6_addr, &y->sin6_addr, sizeof(x->sin6_addr)) == 0;
+        }
+        return 0;
+    }
+
     /* Numeric host text + port (+ flowinfo, scope) -> sockaddr; returns its length or 0. */
     static int ltp_encode_addr(int family, const char *host, unsigned int port, unsigned int flowinfo,
                                unsigned int scope, struct sockaddr_storage *ss) {
@@ -240,6 +259,8 @@ cdef extern from *:
                         unsigned int *port, unsigned int *flowinfo, unsigned int *scope) nogil
     int ltp_encode_addr(int family, const char *host, unsigned int port, unsigned int flowinfo,
                         unsigned int scope, sockaddr_storage *ss) nogil
+    int ltp_same_host_port(const sockaddr_storage *a, socklen_t la, const sockaddr_storage *b,
+                           socklen_t lb) nogil
 
 # ---------------------------------------------------------------------------- send threads
 # A sender thread owns a ring of jobs; a job is one send_segments() call built into its own
@@ -1131,6 +1152,9 @@ cdef class UdpIO:
         datagram ``i`` is ``buffer[offsets[i]:offsets[i] + lengths[i]]`` from
         ``addr(i)``.
         """
+        return self._recv_once()
+
+    cdef Py_ssize_t _recv_once(self) except -1:
         cdef int fd = self._fd()
         cdef int r = -1, e = 0, i, tries = 0, g
         cdef unsigned int vlen = self.batch
@@ -1285,17 +1309,98 @@ cdef class UdpIO:
         lb = self._rmsgs[b].msg_hdr.msg_namelen
         return la == lb and memcmp(&self._rnames[a], &self._rnames[b], la) == 0
 
-    def runs(self):
-        """``[(addr, start, stop), ...]``: maximal runs of consecutive datagrams from one source."""
-        cdef Py_ssize_t start = 0, j
+    def runs(self, Py_ssize_t start=0):
+        """``[(addr, start, stop), ...]``: maximal runs of consecutive datagrams from one source,
+        from datagram ``start`` of the batch on (after :meth:`drain`: its ``resume``)."""
+        cdef Py_ssize_t j
         out = []
-        if self._n == 0:
+        if start < 0:
+            raise ValueError(f"start must be non-negative, got {start}")
+        if start >= self._n:
             return out
-        for j in range(1, self._n + 1):
+        for j in range(start + 1, self._n + 1):
             if j == self._n or not self._same_source(self._slot[start], self._slot[j]):
                 out.append((self._decode(self._slot[start]), start, j))
                 start = j
         return out
+
+
+    def drain(self, window, addr, int max_batches, int min_datagrams=0):
+        """Receive batch after batch and feed one flow's DATA straight into ``window``.
+
+        The bulk-receive loop of an endpoint without a Python call per batch: up to
+        ``max_batches`` receives (:meth:`recv_batch`; an empty one counts), each batch's
+        datagrams from ``addr`` (same host and port) handed to ``window.ingest`` (for a
+        compiled :class:`~ltp_ext._datapath.RecvWindow` its C loop, with the GIL held).
+        It stops after
+
+        * an empty batch, or one of fewer than ``min_datagrams`` datagrams (and fewer than
+          ``batch``: the socket is drained);
+        * a datagram that is not from ``addr`` or that the window does not consume (another
+          flow's, not DATA, a full ACK buffer): the batch then stays readable as after
+          :meth:`recv_batch`, and ``runs(resume)`` lists what is left of it;
+        * a batch that completed the window (every segment received).
+
+        Returns ``(batches, read, consumed, consumed_bytes, resume)``: receives made,
+        datagrams read, datagrams the window consumed (its duplicates and bad ones included)
+        and their bytes, and the index of the last batch's first datagram not consumed
+        (``len(self)`` when none is left). A socket error is raised as by :meth:`recv_batch`
+        when it comes first; after consumed batches it ends the drain, and the next receive meets it."""
+        cdef sockaddr_storage ss
+        cdef socklen_t nl
+        cdef Py_ssize_t n = 0, i = 0, j, lim, slot, batches = 0, read = 0, consumed = 0, k
+        cdef long long cbytes = 0
+        cdef int err = 0
+        cdef RecvWindow w = None
+        cdef Py_ssize_t blen = self._slot_size * self.batch
+        if max_batches < 1:
+            raise ValueError(f"max_batches must be at least 1, got {max_batches}")
+        if isinstance(window, RecvWindow):
+            w = <RecvWindow>window
+        elif not hasattr(window, "ingest"):
+            raise TypeError(f"drain needs a RecvWindow (with ingest()), got {type(window).__name__}")
+        nl = <socklen_t>self._encode_name(addr, &ss)
+        self._n = 0
+        while batches < max_batches:
+            i = 0
+            try:
+                n = self._recv_once()
+            except OSError:
+                if batches == 0:
+                    raise
+                self._n = 0
+                break  # what was consumed is reported now; the next receive meets the error again
+            batches += 1
+            if n == 0:
+                break
+            read += n
+            while i < n:
+                slot = self._slot[i]
+                if not ltp_same_host_port(&self._rnames[slot], self._rmsgs[slot].msg_hdr.msg_namelen, &ss, nl):
+                    break
+                lim = i + 1
+                while lim < n and self._same_source(slot, self._slot[lim]):
+                    lim += 1
+                if w is not None:
+                    j = w._run(<const uint8_t *>self._buf, blen, <const char *>&self._off[0], sizeof(int64_t),
+                               <const char *>&self._len[0], sizeof(int64_t), i, lim, &err)
+                    if err:
+                        raise RuntimeError(f"UdpIO.drain: datagram {j} lies outside the receive buffer")
+                else:
+                    j = window.ingest(self._buffer_view, self._off_arr, self._len_arr, i, lim)
+                for k in range(i, j):
+                    cbytes += self._len[k]
+                consumed += j - i
+                i = j
+                if j < lim:
+                    break
+            if i < n:
+                break  # a datagram for the caller's own path
+            if window.received >= window.seg_count:
+                break  # complete: the caller closes it now
+            if n < self.batch and n < min_datagrams:
+                break
+        return batches, read, consumed, cbytes, i
 
     # ------------------------------------------------------------------ send
 

@@ -572,16 +572,85 @@ class UdpIO:
             raise IndexError(f"datagram index {i} out of range for a batch of {self._n}")
         return self._addrs[i]
 
-    def runs(self) -> list:
-        """``[(addr, start, stop), ...]``: maximal runs of consecutive datagrams from one source."""
+    def runs(self, start: int = 0) -> list:
+        """``[(addr, start, stop), ...]``: maximal runs of consecutive datagrams from one source,
+        from datagram ``start`` of the batch on (after :meth:`drain`: its ``resume``)."""
+        start = _operator.index(start)
+        if start < 0:
+            raise ValueError(f"start must be non-negative, got {start}")
         out = []
-        start = 0
         addrs = self._addrs
-        for j in range(1, self._n + 1):
+        for j in range(start + 1, self._n + 1):
             if j == self._n or addrs[j] != addrs[start]:
                 out.append((addrs[start], start, j))
                 start = j
         return out
+
+
+    def _host_port(self, address) -> tuple:
+        """``(packed host, port)`` of an address tuple: what :meth:`drain` compares."""
+        return _socket.inet_pton(self._family, address[0]), address[1]
+
+    def drain(self, window, addr, max_batches: int, min_datagrams: int = 0) -> tuple:
+        """Receive batch after batch and feed one flow's DATA straight into ``window``.
+
+        The bulk-receive loop of an endpoint without a Python call per batch: up to
+        ``max_batches`` receives (:meth:`recv_batch`; an empty one counts), each batch's
+        datagrams from ``addr`` (same host and port) handed to ``window.ingest`` (for a
+        compiled :class:`~ltp_ext._datapath.RecvWindow` its C loop, with the GIL held).
+        It stops after
+
+        * an empty batch, or one of fewer than ``min_datagrams`` datagrams (and fewer than
+          ``batch``: the socket is drained);
+        * a datagram that is not from ``addr`` or that the window does not consume (another
+          flow's, not DATA, a full ACK buffer): the batch then stays readable as after
+          :meth:`recv_batch`, and ``runs(resume)`` lists what is left of it;
+        * a batch that completed the window (every segment received).
+
+        Returns ``(batches, read, consumed, consumed_bytes, resume)``: receives made,
+        datagrams read, datagrams the window consumed (its duplicates and bad ones included)
+        and their bytes, and the index of the last batch's first datagram not consumed
+        (``len(self)`` when none is left). A socket error is raised as by :meth:`recv_batch`
+        when it comes first; after consumed batches it ends the drain, and the next receive meets it."""
+        max_batches = _operator.index(max_batches)
+        min_datagrams = _operator.index(min_datagrams)
+        if max_batches < 1:
+            raise ValueError(f"max_batches must be at least 1, got {max_batches}")
+        if not hasattr(window, "ingest"):
+            raise TypeError(f"drain needs a RecvWindow (with ingest()), got {type(window).__name__}")
+        want = self._host_port(self._resolve(addr))
+        self._n = 0
+        batches = read = consumed = cbytes = i = 0
+        while batches < max_batches:
+            i = 0
+            try:
+                n = self.recv_batch()
+            except OSError:
+                if batches == 0:
+                    raise
+                self._n = 0
+                break  # what was consumed is reported now; the next receive meets the error again
+            batches += 1
+            if n == 0:
+                break
+            read += n
+            lens = self._len_arr
+            for address, start, stop in self.runs():
+                if self._host_port(address) != want:
+                    break
+                j = window.ingest(self._buffer_view, self._off_arr, lens, start, stop)
+                cbytes += int(lens[start:j].sum())
+                consumed += j - start
+                i = j
+                if j < stop:
+                    break
+            if i < n:
+                break  # a datagram for the caller's own path
+            if window.received >= window.seg_count:
+                break  # complete: the caller closes it now
+            if n < self._batch and n < min_datagrams:
+                break
+        return batches, read, consumed, cbytes, i
 
     # ------------------------------------------------------------------ send
 

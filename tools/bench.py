@@ -98,6 +98,11 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _user_s() -> float:
+    """This process's user-space CPU seconds (the part the interpreter and the compiled modules spend)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_utime
+
+
 def _machine_delta(m0: float | None) -> float | None:
     m1 = machine_cpu_s()
     return None if m0 is None or m1 is None else round(m1 - m0, 3)
@@ -122,6 +127,7 @@ def _ltp_receiver(args) -> int:
     async def main():
         cfg = ltp.Config(mtu=args.mtu, deadline_slack_s=0.1 if args.delay_s else 0.03, **_threads(args))
         ep = await ltp.open_endpoint((args.bind, args.port), config=cfg)
+        ep.bulk_drain = not args.no_bulk_drain
         buf = np.empty(args.size, np.uint8)
         buf.fill(0)  # fault the pages in before the clock starts
         base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -131,15 +137,15 @@ def _ltp_receiver(args) -> int:
         wait = args.timeout + SENDER_STARTUP_S + args.size / PATTERN_FILL_BPS
         for w in range(args.warmup):  # same path, earlier messages: the link is measured
             await ep.recv(buf, tag=w, timeout=wait)
-        cpu0 = _cpu_s()
+        cpu0, user0 = _cpu_s(), _user_s()
         rep = await ep.recv(buf, tag=args.warmup, timeout=wait)
-        cpu = _cpu_s() - cpu0
+        cpu, user = _cpu_s() - cpu0, _user_s() - user0
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         ok = None
         if rep.total_bytes == args.size:  # every byte is checked: the pattern where it arrived, zeros in bubbles
             ok = verify(buf, rep.bubbles)
         out = dict(regime=rep.regime, received_bytes=rep.received_bytes, delivered_fraction=rep.delivered_fraction,
-                   receiver_cpu_s=round(cpu, 3), verified=ok, receiver_peak_rss=peak,
+                   receiver_cpu_s=round(cpu, 3), receiver_user_s=round(user, 3), verified=ok, receiver_peak_rss=peak,
                    receiver_rss_before_transfer=base_rss, dropped=dict(ep.stats.dropped),
                    extensions=ltp.using_extensions(), receiver_wakeups=dict(ep.loop_stats),
                    receiver_io={k: ep.io_stats[k] for k in ("syscalls", "datagrams_in", "slots_in")})
@@ -159,17 +165,17 @@ def _ltp_sender(args) -> int:
         reliable = args.mode == "reliable"
         for w in range(args.warmup):
             await ep.send((args.host, args.port), data, reliable=reliable, tag=w, timeout=args.timeout)
-        cpu0 = _cpu_s()
+        cpu0, user0 = _cpu_s(), _user_s()
         m0 = machine_cpu_s()
         t0 = time.perf_counter()
         rep = await ep.send((args.host, args.port), data, reliable=reliable, tag=args.warmup, timeout=args.timeout)
         dt = time.perf_counter() - t0
-        cpu = _cpu_s() - cpu0
+        cpu, user = _cpu_s() - cpu0, _user_s() - user0
         machine = _machine_delta(m0)
         out = dict(duration_s=round(dt, 4), delivered_bytes=rep.delivered_bytes,
                    delivered_fraction=rep.delivered_fraction, retransmitted_packets=rep.retransmitted_packets,
                    packets_sent=rep.packets_sent, close_reason=rep.close_reason, sender_cpu_s=round(cpu, 3),
-                   machine_cpu_s=machine,
+                   sender_user_s=round(user, 3), machine_cpu_s=machine,
                    rtprop_ms=round(rep.rtprop_s * 1e3, 3), btlbw_gbps=round(rep.btlbw_bps * 8 / 1e9, 3),
                    sender_wakeups=dict(ep.loop_stats), send_threads=ep.config.send_threads)
         await ep.close()
@@ -215,7 +221,7 @@ def _wait_ready(p: subprocess.Popen, timeout: float) -> None:
 def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 0.0, rate_bps: float | None = None,
               delay_s: float = 0.0, mtu: int = 1500, mode: str = "reliable", loss_both: bool = False,
               timeout: float = 300.0, lab=None, port: int = 7447, warmup: int = 0, gro: bool = False,
-              tcp_buffer: str = "message", send_threads: int | None = None) -> dict:
+              tcp_buffer: str = "message", send_threads: int | None = None, bulk_drain: bool = True) -> dict:
     """Run one transfer and return the result dict (see module docstring).
 
     ``tcp_buffer`` says where a TCP transfer's bytes live (:data:`ltp_tools.tcpbench.BUFFERS`): ``"message"``
@@ -225,6 +231,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
     ``gro=True`` builds the lab with receive GRO on the hosts' interfaces (:class:`~ltp_tools.netlab.Lab`);
     it needs the lab (loopback always has GRO) and is ignored when ``lab`` is given (that lab's setting holds).
     ``send_threads`` sets both LTP endpoints' ``Config.send_threads`` (None: its default).
+    ``bulk_drain=False`` makes the LTP receiver hand every batch to the engine (``Endpoint.bulk_drain``), for
+    comparison with the default compiled drain.
     """
     from ltp_tools.netlab import Lab, check_support
 
@@ -255,6 +263,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
                   "--delay", f"{delay_s * 1e3}ms", "--warmup", str(warmup)]
         if send_threads is not None:
             common += ["--send-threads", str(send_threads)]
+        if not bulk_drain:
+            common += ["--no-bulk-drain"]
         t_wall = time.time()
         if transport == "ltp":
             rp = popen(rcv, [py, "-m", "ltp_tools.bench", "_ltp_recv", "--port", str(port), *common], **kw)
@@ -272,8 +282,9 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             delivered = s["delivered_bytes"]
             result = dict(transport="ltp", mode=mode, **{k: s[k] for k in (
                 "duration_s", "retransmitted_packets", "packets_sent", "sender_cpu_s", "close_reason",
-                "rtprop_ms", "btlbw_gbps", "machine_cpu_s", "sender_wakeups")},
+                "rtprop_ms", "btlbw_gbps", "machine_cpu_s", "sender_wakeups", "sender_user_s")},
                 delivered_fraction=r["delivered_fraction"], receiver_cpu_s=r["receiver_cpu_s"],
+                receiver_user_s=r["receiver_user_s"],
                 verified=r["verified"], receiver_peak_rss=r["receiver_peak_rss"],
                 receiver_overhead_bytes=r["receiver_peak_rss"] - size, dropped_by_receiver=r["dropped"],
                 extensions=r["extensions"], receiver_wakeups=r["receiver_wakeups"], receiver_io=r["receiver_io"])
@@ -301,6 +312,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
         stats = lab.loss_stats(rcv) if lab is not None else {}
         if transport == "ltp":
             result["send_threads"] = s.get("send_threads")
+            result["bulk_drain"] = bulk_drain
         result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
                       measured_loss=stats.get("measured_loss"), oversize_packets=stats.get("oversize"),
                       backend=lab.backend if lab is not None else "loopback",
@@ -367,13 +379,16 @@ def main(argv=None) -> int:
     ap.add_argument("--send-threads", type=number(int, 0, SEND_THREADS_MAX, what="LTP sender threads"), default=None,
                     help="LTP: threads that make the DATA sends (Config.send_threads; 0: the event loop's thread; "
                          "default: the Config default)")
+    ap.add_argument("--no-bulk-drain", action="store_true",
+                    help="LTP: the receiver hands every batch to the engine in Python (Endpoint.bulk_drain off) "
+                         "instead of draining a bulk receive into its window in compiled code")
     args = ap.parse_args(argv)
     for _ in range(args.repeats):
         try:
             res = run_bench(transport=args.transport, size=args.size, loss=args.loss, rate_bps=args.rate,
                             delay_s=args.delay, mtu=args.mtu, mode=args.mode, loss_both=args.loss_both,
                             timeout=args.timeout, warmup=args.warmup, gro=args.gro, tcp_buffer=args.tcp_buffer,
-                            send_threads=args.send_threads)
+                            send_threads=args.send_threads, bulk_drain=not args.no_bulk_drain)
         except (TimeoutError, subprocess.TimeoutExpired, ltp.LTPError, RuntimeError) as exc:
             # a transfer that did not finish is a result to report, not a crash
             print(f"ltp-bench: {args.transport} transfer of {args.size} B failed: {type(exc).__name__}: {exc}",
@@ -399,6 +414,7 @@ def _role_main(argv) -> int:
     ap.add_argument("--delay", type=parse_time, default=0.0)
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--send-threads", type=int, default=None)
+    ap.add_argument("--no-bulk-drain", action="store_true")
     args = ap.parse_args(argv)
     args.delay_s = args.delay
     return _ltp_receiver(args) if args.role == "_ltp_recv" else _ltp_sender(args)
