@@ -196,6 +196,7 @@ class Endpoint:
         self._timer_at: float | None = None
         self._pending: deque = deque()
         self._closed = False
+        self._flush_due = False  # a _due_flush is scheduled (_flush_soon)
         self._family = sock.family
         self._literal_peers: dict = {}  # (host, port) -> _resolve's answer, IP literals only (names may move)
         #: wake-ups of this endpoint by cause (socket readable, timer, socket writable); ``polls``: timer
@@ -414,7 +415,7 @@ class Endpoint:
     async def _wait(self, handle: int, timeout: float | None):
         fut = self._loop.create_future()
         self._waiters[handle] = fut
-        self._flush()
+        self._flush_soon()
         started = _now()
         # the caller's timeout is one loop timer that fails ``fut`` (not wait_for + shield: two more futures
         # and a task per call, on every send of a small message)
@@ -442,6 +443,21 @@ class Endpoint:
             self._waiters.pop(handle, None)
             if timer[0] is not None:
                 timer[0].cancel()
+
+    def _flush_soon(self) -> None:
+        """Flush once the loop has run the callbacks already due: the transfers that tasks started in the same
+        loop iteration (a broadcast's or a gather's per-peer sends, the receives posted beside them) then go
+        out in one flush, so every flow is open before the first DATA leaves. One flush per call instead put
+        the first peer's whole first flight on the wire (on a veth path, through the receiving host too)
+        before the next peer's send was even opened: a 4-peer broadcast of 150 kB started its last flow
+        2-3 ms after its first."""
+        if not self._flush_due:
+            self._flush_due = True
+            self._loop.call_soon(self._due_flush)
+
+    def _due_flush(self) -> None:
+        self._flush_due = False
+        self._flush()
 
     def _caller_timeout(self, fut, timer: list, deadline: float, timeout: float) -> None:
         """The caller's timeout of a send came: fail it, unless the own-stall rule (:mod:`ltp.liveness`) says

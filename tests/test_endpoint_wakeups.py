@@ -577,7 +577,8 @@ async def _sender_never_polls():
             b._note_wakeup(1)
         assert b._polling
         peer_send = asyncio.ensure_future(b.send(a.local_addr, np.ones(10, np.float32), reliable=True, tag=2))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the send task runs and asks for a flush (Endpoint._flush_soon)...
+        await asyncio.sleep(0)  # ...which the loop runs after the callbacks already due
         assert not b._polling and b._watch.reading
         small = np.empty(10, np.float32)
         await asyncio.gather(send, recv, peer_send, a.recv(small, tag=2))
@@ -739,3 +740,38 @@ def test_two_interleaved_receives_take_the_per_batch_path():
     assert [r.regime for r in reps] == ["complete", "complete"]
     # the drain serves a lone bulk receive: while both are open none is drained (before or after, some may be)
     assert loops["drained"] < 8_000_000 // 1456
+
+
+# ---------------------------------------------------------------------------- sends started together leave together
+async def _first_flush_sees(n_peers: int) -> tuple[list, float]:
+    a = await ltp.open_endpoint(("127.0.0.1", 0))
+    peers = [await ltp.open_endpoint(("127.0.0.1", 0)) for _ in range(n_peers)]
+    try:
+        data = np.random.default_rng(2).integers(0, 256, 150_000, dtype=np.uint8)
+        outs = [np.zeros_like(data) for _ in peers]
+        seen = []
+        real = a.engine.datagrams_to_send
+
+        def spy(now):
+            seen.append(len(a.engine._tx))
+            return real(now)
+
+        a.engine.datagrams_to_send = spy
+        recvs = [p.recv(o, tag=5) for p, o in zip(peers, outs)]
+        t0 = ltp.endpoint._now()
+        await asyncio.gather(*recvs, *(a.send(p.local_addr, data, reliable=True, tag=5) for p in peers))
+        assert all((o == data).all() for o in outs)
+        return seen, ltp.endpoint._now() - t0
+    finally:
+        for ep in (a, *peers):
+            await ep.close()
+
+
+@pytest.mark.parametrize("n_peers", [1, 4])
+def test_sends_started_in_one_loop_iteration_go_out_in_one_flush(n_peers):
+    """A broadcast made of per-peer sends (as ltp_ps's transport makes it): the first flush already sees every
+    flow open, so the peers' first flights leave together (one flush per send put each peer's first flight
+    on the wire before the next send was opened)."""
+    seen, took = asyncio.run(_first_flush_sees(n_peers))
+    assert seen[0] == n_peers
+    assert took < 10.0
