@@ -13,6 +13,14 @@ never closer than the loop's timer resolution, :func:`timer_delay`; ACKs that ti
 send late go out early, :meth:`Engine.flush_acks`). While batches keep coming (at least
 ``DRAIN_MIN_DATAGRAMS``) a wake-up reads until the socket is empty, so datagrams that arrive
 while a batch is processed cost no second wake-up.
+**Bulk drain** (:attr:`Endpoint.bulk_drain`): while one bulk receive is the only one open
+(:meth:`Engine.bulk_flow`), its DATA goes from the socket straight into the flow's window in compiled code,
+batch after batch (``UdpIO.drain``), and the engine accounts for it once per drain
+(:meth:`Engine.bulk_ingested`); the first datagram that is anything else ends the drain, and the rest of its
+batch takes the per-batch path.
+**Flushes are coalesced**: a send or receive asks for a flush once the loop has run the callbacks already due
+(:meth:`_flush_soon`), so the transfers that tasks start together (a broadcast's per-peer sends) all go out
+in one flush.
 **Receive polling** (``Config.receive_polling``, as NAPI does for a NIC): a socket that wakes the
 loop ``POLL_ENTER_WAKEUPS`` times within one loop tick stops being watched and is read on the
 endpoint's timer instead, once per tick; a tick that finds fewer than ``POLL_EXIT_DATAGRAMS``
