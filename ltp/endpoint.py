@@ -545,7 +545,11 @@ class Endpoint:
                     left -= batches
                     if used:
                         self.loop_stats["drained"] += used
-                        eng.bulk_ingested(flow, used, nbytes, self._clock())
+                        try:
+                            eng.bulk_ingested(flow, used, nbytes, self._clock())
+                        except Exception:  # a bug must not kill the loop; count and log it
+                            eng.stats.drop("internal_error", used)
+                            log.exception("ltp: error while accounting for drained datagrams from %s", flow.peer)
                     n_last = len(io)
                 else:
                     left -= 1

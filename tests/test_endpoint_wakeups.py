@@ -775,3 +775,22 @@ def test_sends_started_in_one_loop_iteration_go_out_in_one_flush(n_peers):
     seen, took = asyncio.run(_first_flush_sees(n_peers))
     assert seen[0] == n_peers
     assert took < 10.0
+
+
+def test_a_failure_while_accounting_for_a_drain_is_counted_and_the_loop_goes_on(monkeypatch):
+    """A bug in the engine's accounting of a drain must not escape into the event loop: it is counted as
+    ``internal_error`` (one per datagram of that drain) and logged, and the transfer still completes."""
+    real = Engine.bulk_ingested
+    failed = []
+
+    def once(self, flow, datagrams, nbytes, now):
+        if not failed:
+            failed.append(datagrams)
+            raise RuntimeError("injected")
+        return real(self, flow, datagrams, nbytes, now)
+
+    monkeypatch.setattr(Engine, "bulk_ingested", once)
+    reps, loops, stats = asyncio.run(_bulk(True, size=20_000_000))
+    assert failed and reps[0].regime == "complete"
+    assert stats.dropped.get("internal_error") == failed[0]
+    assert loops["drained"] > failed[0]
