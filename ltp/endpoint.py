@@ -558,6 +558,11 @@ class Endpoint:
             except OSError as exc:  # socket-level failure: count it, never raise into the loop
                 eng.stats.drop(f"socket_error_{exc.errno}")
                 break
+            except Exception:  # a bug in the drain must not kill the loop: count it, log it, read per batch from now
+                eng.stats.drop("internal_error")
+                log.exception("ltp: error while draining a bulk receive; this endpoint reads per batch from now on")
+                self.bulk_drain = False
+                break
             if n == 0:
                 break
             empty = False

@@ -794,3 +794,35 @@ def test_a_failure_while_accounting_for_a_drain_is_counted_and_the_loop_goes_on(
     assert failed and reps[0].regime == "complete"
     assert stats.dropped.get("internal_error") == failed[0]
     assert loops["drained"] > failed[0]
+
+
+def test_a_failing_drain_is_counted_and_the_endpoint_reads_per_batch_from_then_on(monkeypatch):
+    """If the compiled drain itself fails (a bug, not a socket error), the endpoint counts it, stops draining
+    and finishes the transfer on the per-batch path."""
+    calls = []
+
+    class Failing:
+        def __init__(self, real):
+            self._real = real
+
+        def drain(self, *a, **k):
+            calls.append(1)
+            raise RuntimeError("injected")
+
+        def __getattr__(self, name):
+            return getattr(self._real, name)
+
+        def __len__(self):
+            return len(self._real)
+
+    real_open = ltp.endpoint.Endpoint.__init__
+
+    def patched(self, *a, **k):
+        real_open(self, *a, **k)
+        self._io = Failing(self._io)
+
+    monkeypatch.setattr(ltp.endpoint.Endpoint, "__init__", patched)
+    reps, loops, stats = asyncio.run(_bulk(True, size=10_000_000))
+    assert reps[0].regime == "complete"
+    assert len(calls) == 1 and loops["drained"] == 0
+    assert stats.dropped.get("internal_error") == 1
