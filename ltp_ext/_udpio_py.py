@@ -586,7 +586,6 @@ class UdpIO:
                 start = j
         return out
 
-
     def _host_port(self, address) -> tuple:
         """``(packed host, port)`` of an address tuple: what :meth:`drain` compares."""
         return _socket.inet_pton(self._family, address[0]), address[1]

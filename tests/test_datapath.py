@@ -9,14 +9,13 @@ identical return values and identical observable state after every step.
 
 from __future__ import annotations
 
-import importlib
-import os
 import struct
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ext_helpers import compiled
 
 import ltp_ext._datapath_py as twin
 from ltp.errors import LocalProtocolError
@@ -26,12 +25,7 @@ H = HEADER_SIZE
 
 
 def _compiled():
-    try:
-        return importlib.import_module("ltp_ext._datapath")
-    except ImportError as exc:
-        if os.environ.get("LTP_NO_EXTENSIONS", "") not in ("", "0"):
-            pytest.skip(f"compiled ltp_ext._datapath missing and LTP_NO_EXTENSIONS is set ({exc})")
-        pytest.fail(f"compiled ltp_ext._datapath did not build: {exc}; run `python setup.py build_ext --inplace`")
+    return compiled("datapath")
 
 
 @pytest.fixture(params=["compiled", "twin"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import importlib
 import json
-import os
 import socket
 import struct
 import time
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ext_helpers import implementation
 from net_helpers import ipv6_loopback, run_in_fresh_netns
 
 SO_NO_CHECK = 11      # <asm-generic/socket.h>; makes UDP_SEGMENT sends fail with EINVAL
@@ -27,14 +27,7 @@ RCVBUF = 16 << 20     # bytes
 
 
 def _load(name: str):
-    if name == "compiled":
-        try:
-            return importlib.import_module("ltp_ext._udpio")
-        except ImportError as exc:
-            if os.environ.get("LTP_NO_EXTENSIONS", "") not in ("", "0"):
-                pytest.skip(f"compiled ltp_ext._udpio missing and LTP_NO_EXTENSIONS is set ({exc})")
-            pytest.fail(f"compiled ltp_ext._udpio did not build: {exc}; run `python setup.py build_ext --inplace`")
-    return importlib.import_module("ltp_ext._udpio_py")
+    return implementation("udpio", name)
 
 
 @pytest.fixture(params=["compiled", "twin"])

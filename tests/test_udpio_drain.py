@@ -8,14 +8,13 @@ and leave the rest of a batch readable for that path.
 
 from __future__ import annotations
 
-import importlib
-import os
 import socket
 import time
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from ext_helpers import implementation
 from hypothesis import strategies as st
 
 from ltp_ext._wire_py import T_ACK, T_DATA, pack_header
@@ -24,15 +23,7 @@ SO_RCVBUFFORCE = 33
 FID, TOKEN, SEG = 7, 0xC0FFEE01, 100
 
 
-def _load(name: str, which: str):
-    if which == "twin":
-        return importlib.import_module(f"ltp_ext._{name}_py")
-    try:
-        return importlib.import_module(f"ltp_ext._{name}")
-    except ImportError as exc:
-        if os.environ.get("LTP_NO_EXTENSIONS", "") not in ("", "0"):
-            pytest.skip(f"compiled ltp_ext._{name} missing and LTP_NO_EXTENSIONS is set ({exc})")
-        pytest.fail(f"compiled ltp_ext._{name} did not build: {exc}; run `python setup.py build_ext --inplace`")
+_load = implementation
 
 
 @pytest.fixture(params=["compiled", "twin"])
@@ -96,15 +87,19 @@ def settle(rx: socket.socket, want: int, timeout: float = 2.0) -> None:
     time.sleep(0.01 + want * 2e-6)
 
 
-def test_a_whole_message_is_drained_into_the_window(io_mod, dp, net):
+def queued(net, io_mod, dp, msg: bytes, nseg: int, *, batch: int = 64, ack_capacity: int = 4096):
+    """Segments 0..nseg-1 of ``msg`` queued on a fresh receiving socket from one sender: ``(io, window, sender)``."""
     rx, tx = net.sock(), net.sock()
-    msg = message(300, last=37)
-    for seq in range(300):
+    for seq in range(nseg):
         tx.sendto(data(msg, seq), rx.getsockname())
-    settle(rx, 300)
-    io = io_mod.UdpIO(rx, batch=64)
-    w = window(dp, msg)
-    batches, read, used, nbytes, resume = io.drain(w, tx.getsockname(), 32)
+    settle(rx, nseg)
+    return io_mod.UdpIO(rx, batch=batch), window(dp, msg, ack_capacity), tx.getsockname()
+
+
+def test_a_whole_message_is_drained_into_the_window(io_mod, dp, net):
+    msg = message(300, last=37)
+    io, w, src = queued(net, io_mod, dp, msg, 300)
+    batches, read, used, nbytes, resume = io.drain(w, src, 32)
     assert (read, used) == (300, 300)
     assert nbytes == 300 * 16 + len(msg)
     assert resume == len(io)
@@ -154,14 +149,9 @@ def test_another_flows_data_from_the_same_source_ends_the_drain(io_mod, dp, net)
 
 
 def test_a_full_ack_buffer_ends_the_drain_at_the_datagram_it_could_not_take(io_mod, dp, net):
-    rx, tx = net.sock(), net.sock()
     msg = message(30)
-    for seq in range(30):
-        tx.sendto(data(msg, seq), rx.getsockname())
-    settle(rx, 30)
-    io = io_mod.UdpIO(rx, batch=64)
-    w = window(dp, msg, ack_capacity=8)
-    batches, read, used, _, resume = io.drain(w, tx.getsockname(), 32)
+    io, w, src = queued(net, io_mod, dp, msg, 30, ack_capacity=8)
+    batches, read, used, _, resume = io.drain(w, src, 32)
     assert (batches, read, used, resume) == (1, 30, 8, 8)
     assert w.n_acks == 8 and w.received == 8
     w.take_acks()  # what the engine does before it ingests the rest
@@ -188,27 +178,15 @@ def test_duplicates_and_bad_datagrams_are_consumed_and_counted(io_mod, dp, net):
 
 
 def test_a_short_batch_ends_the_drain_with_min_datagrams(io_mod, dp, net):
-    rx, tx = net.sock(), net.sock()
-    msg = message(10)
-    for seq in range(3):
-        tx.sendto(data(msg, seq), rx.getsockname())
-    settle(rx, 3)
-    io = io_mod.UdpIO(rx, batch=64)
-    w = window(dp, msg)
-    assert io.drain(w, tx.getsockname(), 32, 8) == (1, 3, 3, 3 * (16 + SEG), 3)
+    io, w, src = queued(net, io_mod, dp, message(10), 3)
+    assert io.drain(w, src, 32, 8) == (1, 3, 3, 3 * (16 + SEG), 3)
 
 
 def test_max_batches_bounds_the_receives(io_mod, dp, net):
-    rx, tx = net.sock(), net.sock()
-    msg = message(100)
-    for seq in range(100):
-        tx.sendto(data(msg, seq), rx.getsockname())
-    settle(rx, 100)
-    io = io_mod.UdpIO(rx, batch=16)
-    w = window(dp, msg)
-    assert io.drain(w, tx.getsockname(), 3) == (3, 48, 48, 48 * (16 + SEG), 16)
+    io, w, src = queued(net, io_mod, dp, message(100), 100, batch=16)
+    assert io.drain(w, src, 3) == (3, 48, 48, 48 * (16 + SEG), 16)
     assert w.received == 48
-    assert io.drain(w, tx.getsockname(), 100)[:3] == (4, 52, 52)  # 16 + 16 + 16 + 4: complete
+    assert io.drain(w, src, 100)[:3] == (4, 52, 52)  # 16 + 16 + 16 + 4: complete
     assert w.received == 100
 
 

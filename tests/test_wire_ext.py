@@ -8,7 +8,6 @@ exception type (and, for WireError, the same ``reason``).
 
 from __future__ import annotations
 
-import importlib
 import os
 import struct
 
@@ -16,18 +15,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ext_helpers import compiled
 
 import ltp.errors
 import ltp_ext._wire_py as twin
 
 
 def _compiled():
-    try:
-        return importlib.import_module("ltp_ext._wire")
-    except ImportError as exc:
-        if os.environ.get("LTP_NO_EXTENSIONS", "") not in ("", "0"):
-            pytest.skip(f"compiled ltp_ext._wire missing and LTP_NO_EXTENSIONS is set ({exc})")
-        pytest.fail(f"compiled ltp_ext._wire did not build: {exc}; run `python setup.py build_ext --inplace`")
+    return compiled("wire")
 
 
 @pytest.fixture(scope="module")
