@@ -93,14 +93,10 @@ def parse_time(text: str) -> float:
     return {"s": v, "ms": v / 1e3, "us": v / 1e6, None: v / 1e3}[m.group(2)]
 
 
-def _cpu_s() -> float:
+def _cpu() -> tuple[float, float]:
+    """This process's CPU seconds so far: ``(user + system, user)`` (user: the interpreter and compiled modules)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def _user_s() -> float:
-    """This process's user-space CPU seconds (the part the interpreter and the compiled modules spend)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_utime
+    return r.ru_utime + r.ru_stime, r.ru_utime
 
 
 def _machine_delta(m0: float | None) -> float | None:
@@ -137,9 +133,10 @@ def _ltp_receiver(args) -> int:
         wait = args.timeout + SENDER_STARTUP_S + args.size / PATTERN_FILL_BPS
         for w in range(args.warmup):  # same path, earlier messages: the link is measured
             await ep.recv(buf, tag=w, timeout=wait)
-        cpu0, user0 = _cpu_s(), _user_s()
+        cpu0, user0 = _cpu()
         rep = await ep.recv(buf, tag=args.warmup, timeout=wait)
-        cpu, user = _cpu_s() - cpu0, _user_s() - user0
+        cpu1, user1 = _cpu()
+        cpu, user = cpu1 - cpu0, user1 - user0
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         ok = None
         if rep.total_bytes == args.size:  # every byte is checked: the pattern where it arrived, zeros in bubbles
@@ -165,12 +162,13 @@ def _ltp_sender(args) -> int:
         reliable = args.mode == "reliable"
         for w in range(args.warmup):
             await ep.send((args.host, args.port), data, reliable=reliable, tag=w, timeout=args.timeout)
-        cpu0, user0 = _cpu_s(), _user_s()
+        cpu0, user0 = _cpu()
         m0 = machine_cpu_s()
         t0 = time.perf_counter()
         rep = await ep.send((args.host, args.port), data, reliable=reliable, tag=args.warmup, timeout=args.timeout)
         dt = time.perf_counter() - t0
-        cpu, user = _cpu_s() - cpu0, _user_s() - user0
+        cpu1, user1 = _cpu()
+        cpu, user = cpu1 - cpu0, user1 - user0
         machine = _machine_delta(m0)
         out = dict(duration_s=round(dt, 4), delivered_bytes=rep.delivered_bytes,
                    delivered_fraction=rep.delivered_fraction, retransmitted_packets=rep.retransmitted_packets,
