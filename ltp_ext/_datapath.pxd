@@ -27,6 +27,7 @@ cdef class RecvWindow:
     cdef uint64_t _match             # header bytes 0..7 expected (memory order) after masking
     cdef uint64_t _mask
     cdef bint _never                 # flow id / token cannot match any header
+    cdef bint _stream                # payloads are copied with streaming stores (STREAM_COPY_MIN)
 
     cdef Py_ssize_t _run(self, const uint8_t *b, Py_ssize_t blen, const char *op, Py_ssize_t ostride,
                          const char *lp, Py_ssize_t lstride, Py_ssize_t i, Py_ssize_t lim,

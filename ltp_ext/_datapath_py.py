@@ -41,6 +41,10 @@ from .constants import PACKET_REORDER_THRESHOLD, SEND_BATCH_MIN
 from .errors import LocalProtocolError
 from ._wire_py import F_CRITICAL, F_KNOWN, HEADER_SIZE, T_DATA, VERSION, pack_header_into
 
+#: the compiled module copies large receive windows with streaming stores where the CPU has them; the twin
+#: always copies with ordinary slice assignment (the bytes that land are the same)
+STREAMING_STORES = False
+
 _I32_MAX = 0x7FFFFFFF  # the send log, tx_index and the batch numbers are int32 (as the compiled window's)
 
 SEG_PENDING = 0

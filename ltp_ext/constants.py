@@ -6,7 +6,7 @@ from here (the compiled module copies them into C variables at import).
 
 from __future__ import annotations
 
-__all__ = ["PACKET_REORDER_THRESHOLD", "SEND_BATCH_MIN", "SEND_THREADS_MAX", "SEND_QUEUE_DEPTH"]
+__all__ = ["PACKET_REORDER_THRESHOLD", "SEND_BATCH_MIN", "SEND_THREADS_MAX", "SEND_QUEUE_DEPTH", "STREAM_COPY_MIN"]
 
 #: packet-reordering threshold (packets): a transmission is declared lost once this many
 #: transmissions sent after it have been acknowledged (the "3 out of order" rule of TCP/QUIC).
@@ -23,3 +23,10 @@ SEND_THREADS_MAX = 8
 #: batches (``UdpIO.send_segments`` calls) one sender thread holds queued; the next call to it waits for one to
 #: finish (16 pacing ticks of sends: the thread is never starved, and the caller never runs far ahead of the wire)
 SEND_QUEUE_DEPTH = 16
+
+#: bytes: a receive window at least this large copies payloads into its message with streaming (non-temporal)
+#: stores where the CPU has them (x86-64).  A message this size does not stay in the caches until it is read,
+#: and an ordinary store first reads every destination line from memory (a read for ownership); a streaming
+#: store writes whole lines without reading them.  Smaller messages are copied through the caches, where the
+#: reader will find them.
+STREAM_COPY_MIN = 8 << 20

@@ -19,6 +19,7 @@ from ext_helpers import compiled
 
 import ltp_ext._datapath_py as twin
 from ltp.errors import LocalProtocolError
+from ltp_ext.constants import STREAM_COPY_MIN
 from ltp_ext._wire_py import F_CRITICAL, F_MAC, F_RELIABLE, HEADER_SIZE, T_ACK, T_DATA, pack_header
 
 H = HEADER_SIZE
@@ -485,6 +486,55 @@ def test_missing_runs_and_zero_fill(dp):
     mv, off, ln = datagrams([data_pkt(s, bytes(100)) for s in (1, 2, 5, 6, 7)] + [data_pkt(9, bytes(50))])
     w.ingest(mv, off, ln, 0, 6)
     assert w.missing_runs() == [] and w.zero_fill_missing() == 0
+
+
+# A window of STREAM_COPY_MIN bytes or more copies with streaming stores in the compiled module (x86-64): an
+# ordinary head up to 16-byte alignment, 16-byte streaming stores, an ordinary tail. These check that every byte
+# lands, and nothing around it moves, for payload sizes and destination alignments that exercise each part.
+
+def _large_window_case(dp, seg, base, seqs):
+    total = STREAM_COPY_MIN + seg // 2 + 1          # the last segment is short
+    n = -(-total // seg)
+    data = message(total, seed=seg + base)
+    backing = bytearray(base + total + 64)
+    w = dp.RecvWindow(memoryview(backing)[base:base + total], total, seg, 7, 0xDEADBEEF, None, 4096)
+    seqs = [s % n for s in seqs]
+    pkts = [data_pkt(s, data[s * seg:min(total, s * seg + seg)]) for s in seqs]
+    assert w.ingest(*datagrams(pkts), 0, len(pkts)) == len(pkts)
+    got = np.frombuffer(backing, np.uint8)
+    want = np.zeros(len(backing), np.uint8)
+    for s in set(seqs):
+        lo = s * seg
+        hi = min(total, lo + seg)
+        want[base + lo:base + hi] = np.frombuffer(data[lo:hi], np.uint8)
+    assert np.array_equal(got, want)              # every payload byte in place, nothing else written
+    assert (w.received, w.duplicates) == (len(set(seqs)), len(seqs) - len(set(seqs)))
+    return w
+
+
+@pytest.mark.parametrize("seg", [1456, 8972, 1, 17, 63, 4101])
+@pytest.mark.parametrize("base", [0, 3, 16, 61])
+def test_large_window_copies_every_byte_and_nothing_else(dp, seg, base):
+    rng = np.random.default_rng(seg * 100 + base)
+    n = -(-(STREAM_COPY_MIN + seg // 2 + 1) // seg)
+    seqs = [0, n - 1, n - 2] + rng.integers(0, n, 200).tolist() + [0, n - 1]     # first, last, shuffled, dups
+    w = _large_window_case(dp, seg, base, seqs)
+    assert w.bitmap[0] == 1 and w.bitmap[n - 1] == 1
+
+
+@pytest.mark.parametrize("which", ["compiled", "twin"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seg=st.integers(1, 9000), base=st.integers(0, 63),
+       seqs=st.lists(st.integers(0, 2**40), min_size=1, max_size=40))
+def test_large_window_copy_property(which, seg, base, seqs):
+    _large_window_case(_compiled() if which == "compiled" else twin, seg, base, seqs)
+
+
+def test_streaming_stores_only_in_the_compiled_module_on_x86_64(comp):
+    import platform
+
+    assert comp.STREAMING_STORES == (platform.machine().lower() in ("x86_64", "amd64"))
+    assert twin.STREAMING_STORES is False
 
 
 def test_negative_ack_entry_is_a_bad_ack(dp):

@@ -10,7 +10,10 @@ For each implementation it prints one JSON line with nanoseconds per packet
 * ``ingest_ns``: ``RecvWindow.ingest`` of runs of ``--batch`` datagrams
   (``16 + seg_size`` bytes each) from a hot receive buffer into a fresh
   message, plus one ``take_acks`` per run, as the engine does after a
-  ``recvmmsg``. Includes the payload ``memcpy`` into the (cold) destination.
+  ``recvmmsg``. Includes the payload copy into the (cold) destination: with
+  streaming stores in the compiled module on x86-64 once the message is
+  ``ltp_ext.constants.STREAM_COPY_MIN`` bytes or more (the default
+  ``--packets`` make a 73 MB message), ``memcpy`` below that.
 * ``ingest_dup_ns``: the same datagrams a second time: every one is a
   duplicate, so this is the per-datagram cost *without* the payload copy
   (header parse, checks, ACK entry).
