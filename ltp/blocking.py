@@ -41,13 +41,13 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 class Socket:
     """Blocking LTP endpoint: ``send``, ``recv``, ``gather``, ``broadcast``, ``close``."""
 
-    def __init__(self, local_addr=("0.0.0.0", 0), *, config: Config | None = None, rng=None) -> None:
+    def __init__(self, local_addr=("0.0.0.0", 0), *, config: Config | None = None, rng=None, peer=None) -> None:
         _refuse_inside_loop("__init__()")
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ltp-socket", daemon=True)
         self._thread.start()
         try:
-            self._ep = self._call(open_endpoint(local_addr, config=config, rng=rng))
+            self._ep = self._call(open_endpoint(local_addr, config=config, rng=rng, peer=peer))
         except BaseException:
             self._stop_loop()
             raise
@@ -64,6 +64,11 @@ class Socket:
     def local_addr(self) -> tuple:
         """The bound ``(host, port)``."""
         return self._ep.local_addr
+
+    @property
+    def peer(self) -> tuple | None:
+        """The one peer of a connected socket (``peer=``; :func:`ltp.open_endpoint`), or None."""
+        return self._ep.peer
 
     @property
     def stats(self):

@@ -18,6 +18,9 @@ while a batch is processed cost no second wake-up.
 batch after batch (``UdpIO.drain``), and the engine accounts for it once per drain
 (:meth:`Engine.bulk_ingested`); the first datagram that is anything else ends the drain, and the rest of its
 batch takes the per-batch path.
+**Connected endpoints** (``open_endpoint(peer=...)``): the socket is ``connect()``ed to its one peer, so the
+kernel finds the socket and route of that peer's datagrams by early demux instead of per datagram, and drops
+every other host's; :meth:`_resolve` refuses any other peer before anything is sent.
 **Flushes are coalesced**: a send or receive asks for a flush once the loop has run the callbacks already due
 (:meth:`_flush_soon`), so the transfers that tasks start together (a broadcast's per-peer sends) all go out
 in one flush.
@@ -196,6 +199,7 @@ class Endpoint:
         self.engine = Engine(config, rng=rng, local_addr=self._local_addr, wall_offset=time.time() - _now(),
                              gather_send=config.gather_send)
         self._wildcard = self._local_addr[0] in ("0.0.0.0", "::")
+        self._peer: tuple | None = None  # the one peer of a connected endpoint (open_endpoint(peer=...))
         self._sources: dict = {}
         self._icmp_seen = 0
         self._errq_next = 0.0
@@ -223,6 +227,11 @@ class Endpoint:
     def local_addr(self) -> tuple:
         """The bound ``(host, port)``."""
         return self._local_addr
+
+    @property
+    def peer(self) -> tuple | None:
+        """The one peer this endpoint exchanges datagrams with (``open_endpoint(peer=...)``), or None: any peer."""
+        return self._peer
 
     @property
     def stats(self):
@@ -364,7 +373,28 @@ class Endpoint:
             raise LocalProtocolError("endpoint is closed; open a new one with ltp.open_endpoint()")
 
     async def _resolve(self, peer) -> tuple:
-        """Validate and resolve a peer address up front: nothing a caller passes may reach the socket layer."""
+        """Validate and resolve a peer address up front: nothing a caller passes may reach the socket layer.
+        A connected endpoint refuses every peer but its own."""
+        resolved = await self._resolve_address(peer)
+        if self._peer is not None and resolved != self._peer:
+            raise LocalProtocolError(
+                f"this endpoint is connected to {self._peer[0]}:{self._peer[1]} (open_endpoint(peer=...)) and "
+                f"exchanges datagrams with that peer only, so it cannot reach {resolved[0]}:{resolved[1]}; open an "
+                "endpoint without peer= to talk to several peers")
+        return resolved
+
+    async def _connect(self, peer) -> None:
+        """Connect the socket to ``peer`` (``open_endpoint(peer=...)``): see :func:`open_endpoint`."""
+        resolved = await self._resolve_address(peer)
+        try:
+            self._sock.connect(resolved)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot connect the LTP endpoint at {self._local_addr[0]}:"
+                                     f"{self._local_addr[1]} to its peer {resolved[0]}:{resolved[1]}: "
+                                     f"{exc.strerror}") from None
+        self._peer = resolved
+
+    async def _resolve_address(self, peer) -> tuple:
         if not isinstance(peer, tuple) or len(peer) < 2:
             raise LocalProtocolError(f"peer must be a (host, port) tuple, got {peer!r}")
         host, port = peer[0], peer[1]
@@ -833,8 +863,15 @@ def _check_timeout(timeout) -> None:
 
 
 async def open_endpoint(local_addr=("0.0.0.0", 0), *, config: Config | None = None,
-                        rng: random.Random | None = None) -> Endpoint:
-    """Bind a UDP socket at ``local_addr`` and return a running :class:`Endpoint`."""
+                        rng: random.Random | None = None, peer=None) -> Endpoint:
+    """Bind a UDP socket at ``local_addr`` and return a running :class:`Endpoint`.
+
+    ``peer`` (a ``(host, port)``) makes a *connected* endpoint, for a transfer between two hosts: its socket
+    is connected to ``peer``, so the kernel delivers that peer's datagrams to it without a route lookup and a
+    socket lookup per datagram (early demux, as for a TCP connection; about 5 % of the CPU of a bulk
+    transfer on the lab's path, ``docs/performance.md``), and drops every other host's.  Sending to or
+    receiving from any other peer then raises :class:`~ltp.errors.LocalProtocolError`.  An endpoint that
+    serves several peers (a parameter server) leaves ``peer`` out."""
     config = config or Config()
     if not isinstance(local_addr, tuple) or len(local_addr) < 2 or not isinstance(local_addr[0], str) or \
             isinstance(local_addr[1], bool) or not isinstance(local_addr[1], int) or not 0 <= local_addr[1] <= 65535:
@@ -870,4 +907,11 @@ async def open_endpoint(local_addr=("0.0.0.0", 0), *, config: Config | None = No
         raise
     if rng is None:
         rng = random.Random(int.from_bytes(os.urandom(16), "big"))
-    return Endpoint(sock, config, rng)
+    ep = Endpoint(sock, config, rng)
+    if peer is not None:
+        try:
+            await ep._connect(peer)
+        except BaseException:
+            await ep.close()
+            raise
+    return ep

@@ -72,6 +72,20 @@ def test_lossy_transfer_exact_with_and_without_sender_threads(lab, threads):
     assert res["send_threads"] == threads and res["retransmitted_packets"] > 0
 
 
+@pytest.mark.parametrize("connected", [True, False], ids=["connected", "unconnected"])
+def test_connected_and_open_endpoints_are_exact_through_loss_both_ways(lab, connected):
+    """``ltp-bench`` connects both endpoints to each other by default (``open_endpoint(peer=...)``: the kernel's
+    early demux, no route lookup per datagram) and ``--unconnected`` leaves them open to any peer; either way a
+    transfer through 2 % loss on DATA and ACKs is exact."""
+    from ltp_tools.bench import run_bench
+
+    res = run_bench(transport="ltp", size=20_000_000, loss=0.02, loss_both=True, mode="reliable", lab=lab,
+                    timeout=120, connected=connected)
+    assert res["verified"] is True and res["delivered_fraction"] == 1.0 and "error" not in res, res
+    assert res["connected"] is connected and res["retransmitted_packets"] > 0
+    assert res["receiver_wakeups"]["drained"] > 0
+
+
 @pytest.mark.parametrize("gro", [False, True], ids=["nogro", "gro"])
 def test_reliable_transfer_exact_with_and_without_receive_gro(gro):
     """The same lossy reliable transfer on a lab without and with receive GRO at the hosts: exact either way,

@@ -17,6 +17,10 @@ Theory of operation
     it falls back to loopback (where GRO is on) and refuses impairments.
 
     Sender and receiver run as two processes (one core each on a 2-core box).
+    The two LTP endpoints are connected to each other (``open_endpoint(peer=...)``,
+    the sender bound to ``port + 1``), as kernel TCP's sockets are, so the kernel
+    demultiplexes their datagrams early; ``--unconnected`` measures endpoints open
+    to any peer, as a parameter server's is (``connected`` in the result).
     For LTP the receiver posts one receive into a preallocated buffer; the
     sender's clock runs from ``send()`` until the flow ends (all acknowledged,
     or the receiver's STOP); ``--warmup N`` first sends N messages on the same
@@ -122,7 +126,8 @@ def _ltp_receiver(args) -> int:
 
     async def main():
         cfg = ltp.Config(mtu=args.mtu, deadline_slack_s=0.1 if args.delay_s else 0.03, **_threads(args))
-        ep = await ltp.open_endpoint((args.bind, args.port), config=cfg)
+        peer = None if args.peer is None else (args.peer, args.peer_port)
+        ep = await ltp.open_endpoint((args.bind, args.port), config=cfg, peer=peer)
         ep.bulk_drain = not args.no_bulk_drain
         buf = np.empty(args.size, np.uint8)
         buf.fill(0)  # fault the pages in before the clock starts
@@ -157,7 +162,9 @@ def _ltp_sender(args) -> int:
     import ltp
 
     async def main():
-        ep = await ltp.open_endpoint(("0.0.0.0", 0), config=ltp.Config(mtu=args.mtu, **_threads(args)))
+        peer = (args.host, args.port) if args.connected else None
+        ep = await ltp.open_endpoint(("0.0.0.0", args.bind_port), config=ltp.Config(mtu=args.mtu, **_threads(args)),
+                                     peer=peer)
         data = pattern(args.size)
         reliable = args.mode == "reliable"
         for w in range(args.warmup):
@@ -175,7 +182,8 @@ def _ltp_sender(args) -> int:
                    packets_sent=rep.packets_sent, close_reason=rep.close_reason, sender_cpu_s=round(cpu, 3),
                    sender_user_s=round(user, 3), machine_cpu_s=machine,
                    rtprop_ms=round(rep.rtprop_s * 1e3, 3), btlbw_gbps=round(rep.btlbw_bps * 8 / 1e9, 3),
-                   sender_wakeups=dict(ep.loop_stats), send_threads=ep.config.send_threads)
+                   sender_wakeups=dict(ep.loop_stats), send_threads=ep.config.send_threads,
+                   connected=ep.peer is not None)
         await ep.close()
         print(json.dumps(out), flush=True)
 
@@ -219,7 +227,8 @@ def _wait_ready(p: subprocess.Popen, timeout: float) -> None:
 def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 0.0, rate_bps: float | None = None,
               delay_s: float = 0.0, mtu: int = 1500, mode: str = "reliable", loss_both: bool = False,
               timeout: float = 300.0, lab=None, port: int = 7447, warmup: int = 0, gro: bool = False,
-              tcp_buffer: str = "message", send_threads: int | None = None, bulk_drain: bool = True) -> dict:
+              tcp_buffer: str = "message", send_threads: int | None = None, bulk_drain: bool = True,
+              connected: bool = True) -> dict:
     """Run one transfer and return the result dict (see module docstring).
 
     ``tcp_buffer`` says where a TCP transfer's bytes live (:data:`ltp_tools.tcpbench.BUFFERS`): ``"message"``
@@ -231,6 +240,9 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
     ``send_threads`` sets both LTP endpoints' ``Config.send_threads`` (None: its default).
     ``bulk_drain=False`` makes the LTP receiver hand every batch to the engine (``Endpoint.bulk_drain``), for
     comparison with the default compiled drain.
+    ``connected`` (default) opens both LTP endpoints connected to each other (``open_endpoint(peer=...)``), as a
+    point-to-point transfer between two hosts would be and as kernel TCP's sockets are; the sender then binds
+    ``port + 1``. ``connected=False`` leaves them open to any peer, as a parameter server's endpoint is.
     """
     from ltp_tools.netlab import Lab, check_support
 
@@ -263,12 +275,16 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             common += ["--send-threads", str(send_threads)]
         if not bulk_drain:
             common += ["--no-bulk-drain"]
+        snd_host = snd.addr if snd is not None else "127.0.0.1"
+        rcv_conn = ["--peer", snd_host, "--peer-port", str(port + 1)] if connected else []
+        snd_conn = ["--connected", "--bind-port", str(port + 1)] if connected else []
         t_wall = time.time()
         if transport == "ltp":
-            rp = popen(rcv, [py, "-m", "ltp_tools.bench", "_ltp_recv", "--port", str(port), *common], **kw)
-            _wait_ready(rp, 60)
-            sp = popen(snd, [py, "-m", "ltp_tools.bench", "_ltp_send", "--host", host, "--port", str(port), *common],
+            rp = popen(rcv, [py, "-m", "ltp_tools.bench", "_ltp_recv", "--port", str(port), *rcv_conn, *common],
                        **kw)
+            _wait_ready(rp, 60)
+            sp = popen(snd, [py, "-m", "ltp_tools.bench", "_ltp_send", "--host", host, "--port", str(port), *snd_conn,
+                             *common], **kw)
             try:
                 s = _read_json(sp, timeout + 30)
             except RuntimeError as exc:  # name both ends' own last words, not a wall of traceback
@@ -311,6 +327,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
         if transport == "ltp":
             result["send_threads"] = s.get("send_threads")
             result["bulk_drain"] = bulk_drain
+            result["connected"] = s.get("connected")
         result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
                       measured_loss=stats.get("measured_loss"), oversize_packets=stats.get("oversize"),
                       backend=lab.backend if lab is not None else "loopback",
@@ -380,13 +397,17 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bulk-drain", action="store_true",
                     help="LTP: the receiver hands every batch to the engine in Python (Endpoint.bulk_drain off) "
                          "instead of draining a bulk receive into its window in compiled code")
+    ap.add_argument("--unconnected", action="store_true",
+                    help="LTP: both endpoints accept any peer, as a parameter server's does (default: each is "
+                         "connected to the other, open_endpoint(peer=...), as kernel TCP's sockets are)")
     args = ap.parse_args(argv)
     for _ in range(args.repeats):
         try:
             res = run_bench(transport=args.transport, size=args.size, loss=args.loss, rate_bps=args.rate,
                             delay_s=args.delay, mtu=args.mtu, mode=args.mode, loss_both=args.loss_both,
                             timeout=args.timeout, warmup=args.warmup, gro=args.gro, tcp_buffer=args.tcp_buffer,
-                            send_threads=args.send_threads, bulk_drain=not args.no_bulk_drain)
+                            send_threads=args.send_threads, bulk_drain=not args.no_bulk_drain,
+                            connected=not args.unconnected)
         except (TimeoutError, subprocess.TimeoutExpired, ltp.LTPError, RuntimeError) as exc:
             # a transfer that did not finish is a result to report, not a crash
             print(f"ltp-bench: {args.transport} transfer of {args.size} B failed: {type(exc).__name__}: {exc}",
@@ -413,6 +434,10 @@ def _role_main(argv) -> int:
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--send-threads", type=int, default=None)
     ap.add_argument("--no-bulk-drain", action="store_true")
+    ap.add_argument("--peer", default=None, help="receiver: connect to this sender address")
+    ap.add_argument("--peer-port", type=int, default=0)
+    ap.add_argument("--connected", action="store_true", help="sender: connect to the receiver")
+    ap.add_argument("--bind-port", type=int, default=0)
     args = ap.parse_args(argv)
     args.delay_s = args.delay
     return _ltp_receiver(args) if args.role == "_ltp_recv" else _ltp_sender(args)
