@@ -868,7 +868,7 @@ async def open_endpoint(local_addr=("0.0.0.0", 0), *, config: Config | None = No
 
     ``peer`` (a ``(host, port)``) makes a *connected* endpoint, for a transfer between two hosts: its socket
     is connected to ``peer``, so the kernel delivers that peer's datagrams to it without a route lookup and a
-    socket lookup per datagram (early demux, as for a TCP connection; about 5 % of the CPU of a bulk
+    socket lookup per datagram (early demux, as for a TCP connection; about 2-3 % of the CPU of a bulk
     transfer on the lab's path, ``docs/performance.md``), and drops every other host's.  Sending to or
     receiving from any other peer then raises :class:`~ltp.errors.LocalProtocolError`.  An endpoint that
     serves several peers (a parameter server) leaves ``peer`` out."""
