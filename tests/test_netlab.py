@@ -121,10 +121,11 @@ def test_rate_limit(lab, direction, rate):
     target = h0 if direction == "ingress" else h1
     lab.impair(target, direction, rate_bps=rate)
     # goodput counts TCP payload; tbf counts Ethernet frames: 1448/1514 = 0.956 of the rate.
-    # The limit must never be exceeded; reaching it can fail on a CPU-starved runner, so
-    # the best of three transfers must come within 10 %.
+    # The limit must never be exceeded; reaching it can fail on a CPU-starved runner (a CI run on a 2-core VM saw
+    # three transfers in a row at 0.79 of the rate while the same lab gave 0.92-0.95 alone), so the best of up
+    # to five transfers must come within 10 %.
     best = 0.0
-    for _ in range(3):
+    for _ in range(5):
         r = run_tcp_transfer(lab, h1, h0, int(rate / 8 * 1.2), "cubic", timeout_s=30)
         got = r["goodput_gbps"] * 1e9
         assert got <= 1.0 * rate, (got, rate)
