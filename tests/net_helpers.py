@@ -1,4 +1,4 @@
-"""Helpers shared by the socket tests: what this machine's loopback offers."""
+"""Helpers shared by the socket tests: what this machine's loopback offers, and a blocking send/recv exchange."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -36,3 +37,14 @@ def run_in_fresh_netns(script: str, *args: str, tools: tuple[str, ...] = ("unsha
     if proc.returncode != 0 and any(e in proc.stderr for e in setup_errors):
         pytest.skip(f"cannot set up the namespace: {proc.stderr.strip()[-200:]}")
     return proc
+
+
+def blocking_exchange(sender, receiver, data, out, *, tag: int):
+    """``sender.send`` ``data`` to ``receiver`` (two blocking ``ltp.Socket``s) while a thread runs ``receiver.recv``
+    into ``out``; return both reports."""
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", receiver.recv(out, tag=tag)))
+    t.start()
+    rep = sender.send(receiver.local_addr, data, tag=tag, reliable=True)
+    t.join(30)
+    return rep, box.get("r")

@@ -11,7 +11,7 @@ import pytest
 import ltp
 from ltp.config import Config
 from ltp.errors import LocalProtocolError, TransferTimeout
-from net_helpers import ipv6_loopback
+from net_helpers import blocking_exchange, ipv6_loopback
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -229,14 +229,8 @@ def test_blocking_socket_api():
     with ltp.Socket(("127.0.0.1", 0)) as a, ltp.Socket(("127.0.0.1", 0)) as b:
         data = np.arange(50_000, dtype=np.float32)
         out = np.zeros_like(data)
-        import threading
-
-        box = {}
-        t = threading.Thread(target=lambda: box.setdefault("r", b.recv(out, tag=1)))
-        t.start()
-        rep = a.send(b.local_addr, data, tag=1, reliable=True)
-        t.join(30)
-        assert rep.delivered_fraction == 1.0 and box["r"].regime == "complete"
+        rep, rrep = blocking_exchange(a, b, data, out, tag=1)
+        assert rep.delivered_fraction == 1.0 and rrep.regime == "complete"
         assert np.array_equal(out, data)
         assert a.local_addr[0] == "127.0.0.1"
     with pytest.raises(LocalProtocolError, match="closed"):

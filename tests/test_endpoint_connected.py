@@ -8,13 +8,13 @@ names another peer raises, naming the fix, before anything is sent.
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import numpy as np
 import pytest
 
 import ltp
 from ltp.errors import LocalProtocolError, LTPError, TransferTimeout
+from net_helpers import blocking_exchange
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,17 +104,13 @@ async def test_a_bad_peer_fails_open_endpoint_and_leaves_no_socket(peer, match):
 
 
 def test_a_blocking_socket_can_be_connected():
-    with ltp.Socket(("127.0.0.1", 0)) as b, ltp.Socket(("127.0.0.1", 0), peer=None) as x:
+    with ltp.Socket(("127.0.0.1", 0)) as b, ltp.Socket(("127.0.0.1", 0)) as x:
         with ltp.Socket(("127.0.0.1", 0), peer=b.local_addr) as a:
             assert a.peer == b.local_addr and b.peer is None
             data = np.arange(50_000, dtype=np.float32)
             out = np.zeros_like(data)
-            box = {}
-            t = threading.Thread(target=lambda: box.setdefault("r", b.recv(out, tag=2)))
-            t.start()
-            rep = a.send(b.local_addr, data, tag=2, reliable=True)
-            t.join(30)
-            assert rep.delivered_fraction == 1.0 and box["r"].regime == "complete"
+            rep, rrep = blocking_exchange(a, b, data, out, tag=2)
+            assert rep.delivered_fraction == 1.0 and rrep.regime == "complete"
             assert np.array_equal(out, data)
             with pytest.raises(LocalProtocolError, match="connected to"):
                 a.send(x.local_addr, data)

@@ -275,7 +275,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             common += ["--send-threads", str(send_threads)]
         if not bulk_drain:
             common += ["--no-bulk-drain"]
-        snd_host = snd.addr if snd is not None else "127.0.0.1"
+        snd_host = snd.addr if snd is not None else host  # loopback: both ends on the same address
         rcv_conn = ["--peer", snd_host, "--peer-port", str(port + 1)] if connected else []
         snd_conn = ["--connected", "--bind-port", str(port + 1)] if connected else []
         t_wall = time.time()
