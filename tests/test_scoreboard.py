@@ -268,6 +268,15 @@ def test_broadcast_bench_delivers_to_every_peer(transport, threads):
     if transport == "ltp":
         assert r["delivered"] == [1.0, 1.0, 1.0]
         assert r["send_threads"] == (Config().send_threads if threads is None else threads)
+        # what each event loop did: every receiver read at least its share of DATA datagrams and sent ACKs, on
+        # wake-ups it counted; the sender read those ACKs
+        packets = -(-3_000_000 // (Config().mtu - 28 - 16))  # DATA datagrams per copy of the message
+        assert len(r["receivers"]) == 3
+        for rx in r["receivers"]:
+            assert rx["datagrams_in"] >= packets and rx["datagrams_out"] >= 1
+            assert rx["wakeups"]["readable"] + rx["wakeups"]["timer"] >= 1
+        assert r["sender_datagrams_in"] >= 3 and r["sender_datagrams_out"] >= 3 * packets
+        assert r["sender_wakeups"]["readable"] >= 1
 
 
 @pytest.mark.netns

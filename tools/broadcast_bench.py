@@ -17,7 +17,10 @@ Theory of operation
     buffer into one per peer, faulted in before the clock; every peer checks every byte after it.
 
     Result: one JSON line per run with ``duration_s``, ``goodput_gbps`` (N x size over the
-    duration) and the machine-wide CPU over the transfer.
+    duration) and the machine-wide CPU over the transfer; for LTP also what each process's
+    event loop did: the sender's wake-ups (``sender_wakeups``, :attr:`ltp.Endpoint.loop_stats`)
+    and datagrams in (its ACKs) and out, and per receiver (``receivers``) the same three, so a
+    run says how many datagrams each receiver read per wake-up and per ACK it sent.
 
     python -m ltp_tools.broadcast_bench --transport ltp|cubic|bbr --size 100M --peers 4
 """
@@ -38,7 +41,7 @@ PORT = 7447
 TCP_PORT = 5201
 
 _LTP_RECV = r'''
-import asyncio, sys, numpy as np, ltp
+import asyncio, json, sys, numpy as np, ltp
 from ltp_tools.payload import verify
 async def main():
     ep = await ltp.open_endpoint(("0.0.0.0", int(sys.argv[1])))
@@ -47,6 +50,8 @@ async def main():
     print("ready", flush=True)
     reports = await ep.recv(buf, tag=7, timeout=float(sys.argv[3]))
     ok = verify(buf)  # every byte, after the sender's clock
+    print(json.dumps({"wakeups": dict(ep.loop_stats), "datagrams_in": ep.stats.datagrams_in,
+                      "datagrams_out": ep.stats.datagrams_out}), flush=True)
     print("done" if ok else "corrupt", flush=True)
     await asyncio.sleep(0.5)  # let the last ACKs leave
     await ep.close()
@@ -67,7 +72,9 @@ async def main():
     dur, m1 = time.monotonic() - t0, machine_cpu_s()
     print(json.dumps({"duration_s": dur, "machine_cpu_s": None if m0 is None else round(m1 - m0, 3),
                       "delivered": [getattr(r, "delivered_fraction", None) for r in reports],
-                      "send_threads": ep.config.send_threads}), flush=True)
+                      "send_threads": ep.config.send_threads, "sender_wakeups": dict(ep.loop_stats),
+                      "sender_datagrams_in": ep.stats.datagrams_in, "sender_datagrams_out": ep.stats.datagrams_out}),
+          flush=True)
     await ep.close()
 ltp.run(main())
 '''
@@ -126,8 +133,9 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, time
                 raise RuntimeError(f"LTP broadcast sender failed: {s.stderr[-1500:]}")
             res = json.loads(s.stdout.strip().splitlines()[-1])
             outs = [p.communicate(timeout=30)[0].strip().splitlines() for p in procs]
-            if not all(o and o[-1] == "done" for o in outs):
+            if not all(len(o) >= 2 and o[-1] == "done" for o in outs):
                 raise RuntimeError(f"an LTP receiver did not get the whole message intact: {outs}")
+            res["receivers"] = [json.loads(o[-2]) for o in outs]
         else:
             from ltp_tools.ready import wait_ready
             from ltp_tools.tcpbench import READY_BASE_S, READY_PER_BYTE_S
