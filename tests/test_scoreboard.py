@@ -270,7 +270,7 @@ def test_broadcast_bench_delivers_to_every_peer(transport, threads):
         assert r["send_threads"] == (Config().send_threads if threads is None else threads)
         # what each event loop did: every receiver read at least its share of DATA datagrams and sent ACKs, on
         # wake-ups it counted; the sender read those ACKs
-        packets = -(-3_000_000 // (Config().mtu - 28 - 16))  # DATA datagrams per copy of the message
+        packets = -(-3_000_000 // Config().segment_size_for(1))  # DATA datagrams per copy of the (bytes) message
         assert len(r["receivers"]) == 3
         for rx in r["receivers"]:
             assert rx["datagrams_in"] >= packets and rx["datagrams_out"] >= 1

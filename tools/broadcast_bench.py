@@ -50,10 +50,10 @@ async def main():
     print("ready", flush=True)
     reports = await ep.recv(buf, tag=7, timeout=float(sys.argv[3]))
     ok = verify(buf)  # every byte, after the sender's clock
+    await asyncio.sleep(0.5)  # let the last ACKs leave (and be counted below)
     print(json.dumps({"wakeups": dict(ep.loop_stats), "datagrams_in": ep.stats.datagrams_in,
                       "datagrams_out": ep.stats.datagrams_out}), flush=True)
     print("done" if ok else "corrupt", flush=True)
-    await asyncio.sleep(0.5)  # let the last ACKs leave
     await ep.close()
 ltp.run(main())
 '''
