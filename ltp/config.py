@@ -110,6 +110,15 @@ class Config:
     #: send path, and on a veth path the receiving side's softirq too, runs beside the event loop instead
     #: of inside it); 0 sends from the event loop's thread. One destination is always served by one thread
     send_threads: int = 2
+    #: with sender threads, one peer's DATA may be paced by a sender thread in sub-bursts of at most this much
+    #: time at the path's BBR pacing rate (``UdpIO.send_segments(pace_rate=...)``), where the event loop's timer
+    #: sends a tick's worth in one burst at memory speed; 0 (the default) turns it off. A shaper with a shallow
+    #: burst (a token bucket's: the lab's tbf takes 200 us of line rate) then passes the packets without
+    #: queueing them: 0.0002 took the lab's tbf row from 0.89-0.92 to 0.93-0.94 Gbit/s. It is off by default
+    #: because on a host whose cores are all busy (a PS and its workers sharing two) the parameter server's
+    #: rounds took 1.35x as long with it (docs/performance.md, "Change 15"). Paths paced by a receiver's grant
+    #: (ltp/link_share.py) and sends to several peers are never thread-paced.
+    thread_pacing_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 576 <= self.mtu <= 65535:
@@ -142,6 +151,11 @@ class Config:
                 not 0 <= self.send_threads <= SEND_THREADS_MAX:
             raise LocalProtocolError(f"send_threads={self.send_threads!r}: pass an int from 0 (send from the "
                                      f"event loop) to {SEND_THREADS_MAX}")
+        if isinstance(self.thread_pacing_s, bool) or not isinstance(self.thread_pacing_s, (int, float)) or \
+                not 0 <= self.thread_pacing_s <= self.pacing_granularity_s:
+            raise LocalProtocolError(f"thread_pacing_s={self.thread_pacing_s!r}: pass seconds from 0 (no thread "
+                                     f"pacing) to pacing_granularity_s ({self.pacing_granularity_s}); 0.0002 is "
+                                     "the default")
         for name in ("max_flow_bytes", "max_flows_per_peer", "max_receive_memory", "lt_window",
                      "initial_cwnd_packets", "min_burst_packets", "io_batch", "max_closed_flows", "ack_every",
                      "max_flows_per_host", "max_pending_registrations", "replay_cache_entries",

@@ -696,6 +696,18 @@ class Endpoint:
             return False
         return True
 
+    def _thread_pacing(self, tx) -> tuple:
+        """``(pace_rate, pace_quantum)`` for one peer's DATA batch: paced in a sender thread (``Config.thread_pacing_s``)
+        when its path's rate puts more than ``THREAD_PACING_MIN_TICK_PACKETS`` packets in a loop tick, which the
+        loop's timer cannot space; ``(0.0, 0)``: sent as it is. A path paced by its receiver's grant carries no
+        rate (``SegmentTransmit.pace_rate``): it sends 2-packet bursts already."""
+        q = self.config.thread_pacing_s
+        rate = tx.pace_rate
+        if q <= 0 or not self._io.send_threads or rate * LOOP_TIMER_RESOLUTION_S <= \
+                THREAD_PACING_MIN_TICK_PACKETS * tx.segment_size:
+            return 0.0, 0
+        return rate, max(THREAD_PACING_MIN_TICK_PACKETS * tx.segment_size, int(rate * q))
+
     def _send_run(self, txs: list, i: int, refused: dict) -> int:
         """Send the run of single-datagram transmits (ACKs, REGs, STOPs...) that starts at ``txs[i]`` in
         one ``sendmmsg``; returns how many went out. 0 when the run is a lone datagram or the kernel took
@@ -742,8 +754,9 @@ class Endpoint:
                 continue
             try:
                 if isinstance(tx, SegmentTransmit):
+                    rate, quantum = (0.0, 0) if background else self._thread_pacing(tx)
                     k = io.send_segments(tx.addr, tx.headers, tx.payload, tx.seqs, tx.seg_size, tx.total,
-                                         background=background)
+                                         background=background, pace_rate=rate, pace_quantum=quantum)
                     if k < len(tx):  # the socket buffer is full: keep the rest, assembled, for on_writable
                         self._pending.append((tx.addr, tx.assemble(k), tx.segment_size))
                     continue
@@ -828,6 +841,9 @@ POLL_EXIT_DATAGRAMS = 2
 #: due, is re-armed, fires at once again... a busy loop until the deadline (measured: 12,967 timer
 #: wake-ups and 8,399 empty reads per 800 MB on a receiver waiting out its ACK delay)
 LOOP_TIMER_RESOLUTION_S = 0.001
+#: thread pacing (``Config.thread_pacing_s``) starts where the loop's own pacer would send more than this many
+#: packets per loop tick in one burst; below it the loop's timer spaces the bursts finely enough
+THREAD_PACING_MIN_TICK_PACKETS = 2
 #: seconds added to every delay so the loop never fires a hair before the engine's deadline
 _TIMER_MARGIN_S = 1e-6
 

@@ -87,10 +87,10 @@ class SegmentTransmit:
     the next poll, like :class:`Transmit`.
     """
 
-    __slots__ = ("addr", "headers", "payload", "seqs", "seg_size", "total", "segment_size", "nbytes")
+    __slots__ = ("addr", "headers", "payload", "seqs", "seg_size", "total", "segment_size", "nbytes", "pace_rate")
 
     def __init__(self, addr, headers: memoryview, payload: memoryview, seqs, seg_size: int, total: int,
-                 nbytes: int) -> None:
+                 nbytes: int, pace_rate: float = 0.0) -> None:
         self.addr = addr
         self.headers = headers
         self.payload = payload
@@ -99,6 +99,7 @@ class SegmentTransmit:
         self.total = total
         self.segment_size = wire.HEADER_SIZE + seg_size  # the stride, as Transmit's
         self.nbytes = nbytes
+        self.pace_rate = pace_rate  # the path's pacing rate when the batch was built (bytes/s; 0: unknown)
 
     def __len__(self) -> int:
         return int(self.seqs.shape[0])
@@ -155,6 +156,7 @@ class Path:
         self.grant_at = float("-inf")  # when it was last renewed
         self._grant_floor: float | None = None  # the smallest grant of the current busy period
         self._grant_provisional = False  # the grant is the restart's guess (begin_busy), not the receiver's
+        self.granted = False  # the pacer runs at the receiver's grant (set with the rate, by _pace)
         self.egress_share: float | None = None  # this host's link share for this path (datagram bytes/s)
 
     # -- estimates ---------------------------------------------------------
@@ -216,6 +218,7 @@ class Path:
         rate = self.pacing_rate(now)
         self.pacer.set_rate(rate)
         granted = self.grant is not None and self.grant <= rate
+        self.granted = granted
         packets = GRANTED_MIN_BURST_PACKETS if granted else self.config.min_burst_packets
         self.pacer.min_burst_bytes = min(packets, self.config.min_burst_packets) * self.mss
 
@@ -294,7 +297,7 @@ class Path:
             self.app_limited_until = self.delivered + self.inflight_bytes()
         if gather:
             return SegmentTransmit(self.peer, memoryview(self._out)[:need], flow.payload, seqs, flow.seg_size,
-                                   flow.total, nbytes)
+                                   flow.total, nbytes, 0.0 if self.granted else self.pacer.rate)
         return Transmit(self.peer, memoryview(self._out)[:nbytes], stride)
 
     def next_send_time(self, now: float) -> float | None:

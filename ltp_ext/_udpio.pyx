@@ -77,7 +77,7 @@ import struct as _struct
 
 import numpy as np
 
-from .constants import SEND_QUEUE_DEPTH, SEND_THREADS_MAX
+from .constants import SEND_PACE_CREDIT_S, SEND_QUEUE_DEPTH, SEND_THREADS_MAX
 
 # the queue depth as a C int (named in ltp_ext/constants.py)
 cdef int _QDEPTH = SEND_QUEUE_DEPTH
@@ -275,9 +275,13 @@ cdef extern from *:
     #include <signal.h>
     #include <stdlib.h>
     #include <unistd.h>
+    #include <time.h>
+    #include <sys/prctl.h>
 
     #define LTP_TX_ERRS 4            /* distinct errnos a job records */
     #define LTP_TX_FULL_WAIT_MS 20   /* a full socket: wait this long for room, then try again */
+    #define LTP_TX_SLEEP_SLICE 0.01  /* a paced thread sleeps at most this long (s) between looks at `stop` */
+
 
     typedef struct {
         struct mmsghdr *msgs;    /* one per GSO super-datagram (or packet without GSO) */
@@ -287,6 +291,9 @@ cdef extern from *:
         int *nseg;               /* packets per message */
         int cap_msgs, cap_pkts;
         int nm;
+        double rate;             /* paced: bytes per second (datagram bytes); 0: as fast as the socket takes them */
+        long long quantum;       /* paced: the most bytes one sub-burst sends back to back */
+        double credit;           /* paced: how far (s) a thread behind its timeline may catch up */
         struct sockaddr_storage name;
         /* results, written by the thread, read by the owner after the job is done */
         long long dgrams, syscalls, eagain;
@@ -306,7 +313,34 @@ cdef extern from *:
         long long done;          /* jobs finished (thread, under mu) */
         int stop;                /* 1: finish the queued jobs and exit; 2: drop what a full socket holds up */
         int running;
+        double pace_next;        /* thread only: CLOCK_MONOTONIC time the next paced sub-burst may leave */
     } ltp_tx_worker;
+
+    static double ltp_tx_clock(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    }
+
+    /* Sleep until CLOCK_MONOTONIC time t, in slices that look at `stop` (a closing owner stops pacing). */
+    static void ltp_tx_sleep_until(ltp_tx_worker *w, double t) {
+        struct timespec ts;
+        double now = ltp_tx_clock(), until;
+        while (now < t && !__atomic_load_n(&w->stop, __ATOMIC_RELAXED)) {
+            until = t < now + LTP_TX_SLEEP_SLICE ? t : now + LTP_TX_SLEEP_SLICE;
+            ts.tv_sec = (time_t)until;
+            ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+            clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL);   /* EINTR: look again */
+            now = ltp_tx_clock();
+        }
+    }
+
+    static long long ltp_tx_msg_bytes(struct msghdr *h) {
+        long long b = 0;
+        size_t i;
+        for (i = 0; i < h->msg_iovlen; i++) b += (long long)h->msg_iov[i].iov_len;
+        return b;
+    }
 
     static int ltp_tx_is_icmp(int e) {
         return e == ECONNREFUSED || e == EHOSTUNREACH || e == ENETUNREACH || e == EHOSTDOWN;
@@ -358,13 +392,34 @@ cdef extern from *:
         }
     }
 
+    /* A paced job leaves in sub-bursts of at most `quantum` bytes (at least one message), the worker's
+       timeline advancing by each sub-burst's bytes / rate; a thread that runs behind its timeline sends at
+       once and saves no credit, so a late sub-burst never grows into a catch-up burst. */
     static void ltp_tx_run(ltp_tx_worker *w, ltp_tx_job *j) {
-        int k = 0, retry_at = -1, r, i, e;
+        int k = 0, retry_at = -1, r, i, e, lim;
+        long long burst;
+        double now;
         while (k < j->nm) {
-            r = sendmmsg(w->fd, j->msgs + k, (unsigned int)(j->nm - k), 0);
+            lim = j->nm;
+            if (j->rate > 0 && !__atomic_load_n(&w->stop, __ATOMIC_RELAXED)) {
+                now = ltp_tx_clock();
+                if (w->pace_next > now) ltp_tx_sleep_until(w, w->pace_next);
+                else if (w->pace_next < now - j->credit)
+                    w->pace_next = now - j->credit;   /* later than that: forgiven (SEND_PACE_CREDIT_S) */
+                burst = ltp_tx_msg_bytes(&j->msgs[k].msg_hdr);
+                for (lim = k + 1; lim < j->nm; lim++) {
+                    long long b = ltp_tx_msg_bytes(&j->msgs[lim].msg_hdr);
+                    if (burst + b > j->quantum) break;
+                    burst += b;
+                }
+            }
+            r = sendmmsg(w->fd, j->msgs + k, (unsigned int)(lim - k), 0);
             j->syscalls++;
             if (r > 0) {
-                for (i = 0; i < r; i++) j->dgrams += j->nseg[k + i];
+                for (i = 0; i < r; i++) {
+                    j->dgrams += j->nseg[k + i];
+                    if (j->rate > 0) w->pace_next += (double)ltp_tx_msg_bytes(&j->msgs[k + i].msg_hdr) / j->rate;
+                }
                 k += r;
                 continue;
             }
@@ -396,6 +451,7 @@ cdef extern from *:
         sigset_t all;
         sigfillset(&all);
         pthread_sigmask(SIG_BLOCK, &all, NULL);   /* signals belong to the interpreter's thread */
+        prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);   /* a paced sleep ends when asked, not 50 us later */
         pthread_mutex_lock(&w->mu);
         for (;;) {
             while (w->done == w->head && !w->stop) pthread_cond_wait(&w->cv_work, &w->mu);
@@ -512,6 +568,9 @@ cdef extern from *:
         char *cmsg
         int *nseg
         int nm
+        double rate
+        long long quantum
+        double credit
         sockaddr_storage name
         long long dgrams
         long long syscalls
@@ -569,17 +628,22 @@ cdef Py_ssize_t _GSO_BYTES = GSO_MAX_BYTES
 
 cdef Py_ssize_t _gather_message(msghdr *h, iovec *iov, char *cbuf, char *hbuf, char *pbuf,
                                 const int64_t[::1] sv, Py_ssize_t j, Py_ssize_t n, Py_ssize_t seg_size,
-                                Py_ssize_t total, bint gso_ok, sockaddr_storage *name, int namelen) noexcept nogil:
+                                Py_ssize_t total, bint gso_ok, sockaddr_storage *name, int namelen,
+                                Py_ssize_t max_segs) noexcept nogil:
     """Fill ``h`` with one message of gather packets from packet ``j``; returns the packets it took (>= 1).
 
     Packet ``k`` is the header at ``hbuf + 16k`` and segment ``sv[k]`` of ``pbuf``: two entries of ``iov`` each.
     Under GSO the message takes equal-sized packets (a short one ends it) up to GSO_MAX_SEGMENTS and
-    GSO_MAX_BYTES, with its UDP_SEGMENT control message in ``cbuf`` (LTP_CMSG_SIZE bytes); without GSO, one
-    packet.  The caller-side send and the sender threads' jobs both cut their packets here.
+    GSO_MAX_BYTES (and ``max_segs``), with its UDP_SEGMENT control message in ``cbuf`` (LTP_CMSG_SIZE bytes);
+    without GSO, one packet.  The caller-side send and the sender threads' jobs both cut their packets here.
     """
     cdef Py_ssize_t k = j, m_pkts = 0, m_bytes = 0, first_len = -1, seq, plen
     h.msg_iov = iov
-    while j < n and m_pkts < (_GSO_SEGS if gso_ok else 1):
+    if not gso_ok:
+        max_segs = 1
+    elif max_segs > _GSO_SEGS or max_segs < 1:
+        max_segs = _GSO_SEGS
+    while j < n and m_pkts < max_segs:
         seq = sv[j]
         plen = total - seq * seg_size
         if plen > seg_size:
@@ -626,6 +690,15 @@ cdef int _ICMP_RETRIES = 4
 
 cdef inline bint _is_icmp(int e) noexcept nogil:
     return e == ECONNREFUSED or e == EHOSTUNREACH or e == ENETUNREACH or e == EHOSTDOWN
+
+
+def _check_pacing(double pace_rate, Py_ssize_t pace_quantum, int send_threads):
+    if not (pace_rate >= 0 and pace_rate < float("inf")):
+        raise ValueError(f"pace_rate must be a finite number of bytes per second >= 0, got {pace_rate}")
+    if pace_rate > 0 and send_threads <= 0:
+        raise ValueError("pace_rate needs sender threads: create the UdpIO with send_threads >= 1, or pass pace_rate=0")
+    if pace_rate > 0 and pace_quantum <= 0:
+        raise ValueError(f"pace_quantum must be > 0 bytes when pace_rate is set, got {pace_quantum}")
 
 
 def _closed_error():
@@ -1026,10 +1099,10 @@ cdef class UdpIO:
 
     cdef int _tx_enqueue(self, sockaddr_storage *name, int namelen, char *hbuf, char *pbuf,
                          const int64_t[::1] sv, Py_ssize_t n, Py_ssize_t seg_size, Py_ssize_t total,
-                         bint gso_ok, Py_buffer *pv) except -1:
+                         bint gso_ok, Py_buffer *pv, double pace_rate, Py_ssize_t pace_quantum) except -1:
         """Build ``send_segments``' packets into a job of one sender thread and queue it; takes over ``pv``."""
         cdef int w = 0, slot, nm = 0, e, i
-        cdef Py_ssize_t j, m_pkts
+        cdef Py_ssize_t j, m_pkts, max_segs = 0
         cdef ltp_tx_worker *wk
         cdef ltp_tx_job *job
         if self._tx_started == 0:
@@ -1067,14 +1140,20 @@ cdef class UdpIO:
         memcpy(job.hdrs, hbuf, n * 16)
         if namelen > 0:
             memcpy(&job.name, name, namelen)
+        if pace_rate > 0:  # no GSO message larger than a sub-burst
+            max_segs = max(1, pace_quantum // (16 + seg_size))
         j = 0
         while j < n:
             m_pkts = _gather_message(&job.msgs[nm].msg_hdr, &job.iov[2 * j], job.cmsg + nm * LTP_CMSG_SIZE,
-                                     job.hdrs, pbuf, sv, j, n, seg_size, total, gso_ok, &job.name, namelen)
+                                     job.hdrs, pbuf, sv, j, n, seg_size, total, gso_ok, &job.name, namelen,
+                                     max_segs)
             job.nseg[nm] = <int>m_pkts
             j += m_pkts
             nm += 1
         job.nm = nm
+        job.rate = pace_rate
+        job.quantum = pace_quantum
+        job.credit = SEND_PACE_CREDIT_S
         job.dgrams = 0
         job.syscalls = 0
         job.eagain = 0
@@ -1463,7 +1542,7 @@ cdef class UdpIO:
         return self._send(None, None, None, items, True)
 
     def send_segments(self, addr, headers, payload, seqs, Py_ssize_t seg_size, Py_ssize_t total,
-                      bint background=True):
+                      bint background=True, double pace_rate=0.0, Py_ssize_t pace_quantum=0):
         """Gather-send DATA packets without assembling them: header ``k`` + payload segment ``seqs[k]``.
 
         Packet ``k`` is the 16 bytes at ``headers[16k:16k+16]`` followed by
@@ -1483,6 +1562,13 @@ cdef class UdpIO:
         ``SEND_QUEUE_DEPTH`` batches.  ``background=False`` sends in the
         caller, unless a batch for ``addr`` is still with its thread (then it
         queues behind it, so the destination's packets keep their order).
+
+        ``pace_rate`` > 0 (bytes per second, datagram bytes) paces the batch in
+        its thread: it leaves in sub-bursts of at most ``pace_quantum`` bytes
+        (GSO messages no larger), spaced so that the thread's sends run at
+        ``pace_rate``; a thread behind its schedule sends at once and never
+        catches up with a larger burst.  It needs sender threads and implies
+        ``background``.
         """
         cdef Py_buffer hv, pv
         cdef bint pv_given = False
@@ -1500,6 +1586,7 @@ cdef class UdpIO:
         cdef char *pbuf
         if seg_size <= 0 or seg_size + 16 > MAX_SEGMENT_SIZE:
             raise ValueError(f"seg_size must be in 1..{MAX_SEGMENT_SIZE - 16}, got {seg_size}")
+        _check_pacing(pace_rate, pace_quantum, self.send_threads)
         if n == 0:
             return 0
         namelen = self._encode_name(addr, &name)
@@ -1520,8 +1607,9 @@ cdef class UdpIO:
                     raise ValueError(f"segment {q} is outside a {total}-byte message of {seg_size}-byte segments")
             hbuf = <char *>hv.buf
             pbuf = <char *>pv.buf
-            if self.send_threads and (background or self._tx_busy(&name, namelen)):
-                self._tx_enqueue(&name, namelen, hbuf, pbuf, sv, n, seg_size, total, gso_ok, &pv)
+            if self.send_threads and (background or pace_rate > 0 or self._tx_busy(&name, namelen)):
+                self._tx_enqueue(&name, namelen, hbuf, pbuf, sv, n, seg_size, total, gso_ok, &pv,
+                                 pace_rate, pace_quantum)
                 pv_given = True
                 return n
             while k < n:
@@ -1532,7 +1620,7 @@ cdef class UdpIO:
                 while nm < self._scap and j < n:
                     self._g_first[nm] = j
                     m_pkts = _gather_message(&self._gmsgs[nm].msg_hdr, &self._giov[gi], self._scmsg + nm * LTP_CMSG_SIZE,
-                                             hbuf, pbuf, sv, j, n, seg_size, total, gso_ok, &name, namelen)
+                                             hbuf, pbuf, sv, j, n, seg_size, total, gso_ok, &name, namelen, 0)
                     gi += 2 * m_pkts
                     j += m_pkts
                     self._m_nseg[nm] = m_pkts

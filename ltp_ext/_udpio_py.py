@@ -59,10 +59,11 @@ import socket as _socket
 import sys
 import struct as _struct
 import threading as _threading
+import time as _time
 
 import numpy as np
 
-from .constants import SEND_QUEUE_DEPTH, SEND_THREADS_MAX
+from .constants import SEND_PACE_CREDIT_S, SEND_QUEUE_DEPTH, SEND_THREADS_MAX
 
 __all__ = [
     "UdpIO",
@@ -94,6 +95,7 @@ GRO_SLOT_SIZE = 65536
 MAX_BATCH = 1024
 
 _ADDR_CACHE_MAX = 4096
+_TX_SLEEP_SLICE_S = 0.01  # a paced thread sleeps at most this long between looks at the stop flag
 _ICMP_RETRIES = 4
 #: setsockopt option number of SO_TIMESTAMPNS (Linux; not exported by Python's socket module)
 SO_TIMESTAMPNS_OPT = 35
@@ -121,6 +123,15 @@ _EXT_ERR = _struct.Struct("@IBBBBII")  # struct sock_extended_err
 _ERRQ_PAYLOAD = 64
 _ERRQ_ANC = 512
 _U16 = _struct.Struct("@H")
+
+
+def _check_pacing(pace_rate: float, pace_quantum: int, send_threads: int) -> None:
+    if not (pace_rate >= 0 and pace_rate < float("inf")):
+        raise ValueError(f"pace_rate must be a finite number of bytes per second >= 0, got {pace_rate}")
+    if pace_rate > 0 and send_threads <= 0:
+        raise ValueError("pace_rate needs sender threads: create the UdpIO with send_threads >= 1, or pass pace_rate=0")
+    if pace_rate > 0 and pace_quantum <= 0:
+        raise ValueError(f"pace_quantum must be > 0 bytes when pace_rate is set, got {pace_quantum}")
 
 
 def _closed_error() -> OSError:
@@ -296,10 +307,11 @@ class UdpIO:
             q: _queue.Queue = _queue.Queue(maxsize=SEND_QUEUE_DEPTH)
             done: _queue.SimpleQueue = _queue.SimpleQueue()
             # the thread holds the queues and the socket, not the UdpIO: a dropped UdpIO stops it (__del__)
-            t = _threading.Thread(target=_tx_main, args=(self._tx_sock, q, done), name="ltp-udpio-send",
+            pace = {"next": 0.0, "stop": _threading.Event()}  # the thread's paced timeline; set: stop pacing
+            t = _threading.Thread(target=_tx_main, args=(self._tx_sock, q, done, pace), name="ltp-udpio-send",
                                   daemon=True)
             t.start()
-            self._tx.append([q, t, 0, done, 0])
+            self._tx.append([q, t, 0, done, 0, pace])
             self._tx_load.append(0)
         self._tx_pid = _os.getpid()
 
@@ -307,6 +319,7 @@ class UdpIO:
         if getattr(self, "_tx_pid", 0) != _os.getpid():
             return  # never started, or a forked child's copy: its threads are not in this process
         for tx in self._tx:
+            tx[5]["stop"].set()
             tx[0].put(None)  # the thread sends what it holds, then ends
 
     def _reap(self, w: int) -> None:
@@ -354,6 +367,7 @@ class UdpIO:
         """
         if self._tx and self._tx_pid == _os.getpid():  # a forked child's copy has no threads to stop
             for tx in self._tx:
+                tx[5]["stop"].set()  # what it still holds goes out unpaced
                 tx[0].put(None)
             for tx in self._tx:
                 tx[1].join()
@@ -365,7 +379,7 @@ class UdpIO:
             self._tx_sock = None
 
     def _tx_enqueue(self, name, hv: memoryview, pv: memoryview, sv, n: int, seg_size: int, total: int,
-                    gso_ok: bool) -> None:
+                    gso_ok: bool, pace_rate: float = 0.0, pace_quantum: int = 0) -> None:
         if not self._tx:
             self._start_send_threads()
         if _os.getpid() != self._tx_pid:
@@ -383,11 +397,13 @@ class UdpIO:
         w = entry[0]
         hdrs = bytes(hv[:16 * n])
         msgs, j = [], 0
+        max_segs = max(1, pace_quantum // (16 + seg_size)) if pace_rate > 0 else 0  # no message over a sub-burst
         while j < n:
-            msg = _gather_message(hdrs, pv, sv, j, n, seg_size, total, gso_ok)
+            msg = _gather_message(hdrs, pv, sv, j, n, seg_size, total, gso_ok, max_segs)
             msgs.append(msg)
             j += msg[2]
-        job = dict(name=name, msgs=msgs, payload=pv, dgrams=0, syscalls=0, eagain=0, errors=[], gso_failed=0)
+        job = dict(name=name, msgs=msgs, payload=pv, dgrams=0, syscalls=0, eagain=0, errors=[], gso_failed=0,
+                   rate=pace_rate, quantum=pace_quantum, credit=SEND_PACE_CREDIT_S)
         tx = self._tx[w]
         self._reap(w)
         tx[0].put(job)  # waits while the thread holds SEND_QUEUE_DEPTH batches
@@ -696,7 +712,8 @@ class UdpIO:
         """
         return self._send(list(items), True)
 
-    def send_segments(self, addr, headers, payload, seqs, seg_size: int, total: int, background: bool = True) -> int:
+    def send_segments(self, addr, headers, payload, seqs, seg_size: int, total: int, background: bool = True,
+                      pace_rate: float = 0.0, pace_quantum: int = 0) -> int:
         """Gather-send DATA packets without assembling them: header ``k`` + payload segment ``seqs[k]``.
 
         Packet ``k`` is the 16 bytes at ``headers[16k:16k+16]`` followed by
@@ -716,12 +733,21 @@ class UdpIO:
         ``SEND_QUEUE_DEPTH`` batches.  ``background=False`` sends in the
         caller, unless a batch for ``addr`` is still with its thread (then it
         queues behind it, so the destination's packets keep their order).
+
+        ``pace_rate`` > 0 (bytes per second, datagram bytes) paces the batch in
+        its thread: it leaves in sub-bursts of at most ``pace_quantum`` bytes
+        (GSO messages no larger), spaced so that the thread's sends run at
+        ``pace_rate``; a thread behind its schedule sends at once and never
+        catches up with a larger burst.  It needs sender threads and implies
+        ``background``.
         """
         fd = self._fd()
         del fd
         seg_size, total = _operator.index(seg_size), _operator.index(total)
+        pace_rate, pace_quantum = float(pace_rate), _operator.index(pace_quantum)
         if seg_size <= 0 or seg_size + 16 > MAX_SEGMENT_SIZE:
             raise ValueError(f"seg_size must be in 1..{MAX_SEGMENT_SIZE - 16}, got {seg_size}")
+        _check_pacing(pace_rate, pace_quantum, self._send_threads)
         sv = np.ascontiguousarray(seqs, dtype=np.int64)
         n = sv.shape[0]
         if n == 0:
@@ -736,8 +762,8 @@ class UdpIO:
         for q in sv.tolist():
             if q < 0 or q * seg_size >= total:
                 raise ValueError(f"segment {q} is outside a {total}-byte message of {seg_size}-byte segments")
-        if self._send_threads and (background or self._tx_busy(name)):
-            self._tx_enqueue(name, hv, pv, sv, n, seg_size, total, self._gso)
+        if self._send_threads and (background or pace_rate > 0 or self._tx_busy(name)):
+            self._tx_enqueue(name, hv, pv, sv, n, seg_size, total, self._gso, pace_rate, pace_quantum)
             return n
         sock = self._sock
         gso_ok = self._gso
@@ -865,15 +891,20 @@ class UdpIO:
         return accepted
 
 
-def _gather_message(hv, pv, sv, j: int, n: int, seg_size: int, total: int, gso_ok: bool) -> tuple:
+def _gather_message(hv, pv, sv, j: int, n: int, seg_size: int, total: int, gso_ok: bool, max_segs: int = 0) -> tuple:
     """One message of gather packets from packet ``j``: ``(parts, ancillary data, packets taken)``.
 
     Packet ``k`` is header ``hv[16k:16k+16]`` + segment ``sv[k]`` of ``pv``.  Under GSO the message takes equal-sized
-    packets (a short one ends it) up to GSO_MAX_SEGMENTS and GSO_MAX_BYTES, with a UDP_SEGMENT control message;
-    without GSO, one packet.  The caller-side send and the sender threads' jobs both cut their packets here.
+    packets (a short one ends it) up to GSO_MAX_SEGMENTS and GSO_MAX_BYTES (and ``max_segs``), with a UDP_SEGMENT
+    control message; without GSO, one packet.  The caller-side send and the sender threads' jobs both cut their
+    packets here.
     """
     parts, first_len, m_bytes, k = [], -1, 0, j
-    while j < n and (j - k) < (GSO_MAX_SEGMENTS if gso_ok else 1):
+    if not gso_ok:
+        max_segs = 1
+    elif max_segs > GSO_MAX_SEGMENTS or max_segs < 1:
+        max_segs = GSO_MAX_SEGMENTS
+    while j < n and (j - k) < max_segs:
         seq = int(sv[j])
         plen = min(seg_size, total - seq * seg_size)
         if first_len >= 0 and (plen > first_len or m_bytes + 16 + plen > GSO_MAX_BYTES):
@@ -891,7 +922,7 @@ def _gather_message(hv, pv, sv, j: int, n: int, seg_size: int, total: int, gso_o
 
 
 # ---------------------------------------------------------------------------- sender threads (twin)
-def _tx_main(sock, q, done) -> None:
+def _tx_main(sock, q, done, pace: dict) -> None:
     """A sender thread: send each queued job on ``sock`` and hand it back through ``done``."""
     while True:
         job = q.get()
@@ -899,7 +930,7 @@ def _tx_main(sock, q, done) -> None:
             q.task_done()
             return
         try:
-            _tx_run(sock, job)
+            _tx_run(sock, job, pace)
         finally:
             done.put(job)
             q.task_done()
@@ -933,14 +964,51 @@ def _tx_send(sock, job: dict, parts: list, anc: list) -> int:
     return 0
 
 
-def _tx_run(sock, job: dict) -> None:
+def _tx_sleep_until(pace: dict, t: float) -> None:
+    """Sleep until monotonic time ``t``, in slices that look at the stop flag (a closing owner stops pacing)."""
+    now = _time.monotonic()
+    while now < t and not pace["stop"].is_set():
+        _time.sleep(min(t - now, _TX_SLEEP_SLICE_S))
+        now = _time.monotonic()
+
+
+def _tx_pace(job: dict, pace: dict, k: int, burst: int) -> int:
+    """Before message ``k`` of a paced job: wait for the timeline when ``k`` starts a sub-burst (none is open, or
+    it would grow past the quantum). Returns the open sub-burst's bytes so far (0: ``k`` starts one)."""
+    nbytes = _msg_bytes(job["msgs"][k])
+    if burst > 0 and burst + nbytes <= job["quantum"]:
+        return burst
+    if pace["stop"].is_set():
+        return 0
+    now = _time.monotonic()
+    if pace["next"] > now:
+        _tx_sleep_until(pace, pace["next"])
+    elif pace["next"] < now - job["credit"]:
+        pace["next"] = now - job["credit"]  # later than that: forgiven (SEND_PACE_CREDIT_S)
+    return 0
+
+
+def _msg_bytes(msg: tuple) -> int:
+    return sum(len(p) for p in msg[0])
+
+
+def _tx_run(sock, job: dict, pace: dict) -> None:
+    """Send a job's messages in order; a paced job (``rate`` > 0) in sub-bursts of at most ``quantum`` bytes, the
+    thread's timeline advancing by each message's bytes / rate (see the compiled ``ltp_tx_run``)."""
     msgs = job["msgs"]
-    k, retry_at = 0, -1
+    rate = job["rate"]
+    k, retry_at, burst = 0, -1, 0
     while k < len(msgs):
         parts, anc, m_pkts = msgs[k]
+        if rate > 0:
+            burst = _tx_pace(job, pace, k, burst)
         e = _tx_send(sock, job, parts, anc)
         if e == 0:
             job["dgrams"] += m_pkts
+            if rate > 0:
+                nbytes = _msg_bytes(msgs[k])
+                burst += nbytes
+                pace["next"] += nbytes / rate
             k += 1
             continue
         if e in (_errno.EINTR, _errno.EAGAIN, _errno.EWOULDBLOCK, _errno.ENOBUFS):

@@ -39,14 +39,15 @@ class LossyIO:
                 return i
         return len(mv)
 
-    def send_segments(self, addr, headers, payload, seqs, seg_size, total, background=True):
+    def send_segments(self, addr, headers, payload, seqs, seg_size, total, background=True, pace_rate=0.0,
+                      pace_quantum=0):
         hv = memoryview(headers)
         for k in range(len(seqs)):
             if min(seg_size, total - int(seqs[k]) * seg_size) > 200 and self.rng.random() < self.loss:
                 self.dropped += 1
                 continue
             if self._io.send_segments(addr, hv[16 * k:16 * k + 16], payload, seqs[k:k + 1], seg_size, total,
-                                      background=background) < 1:
+                                      background=background, pace_rate=pace_rate, pace_quantum=pace_quantum) < 1:
                 return k
         return len(seqs)
 

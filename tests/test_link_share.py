@@ -266,3 +266,22 @@ def test_the_first_gather_into_a_granted_link_is_not_cut_by_one_senders_view_of_
     reps, t, _, _ = first
     assert min(r.delivered_fraction for r in reps) > 0.95, [(r.regime, round(r.delivered_fraction, 3)) for r in reps]
     assert t < 1.5, t
+
+
+def test_a_batch_carries_its_paths_pacing_rate_unless_a_grant_paces_it():
+    from ltp.engine import Engine
+    from ltp.path import SegmentTransmit
+
+    eng = Engine(Config(), rng=random.Random(1), gather_send=True)
+    peer = ("10.0.0.2", 7447)
+    eng.send(peer, np.zeros(2_000_000, np.float32), now=0.0)
+    path = eng._paths[peer]
+
+    def batches(now):
+        return [t for t in eng.datagrams_to_send(now) if isinstance(t, SegmentTransmit)]
+
+    txs = batches(0.0)
+    assert txs and all(t.pace_rate == path.pacer.rate > 0 for t in txs)
+    path.on_grant(2e7, now=0.01)
+    txs = [t for now in (0.01, 0.02, 0.03) for t in (eng.handle_timer(now) or batches(now))]
+    assert txs and all(t.pace_rate == 0.0 for t in txs)  # granted: 2-packet bursts already, no thread pacing

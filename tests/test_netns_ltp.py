@@ -72,6 +72,20 @@ def test_lossy_transfer_exact_with_and_without_sender_threads(lab, threads):
     assert res["send_threads"] == threads and res["retransmitted_packets"] > 0
 
 
+@pytest.mark.parametrize("pacing", [0.0002, 0.001])
+def test_a_thread_paced_transfer_through_a_shaper_and_loss_is_exact(lab, pacing):
+    """``ltp-bench --thread-pacing``: a sender thread paces the DATA in sub-bursts (Config.thread_pacing_s) through
+    a 300 Mbit/s tbf with 1 % loss on DATA and ACKs; the transfer is exact, keeps most of the link and the
+    sender reports the setting."""
+    from ltp_tools.bench import run_bench
+
+    res = run_bench(transport="ltp", size=20_000_000, loss=0.01, loss_both=True, rate_bps=300e6, mode="reliable",
+                    lab=lab, timeout=120, thread_pacing_s=pacing)
+    assert res["verified"] is True and res["delivered_fraction"] == 1.0 and "error" not in res, res
+    assert res["thread_pacing_s"] == pacing and res["retransmitted_packets"] > 0
+    assert res["goodput_gbps"] > 0.1, res  # not the collapse a pacer that loses its late time into would show
+
+
 @pytest.mark.parametrize("connected", [True, False], ids=["connected", "unconnected"])
 def test_connected_and_open_endpoints_are_exact_through_loss_both_ways(lab, connected):
     """``ltp-bench`` connects both endpoints to each other by default (``open_endpoint(peer=...)``: the kernel's

@@ -24,7 +24,7 @@ import pytest
 
 from ltp.config import Config
 from ltp.errors import LocalProtocolError
-from ltp_ext.constants import SEND_QUEUE_DEPTH, SEND_THREADS_MAX
+from ltp_ext.constants import SEND_PACE_CREDIT_S, SEND_QUEUE_DEPTH, SEND_THREADS_MAX
 from net_helpers import run_in_fresh_netns
 from test_udpio import Sockets, _load, drain  # noqa: E402 (tests/ is on sys.path)
 
@@ -325,8 +325,9 @@ async def test_an_endpoint_sends_one_peers_data_itself_and_several_peers_data_th
     import ltp
 
     before = _threads_now()
-    ps = await ltp.open_endpoint(("127.0.0.1", 0), config=Config(send_threads=2))
-    workers = [await ltp.open_endpoint(("127.0.0.1", 0), config=Config(send_threads=2)) for _ in range(3)]
+    cfg = Config(send_threads=2)  # no thread pacing (the default): one peer's DATA stays on the loop's thread
+    ps = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
+    workers = [await ltp.open_endpoint(("127.0.0.1", 0), config=cfg) for _ in range(3)]
     try:
         params = np.arange(300_000, dtype=np.float32)
         out = np.zeros_like(params)
@@ -356,3 +357,136 @@ def test_the_engine_says_when_its_open_sends_go_to_several_peers():
     assert eng.sending and not eng.sending_to_several
     eng.send(("10.0.0.3", 7447), np.zeros(10_000, np.float32), now=0.0)
     assert eng.sending_to_several
+
+
+# ---------------------------------------------------------------------------- thread pacing
+def _paced_send(tx, rx_sock, n: int, seg: int, rate: float, quantum: int, tag: int = 7):
+    pay = np.random.default_rng(tag).integers(0, 256, n * seg, dtype=np.uint8)
+    seqs = np.arange(n, dtype=np.int64)
+    hdr = _headers(n, tag=tag)
+    want = _expected(hdr, pay.tobytes(), seqs.tolist(), seg, n * seg)
+    assert tx.send_segments(rx_sock.getsockname(), hdr, pay, seqs, seg, n * seg, background=False,
+                            pace_rate=rate, pace_quantum=quantum) == n  # pace_rate implies the thread
+    return want
+
+
+@pytest.mark.parametrize("gso", [True, False])
+def test_a_paced_batch_leaves_at_its_rate_in_sub_bursts_and_in_order(mod, socks, gso):
+    a, b = socks.make(), socks.make()
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b, gso=gso, send_threads=1)
+    n, seg = 240, 984  # 1,000-byte datagrams
+    rate, quantum = 1_000_000.0, 4_000  # 1 MB/s in sub-bursts of 4 datagrams
+    t0 = time.monotonic()
+    want = _paced_send(tx, a, n, seg, rate, quantum)
+    assert time.monotonic() - t0 < 0.1  # queued, not sent, by the call
+    tx.wait_sent()
+    took = time.monotonic() - t0
+    # 240 kB at 1 MB/s: the first sub-burst and at most SEND_PACE_CREDIT_S of catch-up leave without waiting
+    assert took >= (n * 1000 - quantum) / rate - SEND_PACE_CREDIT_S - 0.01, took
+    assert took < 5.0
+    assert [d for d, _ in drain(rx, n)] == want  # every byte, in order
+    st = tx.stats
+    assert st["datagrams_out"] == n and st["errors"] == {}
+    assert st["syscalls"] >= n // 4  # one send per sub-burst at least: no GSO message spans two
+    tx.stop_send_threads()
+
+
+def test_an_unpaced_batch_on_the_same_thread_is_not_held_to_the_pace(mod, socks):
+    a, b = socks.make(), socks.make()
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b, send_threads=1)
+    want = _paced_send(tx, a, 20, 984, 1_000_000.0, 4_000)
+    tx.wait_sent()
+    pay = np.zeros(200 * 984, np.uint8)
+    t0 = time.monotonic()
+    assert tx.send_segments(a.getsockname(), _headers(200, tag=9), pay, np.arange(200, dtype=np.int64), 984,
+                            200 * 984) == 200
+    tx.wait_sent()
+    assert time.monotonic() - t0 < 0.1  # 200 kB that pacing at 1 MB/s would have spread over 0.2 s
+    got = [d for d, _ in drain(rx, 220)]
+    assert got[:20] == want and len(got) == 220
+    tx.stop_send_threads()
+
+
+def test_stopping_the_threads_sends_what_a_slow_pace_still_holds_at_once(mod, socks):
+    a, b = socks.make(), socks.make()
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b, send_threads=2)
+    want = _paced_send(tx, a, 100, 984, 2_000.0, 2_000)  # 100 kB at 2 kB/s: 50 s if it kept pacing
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    tx.stop_send_threads()
+    assert time.monotonic() - t0 < 2.0
+    assert [d for d, _ in drain(rx, 100)] == want
+    assert tx.stats["datagrams_out"] == 100
+
+
+@pytest.mark.parametrize("rate, quantum, threads, match", [
+    (1e6, 3000, 0, "send_threads >= 1"),
+    (float("nan"), 3000, 1, "finite"),
+    (float("inf"), 3000, 1, "finite"),
+    (-1.0, 3000, 1, "finite"),
+    (1e6, 0, 1, "pace_quantum"),
+])
+def test_bad_pacing_arguments_raise_naming_the_fix(mod, socks, rate, quantum, threads, match):
+    a, b = socks.make(), socks.make()
+    tx = mod.UdpIO(b, send_threads=threads)
+    with pytest.raises(ValueError, match=match):
+        tx.send_segments(a.getsockname(), _headers(2), np.zeros(2000, np.uint8), np.arange(2, dtype=np.int64),
+                         1000, 2000, pace_rate=rate, pace_quantum=quantum)
+    assert tx.stats["datagrams_out"] == 0
+    tx.stop_send_threads()
+
+
+@pytest.mark.parametrize("bad", [-0.0001, 0.5, True, "2e-4", float("nan")])
+def test_config_refuses_bad_thread_pacing(bad):
+    with pytest.raises(LocalProtocolError, match="thread_pacing_s"):
+        Config(thread_pacing_s=bad)
+
+
+async def test_an_endpoint_paces_one_peers_data_in_its_threads_unless_told_not_to():
+    import ltp
+
+    assert Config().thread_pacing_s == 0.0  # off unless asked for (docs/performance.md, "Change 15")
+    for q, threads_started in ((0.0002, True), (0.0, False)):
+        before = _threads_now()
+        cfg = Config(thread_pacing_s=q)
+        a = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
+        b = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
+        try:
+            data = np.random.default_rng(3).standard_normal(2_000_000).astype(np.float32)  # 8 MB
+            out = np.zeros_like(data)
+            rep, _ = await asyncio.gather(a.send(b.local_addr, data, tag=1), b.recv(out, tag=1))
+            assert np.array_equal(out, data) and rep.delivered_fraction == 1.0
+            assert (_threads_now() > before) == threads_started
+            assert a.io_stats["datagrams_out"] >= data.nbytes // 1456
+        finally:
+            await a.close()
+            await b.close()
+        assert _threads_now() == before
+
+
+def test_the_endpoint_thread_paces_only_what_its_loop_timer_cannot():
+    from ltp.endpoint import LOOP_TIMER_RESOLUTION_S, THREAD_PACING_MIN_TICK_PACKETS, Endpoint
+
+    class _IO:
+        send_threads = 2
+
+    class _Tx:
+        segment_size = 1472
+
+        def __init__(self, rate):
+            self.pace_rate = rate
+
+    ep = Endpoint.__new__(Endpoint)
+    ep.config, ep._io = Config(thread_pacing_s=0.0002), _IO()
+    fast = 125e6  # 1 Gbit/s: 85 packets a tick
+    rate, quantum = ep._thread_pacing(_Tx(fast))
+    assert rate == fast and quantum == int(fast * 0.0002)
+    slow = THREAD_PACING_MIN_TICK_PACKETS * 1472 / LOOP_TIMER_RESOLUTION_S  # two packets a tick: the timer can
+    assert ep._thread_pacing(_Tx(slow)) == (0.0, 0)
+    assert ep._thread_pacing(_Tx(0.0)) == (0.0, 0)  # granted path: carries no rate
+    rate, quantum = ep._thread_pacing(_Tx(slow * 1.5))
+    assert quantum == THREAD_PACING_MIN_TICK_PACKETS * 1472  # never a sub-burst under two packets
+    ep._io.send_threads = 0
+    assert ep._thread_pacing(_Tx(fast)) == (0.0, 0)
+    ep._io.send_threads, ep.config = 2, Config()  # the default: off
+    assert ep._thread_pacing(_Tx(fast)) == (0.0, 0)

@@ -115,8 +115,11 @@ PATTERN_FILL_BPS = 100e6
 
 # ---------------------------------------------------------------------------- LTP roles
 def _threads(args) -> dict:
-    """``Config`` keywords for ``--send-threads`` (absent: the Config default)."""
-    return {} if args.send_threads is None else {"send_threads": args.send_threads}
+    """``Config`` keywords for ``--send-threads`` and ``--thread-pacing`` (absent: the Config defaults)."""
+    kw = {} if args.send_threads is None else {"send_threads": args.send_threads}
+    if args.thread_pacing is not None:
+        kw["thread_pacing_s"] = args.thread_pacing
+    return kw
 
 
 def _ltp_receiver(args) -> int:
@@ -183,6 +186,7 @@ def _ltp_sender(args) -> int:
                    sender_user_s=round(user, 3), machine_cpu_s=machine,
                    rtprop_ms=round(rep.rtprop_s * 1e3, 3), btlbw_gbps=round(rep.btlbw_bps * 8 / 1e9, 3),
                    sender_wakeups=dict(ep.loop_stats), send_threads=ep.config.send_threads,
+                   thread_pacing_s=ep.config.thread_pacing_s,
                    connected=ep.peer is not None)
         await ep.close()
         print(json.dumps(out), flush=True)
@@ -228,7 +232,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
               delay_s: float = 0.0, mtu: int = 1500, mode: str = "reliable", loss_both: bool = False,
               timeout: float = 300.0, lab=None, port: int = 7447, warmup: int = 0, gro: bool = False,
               tcp_buffer: str = "message", send_threads: int | None = None, bulk_drain: bool = True,
-              connected: bool = True) -> dict:
+              connected: bool = True, thread_pacing_s: float | None = None) -> dict:
     """Run one transfer and return the result dict (see module docstring).
 
     ``tcp_buffer`` says where a TCP transfer's bytes live (:data:`ltp_tools.tcpbench.BUFFERS`): ``"message"``
@@ -237,7 +241,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
 
     ``gro=True`` builds the lab with receive GRO on the hosts' interfaces (:class:`~ltp_tools.netlab.Lab`);
     it needs the lab (loopback always has GRO) and is ignored when ``lab`` is given (that lab's setting holds).
-    ``send_threads`` sets both LTP endpoints' ``Config.send_threads`` (None: its default).
+    ``send_threads`` sets both LTP endpoints' ``Config.send_threads`` (None: its default), ``thread_pacing_s``
+    their ``Config.thread_pacing_s`` (None: its default).
     ``bulk_drain=False`` makes the LTP receiver hand every batch to the engine (``Endpoint.bulk_drain``), for
     comparison with the default compiled drain.
     ``connected`` (default) opens both LTP endpoints connected to each other (``open_endpoint(peer=...)``), as a
@@ -273,6 +278,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
                   "--delay", f"{delay_s * 1e3}ms", "--warmup", str(warmup)]
         if send_threads is not None:
             common += ["--send-threads", str(send_threads)]
+        if thread_pacing_s is not None:
+            common += ["--thread-pacing", repr(float(thread_pacing_s))]
         if not bulk_drain:
             common += ["--no-bulk-drain"]
         snd_host = snd.addr if snd is not None else host  # loopback: both ends on the same address
@@ -326,6 +333,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
         stats = lab.loss_stats(rcv) if lab is not None else {}
         if transport == "ltp":
             result["send_threads"] = s.get("send_threads")
+            result["thread_pacing_s"] = s.get("thread_pacing_s")
             result["bulk_drain"] = bulk_drain
             result["connected"] = s.get("connected")
         result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
@@ -394,6 +402,10 @@ def main(argv=None) -> int:
     ap.add_argument("--send-threads", type=number(int, 0, SEND_THREADS_MAX, what="LTP sender threads"), default=None,
                     help="LTP: threads that make the DATA sends (Config.send_threads; 0: the event loop's thread; "
                          "default: the Config default)")
+    ap.add_argument("--thread-pacing", type=number(float, 0.0, 0.001, what="seconds of thread pacing"),
+                    default=None, metavar="SECONDS",
+                    help="LTP: a sender thread paces one peer's DATA in sub-bursts of this much time at the path's "
+                         "rate (Config.thread_pacing_s; 0: off, the default; e.g. 0.0002)")
     ap.add_argument("--no-bulk-drain", action="store_true",
                     help="LTP: the receiver hands every batch to the engine in Python (Endpoint.bulk_drain off) "
                          "instead of draining a bulk receive into its window in compiled code")
@@ -407,7 +419,7 @@ def main(argv=None) -> int:
                             delay_s=args.delay, mtu=args.mtu, mode=args.mode, loss_both=args.loss_both,
                             timeout=args.timeout, warmup=args.warmup, gro=args.gro, tcp_buffer=args.tcp_buffer,
                             send_threads=args.send_threads, bulk_drain=not args.no_bulk_drain,
-                            connected=not args.unconnected)
+                            connected=not args.unconnected, thread_pacing_s=args.thread_pacing)
         except (TimeoutError, subprocess.TimeoutExpired, ltp.LTPError, RuntimeError) as exc:
             # a transfer that did not finish is a result to report, not a crash
             print(f"ltp-bench: {args.transport} transfer of {args.size} B failed: {type(exc).__name__}: {exc}",
@@ -433,6 +445,7 @@ def _role_main(argv) -> int:
     ap.add_argument("--delay", type=parse_time, default=0.0)
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--send-threads", type=int, default=None)
+    ap.add_argument("--thread-pacing", type=float, default=None)
     ap.add_argument("--no-bulk-drain", action="store_true")
     ap.add_argument("--peer", default=None, help="receiver: connect to this sender address")
     ap.add_argument("--peer-port", type=int, default=0)
