@@ -116,7 +116,7 @@ class Config:
     #: burst (a token bucket's: the lab's tbf takes 200 us of line rate) then passes the packets without
     #: queueing them: 0.0002 took the lab's tbf row from 0.89-0.92 to 0.93-0.94 Gbit/s. It is off by default
     #: because on a host whose cores are all busy (a PS and its workers sharing two) the parameter server's
-    #: rounds took 1.35x as long with it (docs/performance.md, "Change 15"). Paths paced by a receiver's grant
+    #: rounds took 1.2-1.3x as long with it (docs/performance.md, "Change 15"). Paths paced by a receiver's grant
     #: (ltp/link_share.py) and sends to several peers are never thread-paced.
     thread_pacing_s: float = 0.0
 
@@ -154,8 +154,8 @@ class Config:
         if isinstance(self.thread_pacing_s, bool) or not isinstance(self.thread_pacing_s, (int, float)) or \
                 not 0 <= self.thread_pacing_s <= self.pacing_granularity_s:
             raise LocalProtocolError(f"thread_pacing_s={self.thread_pacing_s!r}: pass seconds from 0 (no thread "
-                                     f"pacing) to pacing_granularity_s ({self.pacing_granularity_s}); 0.0002 is "
-                                     "the default")
+                                     f"pacing, the default) to pacing_granularity_s ({self.pacing_granularity_s}), "
+                                     "e.g. 0.0002")
         for name in ("max_flow_bytes", "max_flows_per_peer", "max_receive_memory", "lt_window",
                      "initial_cwnd_packets", "min_burst_packets", "io_batch", "max_closed_flows", "ack_every",
                      "max_flows_per_host", "max_pending_registrations", "replay_cache_entries",

@@ -282,7 +282,6 @@ cdef extern from *:
     #define LTP_TX_FULL_WAIT_MS 20   /* a full socket: wait this long for room, then try again */
     #define LTP_TX_SLEEP_SLICE 0.01  /* a paced thread sleeps at most this long (s) between looks at `stop` */
 
-
     typedef struct {
         struct mmsghdr *msgs;    /* one per GSO super-datagram (or packet without GSO) */
         struct iovec *iov;       /* two per packet: header, payload segment */
@@ -393,8 +392,9 @@ cdef extern from *:
     }
 
     /* A paced job leaves in sub-bursts of at most `quantum` bytes (at least one message), the worker's
-       timeline advancing by each sub-burst's bytes / rate; a thread that runs behind its timeline sends at
-       once and saves no credit, so a late sub-burst never grows into a catch-up burst. */
+       timeline advancing by each message's bytes / rate.  A thread that runs behind its timeline sends at
+       once, back to back, until it has caught up by at most `credit` seconds (SEND_PACE_CREDIT_S): a thread
+       descheduled for longer than a sub-burst's gap would otherwise lose that rate for good. */
     static void ltp_tx_run(ltp_tx_worker *w, ltp_tx_job *j) {
         int k = 0, retry_at = -1, r, i, e, lim;
         long long burst;
@@ -1566,9 +1566,9 @@ cdef class UdpIO:
         ``pace_rate`` > 0 (bytes per second, datagram bytes) paces the batch in
         its thread: it leaves in sub-bursts of at most ``pace_quantum`` bytes
         (GSO messages no larger), spaced so that the thread's sends run at
-        ``pace_rate``; a thread behind its schedule sends at once and never
-        catches up with a larger burst.  It needs sender threads and implies
-        ``background``.
+        ``pace_rate``; a thread behind its schedule sends at once and catches
+        up by at most ``SEND_PACE_CREDIT_S``.  It needs sender threads and
+        implies ``background``.
         """
         cdef Py_buffer hv, pv
         cdef bint pv_given = False

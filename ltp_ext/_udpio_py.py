@@ -737,9 +737,9 @@ class UdpIO:
         ``pace_rate`` > 0 (bytes per second, datagram bytes) paces the batch in
         its thread: it leaves in sub-bursts of at most ``pace_quantum`` bytes
         (GSO messages no larger), spaced so that the thread's sends run at
-        ``pace_rate``; a thread behind its schedule sends at once and never
-        catches up with a larger burst.  It needs sender threads and implies
-        ``background``.
+        ``pace_rate``; a thread behind its schedule sends at once and catches
+        up by at most ``SEND_PACE_CREDIT_S``.  It needs sender threads and
+        implies ``background``.
         """
         fd = self._fd()
         del fd

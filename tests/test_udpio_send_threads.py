@@ -378,7 +378,6 @@ def test_a_paced_batch_leaves_at_its_rate_in_sub_bursts_and_in_order(mod, socks,
     rate, quantum = 1_000_000.0, 4_000  # 1 MB/s in sub-bursts of 4 datagrams
     t0 = time.monotonic()
     want = _paced_send(tx, a, n, seg, rate, quantum)
-    assert time.monotonic() - t0 < 0.1  # queued, not sent, by the call
     tx.wait_sent()
     took = time.monotonic() - t0
     # 240 kB at 1 MB/s: the first sub-burst and at most SEND_PACE_CREDIT_S of catch-up leave without waiting
@@ -394,14 +393,14 @@ def test_a_paced_batch_leaves_at_its_rate_in_sub_bursts_and_in_order(mod, socks,
 def test_an_unpaced_batch_on_the_same_thread_is_not_held_to_the_pace(mod, socks):
     a, b = socks.make(), socks.make()
     rx, tx = mod.UdpIO(a), mod.UdpIO(b, send_threads=1)
-    want = _paced_send(tx, a, 20, 984, 1_000_000.0, 4_000)
+    want = _paced_send(tx, a, 20, 984, 100_000.0, 4_000)  # 20 kB at 100 kB/s
     tx.wait_sent()
     pay = np.zeros(200 * 984, np.uint8)
     t0 = time.monotonic()
     assert tx.send_segments(a.getsockname(), _headers(200, tag=9), pay, np.arange(200, dtype=np.int64), 984,
                             200 * 984) == 200
     tx.wait_sent()
-    assert time.monotonic() - t0 < 0.1  # 200 kB that pacing at 1 MB/s would have spread over 0.2 s
+    assert time.monotonic() - t0 < 1.0  # 200 kB that the batch before's pace would have spread over 2 s
     got = [d for d, _ in drain(rx, 220)]
     assert got[:20] == want and len(got) == 220
     tx.stop_send_threads()
