@@ -330,6 +330,7 @@ class LtpProcessGroup(dist.ProcessGroup):
         self.options = options or _configured or BackendOptions.from_env()
         self.algorithm = self.options.algorithm
         self._seq = 0
+        self._unfinished: set = set()  # collectives numbered here and not finished yet (under _lock)
         self._p2p_send: dict = {}
         self._p2p_recv: dict = {}
         self._lock = threading.Lock()
@@ -404,18 +405,26 @@ class LtpProcessGroup(dist.ProcessGroup):
             with self._lock:
                 seq = self._seq
                 self._seq += 1
+                self._unfinished.add(seq)
             self.stats["collectives"] += 1
         complete, fut = completion()
         work = LtpWork(fut)
         deadline = time.monotonic() + self._timeout_s
 
         async def run():
-            if p2p or self._world == 1:
-                await coro_fn(seq, deadline)
-                return
-            await self._run_collective(name, seq, coro_fn, deadline)
+            try:
+                if p2p or self._world == 1:
+                    await coro_fn(seq, deadline)
+                else:
+                    await self._run_collective(name, seq, coro_fn, deadline)
+            finally:
+                self._finished(seq)
 
-        cf = self._io.submit(run())
+        try:
+            cf = self._io.submit(run())
+        except BaseException:
+            self._finished(seq)
+            raise
 
         def done(f):
             exc = f.exception()
@@ -493,22 +502,30 @@ class LtpProcessGroup(dist.ProcessGroup):
                 continue  # not a whole notice: ignore it (every transfer of the group is reliable)
             raw = buf.tobytes()
             seq, rank = int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:12], "little")
-            reason = raw[12:].rstrip(b"\0").decode("utf-8", "replace")
-            self.stats["aborts_received"] += 1
-            waiter = self._abort_waiters.get(seq)
-            if waiter is not None:
-                if not waiter.done():
-                    waiter.set_result((rank, reason))
-            elif seq >= self._seq_floor():
-                self._aborted[seq] = (rank, reason)
-                while len(self._aborted) > ABORT_NOTICES_KEPT:
-                    self._aborted.pop(min(self._aborted))
+            self._on_notice(seq, rank, raw[12:].rstrip(b"\0").decode("utf-8", "replace"))
+
+    def _on_notice(self, seq: int, rank: int, reason: str) -> None:
+        """Rank ``rank`` gave up collective ``seq``: fail it if it runs here, remember it if it has not finished."""
+        self.stats["aborts_received"] += 1
+        waiter = self._abort_waiters.get(seq)
+        if waiter is not None:
+            if not waiter.done():
+                waiter.set_result((rank, reason))
+        elif seq >= self._seq_floor():
+            self._aborted[seq] = (rank, reason)
+            while len(self._aborted) > ABORT_NOTICES_KEPT:
+                self._aborted.pop(min(self._aborted))
+
+    def _finished(self, seq: int | None) -> None:
+        with self._lock:
+            self._unfinished.discard(seq)
 
     def _seq_floor(self) -> int:
-        """The lowest sequence number a notice may still concern: collectives below it finished here."""
+        """The lowest sequence number a notice may still concern: collectives below it finished here. A collective
+        numbered on the caller's thread but not yet started on the loop counts as unfinished: a notice that arrives
+        in between is kept for its start (before, it was dropped, and this rank waited for the group timeout)."""
         with self._lock:
-            nxt = self._seq
-        return min([nxt, *self._abort_waiters])
+            return min([self._seq, *self._unfinished])
 
     def _left(self, deadline: float) -> float:
         return max(0.001, deadline - time.monotonic())

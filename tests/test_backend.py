@@ -341,3 +341,31 @@ def test_a_mismatch_seen_by_one_rank_fails_every_rank_at_once_and_the_group_goes
         run_all(pgs, lambda r, pg: pg.allreduce([xs[r]]))  # the group goes on
         assert all(torch.equal(x, torch.full((5,), 6.0)) for x in xs)
     assert sum(pg.stats["aborts_sent"] for pg in pgs) >= 1 and sum(pg.stats["aborts_received"] for pg in pgs) >= 1
+
+
+def test_a_notice_between_numbering_and_start_is_kept_for_the_start(groups_factory):
+    """Found by CI: a collective takes its number on the caller's thread and starts on the loop thread; a notice the
+    loop handled in between was dropped as stale, and the rank waited for the whole group timeout."""
+    pgs = groups_factory(2, "ltp", timeout_s=20.0)
+    pg = pgs[1]
+    hold, held = threading.Event(), threading.Event()
+
+    def block():
+        held.set()
+        hold.wait(10)
+
+    pg._io.loop.call_soon_threadsafe(block)
+    assert held.wait(5)
+    try:
+        work = pg.allreduce([torch.ones(4)])  # numbered 0 here; its start waits behind the blocked loop
+        assert pg._seq_floor() == 0
+        pg._on_notice(0, 0, "rank 0 saw a mismatch")  # what the listener does with rank 0's notice
+        pg._on_notice(1, 0, "a notice for a collective not issued yet is kept too")
+        assert set(pg._aborted) == {0, 1}
+    finally:
+        hold.set()
+    t0 = time.monotonic()
+    with pytest.raises(B.LtpBackendError, match="rank 0 gave it up and told the group: rank 0 saw a mismatch"):
+        work.wait()
+    assert time.monotonic() - t0 < 5.0  # at its start, not at the 20 s timeout (rank 0 never joined)
+    assert pg._seq_floor() == 1 and set(pg._aborted) == {1}
