@@ -296,6 +296,8 @@ cdef extern from *:
         struct sockaddr_storage name;
         /* results, written by the thread, read by the owner after the job is done */
         long long dgrams, syscalls, eagain;
+        long long paced_sleeps;  /* sub-bursts that waited for the timeline */
+        double paced_late;       /* seconds of lateness beyond `credit` forgiven (the rate lost for good) */
         int err_code[LTP_TX_ERRS];
         long long err_count[LTP_TX_ERRS];
         int gso_failed;          /* 1: EINVAL on a GSO message; 2: EIO (GSO unusable) */
@@ -403,9 +405,14 @@ cdef extern from *:
             lim = j->nm;
             if (j->rate > 0 && !__atomic_load_n(&w->stop, __ATOMIC_RELAXED)) {
                 now = ltp_tx_clock();
-                if (w->pace_next > now) ltp_tx_sleep_until(w, w->pace_next);
-                else if (w->pace_next < now - j->credit)
-                    w->pace_next = now - j->credit;   /* later than that: forgiven (SEND_PACE_CREDIT_S) */
+                if (w->pace_next > now) {
+                    ltp_tx_sleep_until(w, w->pace_next);
+                    j->paced_sleeps++;
+                } else if (w->pace_next < now - j->credit) {
+                    /* later than that: forgiven (SEND_PACE_CREDIT_S), unless the thread merely sat idle */
+                    if (k > 0) j->paced_late += now - j->credit - w->pace_next;
+                    w->pace_next = now - j->credit;
+                }
                 burst = ltp_tx_msg_bytes(&j->msgs[k].msg_hdr);
                 for (lim = k + 1; lim < j->nm; lim++) {
                     long long b = ltp_tx_msg_bytes(&j->msgs[lim].msg_hdr);
@@ -575,6 +582,8 @@ cdef extern from *:
         long long dgrams
         long long syscalls
         long long eagain
+        long long paced_sleeps
+        double paced_late
         int err_code[4]
         long long err_count[4]
         int gso_failed
@@ -793,6 +802,8 @@ cdef class UdpIO:
     cdef int64_t _slots_in
     cdef int64_t _dgrams_out
     cdef int64_t _eagain
+    cdef int64_t _paced_sleeps
+    cdef double _paced_late
     cdef dict _errors
     # sender threads
     cdef readonly int send_threads
@@ -932,6 +943,8 @@ cdef class UdpIO:
         self._slots_in = 0
         self._dgrams_out = 0
         self._eagain = 0
+        self._paced_sleeps = 0
+        self._paced_late = 0.0
         self._errors = {}
         self._tx_assign = {}
         self.send_threads = send_threads  # started by the first send_segments
@@ -1052,6 +1065,8 @@ cdef class UdpIO:
             self._syscalls += j.syscalls
             self._dgrams_out += j.dgrams
             self._eagain += j.eagain
+            self._paced_sleeps += j.paced_sleeps
+            self._paced_late += j.paced_late
             for i in range(LTP_TX_ERRS):
                 for c in range(j.err_count[i]):
                     self._count_error(j.err_code[i])
@@ -1157,6 +1172,8 @@ cdef class UdpIO:
         job.dgrams = 0
         job.syscalls = 0
         job.eagain = 0
+        job.paced_sleeps = 0
+        job.paced_late = 0.0
         for e in range(LTP_TX_ERRS):
             job.err_count[e] = 0
             job.err_code[e] = 0
@@ -1203,8 +1220,10 @@ cdef class UdpIO:
     @property
     def stats(self):
         """Counters: syscalls, datagrams_in, slots_in (receive buffers the kernel filled: a coalesced GRO run
-        counts once, its datagrams each count in datagrams_in), datagrams_out, eagain, errors (errno name -> count).
-        Sender threads' batches count once they are finished (``wait_sent`` waits for them)."""
+        counts once, its datagrams each count in datagrams_in), datagrams_out, eagain, errors (errno name -> count);
+        for paced sends (``pace_rate``), paced_sleeps (sub-bursts that waited for their time) and paced_late_s
+        (seconds a thread ran behind its timeline beyond ``SEND_PACE_CREDIT_S`` within a batch: that rate was not
+        sent). Sender threads' batches count once they are finished (``wait_sent`` waits for them)."""
         if self._tx_started:
             self._reap_all()
         return {
@@ -1213,6 +1232,8 @@ cdef class UdpIO:
             "slots_in": self._slots_in,
             "datagrams_out": self._dgrams_out,
             "eagain": self._eagain,
+            "paced_sleeps": self._paced_sleeps,
+            "paced_late_s": self._paced_late,
             "errors": dict(self._errors),
             "socket_drops": self.socket_drops,
         }

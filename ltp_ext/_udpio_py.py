@@ -243,6 +243,8 @@ class UdpIO:
         self._slots_in = 0
         self._dgrams_out = 0
         self._eagain = 0
+        self._paced_sleeps = 0
+        self._paced_late = 0.0
         self._errors: dict[str, int] = {}
         self._icmp_errors = 0
         self._send_threads = send_threads  # started by the first send_segments
@@ -332,6 +334,8 @@ class UdpIO:
             self._syscalls += job["syscalls"]
             self._dgrams_out += job["dgrams"]
             self._eagain += job["eagain"]
+            self._paced_sleeps += job["paced_sleeps"]
+            self._paced_late += job["paced_late"]
             for e in job["errors"]:
                 self._count_error(e)
             if job["gso_failed"] == 2:
@@ -403,7 +407,7 @@ class UdpIO:
             msgs.append(msg)
             j += msg[2]
         job = dict(name=name, msgs=msgs, payload=pv, dgrams=0, syscalls=0, eagain=0, errors=[], gso_failed=0,
-                   rate=pace_rate, quantum=pace_quantum, credit=SEND_PACE_CREDIT_S)
+                   paced_sleeps=0, paced_late=0.0, rate=pace_rate, quantum=pace_quantum, credit=SEND_PACE_CREDIT_S)
         tx = self._tx[w]
         self._reap(w)
         tx[0].put(job)  # waits while the thread holds SEND_QUEUE_DEPTH batches
@@ -443,8 +447,10 @@ class UdpIO:
     @property
     def stats(self) -> dict:
         """Counters: syscalls, datagrams_in, slots_in (receive buffers the kernel filled: a coalesced GRO run
-        counts once, its datagrams each count in datagrams_in), datagrams_out, eagain, errors (errno name -> count).
-        Sender threads' batches count once they are finished (``wait_sent`` waits for them)."""
+        counts once, its datagrams each count in datagrams_in), datagrams_out, eagain, errors (errno name -> count);
+        for paced sends (``pace_rate``), paced_sleeps (sub-bursts that waited for their time) and paced_late_s
+        (seconds a thread ran behind its timeline beyond ``SEND_PACE_CREDIT_S`` within a batch: that rate was not
+        sent). Sender threads' batches count once they are finished (``wait_sent`` waits for them)."""
         if self._tx:
             self.reap()
         return {
@@ -453,6 +459,8 @@ class UdpIO:
             "slots_in": self._slots_in,
             "datagrams_out": self._dgrams_out,
             "eagain": self._eagain,
+            "paced_sleeps": self._paced_sleeps,
+            "paced_late_s": self._paced_late,
             "errors": dict(self._errors),
             "socket_drops": self._socket_drops,
         }
@@ -983,8 +991,12 @@ def _tx_pace(job: dict, pace: dict, k: int, burst: int) -> int:
     now = _time.monotonic()
     if pace["next"] > now:
         _tx_sleep_until(pace, pace["next"])
+        job["paced_sleeps"] += 1
     elif pace["next"] < now - job["credit"]:
-        pace["next"] = now - job["credit"]  # later than that: forgiven (SEND_PACE_CREDIT_S)
+        # later than that: forgiven (SEND_PACE_CREDIT_S), unless the thread merely sat idle
+        if k > 0:
+            job["paced_late"] += now - job["credit"] - pace["next"]
+        pace["next"] = now - job["credit"]
     return 0
 
 

@@ -315,7 +315,9 @@ async def test_a_caller_timeout_does_not_count_time_the_process_did_not_run():
     a = await ltp.open_endpoint(("127.0.0.1", 0))
     b = await ltp.open_endpoint(("127.0.0.1", 0))
     try:
-        data = np.random.default_rng(0).standard_normal(8_000_000).astype(np.float32)
+        # 8 MB: enough to be mid-send after 5 ms, little enough for the pure-Python twin to finish within the 1 s
+        # window it gets back (32 MB did not, once, on a loaded machine)
+        data = np.random.default_rng(0).standard_normal(2_000_000).astype(np.float32)
         out = np.zeros_like(data)
         recv = asyncio.ensure_future(b.recv(out))
         send = asyncio.ensure_future(a.send(b.local_addr, data, reliable=True, timeout=1.0))

@@ -387,7 +387,27 @@ def test_a_paced_batch_leaves_at_its_rate_in_sub_bursts_and_in_order(mod, socks,
     st = tx.stats
     assert st["datagrams_out"] == n and st["errors"] == {}
     assert st["syscalls"] >= n // 4  # one send per sub-burst at least: no GSO message spans two
+    assert st["paced_sleeps"] >= 20  # 60 sub-bursts 4 ms apart: most wait for their time
+    assert 0 <= st["paced_late_s"] < took
     tx.stop_send_threads()
+
+
+def test_a_pace_faster_than_the_thread_can_send_counts_the_time_it_ran_late(mod, socks):
+    """Asked for 1 TB/s one datagram at a time, the thread falls behind its timeline at once: it never sleeps, and
+    the lateness beyond SEND_PACE_CREDIT_S (the rate it did not send) shows in stats["paced_late_s"]."""
+    a, b = socks.make(), socks.make()
+    tx = mod.UdpIO(b, send_threads=1)
+    n, seg = 5000, 984
+    t0 = time.monotonic()
+    _paced_send(tx, a, n, seg, 1e12, 1000)
+    tx.wait_sent()
+    took = time.monotonic() - t0
+    st = tx.stats
+    assert st["datagrams_out"] == n and st["syscalls"] >= n and st["paced_sleeps"] == 0
+    assert 0 < st["paced_late_s"] <= took
+    tx.stop_send_threads()
+    fresh = mod.UdpIO(a).stats
+    assert fresh["paced_late_s"] == 0.0 and fresh["paced_sleeps"] == 0
 
 
 def test_an_unpaced_batch_on_the_same_thread_is_not_held_to_the_pace(mod, socks):
