@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -307,6 +308,36 @@ async def test_engine_timeout_keeps_its_cause_under_a_caller_timeout():
     finally:
         await a.close()
         silent.close()
+
+
+async def test_a_stop_that_ends_just_before_the_callers_deadline_is_not_counted_either():
+    """Found by CI: a PS stopped for 10 s failed a 10 s send it had started just before the stop, because its
+    caller's timer, due right after the stop ended, ran on time. The engine's own timer ran late and saw the stall
+    (``Engine.own_stall_at``): the send gets its window again."""
+    held = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # holds the peer's port; never answers, no ICMP
+    held.bind(("127.0.0.1", 0))
+    peer = held.getsockname()
+    a = await ltp.open_endpoint(("127.0.0.1", 0), config=Config(peer_silence_min_s=8.0))
+    b = None
+    try:
+        data = np.random.default_rng(1).standard_normal(100_000).astype(np.float32)
+        send = asyncio.ensure_future(a.send(peer, data, reliable=True, timeout=3.0))
+        await asyncio.sleep(0.05)
+        time.sleep(2.9)  # the process stops; it runs again 0.05 s before the caller's deadline
+        await asyncio.sleep(0.3)  # past the deadline, whose timer ran on time
+        assert not send.done(), send
+        assert a.engine.own_stall_at is not None
+        held.close()
+        b = await ltp.open_endpoint(peer)  # the peer comes up on that port: the send completes
+        out = np.zeros_like(data)
+        await asyncio.wait_for(asyncio.gather(send, b.recv(out)), 20)
+        assert np.array_equal(out, data)
+        assert a.loop_stats["stalled_timeouts"] == 1
+    finally:
+        held.close()
+        await a.close()
+        if b is not None:
+            await b.close()
 
 
 async def test_a_caller_timeout_does_not_count_time_the_process_did_not_run():
