@@ -205,8 +205,9 @@ class Engine:
         self._wakes: dict = {}  # (peer, fid) -> when its Early Close decision can change (Timer.EARLY_CLOSE)
         self._due: float | None = None  # the deadline get_timer last gave (the adapter's timer is armed there)
         self._heard_floor = float("-inf")  # silence counts from no earlier than this (the own-stall rule)
-        #: when :meth:`handle_timer` last found that this process had not run (the own-stall rule); None: never
-        self.own_stall_at: float | None = None
+        #: since when this process had not run, as :meth:`handle_timer` last found (the own-stall rule: the
+        #: deadline its late call was armed for); None: never
+        self.own_stall_since: float | None = None
 
     # ------------------------------------------------------------------ commands
     def send(self, peer, data, *, now: float, reliable: bool = False, critical=(), element_size: int | None = None,
@@ -1002,7 +1003,7 @@ class Engine:
         did not run meanwhile: every peer's silence counts afresh from ``now`` (the own-stall rule)."""
         if liveness.stalled(self._due, now):
             self._heard_floor = now
-            self.own_stall_at = now
+            self.own_stall_since = self._due
             self.stats.own_stalls += 1
         self._due = None
         for path in list(self._paths.values()):

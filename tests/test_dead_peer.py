@@ -313,7 +313,7 @@ async def test_engine_timeout_keeps_its_cause_under_a_caller_timeout():
 async def test_a_stop_that_ends_just_before_the_callers_deadline_is_not_counted_either():
     """Found by CI: a PS stopped for 10 s failed a 10 s send it had started just before the stop, because its
     caller's timer, due right after the stop ended, ran on time. The engine's own timer ran late and saw the stall
-    (``Engine.own_stall_at``): the send gets its window again."""
+    (``Engine.own_stall_since``): the send gets its window again."""
     held = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # holds the peer's port; never answers, no ICMP
     held.bind(("127.0.0.1", 0))
     peer = held.getsockname()
@@ -326,7 +326,7 @@ async def test_a_stop_that_ends_just_before_the_callers_deadline_is_not_counted_
         time.sleep(2.9)  # the process stops; it runs again 0.05 s before the caller's deadline
         await asyncio.sleep(0.3)  # past the deadline, whose timer ran on time
         assert not send.done(), send
-        assert a.engine.own_stall_at is not None
+        assert a.engine.own_stall_since is not None
         held.close()
         b = await ltp.open_endpoint(peer)  # the peer comes up on that port: the send completes
         out = np.zeros_like(data)
