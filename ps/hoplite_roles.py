@@ -172,6 +172,8 @@ class _ServerRole:
         p = slots.assembled(step.slot, step.lo, step.hi)  # a reduce in pieces: one partial per piece's chain
         slots.clear_partials()  # the round's sum and the hops' inputs are used once
         self.applied = self._step(p, f"round {self.ps.iteration}")
+        if p is not None and p.contributors:
+            self.applied["short_pieces"] = self.ctrl.short_pieces(p.counts(), self.ps.shard, self.ps.lo)
         return None
 
     def _step(self, p, what: str) -> dict:
@@ -350,7 +352,7 @@ class _ServerRole:
                "members": contributors, "gather_s": t_g, "broadcast_s": t_b, "round_s": t_end - t0,
                "delivered": {"all": a.get("delivered", 0.0)}, "regime": {}, "clip_scale": ps._clip_scale,
                "loss": a.get("loss", float("nan")), "samples": a.get("samples", 0), "schedule": "hoplite",
-               "grants": driver.counters["grants"]}
+               "grants": driver.counters["grants"], "short_pieces": a.get("short_pieces", 0)}
         ps._write_member_events(it)
         ps.metrics.write(row)
         ps._check_health(it, [row["loss"]] if a["contributors"] else [], a["contributors"] > 0, len(live), 0.0)

@@ -413,6 +413,7 @@ class ReduceChain:
         self._seq = 0
         self.hops: list[Hop] = []
         self.contents: dict = {}
+        self.passed: dict = {}  # src -> nodes its completed hops reached (carries a late-reported hop onward)
         self.pred: dict = {}  # dst -> src of the latest hop into dst (the src keeps its sum for it)
         self.in_flight: dict = {}  # (src, dst) -> Hop
         self.outgoing: dict = {}  # src -> Hop it is sending (not yet done)
@@ -563,12 +564,27 @@ class ReduceChain:
             del self.outgoing[src]
         if not ok:
             return self._release(self._lost_hop(h)) + self._undefer(dst)
-        self.contents[dst] = self.contents.get(dst, set()) | self.contents.get(src, set())
+        self._carry(dst, self.contents.get(src, set()))
+        self.passed.setdefault(src, set()).add(dst)
         if h.final:
             self.closed = True
             self.final_ok = True
             return []
         return self._undefer(dst)
+
+    def _carry(self, node, inputs: set) -> None:
+        """``node``'s sum now holds ``inputs``, and so does every sum it already reached: a cut-through node
+        combines its incoming hop before its continuation sends on, but the two hops' reports reach the
+        controller from different nodes, in either order (the next hop's report first left the receiver's
+        bookkeeping without the inputs it had indeed summed)."""
+        stack, seen = [node], set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            self.contents[n] = self.contents.get(n, set()) | inputs
+            stack += self.passed.get(n, ())
 
     def _lost_hop(self, h: Hop) -> list[Hop]:
         """A hop failed: if the sender is alive it tries again, else its predecessor re-sends."""
@@ -872,6 +888,20 @@ class HopliteController(Controller):
     def contributions(self) -> set:
         """Inputs in the receiver's result (with pieces: in at least one piece; the mean is per element)."""
         return set().union(*(rc.contributions() for rc in self.reduces)) if self.reduces else set()
+
+    def short_pieces(self, counts, shard: int, offset: int) -> int:
+        """Pieces of ``shard`` whose every element misses an input that some element of the shard has, from the
+        PS's per-element contribution ``counts`` (index ``i`` is element ``offset + i``): an input lost on one
+        piece's chain (a running sum held only by a node that died; the fault rules re-send it from the
+        predecessor, so 0 unless they failed), or a piece whose final hop never arrived.  A piece Early Close cut
+        short keeps its full count on the packets that arrived, so it is not counted: that is per-element loss
+        (``delivered``), not a lost input.  Measured on the data, not on the hop reports, which may reach the PS
+        after the round closed."""
+        if counts.size == 0:
+            return 0
+        top = counts.max()
+        return sum(1 for ranges in self._chain_ranges for k, lo, hi in ranges
+                   if k == shard and hi > lo and counts[lo - offset:hi - offset].max() < top)
 
     # -- grants -----------------------------------------------------------------
     def _shard_of_key(self, key) -> int | None:
