@@ -172,8 +172,6 @@ class _ServerRole:
         p = slots.assembled(step.slot, step.lo, step.hi)  # a reduce in pieces: one partial per piece's chain
         slots.clear_partials()  # the round's sum and the hops' inputs are used once
         self.applied = self._step(p, f"round {self.ps.iteration}")
-        if p is not None and p.contributors:
-            self.applied["short_pieces"] = self.ctrl.short_pieces(p.counts(), self.ps.shard, self.ps.lo)
         return None
 
     def _step(self, p, what: str) -> dict:
@@ -198,7 +196,12 @@ class _ServerRole:
         else:
             ps.log(f"[ps{ps.shard}] {what}: the aggregated gradient is not finite; update skipped")
         return {"contributors": c, "loss": float(loss), "samples": p.samples,
-                "delivered": float((counts > 0).mean()) if counts.size else 0.0, "t": time.monotonic()}
+                "delivered": float((counts > 0).mean()) if counts.size else 0.0,
+                "short_pieces": self._short_pieces(counts), "t": time.monotonic()}
+
+    def _short_pieces(self, counts) -> int:
+        """BSP rounds: reduce pieces that lost an input on every element (:meth:`HopliteController.short_pieces`)."""
+        return self.ctrl.short_pieces(counts, self.ps.shard, self.ps.lo)
 
     # -- messages -------------------------------------------------------------------------------------------------
     async def deliver(self, node: str, grant: Grant) -> None:
@@ -468,6 +471,9 @@ class _AsyncServerRole(_ServerRole):
 
     def _controller(self):
         return self.ps.planner.async_controller()
+
+    def _short_pieces(self, counts) -> int:
+        return 0  # asynchronous updates (AsyncHalfBatchController) have no BSP pieces; their rows do not report it
 
     def _bind_params(self) -> None:
         self._snapshot(0)

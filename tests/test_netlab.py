@@ -360,3 +360,25 @@ def test_gro_lab_delivers_tcp_and_keeps_the_oversize_check_at_zero(gro_lab):
     run_tcp_transfer(gro_lab, h1, h0, 30_000_000, "cubic", timeout_s=30)
     st = gro_lab.loss_stats(h0)
     assert st["oversize"] == 0 and st["seen"] > 20000 and st["dropped"] > 0, st
+
+
+def test_the_tbf_bucket_holds_one_timer_tick_of_tokens(tmp_path):
+    """tc-tbf(8)'s minimum bucket, rate / HZ (a 200 us bucket cost kernel TCP half the rate on a machine whose
+    qdisc woke late), never under two frames; HZ from the kernel's config, a default where none is readable."""
+    from ltp_tools.netlab import support
+    from ltp_tools.netlab.lab import tbf_burst
+
+    assert tbf_burst(1e9, 1514, hz=250) == 500_000 and tbf_burst(1e9, 1514, hz=1000) == 125_000
+    assert tbf_burst(1e6, 1514, hz=250) == 2 * 1514
+    plain = tmp_path / "config"
+    plain.write_text("# CONFIG_HZ_100 is not set\nCONFIG_HZ_1000=y\nCONFIG_HZ=1000\n")
+    assert support.kernel_hz((str(plain),)) == 1000
+    import gzip
+    packed = tmp_path / "config.gz"
+    with gzip.open(packed, "wt") as f:
+        f.write("CONFIG_HZ=300\n")
+    assert support.kernel_hz((str(tmp_path / "missing"), str(packed))) == 300
+    broken = tmp_path / "broken.gz"
+    broken.write_text("not gzip")
+    assert support.kernel_hz((str(broken), str(tmp_path / "missing"))) == support.DEFAULT_KERNEL_HZ
+    assert support.kernel_hz() > 0

@@ -31,6 +31,9 @@ import subprocess
 import time
 
 DEFAULT_PREFIX = "ltplab-"
+#: kernel timer ticks per second assumed where the kernel's config cannot be read (the usual distribution
+#: default; the lower it is, the larger the tbf bucket: 4 ms of tokens at 250)
+DEFAULT_KERNEL_HZ = 250
 NETNS_DIR = "/run/netns"
 _CLONE_NEWNET = 0x40000000
 _NETLINK_ROUTE = 0
@@ -92,6 +95,27 @@ def iproute(name: str):
     with in_netns(name):
         s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_ROUTE)
     return IPRoute(fileno=s.detach())
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_hz(paths: tuple = ()) -> int:
+    """The running kernel's ``CONFIG_HZ``, from ``/boot/config-<release>`` or ``/proc/config.gz`` (or
+    ``paths``), else :data:`DEFAULT_KERNEL_HZ`."""
+    import gzip
+
+    release = os.uname().release
+    for path in paths or (f"/boot/config-{release}", "/proc/config.gz"):
+        try:
+            opener = gzip.open if path.endswith(".gz") else open
+            with opener(path, "rt") as f:
+                for line in f:
+                    if line.startswith("CONFIG_HZ="):
+                        hz = int(line.split("=", 1)[1])
+                        if hz > 0:
+                            return hz
+        except (OSError, ValueError, EOFError):
+            continue
+    return DEFAULT_KERNEL_HZ
 
 
 def check_support() -> str | None:
