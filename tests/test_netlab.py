@@ -364,11 +364,14 @@ def test_gro_lab_delivers_tcp_and_keeps_the_oversize_check_at_zero(gro_lab):
 
 def test_the_tbf_bucket_holds_one_timer_tick_of_tokens(tmp_path):
     """tc-tbf(8)'s minimum bucket, rate / HZ (a 200 us bucket cost kernel TCP half the rate on a machine whose
-    qdisc woke late), never under two frames; HZ from the kernel's config, a default where none is readable."""
+    qdisc woke late), capped at 64 kB, never under two frames; HZ from the kernel's config, a default where none
+    is readable."""
     from ltp_tools.netlab import support
-    from ltp_tools.netlab.lab import tbf_burst
+    from ltp_tools.netlab.lab import TBF_MAX_BURST_BYTES, tbf_burst
 
-    assert tbf_burst(1e9, 1514, hz=250) == 500_000 and tbf_burst(1e9, 1514, hz=1000) == 125_000
+    assert tbf_burst(100e6, 1514, hz=250) == 50_000 and tbf_burst(100e6, 1514, hz=1000) == 12_500
+    assert tbf_burst(1e9, 1514, hz=250) == TBF_MAX_BURST_BYTES == tbf_burst(1e9, 1514, hz=1000)  # a short
+    # transfer beats the rate by one bucket at most (before the cap, 2 MB crossed a 1 Gbit/s tbf at 1.23 Gbit/s)
     assert tbf_burst(1e6, 1514, hz=250) == 2 * 1514
     plain = tmp_path / "config"
     plain.write_text("# CONFIG_HZ_100 is not set\nCONFIG_HZ_1000=y\nCONFIG_HZ=1000\n")
