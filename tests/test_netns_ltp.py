@@ -83,7 +83,13 @@ def test_a_thread_paced_transfer_through_a_shaper_and_loss_is_exact(lab, pacing)
                     lab=lab, timeout=120, thread_pacing_s=pacing)
     assert res["verified"] is True and res["delivered_fraction"] == 1.0 and "error" not in res, res
     assert res["thread_pacing_s"] == pacing and res["retransmitted_packets"] > 0
-    assert res["goodput_gbps"] > 0.1, res  # not the collapse a pacer that loses its late time into would show
+    from ltp_ext import extensions_disabled
+
+    if not extensions_disabled():  # not the collapse a pacer that loses its late time into would show
+        assert res["goodput_gbps"] > 0.1, res
+    # The pure-Python twin is exact here but not fast: on a slow machine (2026-12-03) it moved 0.107, 0.112 and
+    # 0.233 Gbit/s through this path unpaced and 0.054-0.128 paced, so a rate floor measures the interpreter;
+    # its pacer's timeline, credit and lateness are tested in tests/test_udpio_send_threads.py.
 
 
 @pytest.mark.parametrize("connected", [True, False], ids=["connected", "unconnected"])
