@@ -394,6 +394,16 @@ class Lab:
         for d in DIRECTIONS:
             self.impair(h, d)
 
+    def _add_tbf(self, ipr, idx: int, rate_bps: float, queue_bytes: int | None) -> str:
+        """The root tbf of interface ``idx`` (a host port or a two-tier uplink): ``rate_bps``, a queue of
+        ``queue_bytes`` (default 5 ms of the rate, at least 10 frames) and a :func:`tbf_burst` bucket; returns
+        the parent handle a netem goes under."""
+        wire = self.mtu + ETH_HLEN
+        qbytes = queue_bytes if queue_bytes is not None else max(10 * wire, int(rate_bps / 8 * 0.005))
+        ipr.tc("add", "tbf", index=idx, handle="1:", rate=int(rate_bps / 8), burst=tbf_burst(rate_bps, wire),
+               limit=max(qbytes, wire))
+        return "1:1"
+
     def impairment(self, h: Host | int | str, direction: str = "ingress") -> Impairment:
         """The impairment currently set on (h, direction)."""
         return dataclasses.replace(self._impair.get((self._host(h).index, direction), Impairment()))
@@ -430,14 +440,7 @@ class Lab:
                 ipr.tc("del", index=idx, handle="1:", root=True)
             except NetlinkError:
                 pass  # no root qdisc yet
-            parent = None
-            if imp.rate_bps:
-                wire = self.mtu + 14
-                qbytes = imp.queue_bytes if imp.queue_bytes is not None else max(10 * wire, int(imp.rate_bps / 8 * 0.005))
-                burst = tbf_burst(imp.rate_bps, wire)
-                ipr.tc("add", "tbf", index=idx, handle="1:", rate=int(imp.rate_bps / 8), burst=burst,
-                       limit=max(qbytes, wire))
-                parent = "1:1"
+            parent = self._add_tbf(ipr, idx, imp.rate_bps, imp.queue_bytes) if imp.rate_bps else None
             if use_netem:
                 kw = dict(delay=int(imp.delay_s * 1e6), jitter=int(imp.jitter_s * 1e6), limit=1_000_000)
                 if parent:
@@ -524,14 +527,7 @@ class Lab:
                 ipr.tc("del", index=idx, handle="1:", root=True)
             except NetlinkError:
                 pass
-            parent = None
-            if rate_bps:
-                wire = self.mtu + 14
-                qbytes = queue_bytes if queue_bytes is not None else max(10 * wire, int(rate_bps / 8 * 0.005))
-                burst = tbf_burst(rate_bps, wire)
-                ipr.tc("add", "tbf", index=idx, handle="1:", rate=int(rate_bps / 8), burst=burst,
-                       limit=max(qbytes, wire))
-                parent = "1:1"
+            parent = self._add_tbf(ipr, idx, rate_bps, queue_bytes) if rate_bps else None
             if delay_s > 0 and backend == "netem":
                 kw = dict(delay=int(delay_s * 1e6), limit=1_000_000)
                 ipr.tc("add", "netem", index=idx, **(dict(parent=parent, handle="10:") if parent else
