@@ -585,11 +585,16 @@ def test_killing_a_sender_in_flight_reroutes_from_its_predecessor(pieces):
 
 
 def test_a_piece_that_misses_an_input_on_every_element_is_counted_short():
-    """``short_pieces`` (the PS writes it in every hoplite row) counts pieces whose every element lacks an input
-    that the shard has elsewhere, from the PS's per-element counts: the check the killed-worker launch test makes
-    beside ``delivered``.  Packets cut from a piece (Early Close) are per-element loss, not a short piece."""
-    ctrl = HopliteController([(0, 1000), (1000, 2000)], latency_s=1e-9, reduce_piece_bytes=1000)
-    ctrl.start(0, [worker(r) for r in range(3)], now=0.0)
+    """``short_pieces`` (the PS writes it in every hoplite row) counts pieces whose every element lacks the input
+    of a live worker, from the PS's per-element counts: the check the killed-worker launch test makes beside
+    ``delivered``.  Packets cut from a piece (Early Close) are per-element loss, and a worker that died
+    mid-round, its input in some pieces only, loses just its own input: neither is a short piece."""
+    ctrl, run, grads, init, shards = _setup(n=3, K=2, n_elems=2000, latency_s=1e-9, piece_bytes=1000)
+    run.feed(ctrl.start(0, [worker(r) for r in range(3)], now=0.0))
+    for r in range(3):
+        run.event(NodeReady(worker(r), 0))
+        run.run()
+    assert ctrl.done() and ctrl.contributions() == {worker(r) for r in range(3)}
     pieces = [(lo, hi) for ranges in ctrl._chain_ranges for k, lo, hi in ranges if k == 1]
     assert len(pieces) >= 3
     counts = np.full(1000, 3)
@@ -606,6 +611,14 @@ def test_a_piece_that_misses_an_input_on_every_element_is_counted_short():
     assert ctrl.short_pieces(counts, 1, 1000) == 0
     assert ctrl.short_pieces(np.full(1000, 1), 1, 1000) == 0  # one input everywhere (the others died) is not short
     assert ctrl.short_pieces(np.zeros(0, dtype=np.int64), 0, 0) == 0
+    counts[:] = 3
+    lo, hi = pieces[1]
+    counts[lo - 1000:hi - 1000] = 2
+    for rc in ctrl.reduces:  # worker 2 died mid-round after some pieces carried its input: only its own is lost
+        rc.dead.add(worker(2))
+    assert ctrl.short_pieces(counts, 1, 1000) == 0
+    counts[lo - 1000:hi - 1000] = 1  # ... but a piece missing a live worker's input too is short
+    assert ctrl.short_pieces(counts, 1, 1000) == 1
 
 
 def test_a_late_report_of_a_hop_into_a_relay_is_carried_to_the_sums_the_relay_already_reached():

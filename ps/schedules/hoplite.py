@@ -890,18 +890,21 @@ class HopliteController(Controller):
         return set().union(*(rc.contributions() for rc in self.reduces)) if self.reduces else set()
 
     def short_pieces(self, counts, shard: int, offset: int) -> int:
-        """Pieces of ``shard`` whose every element misses an input that some element of the shard has, from the
-        PS's per-element contribution ``counts`` (index ``i`` is element ``offset + i``): an input lost on one
-        piece's chain (a running sum held only by a node that died; the fault rules re-send it from the
-        predecessor, so 0 unless they failed), or a piece whose final hop never arrived.  A piece Early Close cut
-        short keeps its full count on the packets that arrived, so it is not counted: that is per-element loss
-        (``delivered``), not a lost input.  Measured on the data, not on the hop reports, which may reach the PS
-        after the round closed."""
+        """Pieces of ``shard`` that lack, on every element, an input of a worker still alive: from the PS's
+        per-element contribution ``counts`` (index ``i`` is element ``offset + i``), a piece whose largest count
+        is below the number of live contributors.  That is an input lost on one piece's chain (a running sum
+        held only by a node that died; the fault rules re-send it from the predecessor, so 0 unless they
+        failed), or a piece whose final hop never arrived.  Not counted: a worker that died mid-round, whose
+        own input reached some pieces and not others (the fault rules lose it by design), and a piece Early
+        Close cut short, which keeps its full count on the packets that arrived (per-element loss,
+        ``delivered``).  Measured on the data: hop reports may reach the PS after the round closed (the live
+        count, from them, can then only be low, which never makes a piece short)."""
         if counts.size == 0:
             return 0
-        top = counts.max()
+        dead = set().union(*(rc.dead for rc in self.reduces))
+        need = min(int(counts.max()), len(self.contributions() - dead))
         return sum(1 for ranges in self._chain_ranges for k, lo, hi in ranges
-                   if k == shard and hi > lo and counts[lo - offset:hi - offset].max() < top)
+                   if k == shard and hi > lo and counts[lo - offset:hi - offset].max() < need)
 
     # -- grants -----------------------------------------------------------------
     def _shard_of_key(self, key) -> int | None:
