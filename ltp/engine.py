@@ -217,6 +217,7 @@ class Engine:
         ``element_size`` (bytes; no element is split between packets) defaults to
         the item size of ``data``'s buffer: 8 for float64, 4 for float32, 1 for bytes."""
         self._check_open()
+        self._note_stall(now)
         _check_tag(tag, "send()")
         peer = self._norm_addr(peer)
         if element_size is None:
@@ -275,6 +276,7 @@ class Engine:
         (seconds) closes whatever is still open at ``now + timeout``.
         """
         self._check_open()
+        self._note_stall(now)
         if not slots:
             raise LocalProtocolError("post at least one receive buffer (gather got no peers: pass the peers "
                                      "to receive from and one buffer per peer)")
@@ -334,6 +336,7 @@ class Engine:
 
     def cancel(self, handle: int, *, now: float) -> None:
         """Cancel a send (RESET to the peer) or a receive group (STOP to the senders)."""
+        self._note_stall(now)
         flow = self._tx_by_handle.get(handle)
         if flow is not None and flow.state == OPEN:
             self._ctrl.append((wire.pack_header(wire.T_RESET, 0, flow.flow_id, flow.token,
@@ -395,6 +398,7 @@ class Engine:
         """
         if self._closed_engine:
             return
+        self._note_stall(now)
         mv = buf if isinstance(buf, memoryview) else memoryview(buf)
         self.stats.datagrams_in += stop - start
         self.stats.bytes_in += int(_add_reduce(lengths[start:stop]))
@@ -462,6 +466,7 @@ class Engine:
         schedule and the flow's checks (as :meth:`receive_batch` does after each run it ingests)."""
         if datagrams <= 0:
             return
+        self._note_stall(now)
         if self._rx.get(flow.key) is not flow:
             raise LocalProtocolError("bulk_ingested: the flow is not the open receive bulk_flow() returned")
         self.stats.datagrams_in += datagrams
@@ -847,6 +852,7 @@ class Engine:
         flow still in its first :data:`QUICKACK_SEGMENTS` segments (its sender may be
         in a slow-start round, waiting for them). A lone entry of a slow flow waits
         for company or the timer. ``due_by`` None: every pending ACK, now."""
+        self._note_stall(now)
         if not self._ack_dirty:
             return 0
         delay, n = self.config.ack_delay_s, 0
@@ -864,6 +870,7 @@ class Engine:
 
     def datagrams_to_send(self, now: float) -> list:
         """Everything to transmit now: control datagrams, then paced DATA batches."""
+        self._note_stall(now)
         if self._ack_dirty:
             every, delay = self.config.ack_every, self.config.ack_delay_s
             for key, flow in list(self._ack_dirty.items()):
@@ -996,15 +1003,30 @@ class Engine:
         """Seconds of silence after which a peer counts as dead (the dead-peer rule, :mod:`ltp.liveness`)."""
         return liveness.silence_limit(self.config, path.srtt)
 
+    def _note_stall(self, now: float) -> None:
+        """The own-stall rule's check, run by every input that carries ``now``: a ``now`` over
+        ``liveness.OWN_STALL_S`` past the deadline :meth:`get_timer` last gave means this process did not run
+        meanwhile, since the adapter's timer would have called :meth:`handle_timer` at that deadline. Every
+        peer's silence then counts afresh from ``now``, and :attr:`own_stall_since` records the deadline.
+
+        Every input checks, not the timer alone: a process that resumes reads its socket before its late timer
+        runs, and the flush after that read moves the deadlines (a pacing wake is recomputed from ``now``), so
+        the timer that runs next is on time and the stall went unseen (found by CI: a PS stopped for 10 s
+        failed a 10 s send, in ``test_pause_launch``). A stall counts once: a deadline from before the moment
+        it was noticed (still due after the read, so the late timer runs next) belongs to it."""
+        due = self._due
+        if due is not None and now - due > liveness.OWN_STALL_S and due > self._heard_floor:
+            self._heard_floor = now
+            self.own_stall_since = due
+            self.stats.own_stalls += 1
+            self._due = None
+
     def handle_timer(self, now: float) -> None:
         """Run every timer due at ``now`` (REG repeat, tail-loss probe, idle, Early Close).
 
         A call over ``liveness.OWN_STALL_S`` after the deadline :meth:`get_timer` gave means this process
         did not run meanwhile: every peer's silence counts afresh from ``now`` (the own-stall rule)."""
-        if liveness.stalled(self._due, now):
-            self._heard_floor = now
-            self.own_stall_since = self._due
-            self.stats.own_stalls += 1
+        self._note_stall(now)
         self._due = None
         for path in list(self._paths.values()):
             pto = path.pto()
@@ -1072,6 +1094,7 @@ class Engine:
         closes with regime ``timeout`` (cause in the report), pending registrations
         from it are dropped and posted receives waiting only for it expire.
         Returns how many transfers it ended."""
+        self._note_stall(now)
         self.stats.unreachable_reports += 1
         n = 0
         path = self._paths.get(peer)

@@ -14,11 +14,12 @@ measured on the engine's clock from the last datagram heard:
   nothing for ``idle_timeout_s`` closes with regime ``timeout``. The engine
   scans for such flows every ``IDLE_SCAN_FRACTION × idle_timeout_s``.
 * **own stall**: both rules judge a peer by a silence this process measured
-  while it ran. A timer that runs more than :data:`OWN_STALL_S` after its
-  deadline means this process did not run (SIGSTOP, a suspended VM, an event
-  loop blocked in one call): what the peer sent meanwhile may not have been
-  read, and what we meant to send was not sent, so every peer's silence is
-  counted afresh from that moment (``Engine.handle_timer``). A genuinely dead
+  while it ran. Any input (the timer, a datagram, a call) that comes more
+  than :data:`OWN_STALL_S` after the deadline the timer was armed for means
+  this process did not run (SIGSTOP, a suspended VM, an event loop blocked in
+  one call): what the peer sent meanwhile may not have been read, and what we
+  meant to send was not sent, so every peer's silence is counted afresh from
+  that moment (``Engine._note_stall``). A genuinely dead
   peer is still declared dead one limit later: the timer that judges it runs
   on time.
 

@@ -140,7 +140,9 @@ class SimNetwork:
     def start(self) -> None:
         """Pump every host once (after commands were issued at ``now``)."""
         for addr in self.hosts:
-            self.pump(addr)
+            until = self._stalled.get(addr)
+            if until is None or self.now >= until:  # a stalled host runs nothing until it resumes
+                self.pump(addr)
 
     def run(self, until: float | None = None, *, stop=None, max_events: int = 5_000_000) -> float:
         """Run until ``until`` (virtual seconds), until ``stop()`` is true, or no event is left."""

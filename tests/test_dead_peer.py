@@ -166,6 +166,29 @@ def test_a_stall_of_the_sender_itself_does_not_make_a_live_peer_dead(harness, fl
     assert h.engines[0].stats.own_stalls == 1
 
 
+def test_a_stall_is_seen_when_datagrams_wake_the_process_before_its_timer(harness, floats):
+    """Found by CI (a PS stopped for 10 s failed a 10 s send): a resumed process reads what waited in its socket
+    before its late timer runs, and the flush after that read re-arms the timer from ``now`` (the pacing wake),
+    so the timer ran on time and the stall went unseen. The ACKs here keep arriving during the stall; every
+    input now checks the rule (``Engine._note_stall``)."""
+    h = harness(seed=57, config=Config(peer_silence_min_s=0.5))
+    h.links(rate=GBIT, delay_s=0.001)
+    a = h.engines[0]
+    data = floats(2_000_000)
+    hs = a.send(h.addrs[1], data, now=h.now, reliable=True)
+    h.engines[1].post_receive([(h.addrs[0], 0, np.zeros_like(data))], now=h.now)
+    h.net.run(until=h.now + 0.02)
+    assert a._tx, "the send finished before the stall: make it bigger"
+    stopped = h.now
+    h.net.stall(h.addrs[0], 3.0)
+    h.net.run(until=stopped + 3.0 + 1e-6)  # the arrivals that waited are read; the late timer has not run
+    assert a.stats.own_stalls == 1
+    assert stopped < a.own_stall_since < stopped + 0.1  # the deadline armed when it stopped
+    (ev,) = h.wait([(0, hs)], timeout=5)
+    assert ev.error is None, ev.error
+    assert a.stats.own_stalls == 1  # counted once
+
+
 def test_a_dead_peer_is_still_declared_dead_one_limit_after_a_stall(harness, floats):
     h = harness(seed=55, config=Config(peer_silence_min_s=0.5))
     h.links(rate=GBIT, delay_s=0.001)

@@ -91,7 +91,10 @@ async def test_a_control_send_outlasts_a_paused_peer_with_patience_and_keeps_the
     net.stall(b.local_addr)  # the PS is stopped
 
     async def resume_later():
-        await asyncio.sleep(0.4)
+        # after two timed-out tries, not after a fixed time: the executor's first run may import for longer than
+        # that on a slow machine (2.2 s once, alone), and the PS would be back before the first try began
+        while up.retries < 2:
+            await asyncio.sleep(0.01)
         net.resume(b.local_addr)
 
     await asyncio.gather(up.send({"n": 1}, timeout_s=0.1), resume_later())

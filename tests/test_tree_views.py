@@ -477,10 +477,13 @@ async def test_a_stalled_aggregator_of_one_tree_is_cut_out_alone_with_several_tr
     # dead).  Now a relay that lags the round's first parameter message by a level's share is cut off, and while a
     # child misses rounds its PS sends to all children at once, to that child for a level's share of the bound
     n = sum(racks)
-    # the PS's sends get 2 s (its gather 0.5 s): a send to the stalled child that holds the PS's round makes
-    # every worker miss the other shards' gathers
+    # twice _fast()'s bounds, and the PS's sends twice the gather: a send to the stalled child that holds the PS's
+    # round makes every worker miss the other shards' gathers.  12 nodes share one loop here, and with 0.5 s bounds
+    # a slow machine's CPU per round (CI, and 10 M Python additions in 1.9 s) made the stalled aggregator's rack
+    # peers fall a round behind per few rounds until they were declared dead too (2 CI failures; 4 of 21 local runs)
+    bounds = {"gather_timeout_s": 1.0, "broadcast_timeout_s": 2.0, "join_timeout_s": 1.0, "max_missed": 3}
     servers, workers, board = rat_job(n, racks=racks, shards=shards, iterations=30,
-                                      worker_kw={"pull_timeout_s": 5.0}, **{**_fast(), "broadcast_timeout_s": 1.0, "max_missed": 3})
+                                      worker_kw={"pull_timeout_s": 5.0}, **{**_fast(), **bounds})
     ps = servers[0]
     t0 = ps.planner.trees()[0]
     roots = {worker(k) for k in range(shards)}
