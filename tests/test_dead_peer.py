@@ -137,15 +137,21 @@ def test_receive_from_a_sender_that_went_silent_closes_with_the_real_cause(harne
     assert 0.5 <= h.now - gone <= 0.5 * 1.25 + 0.05  # the idle scan runs every quarter of the limit
 
 
-def _stall_mid_transfer(h, floats, *, stall_s: float):
-    """Start a reliable 8 MB send 0 -> 1, then stall host 0 for ``stall_s`` while every ACK host 1 sends
-    meanwhile is lost (a paused process's socket buffer overflowing); returns the send's handle."""
+def _mid_transfer(h, floats):
+    """Start a reliable 8 MB send 0 -> 1 and run 20 ms of it; returns the send's handle."""
     a = h.engines[0]
     data = floats(2_000_000)
     hs = a.send(h.addrs[1], data, now=h.now, reliable=True)
     h.engines[1].post_receive([(h.addrs[0], 0, np.zeros_like(data))], now=h.now)
     h.net.run(until=h.now + 0.02)
     assert a._tx, "the send finished before the stall: make it bigger"
+    return hs
+
+
+def _stall_mid_transfer(h, floats, *, stall_s: float):
+    """Start a reliable 8 MB send 0 -> 1, then stall host 0 for ``stall_s`` while every ACK host 1 sends
+    meanwhile is lost (a paused process's socket buffer overflowing); returns the send's handle."""
+    hs = _mid_transfer(h, floats)
     h.link(1, 0, rate=GBIT, delay_s=0.001, loss=1.0, loss_min_size=0)
     h.net.run(until=h.now + 0.003)  # the ACKs already on their way arrive; none after
     h.net.stall(h.addrs[0], stall_s)
@@ -174,11 +180,7 @@ def test_a_stall_is_seen_when_datagrams_wake_the_process_before_its_timer(harnes
     h = harness(seed=57, config=Config(peer_silence_min_s=0.5))
     h.links(rate=GBIT, delay_s=0.001)
     a = h.engines[0]
-    data = floats(2_000_000)
-    hs = a.send(h.addrs[1], data, now=h.now, reliable=True)
-    h.engines[1].post_receive([(h.addrs[0], 0, np.zeros_like(data))], now=h.now)
-    h.net.run(until=h.now + 0.02)
-    assert a._tx, "the send finished before the stall: make it bigger"
+    hs = _mid_transfer(h, floats)
     stopped = h.now
     h.net.stall(h.addrs[0], 3.0)
     h.net.run(until=stopped + 3.0 + 1e-6)  # the arrivals that waited are read; the late timer has not run

@@ -225,7 +225,10 @@ def test_kernel_receive_timestamps_include_the_delay(direction):
         rx.wait(timeout=10)
     stamps = [stamp for stamp, _ in got]
     assert min(stamps) >= 0.029, got  # stamped after the delay, not when the packet entered the host
-    assert all(read - stamp < 0.010 for stamp, read in got), got
+    # read soon after the stamp: a stamp early by the 30 ms delay would read about 0.030 late. The median, and each
+    # below the delay: on a slow machine the reader is sometimes scheduled over 10 ms late (one CI flake)
+    lags = sorted(read - stamp for stamp, read in got)
+    assert lags[len(lags) // 2] < 0.010 and lags[-1] < 0.025, got
 
 
 def test_two_tier_topology():
