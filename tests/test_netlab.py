@@ -170,8 +170,9 @@ def test_delayer_keeps_up_with_1gbps(lab):
     lab.impair(h0, "ingress", rate_bps=1e9, queue_bytes=4_000_000, delay_s=0.010)
     best = 0.0
     # quiet 2-core machine: ~0.89 Gbit/s (1448/1514 of 1 Gbit/s = 0.956 is the ceiling);
-    # other load on the cores costs BBR's startup, hence best of three and a loose bound
-    for _ in range(3):
+    # other load on the cores costs BBR's startup, hence best of five and a loose bound (a CI run on a slow
+    # machine: best of three 0.27, where the same machine gave 0.80-0.88 five times in a row when idle)
+    for _ in range(5):
         r = run_tcp_transfer(lab, h1, h0, 120_000_000, "bbr", timeout_s=30)
         ds = lab.delayer_stats(h0)
         assert ds["queue_dropped"] == 0 and ds["user_dropped"] == 0, ds   # the delayer kept up
