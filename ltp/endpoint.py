@@ -500,15 +500,17 @@ class Endpoint:
     def _caller_timeout(self, fut, timer: list, deadline: float, timeout: float) -> None:
         """The caller's timeout of a send came: fail it, unless the own-stall rule (:mod:`ltp.liveness`) says
         this process did not run for part of the window; the transfer then gets the whole window again. Either
-        this timer ran late, or the engine's timer found a stall that began within the window
-        (``Engine.own_stall_since``): a stop that ended just before the deadline leaves this timer on time (found
-        by CI: a PS stopped for 10 s failed a 10 s send started just before the stop). A stall counts for one
-        window only: the window it gives starts after it."""
+        this timer ran late, or the engine noticed a stall within the window (``Engine.own_stall_at``): a stop
+        that ended just before the deadline leaves this timer on time (found by CI: a PS stopped for 10 s failed a
+        10 s send started just before the stop). The process ran when the send began, so a stall noticed after
+        that overlapped the window, even when the timer that measured it was due a moment before the send began
+        (``own_stall_since`` then lies before the window: stop 39's CI, the same PS test). A stall counts for
+        one window only: the window it gives starts after it was noticed."""
         if fut.done():
             return
         now = _now()
-        since = self.engine.own_stall_since
-        if liveness.stalled(deadline, now) or (since is not None and since > deadline - timeout):
+        at = self.engine.own_stall_at
+        if liveness.stalled(deadline, now) or (at is not None and at > deadline - timeout):
             self.loop_stats["stalled_timeouts"] += 1
             timer[0] = self._loop.call_later(timeout, self._caller_timeout, fut, timer, now + timeout, timeout)
             return

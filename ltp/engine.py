@@ -205,9 +205,11 @@ class Engine:
         self._wakes: dict = {}  # (peer, fid) -> when its Early Close decision can change (Timer.EARLY_CLOSE)
         self._due: float | None = None  # the deadline get_timer last gave (the adapter's timer is armed there)
         self._heard_floor = float("-inf")  # silence counts from no earlier than this (the own-stall rule)
-        #: since when this process had not run, as :meth:`handle_timer` last found (the own-stall rule: the
-        #: deadline its late call was armed for); None: never
+        #: the last stall of this process the own-stall rule found (:meth:`_note_stall`): since when it had not run
+        #: (the deadline the late timer was armed for), and when it noticed (the ``now`` of the first input after
+        #: it); None: never
         self.own_stall_since: float | None = None
+        self.own_stall_at: float | None = None
 
     # ------------------------------------------------------------------ commands
     def send(self, peer, data, *, now: float, reliable: bool = False, critical=(), element_size: int | None = None,
@@ -1017,7 +1019,7 @@ class Engine:
         due = self._due
         if due is not None and now - due > liveness.OWN_STALL_S and due > self._heard_floor:
             self._heard_floor = now
-            self.own_stall_since = due
+            self.own_stall_since, self.own_stall_at = due, now
             self.stats.own_stalls += 1
             self._due = None
 

@@ -365,6 +365,39 @@ async def test_a_stop_that_ends_just_before_the_callers_deadline_is_not_counted_
             await b.close()
 
 
+async def test_a_stop_is_counted_for_a_send_begun_after_the_late_timer_was_armed():
+    """Found by CI (the same 10 s PS stop, again): the engine's timer was due a moment before the send began (a
+    pacing tick not yet run) when the process stopped, so the stall the engine then found began, by its measure,
+    before the send's window, and the send failed at its deadline. The process ran when the send began: a stall
+    noticed after that (``Engine.own_stall_at``) overlapped the window."""
+    held = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # holds the peer's port; never answers, no ICMP
+    held.bind(("127.0.0.1", 0))
+    peer = held.getsockname()
+    a = await ltp.open_endpoint(("127.0.0.1", 0), config=Config(peer_silence_min_s=8.0))
+    b = None
+    try:
+        data = np.random.default_rng(2).standard_normal(100_000).astype(np.float32)
+        before = time.monotonic()
+        send = asyncio.ensure_future(a.send(peer, data, reliable=True, timeout=3.0))
+        await asyncio.sleep(0.05)
+        a.engine._due = before - 0.01  # the race, made certain: the armed deadline predates the send
+        time.sleep(2.9)  # the process stops; it runs again about 0.05 s before the caller's deadline
+        await asyncio.sleep(0.3)  # past the deadline, whose timer ran on time
+        assert not send.done(), send
+        assert a.engine.own_stall_since < before < a.engine.own_stall_at
+        held.close()
+        b = await ltp.open_endpoint(peer)  # the peer comes up on that port: the send completes
+        out = np.zeros_like(data)
+        await asyncio.wait_for(asyncio.gather(send, b.recv(out)), 20)
+        assert np.array_equal(out, data)
+        assert a.loop_stats["stalled_timeouts"] == 1
+    finally:
+        held.close()
+        await a.close()
+        if b is not None:
+            await b.close()
+
+
 async def test_a_caller_timeout_does_not_count_time_the_process_did_not_run():
     """The loop blocked for 2.5 s (the process did not run) mid-send: the caller's 1 s timeout fired 1.5 s
     late, so the send got its window again instead of failing (``loop_stats["stalled_timeouts"]``)."""
