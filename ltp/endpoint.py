@@ -504,7 +504,7 @@ class Endpoint:
         that ended just before the deadline leaves this timer on time (found by CI: a PS stopped for 10 s failed a
         10 s send started just before the stop). The process ran when the send began, so a stall noticed after
         that overlapped the window, even when the timer that measured it was due a moment before the send began
-        (``own_stall_since`` then lies before the window: stop 39's CI, the same PS test). A stall counts for
+        (``own_stall_since`` then lies before the window: a later CI run of the same PS test). A stall counts for
         one window only: the window it gives starts after it was noticed."""
         if fut.done():
             return

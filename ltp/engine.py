@@ -1009,7 +1009,8 @@ class Engine:
         """The own-stall rule's check, run by every input that carries ``now``: a ``now`` over
         ``liveness.OWN_STALL_S`` past the deadline :meth:`get_timer` last gave means this process did not run
         meanwhile, since the adapter's timer would have called :meth:`handle_timer` at that deadline. Every
-        peer's silence then counts afresh from ``now``, and :attr:`own_stall_since` records the deadline.
+        peer's silence then counts afresh from ``now``; :attr:`own_stall_since` records the deadline and
+        :attr:`own_stall_at` the ``now``.
 
         Every input checks, not the timer alone: a process that resumes reads its socket before its late timer
         runs, and the flush after that read moves the deadlines (a pacing wake is recomputed from ``now``), so
