@@ -1018,7 +1018,7 @@ class Engine:
         failed a 10 s send, in ``test_pause_launch``). A stall counts once: a deadline from before the moment
         it was noticed (still due after the read, so the late timer runs next) belongs to it."""
         due = self._due
-        if due is not None and now - due > liveness.OWN_STALL_S and due > self._heard_floor:
+        if liveness.stalled(due, now) and due > self._heard_floor:
             self._heard_floor = now
             self.own_stall_since, self.own_stall_at = due, now
             self.stats.own_stalls += 1
