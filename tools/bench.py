@@ -33,7 +33,9 @@ Theory of operation
     (``verified``); ``--tcp-buffer chunk`` gives the older, cache-hot TCP baseline. ``--mode
     reliable`` (default) delivers every byte so goodput compares honestly with
     TCP; ``--mode tolerant`` reports its delivered fraction beside goodput.
-    Goodput counts delivered payload bytes only.
+    Goodput counts delivered payload bytes only. The LTP receiver keeps
+    answering for ``RECEIVER_LINGER_S`` after its receive before it closes, so
+    a sender whose final ACKs were lost is not told the port is gone.
 
     ltp-bench --transport ltp --size 1G --loss 0.01 --rate 1gbit --delay 10ms
 """
