@@ -84,10 +84,15 @@ class SimNetwork:
             raise KeyError(f"no host {addr!r}: add_host it first")
         self._stalled[addr] = self.now + seconds
 
+    def _stalled_until(self, addr) -> float | None:
+        """When stalled host ``addr`` runs again; None when it runs now."""
+        until = self._stalled.get(addr)
+        return None if until is None or self.now >= until else until
+
     def _deferred(self, addr, kind: str, payload) -> bool:
         """Hold an event of a stalled host until it resumes (arrivals first); True if held."""
-        until = self._stalled.get(addr)
-        if until is None or self.now >= until:
+        until = self._stalled_until(addr)
+        if until is None:
             return False
         self._push(until if kind == "arrive" else until + 1e-9, kind, payload)
         return True
@@ -140,8 +145,7 @@ class SimNetwork:
     def start(self) -> None:
         """Pump every host once (after commands were issued at ``now``)."""
         for addr in self.hosts:
-            until = self._stalled.get(addr)
-            if until is None or self.now >= until:  # a stalled host runs nothing until it resumes
+            if self._stalled_until(addr) is None:  # a stalled host runs nothing until it resumes
                 self.pump(addr)
 
     def run(self, until: float | None = None, *, stop=None, max_events: int = 5_000_000) -> float:
