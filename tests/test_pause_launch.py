@@ -54,8 +54,11 @@ def test_a_ps_paused_past_the_dead_peer_limit_does_not_end_a_controller_job(tmp_
 
 def test_a_direct_worker_paused_and_dropped_rejoins_at_once(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    rc, text = _pause_during(["--workers", 3, "--epochs", 150, "--lab", "off", "--transport", "ltp", "--model",
-                              "digits", "--seed", 0], tmp_path / "out.txt", metrics,
+    # The PS drops worker 1 5.5-7.5 s in and it rejoins at about 12.5 s.  --compute-delay caps the rounds the
+    # two others run meanwhile at 100 a second, so 60 epochs (900 rounds) leave hundreds after the rejoin on any
+    # machine; 150 epochs without the cap took 57 s here and up to 153 s on a slow CI machine.
+    rc, text = _pause_during(["--workers", 3, "--epochs", 60, "--compute-delay", 0.01, "--lab", "off", "--transport",
+                              "ltp", "--model", "digits", "--seed", 0], tmp_path / "out.txt", metrics,
                              who="worker 1", after_rows=20, pause_s=12.0)
     assert rc == 0, text
     assert "dropped by PS shard 0" in text, text
