@@ -12,7 +12,7 @@ import asyncio
 import threading
 
 from .config import Config
-from .endpoint import open_endpoint
+from .endpoint import check_linger, open_endpoint
 from .errors import LocalProtocolError
 
 __all__ = ["Socket"]
@@ -99,13 +99,15 @@ class Socket:
         self._check()
         return self._call(self._ep.broadcast(peers, data, **kw))
 
-    def close(self) -> None:
-        """Close the endpoint and stop the loop thread."""
+    def close(self, *, linger: float = 0.0) -> None:
+        """Close the endpoint and stop the loop thread; ``linger`` as in :meth:`ltp.Endpoint.close` (the
+        endpoint answers its peers for that many seconds first)."""
         if getattr(self, "_closed", True):
             return
+        check_linger(linger)
         self._closed = True
         try:
-            self._call(self._ep.close(), timeout=10)
+            self._call(self._ep.close(linger=linger), timeout=10 + linger)
         finally:
             self._stop_loop()
 

@@ -64,6 +64,7 @@ import asyncio
 import errno
 import ipaddress
 import logging
+import math
 import os
 import random
 import select
@@ -208,6 +209,7 @@ class Endpoint:
         self._timer_at: float | None = None
         self._pending: deque = deque()
         self._closed = False
+        self._closing = False  # close(linger=...) is answering peers a last time
         self._flush_due = False  # a _due_flush is scheduled (_flush_soon)
         self._family = sock.family
         self._literal_peers: dict = {}  # (host, port) -> _resolve's answer, IP literals only (names may move)
@@ -345,8 +347,30 @@ class Endpoint:
             return outcomes
         raise BroadcastError(peers, outcomes)
 
-    async def close(self) -> None:
-        """Abort open transfers, tell peers, close the socket."""
+    async def close(self, *, linger: float = 0.0) -> None:
+        """Abort open transfers, tell peers, close the socket.
+
+        ``linger`` (seconds, default 0) keeps the endpoint answering for that long first, as TCP's TIME_WAIT
+        does. A receive that completed just before the close may have lost its last ACKs and its STOP on the
+        way back; the sender then probes again, and a closed port answers that probe with an ICMP unreachable,
+        which fails the sender's send with :class:`~ltp.errors.PeerUnreachable` although its message arrived
+        whole. A lingering endpoint answers the probe with the STOP instead. Transfers still open may finish
+        while it lingers, and new calls are refused; what is left when the time is up is aborted as without
+        ``linger``. A lingering close that is cancelled still closes. A few round trips of the path (or, on a
+        lossy path, several probe intervals) are enough; ``ltp-bench``'s receiver lingers 0.5 s."""
+        if self._closed:
+            return
+        check_linger(linger)
+        if linger > 0 and not self._closing:
+            self._closing = True
+            try:
+                await asyncio.sleep(linger)
+            finally:
+                self._close_now()
+            return
+        self._close_now()
+
+    def _close_now(self) -> None:
         if self._closed:
             return
         self.engine.close(now=_now())
@@ -371,6 +395,9 @@ class Endpoint:
     def _check_open(self) -> None:
         if self._closed:
             raise LocalProtocolError("endpoint is closed; open a new one with ltp.open_endpoint()")
+        if self._closing:
+            raise LocalProtocolError("endpoint is closing (close(linger=...) answers its peers a last time and "
+                                     "takes no new calls); open a new one with ltp.open_endpoint()")
 
     async def _resolve(self, peer) -> tuple:
         """Validate and resolve a peer address up front: nothing a caller passes may reach the socket layer.
@@ -883,6 +910,12 @@ def _check_timeout(timeout) -> None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not timeout >= 0):
         raise LocalProtocolError(f"timeout={timeout!r}: pass None (no limit) or a number of seconds >= 0")
+
+
+def check_linger(linger) -> None:
+    """Raise :class:`~ltp.errors.LocalProtocolError` unless ``linger`` is a finite number of seconds >= 0."""
+    if isinstance(linger, bool) or not isinstance(linger, (int, float)) or not 0 <= linger < math.inf:
+        raise LocalProtocolError(f"linger={linger!r}: pass a finite number of seconds >= 0 (0: close at once)")
 
 
 async def open_endpoint(local_addr=("0.0.0.0", 0), *, config: Config | None = None,

@@ -43,7 +43,6 @@ Theory of operation
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import re
@@ -115,7 +114,7 @@ def _machine_delta(m0: float | None) -> float | None:
 SENDER_STARTUP_S = 30.0
 #: bytes per second the sender fills its message at before sending (the receiver's wait scales with --size)
 PATTERN_FILL_BPS = 100e6
-#: the receiver keeps its endpoint open this long after its last receive, answering the sender: when the final
+#: the receiver closes with ``Endpoint.close(linger=...)`` of this long, answering the sender: when the final
 #: ACKs are lost (loss on ACKs), the sender's probes must reach a socket that still answers, not one whose close
 #: turns them into ICMP port unreachable (found by CI: a 20 MB transfer through 1 % loss both ways, complete and
 #: verified at the receiver, failed at the sender with PeerUnreachable 0.6 s in)
@@ -162,8 +161,7 @@ def _ltp_receiver(args) -> int:
                    receiver_rss_before_transfer=base_rss, dropped=dict(ep.stats.dropped),
                    extensions=ltp.using_extensions(), receiver_wakeups=dict(ep.loop_stats),
                    receiver_io={k: ep.io_stats[k] for k in ("syscalls", "datagrams_in", "slots_in")})
-        await asyncio.sleep(RECEIVER_LINGER_S)
-        await ep.close()
+        await ep.close(linger=RECEIVER_LINGER_S)
         print(json.dumps(out), flush=True)
 
     ltp.run(main())
