@@ -8,7 +8,7 @@ import pytest
 
 from ltp.bbr import BBR, DRAIN, PROBE_BW, PROBE_RTT, STARTUP
 from ltp.early_close import LinkThresholds, decide
-from ltp.pacing import Pacer
+from ltp.pacing import LATE_CREDIT_BURSTS, Pacer
 
 MSS = 1472
 
@@ -115,6 +115,27 @@ def test_pacer_bursts_and_next_time():
     assert p.available(10.0) == 250_000  # capped at two bursts (absorbs a late timer)
     slow = Pacer(granularity_s=0.001, min_burst_bytes=10 * MSS, rate=1e5)
     assert slow.burst_bytes == 10 * MSS  # never below the minimum burst
+
+
+def test_a_late_wake_up_keeps_its_lateness_once_and_an_idle_pacer_banks_two_bursts():
+    """A flow held by the pacer asks :meth:`Pacer.next_time` when to wake; a loop that wakes it later keeps the
+    tokens of the lateness (up to LATE_CREDIT_BURSTS bursts beyond the depth) for that wake-up only."""
+    burst = 125_000  # 1 Gbit/s, 1 ms granularity
+    p = Pacer(granularity_s=0.001, min_burst_bytes=10 * MSS, rate=125e6)
+    p.consume(0.0, p.available(0.0))
+    due = p.next_time(0.0, burst)
+    assert due == pytest.approx(0.001, rel=0.01)
+    late = due + 0.0015  # woken 1.5 ms late: 2.5 ms of rate is owed, the depth holds 2
+    assert p.available(late) == pytest.approx(125e6 * late, abs=2)
+    p.consume(late, burst)  # the wake-up sent one burst only: the rest is clipped at the next refill
+    assert p.available(late + 1e-6) <= p.depth_bytes
+    q = Pacer(granularity_s=0.001, min_burst_bytes=10 * MSS, rate=125e6)
+    q.consume(0.0, q.available(0.0))
+    q.next_time(0.0, burst)
+    assert q.available(1.0) == p.depth_bytes + LATE_CREDIT_BURSTS * burst  # very late: the credit is bounded
+    idle = Pacer(granularity_s=0.001, min_burst_bytes=10 * MSS, rate=125e6)
+    idle.consume(0.0, idle.available(0.0))
+    assert idle.available(1.0) == idle.depth_bytes == 2 * burst  # not waiting on the pacer: two bursts
 
 
 def test_decide_regimes():
