@@ -356,7 +356,8 @@ class Endpoint:
         which fails the sender's send with :class:`~ltp.errors.PeerUnreachable` although its message arrived
         whole. A lingering endpoint answers the probe with the STOP instead. Transfers still open may finish
         while it lingers, and new calls are refused; what is left when the time is up is aborted as without
-        ``linger``. A lingering close that is cancelled still closes. A few round trips of the path (or, on a
+        ``linger``. A lingering close that is cancelled still closes; a second close during the linger, with
+        or without ``linger``, closes at once. A few round trips of the path (or, on a
         lossy path, several probe intervals) are enough; ``ltp-bench``'s receiver lingers 0.5 s."""
         if self._closed:
             return
