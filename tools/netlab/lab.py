@@ -34,8 +34,9 @@ Theory of operation
         =========  ===================================  ====================================
         loss       nft netdev ingress hook on ltpeth0   nft netdev ingress hook on ltppI
                    (host namespace)                     (switch namespace)
-        rate       tbf on ltppI (the host's DOWNLINK,   tbf on ltpeth0 (the host's uplink)
-                   bridge-side veth egress)
+        rate       tbf on ltppI (the host's DOWNLINK,   tbf on ltpeth0 (the host's uplink;
+                   bridge-side veth egress)             GSO packets still whole there, so
+                                                        the tbf queues them frame by frame)
         delay      nfqueue: C delayer in the switch     nfqueue: C delayer in the switch
                    namespace, FORWARD of bridged        namespace, PREROUTING of bridged
                    packets out of ltppI (physdev-out);  packets (br_netfilter, physdev-in);
@@ -88,6 +89,9 @@ DIRECTIONS = ("ingress", "egress")
 #: the most bytes a tbf bucket holds: a transfer of ``S`` bytes can beat the rate by at most this much
 #: (3 % of a 2 MB transfer), whatever the timer tick (0.5 ms of tokens at 1 Gbit/s)
 TBF_MAX_BURST_BYTES = 64 * 1024
+#: the peak rate of every lab tbf's one-frame peak bucket (``Lab._add_tbf``): far above any lab rate, so it
+#: delays no frame (one 1514-byte frame per 12 ns) and only makes tbf queue GSO packets frame by frame
+TBF_PEAK_RATE_BPS = 1e12
 
 
 def tbf_burst(rate_bps: float, wire: int, hz: int | None = None) -> int:
@@ -394,14 +398,29 @@ class Lab:
         for d in DIRECTIONS:
             self.impair(h, d)
 
-    def _add_tbf(self, ipr, idx: int, rate_bps: float, queue_bytes: int | None) -> str:
-        """The root tbf of interface ``idx`` (a host port or a two-tier uplink): ``rate_bps``, a queue of
-        ``queue_bytes`` (default 5 ms of the rate, at least 10 frames) and a :func:`tbf_burst` bucket; returns
-        the parent handle a netem goes under."""
+    def _add_tbf(self, ns: str, ifname: str, rate_bps: float, queue_bytes: int | None) -> str:
+        """The root tbf of ``ifname`` in namespace ``ns`` (a host port, a host's own interface or a two-tier
+        uplink): ``rate_bps``, a queue of ``queue_bytes`` (default 5 ms of the rate, at least 10 frames), a
+        :func:`tbf_burst` bucket, and a peak-rate bucket of one frame (:data:`TBF_PEAK_RATE_BPS`) so that
+        every packet enters the queue frame by frame; returns the parent handle a netem goes under.
+
+        *Why the peak bucket* (2026-12-03, session 42): tbf queues a packet no larger than its bucket whole
+        and takes a larger GSO packet apart into its segments.  On a host's own interface a UDP-GSO batch or
+        a TCP super-packet reaches the qdisc before it is segmented, so with the 64 kB bucket over the incast
+        row's 32 kB queue every batch between those sizes was dropped entire: an LTP transfer out of such a
+        host got 50 of 119,712 packets through and failed, kernel bbr ran at 8-15 Mbit/s, and the incast
+        row's PS could not answer its workers.  A peak bucket of one frame caps tbf's largest packet at one
+        frame, so every batch is segmented and each frame meets the queue on its own, as at a switch port;
+        at a peak rate far above the link's it never delays a frame.  pyroute2 does not send tbf's peak
+        rate, so this qdisc is made with iproute2's ``tc``."""
         wire = self.mtu + ETH_HLEN
         qbytes = queue_bytes if queue_bytes is not None else max(10 * wire, int(rate_bps / 8 * 0.005))
-        ipr.tc("add", "tbf", index=idx, handle="1:", rate=int(rate_bps / 8), burst=tbf_burst(rate_bps, wire),
-               limit=max(qbytes, wire))
+        peak = max(TBF_PEAK_RATE_BPS, 10 * rate_bps)
+        r = support._ns_exec(ns, ["tc", "qdisc", "add", "dev", ifname, "root", "handle", "1:", "tbf",
+                                  "rate", f"{int(rate_bps)}bit", "burst", str(tbf_burst(rate_bps, wire)),
+                                  "limit", str(max(qbytes, wire)), "peakrate", f"{int(peak)}bit", "mtu", str(wire)])
+        if r.returncode != 0:
+            raise RuntimeError(f"tc tbf on {ifname} in {ns} failed: {r.stderr.strip()}")
         return "1:1"
 
     def impairment(self, h: Host | int | str, direction: str = "ingress") -> Impairment:
@@ -440,7 +459,7 @@ class Lab:
                 ipr.tc("del", index=idx, handle="1:", root=True)
             except NetlinkError:
                 pass  # no root qdisc yet
-            parent = self._add_tbf(ipr, idx, imp.rate_bps, imp.queue_bytes) if imp.rate_bps else None
+            parent = self._add_tbf(rate_ns, rate_if, imp.rate_bps, imp.queue_bytes) if imp.rate_bps else None
             if use_netem:
                 kw = dict(delay=int(imp.delay_s * 1e6), jitter=int(imp.jitter_s * 1e6), limit=1_000_000)
                 if parent:
@@ -527,7 +546,7 @@ class Lab:
                 ipr.tc("del", index=idx, handle="1:", root=True)
             except NetlinkError:
                 pass
-            parent = self._add_tbf(ipr, idx, rate_bps, queue_bytes) if rate_bps else None
+            parent = self._add_tbf(self.switch_ns, shape_if, rate_bps, queue_bytes) if rate_bps else None
             if delay_s > 0 and backend == "netem":
                 kw = dict(delay=int(delay_s * 1e6), limit=1_000_000)
                 ipr.tc("add", "netem", index=idx, **(dict(parent=parent, handle="10:") if parent else
