@@ -131,11 +131,16 @@ def test_loss_sweep_quick(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_incast_quick(tmp_path):
+    """On the scoreboard's shallow PS-link queue (the issue's 32 kB): with the lab's 64 kB tbf bucket over it, every
+    GSO batch between the two sizes was dropped whole at the PS's own interface and every LTP run failed (session
+    42; the lab's tbf now queues frame by frame), while this test, on the default 5 ms queue, passed."""
+    from ltp_tools.experiments.scoreboard import INCAST_QUEUE_BYTES
+
     out = tmp_path / "inc"
-    res = incast.run(quick=True, out=str(out), progress=False, verbose=False)
+    res = incast.run(quick=True, out=str(out), progress=False, verbose=False, queue_bytes=INCAST_QUEUE_BYTES)
     assert not res["failures"], res["failures"]
     p = res["params"]
-    assert (p["workers"], p["size"], p["iterations"]) == (4, 2_000_000, 3)
+    assert (p["workers"], p["size"], p["iterations"], p["queue_bytes"]) == (4, 2_000_000, 3, 32_000)
     assert res["lower_bound_s"] == pytest.approx(2 * 4 * 2_000_000 * 8 / 1e9)
     assert res["measured_loss"]["0/ingress"] == 0 and res["measured_loss"]["0/egress"] == 0
     assert 0.002 < res["measured_loss"]["0.01/ingress"] < 0.05   # the PS link really dropped ~1%
