@@ -416,11 +416,8 @@ class Lab:
         wire = self.mtu + ETH_HLEN
         qbytes = queue_bytes if queue_bytes is not None else max(10 * wire, int(rate_bps / 8 * 0.005))
         peak = max(TBF_PEAK_RATE_BPS, 10 * rate_bps)
-        r = support._ns_exec(ns, ["tc", "qdisc", "add", "dev", ifname, "root", "handle", "1:", "tbf",
-                                  "rate", f"{int(rate_bps)}bit", "burst", str(tbf_burst(rate_bps, wire)),
-                                  "limit", str(max(qbytes, wire)), "peakrate", f"{int(peak)}bit", "mtu", str(wire)])
-        if r.returncode != 0:
-            raise RuntimeError(f"tc tbf on {ifname} in {ns} failed: {r.stderr.strip()}")
+        self._sh(ns, [f"tc qdisc add dev {ifname} root handle 1: tbf rate {int(rate_bps)}bit "
+                      f"burst {tbf_burst(rate_bps, wire)} limit {max(qbytes, wire)} peakrate {int(peak)}bit mtu {wire}"])
         return "1:1"
 
     def impairment(self, h: Host | int | str, direction: str = "ingress") -> Impairment:
