@@ -466,6 +466,7 @@ async def worker_run(w, start: int = 0) -> dict:
                 await asyncio.to_thread(_post_suspects, w, views, fresh)
         if h.stopped or res.stopped:
             return {"iterations": w.iterations, "last_loss": w.last_loss, "stopped": True}
+        _report_missing_partials(w, it, prog, res, excluded)
         if h.orphaned:
             _orphan_round(w, it, sources, "declared dead while this round waited for them")
             it += 1
@@ -500,6 +501,30 @@ async def _declared_dead(w, v: "_Views", nodes) -> bool:
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(tree_views.BOARD_POLL_S)
+
+
+def _report_missing_partials(w, it: int, prog: Program, res, excluded) -> None:
+    """An aggregating worker says which children's partials it went up without (nothing came, the receive was
+    skipped because its parameter hop did not reach the child, or the partial could not be decoded): in the
+    first round that happens and then whenever the number of such rounds doubles, so a lossy run is not a line a
+    round.  Children known dead (``excluded``) are not news."""
+    steps = prog.steps()
+    missed = {}
+    for i, why in res.missing:
+        st = steps[i]
+        if st.op != "recv" or st.payload != "partial" or st.peer in excluded:
+            continue
+        rep = res.reports[i]
+        took = getattr(rep, "duration_s", None)
+        missed[st.peer] = f"{getattr(why, 'value', why)}" + (f" after {took:.3f} s" if took is not None else "")
+    if not missed:
+        return
+    w.short_partial_rounds += 1
+    n = w.short_partial_rounds
+    if n & (n - 1) == 0:
+        print(f"[w{w.cfg.rank}] round {it}: sent its partial up without "
+              + ", ".join(f"{p} ({why})" for p, why in sorted(missed.items()))
+              + f"; rounds with a child's partial missing so far: {n}", flush=True)
 
 
 def _orphan_round(w, it: int, sources, why: str) -> None:

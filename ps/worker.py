@@ -79,6 +79,7 @@ class Worker:
         self.out_rounds = 0  # tree schedules: rounds stepped through while declared dead (until taken back)
         self.returns = 0  # tree schedules: times this worker was declared dead and came back
         self.empty_relays = 0  # tree schedules: parameter relays sent empty (this worker had no whole copy)
+        self.short_partial_rounds = 0  # tree schedules: rounds this aggregator went up without a child's partial
         self.relay_budget_s: float | None = None  # tree schedules: seconds a parameter relay may take (last bound)
         self.tree_board = None  # tree schedules: where views of dead workers are agreed (ltp_ps.tree_views)
         self.join_tickets: dict[int, int] = {}  # shard -> ticket of this incarnation's join (ControlChannel epoch)
