@@ -516,7 +516,10 @@ def _report_missing_partials(w, it: int, prog: Program, res, excluded) -> None:
             continue
         rep = res.reports[i]
         took = getattr(rep, "duration_s", None)
-        missed[st.peer] = f"{getattr(why, 'value', why)}" + (f" after {took:.3f} s" if took is not None else "")
+        if took == 0.0 and getattr(rep, "received_bytes", None) == 0:
+            missed[st.peer] = "not waited for: its parameter hop did not reach it, or it was abandoned"
+        else:
+            missed[st.peer] = f"{getattr(why, 'value', why)}" + (f" after {took:.3f} s" if took is not None else "")
     if not missed:
         return
     w.short_partial_rounds += 1
