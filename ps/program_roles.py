@@ -504,22 +504,19 @@ async def _declared_dead(w, v: "_Views", nodes) -> bool:
 
 
 def _report_missing_partials(w, it: int, prog: Program, res, excluded) -> None:
-    """An aggregating worker says which children's partials it went up without (nothing came, the receive was
-    skipped because its parameter hop did not reach the child, or the partial could not be decoded): in the
-    first round that happens and then whenever the number of such rounds doubles, so a lossy run is not a line a
-    round.  Children known dead (``excluded``) are not news."""
+    """An aggregating worker says which children's partials it went up without, with the executor's reason
+    (nothing came, and how long it waited; not waited for, because its parameter hop did not reach the child or
+    the child was abandoned; the partial could not be decoded): in the first round that happens and then
+    whenever the number of such rounds doubles, so a lossy run is not a line a round.  Children known dead
+    (``excluded``) are not news."""
     steps = prog.steps()
     missed = {}
     for i, why in res.missing:
         st = steps[i]
         if st.op != "recv" or st.payload != "partial" or st.peer in excluded:
             continue
-        rep = res.reports[i]
-        took = getattr(rep, "duration_s", None)
-        if took == 0.0 and getattr(rep, "received_bytes", None) == 0:
-            missed[st.peer] = "not waited for: its parameter hop did not reach it, or it was abandoned"
-        else:
-            missed[st.peer] = f"{getattr(why, 'value', why)}" + (f" after {took:.3f} s" if took is not None else "")
+        took = getattr(res.reports[i], "duration_s", 0.0)
+        missed[st.peer] = f"{getattr(why, 'value', why)}" + (f" after {took:.3f} s" if took else "")
     if not missed:
         return
     w.short_partial_rounds += 1

@@ -329,6 +329,7 @@ async def test_a_send_that_finds_its_peer_gone_skips_the_later_receive_from_it()
     res = await asyncio.wait_for(ex.run(prog, sl), 5)
     assert isinstance(res.reports[0], PeerGone)
     assert res.reports[1].received_bytes == 0 and res.reports[1].duration_s == 0.0  # not waited for
+    assert res.missing == [(1, "not waited for: excluded (known dead or abandoned)")]
 
 
 async def test_a_stalled_peer_in_a_send_group_is_not_waited_for_and_groups_add_up_over_stages():
@@ -358,6 +359,7 @@ async def test_a_stalled_peer_in_a_send_group_is_not_waited_for_and_groups_add_u
     assert res.reports[1].__class__.__name__ == "TransportTimeout"
     assert res.reports[2].received_bytes > 0  # worker 1: reached in stage 0, still waited for after stage 1
     assert res.reports[3].received_bytes == 0 and res.reports[3].duration_s == 0.0
+    assert res.missing == [(3, "not waited for: its exchange in group 'down' did not succeed")]
 
 
 async def test_prepare_transfer_lets_the_role_replace_a_transfer_after_the_stages_before_it():

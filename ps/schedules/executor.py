@@ -542,9 +542,12 @@ class Executor:
         bufs = [self._recv_buf(i, s, slots) for i, s in members]
         live = [k for k, (i, s) in enumerate(members)
                 if (ok is None or s.peer in ok) and s.peer not in self._exclude]
+        skipped = {}  # step index -> why its receive was never posted (its ``res.missing`` reason)
         for k, (i, s) in enumerate(members):
             if k not in live:
                 res.reports[i] = missing_report(self.addr(s.peer), s.tag, as_bytes_view(bufs[k]).nbytes, TIMEOUT, 0.0)
+                skipped[i] = ("not waited for: excluded (known dead or abandoned)" if s.peer in self._exclude else
+                              f"not waited for: its exchange in group {s0.only_if!r} did not succeed")
         if live:
             peers = [self.addr(members[k][1].peer) for k in live]
             lbufs = [bufs[k] for k in live]
@@ -567,7 +570,7 @@ class Executor:
             slots.note_report(s.slot, r)
             if not isinstance(r, RecvReport) or r.received_bytes == 0:
                 self.counters["missing"] += 1
-                res.missing.append((i, getattr(r, "regime", repr(r))))
+                res.missing.append((i, skipped.get(i) or getattr(r, "regime", repr(r))))
                 continue
             self.counters["received"] += 1
             if s.payload == "partial":
