@@ -84,8 +84,10 @@ def incast_ltp_ps(a) -> None:
         for it in range(a.iterations):
             reps = await ep.gather(peers, into=bufs, tag=2 * it, timeout=a.timeout)
             t_g = time.monotonic()
-            await ep.broadcast(peers, params, tag=2 * it + 1, timeout=a.timeout)
+            sent = await ep.broadcast(peers, params, tag=2 * it + 1, timeout=a.timeout)
             _emit(dict(iteration=it, t_gather_end=t_g, t_bcast_sent=time.monotonic(),
+                       bcast_packets=sum(r.packets_sent for r in sent),
+                       bcast_retransmitted=sum(r.retransmitted_packets for r in sent),
                        regimes=[r.regime for r in reps], delivered=[r.delivered_fraction for r in reps],
                        flow_s=[r.duration_s for r in reps], bubbles=[len(r.bubbles) for r in reps]))
         await ep.close()

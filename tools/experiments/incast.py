@@ -32,7 +32,8 @@ Theory of operation
     For LTP each row also carries the gather's Early Close regimes (how many links ended
     ``complete`` / ``early`` / ``deadline`` / ``timeout``) and the mean and minimum
     delivered fraction over the N links, and the senders' own path model at the end of
-    their flows (median BtlBw and RTprop over the workers; total retransmitted packets).
+    their flows (median BtlBw and RTprop over the workers; total retransmitted packets),
+    and the PS's broadcast: packets sent to all workers and how many were resends.
 
     Files in ``--out``: ``results.json``, ``iterations.csv`` (one row per transport x loss
     x repeat x iteration), ``summary.csv`` (one row per transport x loss), ``bst.png``
@@ -64,7 +65,8 @@ LTP_PORT = 7447
 TCP_PORT = 5301
 ITER_COLUMNS = ["transport", "loss", "repeat", "iteration", "warmup", "bst_s", "gather_s", "bcast_s",
                 "lower_bound_s", "bst_over_bound", "delivered_mean", "delivered_min", "regimes", "worker_fct_max_s",
-                "worker_fct_median_s", "ltp_btlbw_mbps_median", "ltp_rtprop_ms_median", "ltp_retransmitted"]
+                "worker_fct_median_s", "ltp_btlbw_mbps_median", "ltp_rtprop_ms_median", "ltp_retransmitted",
+                "ltp_bcast_packets", "ltp_bcast_retransmitted"]
 SUMMARY_COLUMNS = ["transport", "loss", "loss_pct", "workers", "size_bytes", "n_iterations", "bst_median_s",
                    "bst_mean_s", "bst_p95_s", "bst_max_s", "gather_median_s", "bcast_median_s", "lower_bound_s",
                    "bst_median_over_bound", "delivered_mean", "delivered_min", "regimes", "failures"]
@@ -227,7 +229,10 @@ def _one_run(lab, transport, workers, size, n_iter, slack_s, seed, timeout_s, ra
                        # the senders' own model of their path at the end of the flow (bytes/s -> Mbit/s)
                        ltp_btlbw_mbps_median=round(statistics.median(w[it]["btlbw_bps"] for w in w_out) * 8e-6, 1),
                        ltp_rtprop_ms_median=round(statistics.median(w[it]["rtprop_s"] for w in w_out) * 1e3, 3),
-                       ltp_retransmitted=sum(w[it]["retransmitted"] for w in w_out))
+                       ltp_retransmitted=sum(w[it]["retransmitted"] for w in w_out),
+                       # the PS's broadcast: packets it sent to all workers and how many of them were resends
+                       ltp_bcast_packets=ps_out[it]["bcast_packets"],
+                       ltp_bcast_retransmitted=ps_out[it]["bcast_retransmitted"])
             # a flow's time at the PS runs from its registration; add how late the worker started
             fct = [ps_out[it]["flow_s"][k] + (w_out[k][it]["t_send_start"] - start) for k in range(len(w_out))]
         else:

@@ -1,0 +1,96 @@
+"""Mutated copies of a live transfer's own datagrams, from the right address, never escape (engine tier).
+
+An on-path attacker (or a path whose checksums are off) replays every datagram of a
+transfer with a few bytes changed, truncated or extended, each copy arriving
+just before (or just after) the genuine one and carrying the genuine source address, so it passes the
+address check and often the flow token. Whatever the engine makes of a copy (drop
+it and count why, take a forged DATA segment, close on a forged STOP), it must not
+raise out of ``receive_datagram`` or a timer, every operation must still end with
+an event within a bounded time, and the same engines must afterwards move a clean
+message whole. Bytes of a flipped DATA payload can land in the destination (LTP's
+DATA carries no MAC; UDP's checksum is what stops this on a real path), so the
+attacked transfer's contents are not asserted, only that it ends.
+
+Runs against the compiled modules and, in CI's twins stage, the pure-Python twins.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ltp.config import Config
+
+from conftest import SimHarness
+
+GBIT = 125e6
+
+
+def _mutate(data: bytes, rng: random.Random, span: int) -> bytes:
+    """One of: a few bytes XORed within the first ``span`` bytes, a truncation, an extension."""
+    b = bytearray(data)
+    kind = rng.random()
+    if kind < 0.7 or len(b) < 2:
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(min(len(b), span)) if b else 0
+            if b:
+                b[i] ^= rng.randint(1, 255)
+    elif kind < 0.85:
+        del b[rng.randrange(1, len(b)):]
+    else:
+        b += bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 64)))
+    return bytes(b)
+
+
+def _attack(h: SimHarness, rate: float, span: int, seed: int, before: bool) -> None:
+    """Every datagram delivered to either engine comes with, at probability ``rate``, a mutated copy just
+    ``before`` (or just after) it."""
+    rng = random.Random(seed)
+    for eng in h.engines:
+        genuine = eng.receive_datagram
+
+        def receive(data, addr, now, _genuine=genuine):
+            forged = _mutate(bytes(data), rng, span) if rng.random() < rate else None
+            if forged is not None and before:
+                _genuine(forged, addr, now)
+            _genuine(data, addr, now)
+            if forged is not None and not before:
+                _genuine(forged, addr, now)
+
+        eng.receive_datagram = receive
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), rate=st.sampled_from([0.05, 0.3, 1.0]), span=st.sampled_from([16, 48, 1500]),
+       before=st.booleans(), reliable=st.booleans(), loss=st.sampled_from([0.0, 0.02]))
+def test_mutated_copies_never_raise_every_operation_ends_and_the_engines_still_work(seed, rate, span, before,
+                                                                                     reliable, loss):
+    h = SimHarness(n_hosts=2, seed=seed % 97, config=Config(peer_silence_min_s=0.5))
+    h.links(rate=GBIT / 10, delay_s=0.001, loss=loss)
+    a, b = h.engines
+    rs = np.random.default_rng(seed)
+    data = rs.standard_normal(60_000).astype(np.float32)
+    _attack(h, rate, span, seed, before)
+    hs = a.send(h.addrs[1], data, now=h.now, reliable=reliable)
+    hr = b.post_receive([(h.addrs[0], 0, np.zeros_like(data))], now=h.now, timeout=5.0)
+    sent, got = h.wait([(0, hs), (1, hr)], timeout=30.0)  # both end (complete, cut short or failed): no hang
+    assert sent.handle == hs and got.handle == hr
+    dropped = sum(a.stats.dropped.values()) + sum(b.stats.dropped.values())
+    if rate == 1.0 and span == 16:
+        assert dropped > 0, "every datagram had a mutated header copy, and none was dropped and counted"
+
+    # the attack stops; the same engines move a fresh message whole, under a new tag
+    for eng in h.engines:
+        del eng.receive_datagram
+    h.links(rate=GBIT / 10, delay_s=0.001)
+    clean = rs.standard_normal(30_000).astype(np.float32)
+    out = np.zeros_like(clean)
+    hs2 = a.send(h.addrs[1], clean, now=h.now, tag=7, reliable=True)
+    hr2 = b.post_receive([(h.addrs[0], 7, out)], now=h.now, timeout=10.0)
+    sent2, got2 = h.wait([(0, hs2), (1, hr2)], timeout=30.0)
+    assert sent2.error is None, sent2.error
+    assert got2.reports[0].regime == "complete", got2.reports[0]
+    assert np.array_equal(out, clean)
