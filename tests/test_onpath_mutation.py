@@ -1,4 +1,4 @@
-"""Mutated copies of a live transfer's own datagrams, from the right address, never escape (engine tier).
+"""Mutated copies of a live transfer's own datagrams, from the right address, never escape.
 
 An on-path attacker (or a path whose checksums are off) replays every datagram of a
 transfer with a few bytes changed, truncated or extended, each copy arriving
@@ -11,14 +11,22 @@ message whole. Bytes of a flipped DATA payload can land in the destination (LTP'
 DATA carries no MAC; UDP's checksum is what stops this on a real path), so the
 attacked transfer's contents are not asserted, only that it ends.
 
-Runs against the compiled modules and, in CI's twins stage, the pure-Python twins.
+The loopback tier mounts the same attack on two live endpoints with a packet socket (root only), so the copies
+also go through ``recvmmsg`` and the compiled bulk drain. Both tiers run against the compiled modules and, in
+CI's twins stage, the pure-Python twins.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
+import socket
+import struct
+import threading
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -94,3 +102,83 @@ def test_mutated_copies_never_raise_every_operation_ends_and_the_engines_still_w
     assert sent2.error is None, sent2.error
     assert got2.reports[0].regime == "complete", got2.reports[0]
     assert np.array_equal(out, clean)
+
+
+# ---------------------------------------------------------------- loopback tier: the compiled receive path
+def _raw_sockets():
+    """A sniffer on ``lo`` and a raw UDP sender, or None without CAP_NET_RAW."""
+    try:
+        sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
+    except (PermissionError, AttributeError, OSError):
+        return None
+    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+    sniff.bind(("lo", 0))
+    sniff.settimeout(0.05)
+    return sniff, raw
+
+
+def _inject(sniff, raw, ports: set, stop: threading.Event, rng: random.Random, counts: dict) -> None:
+    """Re-send a mutated copy of every LTP datagram seen on ``lo`` towards ``ports``, from its genuine source
+    port (a UDP checksum of 0: none). A UDP-GSO super-datagram is cut into its 1,472-byte datagrams first."""
+    while not stop.is_set():
+        try:
+            frame, meta = sniff.recvfrom(70_000)
+        except (socket.timeout, OSError):
+            continue
+        if meta[2] == socket.PACKET_OUTGOING:
+            continue
+        ip = frame[14:]
+        ihl = (ip[0] & 0x0F) * 4
+        if len(ip) < ihl + 8 or ip[9] != socket.IPPROTO_UDP:
+            continue
+        sport, dport = struct.unpack("!HH", ip[ihl:ihl + 4])
+        if dport not in ports:
+            continue
+        body = ip[ihl + 8:]
+        for off in range(0, len(body), 1472):
+            forged = _mutate(bytes(body[off:off + 1472]), rng, rng.choice([16, 48, 1500]))
+            try:
+                raw.sendto(struct.pack("!HHHH", sport, dport, 8 + len(forged), 0) + forged, ("127.0.0.1", 0))
+                counts["injected"] += 1
+            except OSError:
+                pass
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_mutated_copies_on_loopback_never_reach_the_event_loop(seed, caplog):
+    """The same attack against two live endpoints: a sniffer on ``lo`` re-sends a mutated copy of each of their
+    datagrams with the genuine source port, so the copies go through the socket, ``recvmmsg`` and the compiled
+    bulk drain. Every transfer ends, the event loop logs no error, and a clean message afterwards arrives exact."""
+    import ltp
+
+    socks = _raw_sockets()
+    if socks is None:
+        pytest.skip("needs CAP_NET_RAW (root) for a packet socket on lo")
+    sniff, raw = socks
+    rng = random.Random(seed)
+    counts = {"injected": 0}
+    async with await ltp.open_endpoint(("127.0.0.1", 0)) as a, await ltp.open_endpoint(("127.0.0.1", 0)) as b:
+        stop = threading.Event()
+        t = threading.Thread(target=_inject, args=(sniff, raw, {a.local_addr[1], b.local_addr[1]}, stop, rng, counts))
+        t.start()
+        try:
+            for tag, n in enumerate((1_000, 400_000, 2_000_000)):
+                data = np.random.default_rng(tag).standard_normal(n).astype(np.float32)
+                out = np.zeros_like(data)
+                await asyncio.gather(a.send(b.local_addr, data, tag=tag, reliable=tag % 2 == 0, timeout=30),
+                                     b.recv(out, peer=a.local_addr, tag=tag, timeout=30), return_exceptions=True)
+        finally:
+            stop.set()
+            await asyncio.to_thread(t.join)
+            sniff.close()
+            raw.close()
+        clean = np.arange(300_000, dtype=np.float32)
+        out = np.zeros_like(clean)
+        await asyncio.gather(a.send(b.local_addr, clean, tag=99, reliable=True, timeout=30),
+                             b.recv(out, peer=a.local_addr, tag=99, timeout=30))
+        assert np.array_equal(out, clean)
+        dropped = sum(a.stats.dropped.values()) + sum(b.stats.dropped.values())
+    assert counts["injected"] > 100, counts
+    assert dropped > 0, counts
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
