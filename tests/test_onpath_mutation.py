@@ -85,7 +85,8 @@ def test_mutated_copies_never_raise_every_operation_ends_and_the_engines_still_w
     hs = a.send(h.addrs[1], data, now=h.now, reliable=reliable)
     hr = b.post_receive([(h.addrs[0], 0, np.zeros_like(data))], now=h.now, timeout=5.0)
     sent, got = h.wait([(0, hs), (1, hr)], timeout=30.0)  # both end (complete, cut short or failed): no hang
-    assert sent.handle == hs and got.handle == hr
+    assert (sent.report is None) != (sent.error is None), sent  # a report or an error, never neither
+    assert len(got.reports) == 1 or got.error is not None, got
     dropped = sum(a.stats.dropped.values()) + sum(b.stats.dropped.values())
     if rate == 1.0 and span == 16:
         assert dropped > 0, "every datagram had a mutated header copy, and none was dropped and counted"
