@@ -110,10 +110,14 @@ def _raw_sockets():
     """A sniffer on ``lo`` and a raw UDP sender, or None without CAP_NET_RAW."""
     try:
         sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
-    except (PermissionError, AttributeError, OSError):
+    except (AttributeError, OSError):  # no AF_PACKET, or no CAP_NET_RAW (PermissionError is an OSError)
         return None
-    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
-    sniff.bind(("lo", 0))
+    try:
+        sniff.bind(("lo", 0))
+        raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+    except OSError:
+        sniff.close()
+        return None
     sniff.settimeout(0.05)
     return sniff, raw
 
@@ -155,7 +159,7 @@ async def test_mutated_copies_on_loopback_never_reach_the_event_loop(seed, caplo
 
     socks = _raw_sockets()
     if socks is None:
-        pytest.skip("needs CAP_NET_RAW (root) for a packet socket on lo")
+        pytest.skip("needs CAP_NET_RAW (root) for a packet socket on lo and a raw UDP socket")
     sniff, raw = socks
     rng = random.Random(seed)
     counts = {"injected": 0}
