@@ -14,6 +14,7 @@ import subprocess
 
 import pytest
 
+from ltp.config import Config
 from ltp_tools import cli
 from ltp_tools.experiments import _common, fairness, incast, loss_sweep
 from ltp_tools.netlab import check_support
@@ -159,9 +160,9 @@ def test_incast_quick(tmp_path):
         if r["transport"] == "ltp":
             n = sum(int(part.split("=")[1]) for part in r["regimes"].split())
             assert n == 4, r                            # one Early Close regime per link
-            # the PS's broadcast: at least one datagram per 1456 bytes per worker; resends among them
+            # the PS's broadcast: at least one datagram per segment per worker; resends among them
             sent, resent = int(r["ltp_bcast_packets"]), int(r["ltp_bcast_retransmitted"])
-            assert sent >= 4 * 2_000_000 / 1456 and 0 <= resent < sent, r
+            assert sent >= 4 * 2_000_000 / Config().segment_size_for(4) and 0 <= resent < sent, r
         else:
             assert float(r["delivered_mean"]) == 1.0
     summary = _csv(out / "summary.csv")

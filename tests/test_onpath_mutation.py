@@ -30,11 +30,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ltp import wire
 from ltp.config import Config
 
 from conftest import SimHarness
 
 GBIT = 125e6
+#: one DATA datagram at the default MTU (header + a float32 segment): a UDP-GSO super-datagram is cut at this size
+DATAGRAM = wire.HEADER_SIZE + Config().segment_size_for(4)
 
 
 def _mutate(data: bytes, rng: random.Random, span: int) -> bytes:
@@ -42,10 +45,8 @@ def _mutate(data: bytes, rng: random.Random, span: int) -> bytes:
     b = bytearray(data)
     kind = rng.random()
     if kind < 0.7 or len(b) < 2:
-        for _ in range(rng.randint(1, 4)):
-            i = rng.randrange(min(len(b), span)) if b else 0
-            if b:
-                b[i] ^= rng.randint(1, 255)
+        for _ in range(rng.randint(1, 4) if b else 0):
+            b[rng.randrange(min(len(b), span))] ^= rng.randint(1, 255)
     elif kind < 0.85:
         del b[rng.randrange(1, len(b)):]
     else:
@@ -124,7 +125,7 @@ def _raw_sockets():
 
 def _inject(sniff, raw, ports: set, stop: threading.Event, rng: random.Random, counts: dict) -> None:
     """Re-send a mutated copy of every LTP datagram seen on ``lo`` towards ``ports``, from its genuine source
-    port (a UDP checksum of 0: none). A UDP-GSO super-datagram is cut into its 1,472-byte datagrams first."""
+    port (a UDP checksum of 0: none). A UDP-GSO super-datagram is cut into its :data:`DATAGRAM`-byte datagrams first."""
     while not stop.is_set():
         try:
             frame, meta = sniff.recvfrom(70_000)
@@ -140,8 +141,8 @@ def _inject(sniff, raw, ports: set, stop: threading.Event, rng: random.Random, c
         if dport not in ports:
             continue
         body = ip[ihl + 8:]
-        for off in range(0, len(body), 1472):
-            forged = _mutate(bytes(body[off:off + 1472]), rng, rng.choice([16, 48, 1500]))
+        for off in range(0, len(body), DATAGRAM):
+            forged = _mutate(bytes(body[off:off + DATAGRAM]), rng, rng.choice([16, 48, 1500]))
             try:
                 raw.sendto(struct.pack("!HHHH", sport, dport, 8 + len(forged), 0) + forged, ("127.0.0.1", 0))
                 counts["injected"] += 1
