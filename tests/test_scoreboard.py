@@ -161,7 +161,72 @@ def test_repeats_interleave_the_transports_and_judge_the_medians(tmp_path):
     assert cpu["value"] == 1.25 and cpu["passed"] is True
     assert [r["machine_cpu_s_per_gb"] for r in res["raw"]["clean/ltp"]["runs"]] == [2.0, 5.0, 1.0]
     assert res["raw"]["clean/ltp"]["verified"] is True and res["params"]["repeats"] == 3
-    assert res["table"].startswith("single-flow rows: medians of 3 interleaved runs")
+    assert res["table"].startswith("rows cpu: medians of 3 interleaved runs")
+
+
+def test_broadcast_and_time_to_accuracy_rows_repeat_alternated_and_judge_their_medians(tmp_path):
+    """With --repeats 3 the bcast and tta rows run LTP and cubic alternately three times each. One lucky or unlucky
+    run (LTP's broadcast at 0.5 s, cubic's training that never reached the accuracy) does not decide the verdict."""
+    calls = []
+    durations = {"ltp": iter([1.5, 0.5, 1.4]), "cubic": iter([1.0, 1.1, 0.9])}
+
+    def broadcast(*, transport, size, peers):
+        calls.append(("bcast", transport))
+        return {"duration_s": next(durations[transport]), "receivers": [{"wakeups": 1}]}
+
+    tta = {"ltp": iter([20, 10, 10]), "cubic": iter([20, None, 10])}  # the quick job's epochs end at 10 and 20 s
+
+    def launch(transport, *, job, loss, seed=0):
+        calls.append(("tta", transport))
+        return _fake_job({transport: next(tta[transport])})(transport, job=job, loss=loss, seed=seed)
+
+    res = S.run(rows=("bcast", "tta"), quick=True, out=str(tmp_path), progress=False, verbose=False,
+                broadcast=broadcast, launch_job=launch, repeats=3)
+    assert calls == [("bcast", "ltp"), ("bcast", "cubic")] * 3 + [("tta", "ltp"), ("tta", "cubic")] * 3
+    v = {c["row"]: c for c in res["checks"]}
+    assert v["bcast"]["value"] == 1.4 and v["bcast"]["passed"] is False  # median 1.4 / median 1.0
+    assert "medians of 3 and 3 runs" in v["bcast"]["detail"]
+    assert [r["duration_s"] for r in res["raw"]["bcast/ltp"]["runs"]] == [1.5, 0.5, 1.4]
+    # LTP's median 10 s; cubic's runs 20, never, 10: median 20 (a run that never got there is the slowest)
+    assert v["tta"]["value"] == 0.5 and v["tta"]["passed"] is True
+    assert "cubic 20.0, never, 10.0" in v["tta"]["detail"]
+    raw = res["raw"]["tta"]
+    assert raw["cubic"]["times_s"] == [20.0, None, 10.0] and raw["cubic"]["time_to_accuracy_s"] == 20.0
+    assert raw["ltp"]["time_to_accuracy_s"] == 10.0 and len(raw["ltp"]["runs"]) == 3 and raw["ltp"]["rc"] == 0
+    assert res["table"].startswith("rows bcast, tta: medians of 3 interleaved runs")
+
+
+def test_time_to_accuracy_median_on_a_run_that_never_got_there_fails_naming_it(tmp_path):
+    tta = {"ltp": iter([10, None, None]), "cubic": iter([20, 20, 20])}
+
+    def launch(transport, *, job, loss, seed=0):
+        return _fake_job({transport: next(tta[transport])})(transport, job=job, loss=loss, seed=seed)
+
+    res = S.run(rows=("tta",), quick=True, out=str(tmp_path), progress=False, verbose=False, launch_job=launch,
+                repeats=3)
+    (c,) = res["checks"]
+    assert c["passed"] is False and c["value"] is None
+    assert c["detail"] == "ltp: 2 of 3 runs never reached 0.3"
+    assert res["raw"]["tta"]["ltp"]["time_to_accuracy_s"] is None and not res["failures"]
+
+    from ltp_tools.experiments import scoreboard_rows as SR
+    assert SR._median_time([1.0, None]) is None and SR._median_time([1.0, 3.0]) == 2.0
+    assert SR._median_time([]) is None and SR._median_time([None, 2.0, 1.0]) == 2.0
+
+
+def test_a_failed_time_to_accuracy_repeat_fails_the_board(tmp_path):
+    n = iter(range(10))
+
+    def launch(transport, *, job, loss, seed=0):
+        r = _fake_job({transport: 10})(transport, job=job, loss=loss, seed=seed)
+        return dict(r, rc=1, tail="worker 2 died") if next(n) == 2 else r
+
+    res = S.run(rows=("tta",), quick=True, out=str(tmp_path), progress=False, verbose=False, launch_job=launch,
+                repeats=2)
+    assert [f["measurement"] for f in res["failures"]] == ["tta/ltp"]
+    assert res["raw"]["tta"]["ltp"]["rc"] == 1 and res["raw"]["tta"]["ltp"]["times_s"] == [10.0, None]
+    (c,) = res["checks"]
+    assert c["value"] is None and c["detail"] == "ltp: 1 of 2 runs failed"
 
 
 def test_a_failed_repeat_is_reported_and_the_rest_still_count(tmp_path):
