@@ -42,7 +42,7 @@ Theory of operation
     judges the **median** of each figure (the raw runs are kept beside it, under ``runs``); the
     incast row takes N repeats too, and so do the ``bcast`` and ``tta`` rows (LTP and cubic
     alternated, medians judged: with one run each, boards of the same code read tta 0.86-1.25
-    and bcast 1.77-2.08 within a day). One run of one transfer is not a verdict here: cubic's own
+    and bcast 1.77-2.51 over two days). One run of one transfer is not a verdict here: cubic's own
     CPU per GB has moved 1.7-2.6 s/GB between runs minutes apart. The ``psround`` row runs each of
     its ten jobs once (each takes minutes).
     ``--quick`` shrinks every size so the whole board runs in about a minute (CI uses it
