@@ -196,6 +196,17 @@ def test_broadcast_and_time_to_accuracy_rows_repeat_alternated_and_judge_their_m
     assert res["table"].startswith("rows bcast, tta: medians of 3 interleaved runs")
 
 
+def test_the_table_says_how_repeats_were_judged(tmp_path):
+    res = S.run(rows=("incast", "bcast"), quick=True, out=str(tmp_path), progress=False, verbose=False,
+                incast_run=_fake_incast(1.0, 2.0), broadcast=lambda transport, size, peers: {"duration_s": 1.0},
+                repeats=2)
+    head = res["table"].splitlines()[:2]
+    assert head == ["rows bcast: medians of 2 interleaved runs per point", "row incast: the rounds of 2 repeats"]
+    res = S.run(rows=("incast",), quick=True, out=str(tmp_path), progress=False, verbose=False,
+                incast_run=_fake_incast(1.0, 2.0), repeats=1)
+    assert res["table"].startswith("| row")
+
+
 def test_time_to_accuracy_median_on_a_run_that_never_got_there_fails_naming_it(tmp_path):
     tta = {"ltp": iter([10, None, None]), "cubic": iter([20, 20, 20])}
 
