@@ -225,6 +225,23 @@ def test_time_to_accuracy_median_on_a_run_that_never_got_there_fails_naming_it(t
     assert SR._median_time([]) is None and SR._median_time([None, 2.0, 1.0]) == 2.0
 
 
+def test_a_broadcast_repeat_that_raises_is_a_failure_and_the_rest_still_count(tmp_path):
+    n = iter(range(10))
+
+    def broadcast(*, transport, size, peers):
+        if next(n) == 2:
+            raise RuntimeError("receiver 3 did not start")
+        return {"duration_s": 2.0 if transport == "ltp" else 1.0}
+
+    res = S.run(rows=("bcast",), quick=True, out=str(tmp_path), progress=False, verbose=False, broadcast=broadcast,
+                repeats=2)
+    assert [f["measurement"] for f in res["failures"]] == ["bcast/ltp"]
+    assert "receiver 3 did not start" in res["failures"][0]["error"]
+    (c,) = res["checks"]
+    assert c["value"] == 2.0 and "medians of 1 and 2 runs" in c["detail"]
+    assert res["raw"]["bcast/ltp"] == {"duration_s": 2.0}
+
+
 def test_a_failed_time_to_accuracy_repeat_fails_the_board(tmp_path):
     n = iter(range(10))
 

@@ -176,6 +176,23 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
         bar.update(1)
         return raw[key]
 
+    def alternated(row, call):
+        """``repeats`` runs of ``call(transport)`` for LTP and cubic, alternated; transport -> its results (None
+        for a run that raised). A run that raised or exited non-zero (a job's ``rc``) is a failed measurement."""
+        got: dict[str, list] = {"ltp": [], "cubic": []}
+        for _ in range(n):
+            for tr, rs in got.items():
+                try:
+                    r = call(tr)
+                    if r.get("rc", 0) != 0:
+                        failures.append(dict(measurement=f"{row}/{tr}", error=f"exit {r['rc']}: {r['tail'][-500:]}"))
+                except Exception as e:  # noqa: BLE001 - a failed measurement is reported, the board goes on
+                    failures.append(dict(measurement=f"{row}/{tr}", error=f"{type(e).__name__}: {e}"[:2000]))
+                    r = None
+                rs.append(r)
+                bar.update(1)
+        return got
+
     def g(key, field="goodput_gbps"):
         r = raw.get(key)
         return None if r is None else r.get(field)
@@ -260,16 +277,10 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
                                      f"<= {INCAST_SLOWEST_MAX_VS_BBR}",
                                      None if ratio is None else ratio <= INCAST_SLOWEST_MAX_VS_BBR))
         if "bcast" in rows:
-            bruns: dict[str, list] = {"ltp": [], "cubic": []}
-            for _ in range(n):
-                for tr in ("ltp", "cubic"):
-                    try:
-                        bruns[tr].append(broadcast(transport=tr, size=sz["bcast"], peers=BCAST_PEERS))
-                    except Exception as e:  # noqa: BLE001
-                        failures.append(dict(measurement=f"bcast/{tr}", error=f"{type(e).__name__}: {e}"[:2000]))
-                    bar.update(1)
+            bruns = alternated("bcast", lambda tr: broadcast(transport=tr, size=sz["bcast"], peers=BCAST_PEERS))
             for tr, rs in bruns.items():
-                raw[f"bcast/{tr}"] = _median_run(rs)
+                bruns[tr] = [r for r in rs if r is not None]
+                raw[f"bcast/{tr}"] = _median_run(bruns[tr])
             lt, cu = g("bcast/ltp", "duration_s"), g("bcast/cubic", "duration_s")
             ratio = _ratio(lt, cu)
             checks.append(_check("bcast", f"LTP broadcast / {BCAST_PEERS} cubic connections, time", ratio,
@@ -296,18 +307,7 @@ def run(*, rows=ROWS, quick: bool = False, out: str | None = None, progress: boo
                 checks.extend(SR.ps_round_checks(job["name"], stats, _check))
         if "tta" in rows:
             job, acc = (SR.TTA_QUICK, SR.TTA_QUICK_ACCURACY) if quick else (SR.TTA_JOB, SR.TTA_ACCURACY)
-            truns: dict[str, list] = {"ltp": [], "cubic": []}
-            for _ in range(n):
-                for tr in ("ltp", "cubic"):
-                    try:
-                        r = launch_job(tr, job=job, loss=SR.TTA_LOSS, seed=seed)
-                        if r["rc"] != 0:
-                            failures.append(dict(measurement=f"tta/{tr}", error=f"exit {r['rc']}: {r['tail'][-500:]}"))
-                    except Exception as e:  # noqa: BLE001
-                        failures.append(dict(measurement=f"tta/{tr}", error=f"{type(e).__name__}: {e}"[:2000]))
-                        r = None
-                    truns[tr].append(r)
-                    bar.update(1)
+            truns = alternated("tta", lambda tr: launch_job(tr, job=job, loss=SR.TTA_LOSS, seed=seed))
             raw["tta"] = {tr: SR.tta_raw(rs, acc) for tr, rs in truns.items()}
             checks.extend(SR.tta_checks(truns, acc, _check))
         if "twins" in rows:

@@ -34,8 +34,10 @@ Both take injectable runners so the verdict logic is tested without a lab or a s
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -136,12 +138,8 @@ def _tta_of(r, accuracy: float) -> float | None:
 def _median_time(times: list) -> float | None:
     """The median of per-run times, a run without one (failed, never reached) counting as slower than any; None
     when the median falls on such a run (with an even count, on either middle run)."""
-    if not times:
-        return None
-    s = sorted(times, key=lambda v: float("inf") if v is None else v)
-    mid = len(s) // 2
-    pick = s[mid:mid + 1] if len(s) % 2 else s[mid - 1:mid + 1]
-    return None if any(v is None for v in pick) else sum(pick) / len(pick)
+    m = statistics.median([math.inf if v is None else v for v in times]) if times else math.inf
+    return None if math.isinf(m) else m
 
 
 def tta_raw(runs, accuracy: float) -> dict | None:
@@ -157,9 +155,9 @@ def tta_raw(runs, accuracy: float) -> dict | None:
                                                    for e in r["rows"] if e.get("event") == "epoch"])
     each = [one(r) for r in rs]
     first = next(e for e in each if e is not None)
-    out = dict(rc=max((e["rc"] for e in each if e is not None), key=abs),
-               time_to_accuracy_s=_median_time([_tta_of(r, accuracy) for r in rs]),
-               times_s=[None if e is None else e["time_to_accuracy_s"] for e in each], epochs=first["epochs"])
+    times = [None if e is None else e["time_to_accuracy_s"] for e in each]
+    out = dict(rc=max((e["rc"] for e in each if e is not None), key=abs), time_to_accuracy_s=_median_time(times),
+               times_s=times, epochs=first["epochs"])
     if len(rs) > 1:
         out["runs"] = each
     return out
@@ -185,10 +183,13 @@ def tta_checks(runs: dict, accuracy: float, check) -> list[dict]:
 
     why = "; ".join(why_none(tr) for tr, v in t.items() if v is None)
     ratio = None if lt is None or cu is None or cu <= 0 else lt / cu
-    several = any(len(v) > 1 for v in each.values())
-    detail = why or (f"ltp {lt:.1f} s, cubic {cu:.1f} s" + (
-        " (medians; runs: " + "; ".join(f"{tr} " + ", ".join("never" if v is None else f"{v:.1f}" for v in vs)
-                                        for tr, vs in each.items()) + ")" if several else ""))
+    detail = why
+    if not why:
+        detail = f"ltp {lt:.1f} s, cubic {cu:.1f} s"
+        if any(len(v) > 1 for v in each.values()):
+            per_run = "; ".join(f"{tr} " + ", ".join("never" if v is None else f"{v:.1f}" for v in vs)
+                                for tr, vs in each.items())
+            detail += f" (medians; runs: {per_run})"
     out.append(check("tta", f"LTP/cubic time to {accuracy:g} accuracy, {TTA_LOSS:.0%} loss", ratio,
                      f"<= {TTA_MAX_VS_CUBIC}", False if ratio is None else ratio <= TTA_MAX_VS_CUBIC, detail))
     return out
