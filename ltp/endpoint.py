@@ -483,11 +483,11 @@ class Endpoint:
         self._waiters[handle] = fut
         self._flush_soon()
         started = _now()
-        # the caller's timeout is one loop timer that fails ``fut`` (not wait_for + shield: two more futures
-        # and a task per call, on every send of a small message)
-        timer: list = [None]  # the armed TimerHandle (the own-stall rule may re-arm it)
+        # the caller's timeout is one loop timer, re-armed at each tick, that fails ``fut`` (not wait_for + shield:
+        # two more futures and a task per call, on every send of a small message)
+        timer: list = [None]  # the armed TimerHandle (each tick re-arms it; the own-stall rule moves its deadline)
         if timeout is not None:
-            timer[0] = self._loop.call_later(timeout, self._caller_timeout, fut, timer, started + timeout, timeout)
+            self._arm_caller_tick(fut, timer, started + timeout, timeout, started)
         try:
             return await fut
         except TransferTimeout:
@@ -525,23 +525,42 @@ class Endpoint:
         self._flush_due = False
         self._flush()
 
-    def _caller_timeout(self, fut, timer: list, deadline: float, timeout: float) -> None:
-        """The caller's timeout of a send came: fail it, unless the own-stall rule (:mod:`ltp.liveness`) says
-        this process did not run for part of the window; the transfer then gets the whole window again. Either
-        this timer ran late, or the engine noticed a stall within the window (``Engine.own_stall_at``): a stop
-        that ended just before the deadline leaves this timer on time (found by CI: a PS stopped for 10 s failed a
-        10 s send started just before the stop). The process ran when the send began, so a stall noticed after
-        that overlapped the window, even when the timer that measured it was due a moment before the send began
-        (``own_stall_since`` then lies before the window: a later CI run of the same PS test). A stall counts for
-        one window only: the window it gives starts after it was noticed."""
+    def _arm_caller_tick(self, fut, timer: list, deadline: float, timeout: float, now: float) -> None:
+        """Arm the next tick of a send's caller timeout: at its ``deadline``, or :data:`CALLER_TICK_S` from ``now``
+        if that is sooner."""
+        due = min(deadline, now + CALLER_TICK_S)
+        timer[0] = self._loop.call_later(max(0.0, due - now), self._caller_tick, fut, timer, due, deadline, timeout)
+
+    def _caller_tick(self, fut, timer: list, due: float, deadline: float, timeout: float) -> None:
+        """A tick of a send's caller timeout (armed for ``due``): fail the send at its ``deadline``, unless the
+        own-stall rule (:mod:`ltp.liveness`) says this process did not run for part of the window; the transfer
+        then gets the whole window again, counted from now. A stall counts for one window only.
+
+        The timeout ticks every :data:`CALLER_TICK_S` so that it sees a stall itself: a tick over
+        ``liveness.OWN_STALL_S`` late is one, whatever the engine had armed. With one timer at the deadline, a stop
+        that ended just before the deadline was seen only if the engine's own timer ran late and noticed it
+        (``Engine.own_stall_at``, which still counts). CI found a PS stopped for 10 s that failed two 10 s sends
+        10.005 s after they began, no stall noticed before its timer ran: its engine had no deadline early in the stop.
+
+        At the deadline the socket is read before the send is failed: the ACKs that finish it may be waiting there
+        (the peer sent them while this process did not run, and uvloop runs due timers before it reads).
+        """
         if fut.done():
             return
         now = _now()
         at = self.engine.own_stall_at
-        if liveness.stalled(deadline, now) or (at is not None and at > deadline - timeout):
+        if liveness.stalled(due, now) or (at is not None and at > deadline - timeout):
             self.loop_stats["stalled_timeouts"] += 1
-            timer[0] = self._loop.call_later(timeout, self._caller_timeout, fut, timer, now + timeout, timeout)
+            self._arm_caller_tick(fut, timer, now + timeout, timeout, now)
             return
+        if deadline - now > LOOP_TIMER_RESOLUTION_S:  # a tick before the deadline (or the loop's rounding of it)
+            self._arm_caller_tick(fut, timer, deadline, timeout, now)
+            return
+        if not self._closed:
+            self._receive_pending()
+            self._flush()
+            if fut.done():
+                return
         fut.set_exception(_CallerTimeout())
 
     def _on_readable(self) -> None:
@@ -894,6 +913,10 @@ def timer_delay(when: float, now: float) -> float:
         return _TIMER_MARGIN_S
     return max(when - now + _TIMER_MARGIN_S, LOOP_TIMER_RESOLUTION_S)
 
+
+#: seconds between two ticks of a send's caller timeout: a tick that runs over ``liveness.OWN_STALL_S`` late tells
+#: of a stall of this process (the own-stall rule), which the timeout does not count
+CALLER_TICK_S = 0.5
 
 #: the error queue is read when a socket call met an ICMP error, and at least this often (seconds)
 _ERRQ_POLL_S = 0.05

@@ -21,7 +21,9 @@ measured on the engine's clock from the last datagram heard:
   meant to send was not sent, so every peer's silence is counted afresh from
   that moment (``Engine._note_stall``). A genuinely dead
   peer is still declared dead one limit later: the timer that judges it runs
-  on time.
+  on time. A send's caller timeout (``Endpoint``) follows the same rule with
+  its own ticks, every ``CALLER_TICK_S``: a tick this late, or a stall the
+  engine noticed within the window, gives the send its whole window again.
 
 Every error states the peer, the elapsed time, the limit and how far the
 transfer got. Pure functions: the engine passes in what they need.

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -388,6 +389,69 @@ async def test_a_stop_is_counted_for_a_send_begun_after_the_late_timer_was_armed
 
     engine, t0 = await _a_send_through_a_stop(2, armed_before_the_send)
     assert engine.own_stall_since < t0 < engine.own_stall_at
+
+
+async def test_a_stop_the_engine_did_not_notice_is_still_not_counted():
+    """Found by CI (the same 10 s PS stop, a third time): the PS failed two 10 s sends 10.005 s after they began,
+    with its engine unaware of the stop (its timer due late in the stop, or none armed, and no earlier deadline
+    of a flow to run late), so the caller's timer, due just after the stop ended, ran on time. The caller's
+    timeout now ticks (``CALLER_TICK_S``) and sees the stall itself: its tick due at 0.55 s ran 2.4 s late."""
+
+    def hidden_from_the_engine(a, t0):
+        a.engine._note_stall = lambda now: None  # whatever the engine's timers do, it notices no stall
+
+    engine, _ = await _a_send_through_a_stop(3, hidden_from_the_engine)
+    assert engine.own_stall_since is None
+
+
+async def test_a_send_whose_acks_wait_unread_at_its_deadline_completes():
+    """The ACKs that finish a send can be waiting in the socket when its caller's timer runs: the process did not
+    run while the peer acknowledged (a stop shorter than the own-stall rule's 1 s), and a timer can run before the
+    loop reads the socket (uvloop runs due timers first). The timer reads the socket before it fails the send.
+    Here the loop's reads are switched off once every segment is out, so only that read can find the ACKs."""
+    data = np.random.default_rng(4).standard_normal(50_000).astype(np.float32)  # 200 kB
+    addr: list = []
+    got = np.zeros_like(data)
+    ready, done = threading.Event(), threading.Event()
+
+    def peer() -> None:  # its own thread and loop
+        async def main():
+            b = await ltp.open_endpoint(("127.0.0.1", 0))
+            try:
+                addr.append(b.local_addr)
+                ready.set()
+                await asyncio.wait_for(b.recv(got), 20)
+                done.set()
+                await asyncio.sleep(0.2)  # the last ACKs out
+            finally:
+                await b.close()
+        asyncio.run(main())
+
+    t = threading.Thread(target=peer, daemon=True)
+    t.start()
+    assert ready.wait(10)
+    a = await ltp.open_endpoint(("127.0.0.1", 0), config=Config(peer_silence_min_s=8.0))
+    try:
+        send = asyncio.ensure_future(a.send(addr[0], data, reliable=True, timeout=0.5))
+
+        def all_out() -> bool:
+            return any(f.nq_pos >= len(f.normal) and not f.cq for p in a.engine._paths.values() for f in p.flows)
+
+        until = time.monotonic() + 5
+        while not all_out() and time.monotonic() < until:
+            await asyncio.sleep(0)  # run the loop until every segment is out, then stop reading at once
+        assert all_out() and not send.done()
+        a._watch.want_readable(False)
+        if a._timer is not None:  # nor does the engine's timer read
+            a._timer.cancel()
+            a._timer = None
+        assert await asyncio.to_thread(done.wait, 5)  # the peer has it all and acknowledged it, unread here
+        report = await asyncio.wait_for(send, 10)
+        assert report.delivered_bytes == data.nbytes and np.array_equal(got, data)
+        assert a.loop_stats["stalled_timeouts"] == 0  # not the own-stall rule: the read before failing
+    finally:
+        await a.close()
+        t.join(10)
 
 
 async def test_a_caller_timeout_does_not_count_time_the_process_did_not_run():
