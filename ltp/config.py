@@ -108,7 +108,8 @@ class Config:
     receive_polling: bool = True
     #: threads that make the asyncio adapter's DATA sends (``UdpIO`` sender threads: the kernel's per-packet
     #: send path, and on a veth path the receiving side's softirq too, runs beside the event loop instead
-    #: of inside it); 0 sends from the event loop's thread. One destination is always served by one thread
+    #: of inside it); 0 sends from the event loop's thread. One destination is served by one thread, except the
+    #: parts of a spread batch (``spread_sends``)
     send_threads: int = 2
     #: with sender threads, one peer's DATA may be paced by a sender thread in sub-bursts of at most this much
     #: time at the path's BBR pacing rate (``UdpIO.send_segments(pace_rate=...)``), where the event loop's timer
@@ -119,6 +120,13 @@ class Config:
     #: rounds took 1.2-1.3x as long with it (docs/performance.md, "Change 15"). Paths paced by a receiver's grant
     #: (ltp/link_share.py) and sends to several peers are never thread-paced.
     thread_pacing_s: float = 0.0
+    #: with two or more sender threads, one peer's large DATA batches (at least ``2 x SPREAD_PART_MIN`` packets) are
+    #: built in lanes and go out in contiguous parts that the threads send side by side
+    #: (``UdpIO.send_segments(parts=)``): one flow's kernel path (on a veth lab, the receiving host's softirq too)
+    #: then runs on several cores, where it would saturate one. The parts interleave on the wire; each keeps its
+    #: order, and loss detection counts each lane apart (``SendWindow.build(lanes=)``), so the interleaving resends
+    #: nothing. See docs/performance.md, "Change 17", for what it gains and costs here
+    spread_sends: bool = False
 
     def __post_init__(self) -> None:
         if not 576 <= self.mtu <= 65535:
@@ -156,6 +164,8 @@ class Config:
             raise LocalProtocolError(f"thread_pacing_s={self.thread_pacing_s!r}: pass seconds from 0 (no thread "
                                      f"pacing, the default) to pacing_granularity_s ({self.pacing_granularity_s}), "
                                      "e.g. 0.0002")
+        if not isinstance(self.spread_sends, bool):
+            raise LocalProtocolError(f"spread_sends={self.spread_sends!r}: pass True or False")
         for name in ("max_flow_bytes", "max_flows_per_peer", "max_receive_memory", "lt_window",
                      "initial_cwnd_packets", "min_burst_packets", "io_batch", "max_closed_flows", "ack_every",
                      "max_flows_per_host", "max_pending_registrations", "replay_cache_entries",

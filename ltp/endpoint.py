@@ -791,6 +791,9 @@ class Endpoint:
         # kernel work then runs on more cores than the loop's; one peer's sends stay on the loop's thread, where
         # a hand-off would only add its cost (docs/performance.md, "Change 10")
         background = io.send_threads > 0 and eng.sending_to_several
+        # one peer's large batches: cut across the sender threads in the parts the engine built them for
+        # (SegmentTransmit.parts, Config.spread_sends), so that one flow's kernel path runs on more than one core
+        spreading = not background and io.send_threads > 1
         skip = 0  # the next ``skip`` transmits went out in one send_many already
         for i, tx in enumerate(txs):
             if skip:
@@ -809,8 +812,10 @@ class Endpoint:
             try:
                 if isinstance(tx, SegmentTransmit):
                     rate, quantum = (0.0, 0) if background else self._thread_pacing(tx)
+                    parts = tx.parts if spreading and rate == 0.0 and tx.parts <= io.send_threads else 1
                     k = io.send_segments(tx.addr, tx.headers, tx.payload, tx.seqs, tx.seg_size, tx.total,
-                                         background=background, pace_rate=rate, pace_quantum=quantum)
+                                         background=background, pace_rate=rate, pace_quantum=quantum,
+                                         parts=parts)
                     if k < len(tx):  # the socket buffer is full: keep the rest, assembled, for on_writable
                         self._pending.append((tx.addr, tx.assemble(k), tx.segment_size))
                     continue

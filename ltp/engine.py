@@ -888,10 +888,12 @@ class Engine:
             out.append(Transmit(addr, memoryview(data), len(data)))
             self.stats.datagrams_out += 1
             self.stats.bytes_out += len(data)
+        # sends to several peers go out in order through the adapter's threads: no batch is built in lanes then
+        spread = not self.sending_to_several
         for path in self._paths.values():
             if not path.flows:
                 continue
-            tx = path.poll(now)
+            tx = path.poll(now, spread=spread)
             while tx is not None:
                 out.append(tx)
                 n = tx.nbytes
@@ -899,7 +901,7 @@ class Engine:
                 self.stats.bytes_out += n
                 # the next flow's turn now, not at the next ACK: with the receiver silent (a busy PS), a flow
                 # behind one whose lost segment the tail-loss timer re-queued was never served
-                tx = path.poll(now, fresh=True) if path.budget_left else None
+                tx = path.poll(now, fresh=True, spread=spread) if path.budget_left else None
             path.wake = path.next_send_time(now)
         return out
 

@@ -17,7 +17,10 @@ not be sent a fresh window per probe timeout into its full socket; a
 registration's repeats back off on their own, from :meth:`Path.base_pto`) --
 and the delivery-rate state (delivered bytes,
 delivered time, first-sent time, app-limited mark) that turns each ACK into
-a BBR sample.
+a BBR sample. With ``Config.spread_sends`` a large gather batch is built in
+*lanes* (:func:`spread_parts`): contiguous parts the adapter may hand to
+different sender threads, whose packets then interleave on the wire; loss
+detection counts each lane apart (``SendWindow.build(lanes=)``).
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from .bbr import BBR
 from .config import Config
 from .link_share import GRANT_TTL_S, GRANTED_MIN_BURST_PACKETS, PROVISIONAL_GRANT_S
 from .pacing import Pacer
+from ltp_ext.constants import SPREAD_PART_MIN
 
-__all__ = ["Path", "SegmentTransmit", "Transmit", "PTO_BACKOFF_MAX", "REORDER_WINDOW_RTPROPS"]
+__all__ = ["Path", "SegmentTransmit", "Transmit", "PTO_BACKOFF_MAX", "REORDER_WINDOW_RTPROPS", "spread_parts"]
 
 #: RACK's reordering window (RFC 8985), in RTprops: a transmission that a later one overtook (that one was
 #: acknowledged first) is lost once its own round trip and this much more have passed. RFC 8985's initial
@@ -44,6 +48,15 @@ __all__ = ["Path", "SegmentTransmit", "Transmit", "PTO_BACKOFF_MAX", "REORDER_WI
 REORDER_WINDOW_RTPROPS = 0.25
 
 _NONE = np.empty(0, np.int64)  # no segments (read-only use)
+
+
+def spread_parts(n: int, lanes: int) -> int:
+    """How many lanes a batch of ``n`` packets is built in when ``lanes`` sender threads may share it: one per
+    thread, each at least ``SPREAD_PART_MIN`` packets (a whole GSO message or more per part); 1 below two such
+    parts."""
+    k = min(lanes, n // SPREAD_PART_MIN)
+    return k if k >= 2 else 1
+
 
 #: the probe timeout doubles per tail-loss timeout in a row without an acknowledgement, at most this many times
 #: (4 ms -> 32 ms at the default ``min_pto_s``). Without it, a PS that did not read its socket for 100 ms (busy
@@ -87,10 +100,11 @@ class SegmentTransmit:
     the next poll, like :class:`Transmit`.
     """
 
-    __slots__ = ("addr", "headers", "payload", "seqs", "seg_size", "total", "segment_size", "nbytes", "pace_rate")
+    __slots__ = ("addr", "headers", "payload", "seqs", "seg_size", "total", "segment_size", "nbytes", "pace_rate",
+                 "parts")
 
     def __init__(self, addr, headers: memoryview, payload: memoryview, seqs, seg_size: int, total: int,
-                 nbytes: int, pace_rate: float = 0.0) -> None:
+                 nbytes: int, pace_rate: float = 0.0, parts: int = 1) -> None:
         self.addr = addr
         self.headers = headers
         self.payload = payload
@@ -100,6 +114,8 @@ class SegmentTransmit:
         self.segment_size = wire.HEADER_SIZE + seg_size  # the stride, as Transmit's
         self.nbytes = nbytes
         self.pace_rate = pace_rate  # the path's pacing rate when the batch was built (bytes/s; 0: unknown)
+        #: the contiguous parts (lanes) loss detection allows to interleave on the wire (spread_parts); 1: in order
+        self.parts = parts
 
     def __len__(self) -> int:
         return int(self.seqs.shape[0])
@@ -129,6 +145,8 @@ class Path:
     def __init__(self, peer, config: Config, rng: random.Random, mss: int, *, gather_send: bool = False) -> None:
         self.peer = peer
         self.gather_send = gather_send  # poll() returns SegmentTransmit (headers only; payload stays put)
+        #: lanes a large gather batch may be cut into (Config.spread_sends: one per sender thread; 1: none)
+        self.spread_lanes = config.send_threads if config.spread_sends else 1
         self.config = config
         self.mss = mss
         self.bbr = BBR(mss=mss, initial_cwnd_packets=config.initial_cwnd_packets,
@@ -260,11 +278,12 @@ class Path:
                 return f
         return None
 
-    def poll(self, now: float, *, fresh: bool = False):
+    def poll(self, now: float, *, fresh: bool = False, spread: bool = True):
         """Build the next batch of DATA datagrams allowed now, from the first flow with something to send;
         ``None`` when blocked or idle. ``budget_left`` is then True when that flow ran out of segments before
         the window and the pacer did: call again for the next flow's batch, with ``fresh`` (a new buffer:
-        the batch before still points into the path's)."""
+        the batch before still points into the path's). ``spread``: a large gather batch may be built in lanes
+        (:attr:`spread_lanes`; the engine says no while its sends go to several peers, which leave in order)."""
         self.budget_left = False
         flow = self._active()
         if flow is None:
@@ -288,8 +307,9 @@ class Path:
         need = seqs.shape[0] * (wire.HEADER_SIZE if gather else stride)
         if fresh or len(self._out) < need:
             self._out = bytearray(need)
+        parts = spread_parts(seqs.shape[0], self.spread_lanes) if spread and gather and not self.granted else 1
         nbytes = flow.window.build(seqs, now, self.delivered, self.delivered_time, self.first_sent_time,
-                                   self.est_word(), self._out, gather)
+                                   self.est_word(), self._out, gather, parts)
         self.pacer.consume(now, nbytes)
         self.budget_left = seqs.shape[0] < n
         if self._active() is None:
@@ -297,7 +317,7 @@ class Path:
             self.app_limited_until = self.delivered + self.inflight_bytes()
         if gather:
             return SegmentTransmit(self.peer, memoryview(self._out)[:need], flow.payload, seqs, flow.seg_size,
-                                   flow.total, nbytes, 0.0 if self.granted else self.pacer.rate)
+                                   flow.total, nbytes, 0.0 if self.granted else self.pacer.rate, parts)
         return Transmit(self.peer, memoryview(self._out)[:nbytes], stride)
 
     def next_send_time(self, now: float) -> float | None:
@@ -322,11 +342,11 @@ class Path:
     def reorder_deadline(self, flow) -> float | None:
         """When RACK declares ``flow``'s oldest in-flight transmission lost if nothing else arrives: its send
         time + the newest acknowledged transmission's RTT + the reordering window; None unless a later
-        transmission was acknowledged (``acked_in_window``)."""
+        transmission of its lane was acknowledged (``SendWindow.rack_candidate_time``)."""
         w = flow.window
         if flow.rack_rtt is None or not w.inflight_count or not w.acked_in_window:
             return None
-        oldest = w.oldest_inflight_time()
+        oldest = w.rack_candidate_time()
         return oldest + flow.rack_rtt + self.reorder_window(flow) if oldest >= 0 else None
 
     def reordered(self, flow, now: float):

@@ -13,6 +13,11 @@ handy for experimenting with protocol parameters without sockets.
 A host can be *stalled* (:meth:`SimNetwork.stall`), as SIGSTOP would: until it
 resumes, datagrams for it wait (as in a socket buffer) and its timer does not
 run; on resume it reads what waited, then runs its timer.
+
+A batch built in lanes (``SegmentTransmit.parts`` > 1, ``Config.spread_sends``)
+goes out in order unless the network is told to play the adapter's sender
+threads (``SimNetwork(interleave_parts=True)``): its parts then leave
+interleaved, one datagram of each in turn, the last part first.
 """
 
 from __future__ import annotations
@@ -45,8 +50,10 @@ class SimLink:
 class SimNetwork:
     """Hosts (engines) connected by :class:`SimLink` s, driven by a virtual clock."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, *, interleave_parts: bool = False) -> None:
         self.rng = random.Random(seed)
+        #: send a batch's parts interleaved, as sender threads side by side may (see the module docstring)
+        self.interleave_parts = interleave_parts
         self.now = 0.0
         self.hosts: dict = {}
         self.links: dict = {}
@@ -105,9 +112,20 @@ class SimNetwork:
         """Route everything ``addr``'s engine wants to send now and re-arm its timer."""
         eng = self.hosts[addr]
         for tx in eng.datagrams_to_send(self.now):
-            for dgram in tx.datagrams():
+            for dgram in self._in_wire_order(tx):
                 self._transmit(addr, tx.addr, dgram)
         self._arm(addr)
+
+    def _in_wire_order(self, tx) -> list:
+        """``tx``'s datagrams in the order they leave: its parts interleaved, last part first, where the network
+        plays sender threads (:attr:`interleave_parts`), else as built."""
+        dgrams = tx.datagrams()
+        parts = getattr(tx, "parts", 1)
+        if not self.interleave_parts or parts <= 1:
+            return dgrams
+        n = len(dgrams)
+        lanes = [dgrams[n * k // parts:n * (k + 1) // parts] for k in reversed(range(parts))]
+        return [d for i in range(max(map(len, lanes))) for lane in lanes if i < len(lane) for d in (lane[i],)]
 
     def _arm(self, addr) -> None:
         t = self.hosts[addr].get_timer()

@@ -62,7 +62,7 @@ SEG_INFLIGHT = 1
 SEG_ACKED = 2
 SEG_LOST = 3
 
-from .constants import PACKET_REORDER_THRESHOLD, SEND_BATCH_MIN, STREAM_COPY_MIN
+from .constants import PACKET_REORDER_THRESHOLD, SEND_BATCH_MIN, SEND_THREADS_MAX, STREAM_COPY_MIN
 from .errors import LocalProtocolError
 
 from ._wire_py import pack_header_into as _py_pack_header_into
@@ -71,6 +71,10 @@ cnp.import_array()
 
 # the loss rule's threshold as a C int (named in ltp_ext/constants.py)
 cdef int _REORDER = PACKET_REORDER_THRESHOLD
+# the most lanes one batch may be built in (SendWindow.build(lanes=)): one per sender thread
+cdef enum:
+    _MAX_LANES = 8
+assert SEND_THREADS_MAX == _MAX_LANES, "ltp_ext/constants.py SEND_THREADS_MAX and _datapath.pyx _MAX_LANES must agree"
 
 cdef extern from "Python.h":
     bint PyByteArray_CheckExact(object o)
@@ -260,7 +264,7 @@ cdef class SendWindow:
     built on demand.
     """
 
-    cdef readonly object data, critical, state, attempt, tx_batch, first_batch, tx_index, log_seq, log_acked
+    cdef readonly object data, critical, state, attempt, tx_batch, first_batch, tx_index, log_seq, log_acked, log_lane
     cdef readonly object flow_id, token, flags
     cdef readonly int64_t total, seg_size, seg_count, last_len
     cdef readonly int64_t log_base, head, tail, acked_in_window
@@ -286,6 +290,8 @@ cdef class SendWindow:
     cdef int64_t _nb, _b_cap         # batches used (batch 0 included), capacity
     cdef int32_t *_log_seq
     cdef uint8_t *_log_acked
+    cdef uint8_t *_log_lane          # per send-log entry: the lane (part of its batch) it was sent in
+    cdef int64_t _lane_acked[_MAX_LANES]  # per lane: acknowledged entries from head on (acked_in_window, split)
     cdef int64_t *_lost
     cdef int64_t _log_cap
     cdef bint _hdr_fast              # flow id, token and flags fit the header fields
@@ -322,6 +328,8 @@ cdef class SendWindow:
         cap = max(64, n + n // 4)
         self.log_seq = np.empty(cap, np.int32)
         self.log_acked = np.zeros(cap, np.uint8)
+        self.log_lane = np.zeros(cap, np.uint8)
+        memset(self._lane_acked, 0, sizeof(self._lane_acked))
         self._lost_buf = np.empty(n, np.int64)
         self._data = <const uint8_t *>_export(mv, &self._data_view, PyBUF_SIMPLE)
         self._have_view = True
@@ -334,6 +342,7 @@ cdef class SendWindow:
         self._txi = <int32_t *>_ptr(self.tx_index)
         self._log_seq = <int32_t *>_ptr(self.log_seq)
         self._log_acked = <uint8_t *>_ptr(self.log_acked)
+        self._log_lane = <uint8_t *>_ptr(self.log_lane)
         self._lost = <int64_t *>_ptr(self._lost_buf)
         self._log_cap = cap
         cdef int64_t fid = _u_in(flow_id, 0xFFFF)
@@ -436,21 +445,26 @@ cdef class SendWindow:
         if keep * 2 > cap:
             new_seq = np.empty(cap * 2, np.int32)
             new_acked = np.zeros(cap * 2, np.uint8)
+            new_lane = np.zeros(cap * 2, np.uint8)
             memcpy(_ptr(new_seq), self._log_seq + start, <size_t>keep * sizeof(int32_t))
             memcpy(_ptr(new_acked), self._log_acked + start, <size_t>keep)
+            memcpy(_ptr(new_lane), self._log_lane + start, <size_t>keep)
             self.log_seq = new_seq
             self.log_acked = new_acked
+            self.log_lane = new_lane
             self._log_seq = <int32_t *>_ptr(new_seq)
             self._log_acked = <uint8_t *>_ptr(new_acked)
+            self._log_lane = <uint8_t *>_ptr(new_lane)
             self._log_cap = cap * 2
         else:
             memmove(self._log_seq, self._log_seq + start, <size_t>keep * sizeof(int32_t))
             memmove(self._log_acked, self._log_acked + start, <size_t>keep)
+            memmove(self._log_lane, self._log_lane + start, <size_t>keep)
             memset(self._log_acked + keep, 0, <size_t>(cap - keep))
         self.log_base = self.head
         return 0
 
-    cdef inline int64_t _log_append(self, int64_t seq) except -1:
+    cdef inline int64_t _log_append(self, int64_t seq, uint8_t lane) except -1:
         if self.tail >= _I32_MAX - 1:
             raise LocalProtocolError("too many transmissions for one message")
         cdef int64_t pos = self.tail - self.log_base
@@ -459,13 +473,14 @@ cdef class SendWindow:
             pos = self.tail - self.log_base
         self._log_seq[pos] = <int32_t>seq
         self._log_acked[pos] = 0
+        self._log_lane[pos] = lane
         cdef int64_t idx = self.tail
         self.tail += 1
         return idx
 
     # -- building --------------------------------------------------------------
     cdef int64_t _build_one(self, int64_t seq, int64_t k, uint8_t *buf, Py_ssize_t buflen, int32_t batch,
-                            int64_t est, object est_obj, object out_obj, bint headers_only) except -1:
+                            int64_t est, object est_obj, object out_obj, bint headers_only, uint8_t lane) except -1:
         cdef uint8_t a = <uint8_t>(self._attempt[seq] + 1)
         self._attempt[seq] = a
         cdef uint8_t st = self._state[seq]
@@ -499,18 +514,24 @@ cdef class SendWindow:
         self.inflight_count += 1
         self.inflight_bytes += length + _HDR
         self._txb[seq] = batch
-        self._txi[seq] = <int32_t>(self._log_append(seq) + 1)
+        self._txi[seq] = <int32_t>(self._log_append(seq, lane) + 1)
         self.packets_sent += 1
         return end
 
     def build(self, seqs, double now, int64_t delivered, double delivered_time, double first_sent_time,
-              est_word, out, bint headers_only=False):
+              est_word, out, bint headers_only=False, int lanes=1):
         """Write DATA packets for ``seqs`` into ``out`` at a stride of ``16 + seg_size``.
 
         Only the last packet may be short (the caller puts the final segment
         last). Returns the number of wire bytes of the packets built.  With
         ``headers_only`` only the 16-byte headers are written, packed at a
         stride of 16 (the payload stays in the message, for a gather send).
+
+        ``lanes`` (1..``SEND_THREADS_MAX``): the batch goes out as that many
+        contiguous parts that may interleave on the wire (part ``k``: packets
+        ``m*k//lanes`` to ``m*(k+1)//lanes`` of ``m``; ``UdpIO.send_segments(parts=)``).
+        Loss detection then counts, for a transmission, only the later ones of
+        its own lane: each part keeps its order, the parts do not.
         """
         cdef Py_buffer view
         cdef object out_obj = out
@@ -526,6 +547,10 @@ cdef class SendWindow:
         cdef uint8_t *buf = <uint8_t *>view.buf
         cdef Py_ssize_t buflen = view.len
         cdef int32_t batch = 0
+        cdef int64_t cut
+        cdef uint8_t lane = 0
+        if lanes < 1 or lanes > _MAX_LANES:
+            raise LocalProtocolError(f"lanes must be 1..{_MAX_LANES}, got {lanes}")
         try:
             if len(seqs):
                 batch = self._batch_open(now, delivered, delivered_time, first_sent_time)
@@ -533,19 +558,28 @@ cdef class SendWindow:
                 sp = <const char *>cnp.PyArray_DATA(<cnp.ndarray>seqs)
                 sstride = cnp.PyArray_STRIDE(<cnp.ndarray>seqs, 0)
                 m = cnp.PyArray_DIM(<cnp.ndarray>seqs, 0)
+                cut = m // lanes
                 for k in range(m):
+                    while k >= cut:
+                        lane += 1
+                        cut = m * (lane + 1) // lanes
                     seq = (<const int64_t *>(sp + k * sstride))[0]
                     if seq < 0 or seq >= n:
                         raise LocalProtocolError(f"segment {seq} out of range")
-                    written = self._build_one(seq, k, buf, buflen, batch, est, est_word, out_obj, headers_only)
+                    written = self._build_one(seq, k, buf, buflen, batch, est, est_word, out_obj, headers_only,
+                                              lane)
             else:
                 m = len(seqs)
+                cut = m // lanes
                 for k in range(m):
+                    while k >= cut:
+                        lane += 1
+                        cut = m * (lane + 1) // lanes
                     s = int(seqs[k])
                     if s < 0 or s >= n:
                         raise LocalProtocolError(f"segment {s} out of range")
                     written = self._build_one(<int64_t>s, k, buf, buflen, batch, est, est_word, out_obj,
-                                              headers_only)
+                                              headers_only, lane)
         finally:
             PyBuffer_Release(&view)
         return written
@@ -578,6 +612,7 @@ cdef class SendWindow:
             if idx >= self.head:
                 self._log_acked[idx - self.log_base] = 1
                 self.acked_in_window += 1
+                self._lane_acked[self._log_lane[idx - self.log_base]] += 1
             if idx > acc.best_idx:
                 acc.best_idx = idx
                 acc.best_seq = seq
@@ -648,20 +683,22 @@ cdef class SendWindow:
         return self._detect(-1, cutoff)
 
     cdef object _detect(self, int threshold, double cutoff):
-        cdef int64_t cnt = 0, i, seq
+        cdef int64_t cnt = 0, i, seq, later
         while self.head < self.tail:
             i = self.head - self.log_base
             seq = self._log_seq[i]
             if self._log_acked[i]:
                 self.acked_in_window -= 1
+                self._lane_acked[self._log_lane[i]] -= 1
                 self.head += 1
                 continue
             if self._txi[seq] != self.head + 1 or self._state[seq] != _INFLIGHT:
                 self.head += 1
                 continue
-            if ((threshold > 0 and self.acked_in_window >= threshold)
+            later = self._lane_acked[self._log_lane[i]]  # acknowledged transmissions after it, in its lane
+            if ((threshold > 0 and later >= threshold)
                     or (threshold == 0 and self._b_time[self._txb[seq]] <= cutoff)
-                    or (threshold < 0 and self.acked_in_window > 0 and self._b_time[self._txb[seq]] <= cutoff)):
+                    or (threshold < 0 and later > 0 and self._b_time[self._txb[seq]] <= cutoff)):
                 self._state[seq] = _LOST
                 self.inflight_count -= 1
                 self.inflight_bytes -= self._len(seq) + _HDR
@@ -675,11 +712,21 @@ cdef class SendWindow:
 
     def oldest_inflight_time(self):
         """Send time of the oldest unresolved in-flight transmission, or -1.0."""
+        return self._oldest(False)
+
+    def rack_candidate_time(self):
+        """Send time of the oldest unresolved in-flight transmission if a later one of its lane was acknowledged
+        (what :meth:`detect_reordered` would declare lost once its cutoff passes that time), else -1.0."""
+        return self._oldest(True)
+
+    cdef double _oldest(self, bint overtaken):
         cdef int64_t h = self.head, i, seq
         while h < self.tail:
             i = h - self.log_base
             seq = self._log_seq[i]
             if not self._log_acked[i] and self._txi[seq] == h + 1 and self._state[seq] == _INFLIGHT:
+                if overtaken and self._lane_acked[self._log_lane[i]] <= 0:
+                    return -1.0
                 return self._b_time[self._txb[seq]]
             h += 1
         return -1.0

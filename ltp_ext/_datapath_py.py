@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .constants import PACKET_REORDER_THRESHOLD, SEND_BATCH_MIN
+from .constants import PACKET_REORDER_THRESHOLD, SEND_BATCH_MIN, SEND_THREADS_MAX
 from .errors import LocalProtocolError
 from ._wire_py import F_CRITICAL, F_KNOWN, HEADER_SIZE, T_DATA, VERSION, pack_header_into
 
@@ -115,6 +115,8 @@ class SendWindow(_Geometry):
         cap = max(64, n + n // 4)
         self.log_seq = np.empty(cap, np.int32)
         self.log_acked = np.zeros(cap, np.uint8)
+        self.log_lane = np.zeros(cap, np.uint8)  # per entry: the lane (part of its batch) it was sent in
+        self._lane_acked = [0] * SEND_THREADS_MAX  # per lane: acknowledged entries from head on
         self.log_base = 0  # send index of log_seq[0]
         self.head = 0  # oldest unresolved send index
         self.tail = 0  # next send index
@@ -181,7 +183,7 @@ class SendWindow(_Geometry):
         """Per segment: the path's first-sent time when its latest transmission left."""
         return self._b_fs[self.tx_batch]
 
-    def _log_append(self, seq: int) -> int:
+    def _log_append(self, seq: int, lane: int = 0) -> int:
         if self.tail >= _I32_MAX - 1:
             raise LocalProtocolError("too many transmissions for one message")
         pos = self.tail - self.log_base
@@ -191,34 +193,50 @@ class SendWindow(_Geometry):
             if keep * 2 > self.log_seq.shape[0]:
                 new_seq = np.empty(self.log_seq.shape[0] * 2, np.int32)
                 new_acked = np.zeros(self.log_seq.shape[0] * 2, np.uint8)
+                new_lane = np.zeros(self.log_seq.shape[0] * 2, np.uint8)
             else:
-                new_seq, new_acked = self.log_seq, self.log_acked
+                new_seq, new_acked, new_lane = self.log_seq, self.log_acked, self.log_lane
             new_seq[:keep] = self.log_seq[start:start + keep]
             new_acked[:keep] = self.log_acked[start:start + keep]
+            new_lane[:keep] = self.log_lane[start:start + keep]
             new_acked[keep:] = 0
-            self.log_seq, self.log_acked = new_seq, new_acked
+            self.log_seq, self.log_acked, self.log_lane = new_seq, new_acked, new_lane
             self.log_base = self.head
             pos = self.tail - self.log_base
         self.log_seq[pos] = seq
         self.log_acked[pos] = 0
+        self.log_lane[pos] = lane
         idx = self.tail
         self.tail += 1
         return idx
 
     def build(self, seqs, now: float, delivered: int, delivered_time: float, first_sent_time: float,
-              est_word: int, out, headers_only: bool = False) -> int:
+              est_word: int, out, headers_only: bool = False, lanes: int = 1) -> int:
         """Write DATA packets for ``seqs`` into ``out`` at a stride of ``16 + seg_size``.
 
         Only the last packet may be short (the caller puts the final segment
         last). Returns the number of wire bytes of the packets built.  With
         ``headers_only`` only the 16-byte headers are written, packed at a
         stride of 16 (the payload stays in the message, for a gather send).
+
+        ``lanes`` (1..``SEND_THREADS_MAX``): the batch goes out as that many
+        contiguous parts that may interleave on the wire (part ``k``: packets
+        ``m*k//lanes`` to ``m*(k+1)//lanes`` of ``m``; ``UdpIO.send_segments(parts=)``).
+        Loss detection then counts, for a transmission, only the later ones of
+        its own lane: each part keeps its order, the parts do not.
         """
+        if not 1 <= lanes <= SEND_THREADS_MAX:
+            raise LocalProtocolError(f"lanes must be 1..{SEND_THREADS_MAX}, got {lanes}")
         mv = _as_bytes_view(out, True)
         stride = HEADER_SIZE + self.seg_size
         written = 0
         batch = self._batch_open(now, delivered, delivered_time, first_sent_time) if len(seqs) else 0
-        for k in range(len(seqs)):
+        m = len(seqs)
+        lane, cut = 0, m // lanes
+        for k in range(m):
+            while k >= cut:
+                lane += 1
+                cut = m * (lane + 1) // lanes
             seq = int(seqs[k])
             if seq < 0 or seq >= self.seg_count:
                 raise LocalProtocolError(f"segment {seq} out of range")
@@ -243,7 +261,7 @@ class SendWindow(_Geometry):
             self.inflight_count += 1
             self.inflight_bytes += length + HEADER_SIZE
             self.tx_batch[seq] = batch
-            self.tx_index[seq] = self._log_append(seq) + 1
+            self.tx_index[seq] = self._log_append(seq, lane) + 1
             self.packets_sent += 1
             written = k * stride + HEADER_SIZE + length
         return written
@@ -290,6 +308,7 @@ class SendWindow(_Geometry):
                 if idx >= self.head:
                     self.log_acked[idx - self.log_base] = 1
                     self.acked_in_window += 1
+                    self._lane_acked[self.log_lane[idx - self.log_base]] += 1
                 if idx > best_idx:
                     best_idx = idx
                     best_seq = seq
@@ -335,14 +354,16 @@ class SendWindow(_Geometry):
             seq = int(self.log_seq[i])
             if self.log_acked[i]:
                 self.acked_in_window -= 1
+                self._lane_acked[self.log_lane[i]] -= 1
                 self.head += 1
                 continue
             if self.tx_index[seq] != self.head + 1 or self.state[seq] != SEG_INFLIGHT:
                 self.head += 1
                 continue
-            if ((threshold > 0 and self.acked_in_window >= threshold)
+            later = self._lane_acked[self.log_lane[i]]  # acknowledged transmissions after it, in its lane
+            if ((threshold > 0 and later >= threshold)
                     or (threshold == 0 and self._b_time[self.tx_batch[seq]] <= cutoff)
-                    or (threshold < 0 and self.acked_in_window > 0 and self._b_time[self.tx_batch[seq]] <= cutoff)):
+                    or (threshold < 0 and later > 0 and self._b_time[self.tx_batch[seq]] <= cutoff)):
                 self.state[seq] = SEG_LOST
                 self.inflight_count -= 1
                 self.inflight_bytes -= self.seg_len(seq) + HEADER_SIZE
@@ -355,11 +376,21 @@ class SendWindow(_Geometry):
 
     def oldest_inflight_time(self) -> float:
         """Send time of the oldest unresolved in-flight transmission, or -1.0."""
+        return self._oldest(False)
+
+    def rack_candidate_time(self) -> float:
+        """Send time of the oldest unresolved in-flight transmission if a later one of its lane was acknowledged
+        (what :meth:`detect_reordered` would declare lost once its cutoff passes that time), else -1.0."""
+        return self._oldest(True)
+
+    def _oldest(self, overtaken: bool) -> float:
         h = self.head
         while h < self.tail:
             i = h - self.log_base
             seq = int(self.log_seq[i])
             if not self.log_acked[i] and self.tx_index[seq] == h + 1 and self.state[seq] == SEG_INFLIGHT:
+                if overtaken and self._lane_acked[self.log_lane[i]] <= 0:
+                    return -1.0
                 return float(self._b_time[self.tx_batch[seq]])
             h += 1
         return -1.0

@@ -48,6 +48,9 @@ to the thread serving the fewest destinations, so one destination's packets
 keep their order), copies the 16-byte headers into it, keeps the payload's
 buffer exported, and queues it; it returns at once with every packet
 accepted, and waits (GIL released) only while that thread holds a full ring.
+A batch sent in *parts* (``send_segments(parts=k)``) is cut into ``k``
+contiguous parts, one per thread, starting with the destination's own: one
+flow's kernel work then runs on several cores, and its parts may interleave.
 The thread sends on its own ``dup`` of the socket, so the caller closing the
 socket cannot hand the descriptor to someone else mid-batch; it waits in
 ``poll`` when the socket is full, retries an ICMP-reported error once and then
@@ -710,6 +713,13 @@ def _check_pacing(double pace_rate, Py_ssize_t pace_quantum, int send_threads):
         raise ValueError(f"pace_quantum must be > 0 bytes when pace_rate is set, got {pace_quantum}")
 
 
+def _check_parts(Py_ssize_t parts, double pace_rate, int send_threads):
+    if parts < 1 or parts > max(1, send_threads):
+        raise ValueError(f"parts must be 1..send_threads ({send_threads}), got {parts}")
+    if parts > 1 and pace_rate > 0:
+        raise ValueError("parts > 1 sends unpaced parts side by side: pass pace_rate=0, or parts=1")
+
+
 def _closed_error():
     return OSError(_errno.EBADF, "UdpIO: the socket is closed; create a new socket and a new UdpIO")
 
@@ -1114,8 +1124,12 @@ cdef class UdpIO:
 
     cdef int _tx_enqueue(self, sockaddr_storage *name, int namelen, char *hbuf, char *pbuf,
                          const int64_t[::1] sv, Py_ssize_t n, Py_ssize_t seg_size, Py_ssize_t total,
-                         bint gso_ok, Py_buffer *pv, double pace_rate, Py_ssize_t pace_quantum) except -1:
-        """Build ``send_segments``' packets into a job of one sender thread and queue it; takes over ``pv``."""
+                         bint gso_ok, Py_buffer *pv, double pace_rate, Py_ssize_t pace_quantum,
+                         int part=0) except -1:
+        """Build ``send_segments``' packets into a job of one sender thread and queue it; takes over ``pv``.
+
+        ``part`` k > 0 (the k-th part of a batch sent in parts) goes to the thread ``k`` after the destination's
+        own."""
         cdef int w = 0, slot, nm = 0, e, i
         cdef Py_ssize_t j, m_pkts, max_segs = 0
         cdef ltp_tx_worker *wk
@@ -1138,10 +1152,12 @@ cdef class UdpIO:
                 if self._tx_load[i] < self._tx_load[w]:
                     w = i
             self._tx_load[w] += 1
-            entry = [w, 0]  # its thread, and the job count that includes its latest batch
+            entry = [w, 0, None]  # its thread, the job count that includes its latest batch there, parts elsewhere
             self._tx_assign[key] = entry
         else:
             w = entry[0]
+        if part:
+            w = (w + part) % self._tx_started
         wk = &self._tx[w]
         self._reap(w)
         while wk.head - self._tx_reaped[w] >= wk.depth:
@@ -1180,7 +1196,36 @@ cdef class UdpIO:
         job.gso_failed = 0
         self._tx_bufs[w * _QDEPTH + slot] = pv[0]
         ltp_tx_submit(wk)
-        entry[1] = wk.head
+        if w == entry[0]:
+            entry[1] = wk.head
+        else:  # a part on another thread: remembered so that _tx_busy sees it too
+            if entry[2] is None:
+                entry[2] = {}
+            entry[2][w] = wk.head
+        return 0
+
+    cdef int _tx_parts(self, sockaddr_storage *name, int namelen, char *hbuf, char *pbuf,
+                        const int64_t[::1] sv, Py_ssize_t n, Py_ssize_t seg_size, Py_ssize_t total,
+                        bint gso_ok, Py_buffer *pv, payload, int parts) except -1:
+        """Queue ``parts`` contiguous parts of one batch to as many sender threads; takes over ``pv`` (the
+        first part's export of ``payload``; every other part holds an export of its own)."""
+        cdef Py_buffer extra
+        cdef Py_ssize_t a = 0, b
+        cdef int k
+        for k in range(parts):
+            b = n * (k + 1) // parts
+            if k == 0:
+                self._tx_enqueue(name, namelen, hbuf, pbuf, sv[a:b], b - a, seg_size, total, gso_ok, pv,
+                                 0.0, 0, 0)
+            else:
+                PyObject_GetBuffer(payload, &extra, PyBUF_SIMPLE)
+                try:
+                    self._tx_enqueue(name, namelen, hbuf + 16 * a, pbuf, sv[a:b], b - a, seg_size, total, gso_ok,
+                                     &extra, 0.0, 0, k)
+                except BaseException:
+                    PyBuffer_Release(&extra)
+                    raise
+            a = b
         return 0
 
     cdef bint _tx_busy(self, sockaddr_storage *name, int namelen) except -1:
@@ -1193,7 +1238,14 @@ cdef class UdpIO:
             return False
         w = entry[0]
         self._reap(w)
-        return self._tx_reaped[w] < <long long>entry[1]
+        if self._tx_reaped[w] < <long long>entry[1]:
+            return True
+        if entry[2]:
+            for w, head in entry[2].items():
+                self._reap(w)
+                if self._tx_reaped[w] < <long long>head:
+                    return True
+        return False
 
     # ------------------------------------------------------------------ receive
 
@@ -1563,7 +1615,7 @@ cdef class UdpIO:
         return self._send(None, None, None, items, True)
 
     def send_segments(self, addr, headers, payload, seqs, Py_ssize_t seg_size, Py_ssize_t total,
-                      bint background=True, double pace_rate=0.0, Py_ssize_t pace_quantum=0):
+                      bint background=True, double pace_rate=0.0, Py_ssize_t pace_quantum=0, Py_ssize_t parts=1):
         """Gather-send DATA packets without assembling them: header ``k`` + payload segment ``seqs[k]``.
 
         Packet ``k`` is the 16 bytes at ``headers[16k:16k+16]`` followed by
@@ -1590,6 +1642,14 @@ cdef class UdpIO:
         ``pace_rate``; a thread behind its schedule sends at once and catches
         up by at most ``SEND_PACE_CREDIT_S``.  It needs sender threads and
         implies ``background``.
+
+        ``parts`` (unpaced; 1..``send_threads``) cuts the batch into that many
+        contiguous parts (part ``k``: packets ``n*k//parts`` to
+        ``n*(k+1)//parts``), one per sender thread, queued like ``background``
+        batches, so that one destination's kernel work runs on several cores.
+        Each part keeps its order; the parts may interleave on the wire, with
+        each other and with the destination's other batches (the sender's
+        loss detection must count each part apart: ``SendWindow.build(lanes=)``).
         """
         cdef Py_buffer hv, pv
         cdef bint pv_given = False
@@ -1608,6 +1668,7 @@ cdef class UdpIO:
         if seg_size <= 0 or seg_size + 16 > MAX_SEGMENT_SIZE:
             raise ValueError(f"seg_size must be in 1..{MAX_SEGMENT_SIZE - 16}, got {seg_size}")
         _check_pacing(pace_rate, pace_quantum, self.send_threads)
+        _check_parts(parts, pace_rate, self.send_threads)
         if n == 0:
             return 0
         namelen = self._encode_name(addr, &name)
@@ -1628,6 +1689,10 @@ cdef class UdpIO:
                     raise ValueError(f"segment {q} is outside a {total}-byte message of {seg_size}-byte segments")
             hbuf = <char *>hv.buf
             pbuf = <char *>pv.buf
+            if parts > 1 and n >= parts:
+                self._tx_parts(&name, namelen, hbuf, pbuf, sv, n, seg_size, total, gso_ok, &pv, payload, parts)
+                pv_given = True
+                return n
             if self.send_threads and (background or pace_rate > 0 or self._tx_busy(&name, namelen)):
                 self._tx_enqueue(&name, namelen, hbuf, pbuf, sv, n, seg_size, total, gso_ok, &pv,
                                  pace_rate, pace_quantum)

@@ -39,7 +39,8 @@ headers, keeps a view of the payload and queues the batch to the thread that
 serves its destination (assigned at first use to the thread serving the
 fewest destinations, so one destination's packets keep their order); the
 call returns with every packet accepted and waits only when that thread holds
-``SEND_QUEUE_DEPTH`` batches.  The thread sends on its own duplicate of the
+``SEND_QUEUE_DEPTH`` batches.  A batch sent in parts (``parts=k``) is cut into
+``k`` contiguous parts, one per thread, whose packets may interleave.  The thread sends on its own duplicate of the
 socket and waits for room when the socket is full, so a batch handed to it
 goes out unless the kernel refuses a packet (counted per errno, dropped as a
 loss).  Finished batches are *reaped* by the caller's thread (``reap``,
@@ -132,6 +133,13 @@ def _check_pacing(pace_rate: float, pace_quantum: int, send_threads: int) -> Non
         raise ValueError("pace_rate needs sender threads: create the UdpIO with send_threads >= 1, or pass pace_rate=0")
     if pace_rate > 0 and pace_quantum <= 0:
         raise ValueError(f"pace_quantum must be > 0 bytes when pace_rate is set, got {pace_quantum}")
+
+
+def _check_parts(parts: int, pace_rate: float, send_threads: int) -> None:
+    if parts < 1 or parts > max(1, send_threads):
+        raise ValueError(f"parts must be 1..send_threads ({send_threads}), got {parts}")
+    if parts > 1 and pace_rate > 0:
+        raise ValueError("parts > 1 sends unpaced parts side by side: pass pace_rate=0, or parts=1")
 
 
 def _closed_error() -> OSError:
@@ -383,7 +391,9 @@ class UdpIO:
             self._tx_sock = None
 
     def _tx_enqueue(self, name, hv: memoryview, pv: memoryview, sv, n: int, seg_size: int, total: int,
-                    gso_ok: bool, pace_rate: float = 0.0, pace_quantum: int = 0) -> None:
+                    gso_ok: bool, pace_rate: float = 0.0, pace_quantum: int = 0, part: int = 0) -> None:
+        """Queue one batch to a sender thread; ``part`` k > 0 (the k-th part of a batch sent in parts) goes to the
+        thread ``k`` after the destination's own."""
         if not self._tx:
             self._start_send_threads()
         if _os.getpid() != self._tx_pid:
@@ -396,9 +406,9 @@ class UdpIO:
                 self._tx_load = [0] * len(self._tx)
             w = min(range(len(self._tx)), key=lambda i: (self._tx_load[i], i))
             self._tx_load[w] += 1
-            entry = [w, 0]  # its thread, and the job count that includes its latest batch
+            entry = [w, 0, None]  # its thread, the job count that includes its latest batch there, parts elsewhere
             self._tx_assign[name] = entry
-        w = entry[0]
+        w = (entry[0] + part) % len(self._tx)
         hdrs = bytes(hv[:16 * n])
         msgs, j = [], 0
         max_segs = max(1, pace_quantum // (16 + seg_size)) if pace_rate > 0 else 0  # no message over a sub-burst
@@ -412,7 +422,21 @@ class UdpIO:
         self._reap(w)
         tx[0].put(job)  # waits while the thread holds SEND_QUEUE_DEPTH batches
         tx[2] += 1
-        entry[1] = tx[2]
+        if w == entry[0]:
+            entry[1] = tx[2]
+        else:  # a part on another thread: remembered so that _tx_busy sees it too
+            if entry[2] is None:
+                entry[2] = {}
+            entry[2][w] = tx[2]
+
+    def _tx_parts(self, name, hv: memoryview, pv: memoryview, sv, n: int, seg_size: int, total: int,
+                   gso_ok: bool, parts: int) -> None:
+        """Queue ``parts`` contiguous parts of one batch to as many sender threads."""
+        a = 0
+        for k in range(parts):
+            b = n * (k + 1) // parts
+            self._tx_enqueue(name, hv[16 * a:], pv, sv[a:b], b - a, seg_size, total, gso_ok, 0.0, 0, k)
+            a = b
 
     def _tx_busy(self, name) -> bool:
         """Whether a batch for this destination is still queued or being sent (a send beside it must queue too)."""
@@ -420,7 +444,13 @@ class UdpIO:
         if entry is None:
             return False
         self._reap(entry[0])
-        return self._tx[entry[0]][4] < entry[1]
+        if self._tx[entry[0]][4] < entry[1]:
+            return True
+        for w, head in (entry[2] or {}).items():
+            self._reap(w)
+            if self._tx[w][4] < head:
+                return True
+        return False
 
     # ------------------------------------------------------------------ receive
 
@@ -721,7 +751,7 @@ class UdpIO:
         return self._send(list(items), True)
 
     def send_segments(self, addr, headers, payload, seqs, seg_size: int, total: int, background: bool = True,
-                      pace_rate: float = 0.0, pace_quantum: int = 0) -> int:
+                      pace_rate: float = 0.0, pace_quantum: int = 0, parts: int = 1) -> int:
         """Gather-send DATA packets without assembling them: header ``k`` + payload segment ``seqs[k]``.
 
         Packet ``k`` is the 16 bytes at ``headers[16k:16k+16]`` followed by
@@ -748,6 +778,14 @@ class UdpIO:
         ``pace_rate``; a thread behind its schedule sends at once and catches
         up by at most ``SEND_PACE_CREDIT_S``.  It needs sender threads and
         implies ``background``.
+
+        ``parts`` (unpaced; 1..``send_threads``) cuts the batch into that many
+        contiguous parts (part ``k``: packets ``n*k//parts`` to
+        ``n*(k+1)//parts``), one per sender thread, queued like ``background``
+        batches, so that one destination's kernel work runs on several cores.
+        Each part keeps its order; the parts may interleave on the wire, with
+        each other and with the destination's other batches (the sender's
+        loss detection must count each part apart: ``SendWindow.build(lanes=)``).
         """
         fd = self._fd()
         del fd
@@ -756,6 +794,7 @@ class UdpIO:
         if seg_size <= 0 or seg_size + 16 > MAX_SEGMENT_SIZE:
             raise ValueError(f"seg_size must be in 1..{MAX_SEGMENT_SIZE - 16}, got {seg_size}")
         _check_pacing(pace_rate, pace_quantum, self._send_threads)
+        _check_parts(parts, pace_rate, self._send_threads)
         sv = np.ascontiguousarray(seqs, dtype=np.int64)
         n = sv.shape[0]
         if n == 0:
@@ -770,6 +809,9 @@ class UdpIO:
         for q in sv.tolist():
             if q < 0 or q * seg_size >= total:
                 raise ValueError(f"segment {q} is outside a {total}-byte message of {seg_size}-byte segments")
+        if parts > 1 and n >= parts:
+            self._tx_parts(name, hv, pv, sv, n, seg_size, total, self._gso, parts)
+            return n
         if self._send_threads and (background or pace_rate > 0 or self._tx_busy(name)):
             self._tx_enqueue(name, hv, pv, sv, n, seg_size, total, self._gso, pace_rate, pace_quantum)
             return n

@@ -7,7 +7,7 @@ from here (the compiled module copies them into C variables at import).
 from __future__ import annotations
 
 __all__ = ["PACKET_REORDER_THRESHOLD", "SEND_BATCH_MIN", "SEND_PACE_CREDIT_S", "SEND_THREADS_MAX", "SEND_QUEUE_DEPTH",
-           "STREAM_COPY_MIN"]
+           "SPREAD_PART_MIN", "STREAM_COPY_MIN"]
 
 #: packet-reordering threshold (packets): a transmission is declared lost once this many
 #: transmissions sent after it have been acknowledged (the "3 out of order" rule of TCP/QUIC).
@@ -20,6 +20,11 @@ SEND_BATCH_MIN = 64
 
 #: most sender threads one ``UdpIO`` runs (``send_threads``; ``Config.send_threads``)
 SEND_THREADS_MAX = 8
+
+#: packets: the smallest lane (part) of a batch that ``Config.spread_sends`` gives a sender thread of its own
+#: (``ltp.path.spread_parts``: a batch of ``n`` packets is built in ``min(send_threads, n // SPREAD_PART_MIN)``
+#: lanes, or in one below two); a part that small is still a few full GSO messages
+SPREAD_PART_MIN = 128
 
 #: batches (``UdpIO.send_segments`` calls) one sender thread holds queued; the next call to it waits for one to
 #: finish (16 pacing ticks of sends: the thread is never starved, and the caller never runs far ahead of the wire)

@@ -307,6 +307,43 @@ def test_expire_cutoff_and_oldest(dp):
     assert w.oldest_inflight_time() == -1.0
 
 
+def test_a_lane_counts_only_its_own_later_transmissions_for_loss(dp):
+    """A batch built in lanes goes out as contiguous parts that may interleave on the wire (sender threads side
+    by side). Packets 0-3 are lane 0 and 4-7 lane 1 of one batch: three acknowledgements in lane 1 declare
+    nothing in lane 0 lost; three later ones in lane 0 do. Built in one lane, the same ACKs would have declared
+    0-3 lost at once (the 3-out-of-order rule over the whole log)."""
+    for lanes, lost_first in ((2, []), (1, [0, 1, 2, 3])):
+        w = send_window(dp)
+        out = bytearray(8 * H)
+        w.build(np.arange(8, dtype=np.int64), 0.0, 0, 0.0, 0.0, 0, out, True, lanes)
+        assert w.log_lane[:8].tolist() == ([0] * 4 + [1] * 4 if lanes == 2 else [0] * 8)
+        assert ack(w, [(4, 1), (5, 1), (6, 1)])[9].tolist() == lost_first
+        if lanes == 2:
+            assert w.rack_candidate_time() == -1.0  # 0's lane has no later acknowledgement: RACK waits too
+            assert w.detect_reordered(10.0).tolist() == []
+            assert w.oldest_inflight_time() == 0.0
+            assert ack(w, [(1, 1), (2, 1), (3, 1)])[9].tolist() == [0]
+            assert ack(w, [(7, 1)])[9].tolist() == []
+
+
+def test_lanes_cut_a_batch_as_the_sender_threads_do(dp):
+    """Lane k of an m-packet batch in L lanes: packets m*k//L to m*(k+1)//L (UdpIO.send_segments(parts=L))."""
+    for m, lanes in ((7, 3), (9, 2), (2, 3), (8, 8)):
+        w = send_window(dp, total=100 * m, seg=100)
+        out = bytearray(m * H)
+        w.build(np.arange(m, dtype=np.int64), 0.0, 0, 0.0, 0.0, 0, out, True, lanes)
+        want = [k for k in range(lanes) for _ in range(m * k // lanes, m * (k + 1) // lanes)]
+        assert w.log_lane[:m].tolist() == want
+
+
+@pytest.mark.parametrize("lanes", [0, 9, -1])
+def test_bad_lane_counts_raise(dp, lanes):
+    w = send_window(dp)
+    with pytest.raises(LocalProtocolError, match="lanes must be 1..8"):
+        w.build(np.arange(2, dtype=np.int64), 0.0, 0, 0.0, 0.0, 0, bytearray(2 * H), True, lanes)
+    assert w.packets_sent == 0 and w.tail == 0
+
+
 def test_detect_reordered_declares_only_overtaken_transmissions_old_enough(dp):
     """RACK's time threshold: lost = in flight, sent at or before the cutoff, with a later transmission in the
     send log already acknowledged. A message's last packets have fewer than three successors, so the
@@ -567,6 +604,8 @@ def _outcome(fn, *args):
 
 SEND_ARRAYS = ("state", "attempt", "critical", "sent_time", "first_tx_time", "sent_idx", "snap_delivered", "snap_delivered_time",
                "snap_first_sent", "log_acked", "tx_batch", "first_batch", "tx_index")
+#: arrays compared up to the log's tail only (the rest is stale)
+SEND_LOG_ARRAYS = ("log_lane",)
 SEND_COUNTERS = ("total", "seg_size", "seg_count", "last_len", "log_base", "head", "tail", "acked_in_window",
                  "acked_count", "acked_bytes", "inflight_count", "inflight_bytes", "packets_sent", "retransmits",
                  "lost_events", "bad_acks", "dup_acks", "batches")
@@ -576,8 +615,11 @@ def send_snapshot(w) -> dict:
     snap = {k: getattr(w, k) for k in SEND_COUNTERS}
     snap.update({k: getattr(w, k).copy() for k in SEND_ARRAYS})
     snap["log_seq"] = w.log_seq[:w.tail - w.log_base].copy()   # the rest is np.empty garbage
+    for k in SEND_LOG_ARRAYS:
+        snap[k] = getattr(w, k)[:w.tail - w.log_base].copy()
     snap["log_cap"] = w.log_seq.shape[0]
     snap["oldest"] = w.oldest_inflight_time()
+    snap["rack_candidate"] = w.rack_candidate_time()
     return snap
 
 
@@ -603,7 +645,7 @@ def send_scenarios(draw):
             short = draw(st.integers(0, 25)) == 0
             form = draw(st.sampled_from(["i64", "i64", "i64", "list", "i32", "strided"]))
             ops.append(("build", dt, seqs, short, form, draw(st.integers(0, 2 ** 32 - 1)),
-                        draw(st.integers(0, 10 ** 9))))
+                        draw(st.integers(0, 10 ** 9)), draw(st.sampled_from([1, 1, 1, 2, 3, 8, 0, 9]))))
         elif kind == "ack":
             entries = []
             for _ in range(draw(st.integers(0, 14))):
@@ -631,14 +673,14 @@ def test_send_window_matches_twin(comp, scenario):
         results = []
         for w in ws:
             if op[0] == "build":
-                _k, _dt, seqs, short, form, est, delivered = op
+                _k, _dt, seqs, short, form, est, delivered, lanes = op
                 stride = H + seg
                 size = len(seqs) * stride - (stride // 2 + 1 if short and seqs else 0)
                 out = bytearray(b"\x5a" * max(size, 0))
                 arg = {"i64": lambda s: np.array(s, np.int64), "list": list,
                        "i32": lambda s: np.array(s, np.int32),
                        "strided": lambda s: np.repeat(np.array(s, np.int64), 2)[::2]}[form](seqs)
-                res = _outcome(w.build, arg, now, delivered, now / 2, now / 3, est, out)
+                res = _outcome(w.build, arg, now, delivered, now / 2, now / 3, est, out, True, lanes)
                 results.append((res, bytes(out)))
             elif op[0] == "ack":
                 _k, _dt, entries, form, delivered = op

@@ -40,7 +40,7 @@ class LossyIO:
         return len(mv)
 
     def send_segments(self, addr, headers, payload, seqs, seg_size, total, background=True, pace_rate=0.0,
-                      pace_quantum=0):
+                      pace_quantum=0, parts=1):  # packet by packet: the parts of a batch are moot
         hv = memoryview(headers)
         for k in range(len(seqs)):
             if min(seg_size, total - int(seqs[k]) * seg_size) > 200 and self.rng.random() < self.loss:

@@ -111,3 +111,79 @@ def test_a_clean_path_declares_nothing_lost(harness, floats):
         sent, _ = h.wait([(0, s), (1, r)])
         assert sent.report.retransmitted_packets == 0, sent.report
         assert tag == 0 or sent.report.lost_packets == 0, sent.report
+
+
+def _spread_transfer(floats, *, lanes_built: bool, loss: float, seed: int = 3):
+    """A 6 MB reliable transfer between two gather-send engines with ``Config.spread_sends`` (two sender threads)
+    on a simulated 10 Gbit/s path whose network sends each batch's parts interleaved, last part first. With
+    ``lanes_built`` False the path builds every batch in one lane while the network still interleaves its halves:
+    loss detection before lanes. Returns (report, retransmitted packets, batches sent in parts)."""
+    from ltp.engine import Engine
+    from ltp.sim import SimNetwork
+    import random
+
+    net = SimNetwork(seed=seed, interleave_parts=True)
+    addrs = [("10.0.0.1", 7447), ("10.0.0.2", 7447)]
+    # ACKs every 512 packets and bursts of 256 or more: batches large enough to be built in two lanes (the
+    # simulator pumps an engine on every arrival, where an event loop gathers what arrived in a tick)
+    cfg = Config(spread_sends=True, send_threads=2, ack_every=512, min_burst_packets=256)
+    engines = [Engine(cfg, rng=random.Random(seed * 10 + i), gather_send=True) for i in range(2)]
+    for a, e in zip(addrs, engines):
+        net.add_host(a, e)
+    net.set_link(addrs[0], addrs[1], rate=1.25e9, delay_s=0.0002, loss=loss, loss_min_size=200)
+    net.set_link(addrs[1], addrs[0], rate=1.25e9, delay_s=0.0002)
+    spread = []
+    real_poll = None
+    if not lanes_built:
+        from ltp.path import Path
+        real_poll = Path.poll
+
+        def one_lane_poll(self, now, *, fresh=False, spread=True):
+            tx = real_poll(self, now, fresh=fresh, spread=False)
+            if tx is not None and hasattr(tx, "parts"):
+                tx.parts = 2 if len(tx) >= 256 else 1  # the threads still cut it
+            return tx
+        Path.poll = one_lane_poll
+    try:
+        data = floats(1_500_000, seed)
+        out = np.zeros_like(data)
+        a, b = engines
+        orig = net._in_wire_order
+        net._in_wire_order = lambda tx: (spread.append(getattr(tx, "parts", 1)), orig(tx))[1]
+        h = a.send(addrs[1], data, now=net.now, reliable=True, tag=5)
+        r = b.post_receive([(addrs[0], 5, out)], now=net.now)
+        net.pump(addrs[0])
+        done = {}
+
+        def finished():
+            for i, e in enumerate(engines):
+                while (ev := e.next_event()) is not None:
+                    done[(i, ev.handle)] = ev
+            return (0, h) in done and (1, r) in done
+        net.run(until=net.now + 30, stop=finished)
+        assert (0, h) in done and np.array_equal(out, data)
+        rep = done[(0, h)].report
+        return rep, rep.retransmitted_packets, sum(p > 1 for p in spread)
+    finally:
+        if real_poll is not None:
+            from ltp.path import Path
+            Path.poll = real_poll
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.02])
+def test_interleaved_parts_of_a_batch_built_in_lanes_cost_no_spurious_resends(floats, loss):
+    """Sender threads send a spread batch's parts side by side, so they interleave on the wire. Loss detection
+    counts each lane apart: with no loss nothing is resent, with 2 % loss about the lost packets are (each lost
+    packet once or a little more). Built in one lane, the same interleaving trips the 3-out-of-order rule on a
+    clean path. (Measured, both implementations: 0 of 4,121 packets resent at 0 %, 86 of 4,207 at 2 %; in one
+    lane 496 of 4,617 at 0 %.)"""
+    rep, resent, spread = _spread_transfer(floats, lanes_built=True, loss=loss)
+    assert spread > 10, spread  # most batches went out in two interleaved parts
+    n = rep.packets_sent - rep.retransmitted_packets
+    if loss:
+        assert 0.5 * loss * n <= resent <= 2.0 * loss * n, (resent, n)
+    else:
+        assert resent == 0, rep
+    if not loss:
+        _, resent_one_lane, spread = _spread_transfer(floats, lanes_built=False, loss=0.0)
+        assert spread > 10 and resent_one_lane > 0.05 * n, resent_one_lane

@@ -24,7 +24,7 @@ import pytest
 
 from ltp.config import Config
 from ltp.errors import LocalProtocolError
-from ltp_ext.constants import SEND_PACE_CREDIT_S, SEND_QUEUE_DEPTH, SEND_THREADS_MAX
+from ltp_ext.constants import SEND_PACE_CREDIT_S, SEND_QUEUE_DEPTH, SEND_THREADS_MAX, SPREAD_PART_MIN
 from net_helpers import run_in_fresh_netns
 from test_udpio import Sockets, _load, drain  # noqa: E402 (tests/ is on sys.path)
 
@@ -525,3 +525,154 @@ def test_the_endpoint_thread_paces_only_what_its_loop_timer_cannot():
     assert ep._thread_pacing(_Tx(fast)) == (0.0, 0)
     ep._io.send_threads, ep.config = 2, Config()  # the default: off
     assert ep._thread_pacing(_Tx(fast)) == (0.0, 0)
+
+
+# ---------------------------------------------------------------------------- batches sent in parts (spread_sends)
+
+@pytest.mark.parametrize("n, lanes, parts", [
+    (2 * SPREAD_PART_MIN - 1, 2, 1), (2 * SPREAD_PART_MIN, 2, 2), (2 * SPREAD_PART_MIN, 1, 1),
+    (3 * SPREAD_PART_MIN, 2, 2), (3 * SPREAD_PART_MIN - 1, 3, 2), (3 * SPREAD_PART_MIN, 3, 3),
+    (10 * SPREAD_PART_MIN, 8, 8), (0, 2, 1), (1, 8, 1)])
+def test_a_batch_is_built_in_as_many_lanes_as_get_a_full_part(n, lanes, parts):
+    from ltp.path import spread_parts
+
+    assert spread_parts(n, lanes) == parts
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("gso", [True, False])
+def test_a_batch_sent_in_parts_arrives_whole_and_each_part_in_its_order(mod, socks, threads, gso):
+    """The parts go out side by side, so they may interleave; every packet arrives once, exactly as the
+    caller-side send would have put it on the wire, and within each part in the order given."""
+    a, b = socks.make(), socks.make()
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b, gso=gso, send_threads=threads)
+    seg = 1000
+    n = threads * SPREAD_PART_MIN + 17
+    total = seg * n
+    pay = np.random.default_rng(11).integers(0, 256, total, dtype=np.uint8)
+    seqs = np.random.default_rng(12).permutation(n).astype(np.int64)
+    hdr = _headers(n)
+    want = _expected(hdr, pay.tobytes(), seqs.tolist(), seg, total)
+    before = _quiet_threads()
+    assert tx.send_segments(a.getsockname(), hdr, pay, seqs, seg, total, background=False, parts=threads) == n
+    tx.wait_sent()
+    got = [d for d, _ in drain(rx, n)]
+    assert sorted(got) == sorted(want) and len(got) == n
+    index = {d: k for k, d in enumerate(want)}
+    order = [index[d] for d in got]
+    for k in range(threads):
+        lo, hi = n * k // threads, n * (k + 1) // threads
+        mine = [i for i in order if lo <= i < hi]
+        assert mine == list(range(lo, hi)), f"part {k} out of order"
+    assert _threads_now() == before + threads  # the parts went to the threads, not out of the caller
+    assert tx.stats["datagrams_out"] == n and tx.reap() == 0
+    tx.stop_send_threads()
+
+
+def test_a_batch_of_fewer_packets_than_parts_is_sent_as_background_says(mod, socks):
+    a, b = socks.make(), socks.make()
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b, send_threads=3)
+    before = _quiet_threads()
+    n, seg = 2, 1000
+    pay = np.arange(n * seg, dtype=np.uint32).view(np.uint8)[:n * seg]
+    hdr = _headers(n)
+    assert tx.send_segments(a.getsockname(), hdr, pay, np.arange(n, dtype=np.int64), seg, n * seg,
+                            background=False, parts=3) == n
+    assert tx.stats["datagrams_out"] == n and _threads_now() == before  # sent by the caller, at once
+    assert [d for d, _ in drain(rx, n)] == _expected(hdr, pay.tobytes(), range(n), seg, n * seg)
+
+
+@pytest.mark.parametrize("threads, parts, kw, match", [
+    (2, 2, {"pace_rate": 1e6, "pace_quantum": 3000}, "pace_rate=0, or parts=1"),
+    (2, 3, {}, r"parts must be 1..send_threads \(2\), got 3"),
+    (2, 0, {}, r"parts must be 1..send_threads \(2\), got 0"),
+    (0, 2, {}, r"parts must be 1..send_threads \(0\), got 2")])
+def test_bad_parts_raise_naming_the_fix(mod, socks, threads, parts, kw, match):
+    tx = mod.UdpIO(socks.make(), send_threads=threads)
+    pay = np.zeros(10_000, np.uint8)
+    with pytest.raises(ValueError, match=match):
+        tx.send_segments(("127.0.0.1", 9), _headers(2), pay, np.arange(2, dtype=np.int64), 1000, 10_000,
+                         parts=parts, **kw)
+    assert tx.stats["datagrams_out"] == 0
+    tx.stop_send_threads()
+
+
+def test_a_destination_counts_as_busy_while_a_part_on_another_thread_is_queued(socks):
+    """Twin (the compiled check is a C method): a foreground send must queue while any thread still holds a
+    part of a batch for its destination, not only the destination's own thread."""
+    mod = _load("twin")
+    a, b = socks.make(), socks.make()
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b, send_threads=2)
+    n, seg = 2 * SPREAD_PART_MIN, 1000
+    pay = np.zeros(n * seg, np.uint8)
+    tx.send_segments(a.getsockname(), _headers(n), pay, np.arange(n, dtype=np.int64), seg, n * seg, parts=2)
+    tx.wait_sent()
+    drain(rx, n)
+    name = tx._resolve(a.getsockname())
+    entry = tx._tx_assign[name]
+    other = 1 - entry[0]
+    assert entry[2] == {other: tx._tx[other][2]}  # the second part went to the other thread, and is remembered
+    assert not tx._tx_busy(name)
+    entry[2][other] = tx._tx[other][4] + 1  # as if that part were still queued
+    assert tx._tx_busy(name)
+    entry[2][other] = tx._tx[other][4]
+    tx.stop_send_threads()
+
+
+class _DroppingIO:
+    """Wraps an endpoint's UdpIO: ``send_segments`` drops each DATA packet with probability ``loss`` (seeded) and
+    hands the rest on in one call, in the parts asked for, so that what is left still goes out side by side."""
+
+    def __init__(self, io, loss: float, seed: int) -> None:
+        self._io, self.loss, self.rng, self.dropped = io, loss, np.random.default_rng(seed), 0
+
+    def __getattr__(self, name):
+        return getattr(self._io, name)
+
+    def send_segments(self, addr, headers, payload, seqs, seg_size, total, parts=1, **kw):
+        keep = np.flatnonzero(self.rng.random(len(seqs)) >= self.loss)
+        self.dropped += len(seqs) - len(keep)
+        hv = np.frombuffer(headers, np.uint8).reshape(-1, 16)[keep]
+        if len(keep):
+            self._io.send_segments(addr, hv.tobytes(), payload, np.ascontiguousarray(seqs[keep]), seg_size, total,
+                                   parts=parts if len(keep) >= parts else 1, **kw)
+        return len(seqs)
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.03])
+async def test_an_endpoint_spreads_one_peers_large_batches_over_its_threads_unless_told_not_to(loss):
+    """``Config.spread_sends``: one peer's large batches are built in lanes and go out in parts through the
+    sender threads; off (the default), the loop's thread sends them. Exact either way; on a clean path the
+    interleaved parts cost next to no resends, because loss detection counts each lane apart (before lanes, a
+    40 MB transfer resent up to 8 %). With DATA dropped at random before it reaches the threads, the losses are
+    found and resent in every lane."""
+    import ltp
+
+    assert Config().spread_sends is False  # off unless asked for (docs/performance.md)
+    for spread, threads_started in ((True, True), (False, False)):
+        before = _quiet_threads()
+        cfg = Config(spread_sends=spread)
+        a = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
+        b = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
+        if loss:
+            a._io = _DroppingIO(a._io, loss, seed=5)
+        try:
+            data = np.random.default_rng(5).standard_normal(4_000_000).astype(np.float32)  # 16 MB
+            out = np.zeros_like(data)
+            rep, _ = await asyncio.gather(a.send(b.local_addr, data, tag=1, reliable=True), b.recv(out, tag=1))
+            assert np.array_equal(out, data) and rep.delivered_fraction == 1.0
+            assert (_threads_now() > before) == threads_started
+            if loss:
+                assert rep.retransmitted_packets >= a._io.dropped > 0, rep
+            else:
+                assert rep.retransmitted_packets <= 0.002 * rep.packets_sent, (spread, rep)
+        finally:
+            await a.close()
+            await b.close()
+        assert _quiet_threads() == before
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_config_refuses_a_spread_setting_that_is_not_a_bool(bad):
+    with pytest.raises(LocalProtocolError, match="spread_sends"):
+        Config(spread_sends=bad)

@@ -122,10 +122,13 @@ RECEIVER_LINGER_S = 0.5
 
 # ---------------------------------------------------------------------------- LTP roles
 def _threads(args) -> dict:
-    """``Config`` keywords for ``--send-threads`` and ``--thread-pacing`` (absent: the Config defaults)."""
+    """``Config`` keywords for ``--send-threads``, ``--thread-pacing`` and ``--spread`` (absent: the Config
+    defaults)."""
     kw = {} if args.send_threads is None else {"send_threads": args.send_threads}
     if args.thread_pacing is not None:
         kw["thread_pacing_s"] = args.thread_pacing
+    if args.spread is not None:
+        kw["spread_sends"] = args.spread == "on"
     return kw
 
 
@@ -193,7 +196,7 @@ def _ltp_sender(args) -> int:
                    sender_user_s=round(user, 3), machine_cpu_s=machine,
                    rtprop_ms=round(rep.rtprop_s * 1e3, 3), btlbw_gbps=round(rep.btlbw_bps * 8 / 1e9, 3),
                    sender_wakeups=dict(ep.loop_stats), send_threads=ep.config.send_threads,
-                   thread_pacing_s=ep.config.thread_pacing_s,
+                   thread_pacing_s=ep.config.thread_pacing_s, spread_sends=ep.config.spread_sends,
                    connected=ep.peer is not None)
         await ep.close()
         print(json.dumps(out), flush=True)
@@ -239,7 +242,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
               delay_s: float = 0.0, mtu: int = 1500, mode: str = "reliable", loss_both: bool = False,
               timeout: float = 300.0, lab=None, port: int = 7447, warmup: int = 0, gro: bool = False,
               tcp_buffer: str = "message", send_threads: int | None = None, bulk_drain: bool = True,
-              connected: bool = True, thread_pacing_s: float | None = None) -> dict:
+              connected: bool = True, thread_pacing_s: float | None = None, spread: bool | None = None) -> dict:
     """Run one transfer and return the result dict (see module docstring).
 
     ``tcp_buffer`` says where a TCP transfer's bytes live (:data:`ltp_tools.tcpbench.BUFFERS`): ``"message"``
@@ -249,7 +252,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
     ``gro=True`` builds the lab with receive GRO on the hosts' interfaces (:class:`~ltp_tools.netlab.Lab`);
     it needs the lab (loopback always has GRO) and is ignored when ``lab`` is given (that lab's setting holds).
     ``send_threads`` sets both LTP endpoints' ``Config.send_threads`` (None: its default), ``thread_pacing_s``
-    their ``Config.thread_pacing_s`` (None: its default).
+    their ``Config.thread_pacing_s`` (None: its default), ``spread`` their ``Config.spread_sends`` (None: its
+    default).
     ``bulk_drain=False`` makes the LTP receiver hand every batch to the engine (``Endpoint.bulk_drain``), for
     comparison with the default compiled drain.
     ``connected`` (default) opens both LTP endpoints connected to each other (``open_endpoint(peer=...)``), as a
@@ -269,8 +273,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             snd, rcv = lab.hosts[0], lab.hosts[1]
             lab.impair(rcv, "ingress", loss=loss, rate_bps=rate_bps, delay_s=delay_s,
                        queue_bytes=None if rate_bps is None else max(256_000, int(rate_bps / 8 * 0.005)))
-            if loss_both:
-                lab.impair(snd, "ingress", loss=loss, all_sizes=True)
+            # the reverse direction too, every time: a lab shared by runs kept an earlier run's loss on the ACKs
+            lab.impair(snd, "ingress", loss=loss if loss_both else 0.0, all_sizes=loss_both)
             host = rcv.addr
             popen = lab.popen
         else:
@@ -287,6 +291,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             common += ["--send-threads", str(send_threads)]
         if thread_pacing_s is not None:
             common += ["--thread-pacing", repr(float(thread_pacing_s))]
+        if spread is not None:
+            common += ["--spread", "on" if spread else "off"]
         if not bulk_drain:
             common += ["--no-bulk-drain"]
         snd_host = snd.addr if snd is not None else host  # loopback: both ends on the same address
@@ -341,6 +347,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
         if transport == "ltp":
             result["send_threads"] = s.get("send_threads")
             result["thread_pacing_s"] = s.get("thread_pacing_s")
+            result["spread_sends"] = s.get("spread_sends")
             result["bulk_drain"] = bulk_drain
             result["connected"] = s.get("connected")
         result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
@@ -413,6 +420,9 @@ def main(argv=None) -> int:
                     default=None, metavar="SECONDS",
                     help="LTP: a sender thread paces one peer's DATA in sub-bursts of this much time at the path's "
                          "rate (Config.thread_pacing_s; 0: off, the default; e.g. 0.0002)")
+    ap.add_argument("--spread", choices=["on", "off"], default=None,
+                    help="LTP: cut one peer's large DATA batches across the sender threads, so that one flow's "
+                         "kernel path runs on several cores (Config.spread_sends; default: the Config default)")
     ap.add_argument("--no-bulk-drain", action="store_true",
                     help="LTP: the receiver hands every batch to the engine in Python (Endpoint.bulk_drain off) "
                          "instead of draining a bulk receive into its window in compiled code")
@@ -426,7 +436,8 @@ def main(argv=None) -> int:
                             delay_s=args.delay, mtu=args.mtu, mode=args.mode, loss_both=args.loss_both,
                             timeout=args.timeout, warmup=args.warmup, gro=args.gro, tcp_buffer=args.tcp_buffer,
                             send_threads=args.send_threads, bulk_drain=not args.no_bulk_drain,
-                            connected=not args.unconnected, thread_pacing_s=args.thread_pacing)
+                            connected=not args.unconnected, thread_pacing_s=args.thread_pacing,
+                            spread=None if args.spread is None else args.spread == "on")
         except (TimeoutError, subprocess.TimeoutExpired, ltp.LTPError, RuntimeError) as exc:
             # a transfer that did not finish is a result to report, not a crash
             print(f"ltp-bench: {args.transport} transfer of {args.size} B failed: {type(exc).__name__}: {exc}",
@@ -453,6 +464,7 @@ def _role_main(argv) -> int:
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--send-threads", type=int, default=None)
     ap.add_argument("--thread-pacing", type=float, default=None)
+    ap.add_argument("--spread", choices=["on", "off"], default=None)
     ap.add_argument("--no-bulk-drain", action="store_true")
     ap.add_argument("--peer", default=None, help="receiver: connect to this sender address")
     ap.add_argument("--peer-port", type=int, default=0)
