@@ -519,7 +519,7 @@ cdef class SendWindow:
         return end
 
     def build(self, seqs, double now, int64_t delivered, double delivered_time, double first_sent_time,
-              est_word, out, bint headers_only=False, int lanes=1):
+              est_word, out, bint headers_only=False, lanes=1):
         """Write DATA packets for ``seqs`` into ``out`` at a stride of ``16 + seg_size``.
 
         Only the last packet may be short (the caller puts the final segment
@@ -533,6 +533,9 @@ cdef class SendWindow:
         Loss detection then counts, for a transmission, only the later ones of
         its own lane: each part keeps its order, the parts do not.
         """
+        if not isinstance(lanes, int) or isinstance(lanes, bool) or not 1 <= lanes <= _MAX_LANES:
+            raise LocalProtocolError(f"lanes must be 1..{_MAX_LANES}, got {lanes!r}")
+        cdef int64_t nl = lanes
         cdef Py_buffer view
         cdef object out_obj = out
         if PyByteArray_CheckExact(out):
@@ -549,8 +552,6 @@ cdef class SendWindow:
         cdef int32_t batch = 0
         cdef int64_t cut
         cdef uint8_t lane = 0
-        if lanes < 1 or lanes > _MAX_LANES:
-            raise LocalProtocolError(f"lanes must be 1..{_MAX_LANES}, got {lanes}")
         try:
             if len(seqs):
                 batch = self._batch_open(now, delivered, delivered_time, first_sent_time)
@@ -558,11 +559,11 @@ cdef class SendWindow:
                 sp = <const char *>cnp.PyArray_DATA(<cnp.ndarray>seqs)
                 sstride = cnp.PyArray_STRIDE(<cnp.ndarray>seqs, 0)
                 m = cnp.PyArray_DIM(<cnp.ndarray>seqs, 0)
-                cut = m // lanes
+                cut = m // nl
                 for k in range(m):
                     while k >= cut:
                         lane += 1
-                        cut = m * (lane + 1) // lanes
+                        cut = m * (lane + 1) // nl
                     seq = (<const int64_t *>(sp + k * sstride))[0]
                     if seq < 0 or seq >= n:
                         raise LocalProtocolError(f"segment {seq} out of range")
@@ -570,11 +571,11 @@ cdef class SendWindow:
                                               lane)
             else:
                 m = len(seqs)
-                cut = m // lanes
+                cut = m // nl
                 for k in range(m):
                     while k >= cut:
                         lane += 1
-                        cut = m * (lane + 1) // lanes
+                        cut = m * (lane + 1) // nl
                     s = int(seqs[k])
                     if s < 0 or s >= n:
                         raise LocalProtocolError(f"segment {s} out of range")

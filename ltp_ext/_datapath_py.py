@@ -225,8 +225,8 @@ class SendWindow(_Geometry):
         Loss detection then counts, for a transmission, only the later ones of
         its own lane: each part keeps its order, the parts do not.
         """
-        if not 1 <= lanes <= SEND_THREADS_MAX:
-            raise LocalProtocolError(f"lanes must be 1..{SEND_THREADS_MAX}, got {lanes}")
+        if not isinstance(lanes, int) or isinstance(lanes, bool) or not 1 <= lanes <= SEND_THREADS_MAX:
+            raise LocalProtocolError(f"lanes must be 1..{SEND_THREADS_MAX}, got {lanes!r}")
         mv = _as_bytes_view(out, True)
         stride = HEADER_SIZE + self.seg_size
         written = 0

@@ -336,12 +336,14 @@ def test_lanes_cut_a_batch_as_the_sender_threads_do(dp):
         assert w.log_lane[:m].tolist() == want
 
 
-@pytest.mark.parametrize("lanes", [0, 9, -1])
-def test_bad_lane_counts_raise(dp, lanes):
+@pytest.mark.parametrize("lanes", [0, 9, -1, 2.0, True, None, 2 ** 70])
+def test_bad_lane_counts_raise_and_leave_the_buffer_free(dp, lanes):
     w = send_window(dp)
+    out = bytearray(2 * H)
     with pytest.raises(LocalProtocolError, match="lanes must be 1..8"):
-        w.build(np.arange(2, dtype=np.int64), 0.0, 0, 0.0, 0.0, 0, bytearray(2 * H), True, lanes)
+        w.build(np.arange(2, dtype=np.int64), 0.0, 0, 0.0, 0.0, 0, out, True, lanes)
     assert w.packets_sent == 0 and w.tail == 0
+    out.extend(b"x")  # not still exported by the failed call
 
 
 def test_detect_reordered_declares_only_overtaken_transmissions_old_enough(dp):
