@@ -125,7 +125,7 @@ class SimNetwork:
             return dgrams
         n = len(dgrams)
         lanes = [dgrams[n * k // parts:n * (k + 1) // parts] for k in reversed(range(parts))]
-        return [d for i in range(max(map(len, lanes))) for lane in lanes if i < len(lane) for d in (lane[i],)]
+        return [lane[i] for i in range(max(map(len, lanes))) for lane in lanes if i < len(lane)]
 
     def _arm(self, addr) -> None:
         t = self.hosts[addr].get_timer()

@@ -148,8 +148,12 @@ def _spread_transfer(floats, *, lanes_built: bool, loss: float, seed: int = 3):
         data = floats(1_500_000, seed)
         out = np.zeros_like(data)
         a, b = engines
-        orig = net._in_wire_order
-        net._in_wire_order = lambda tx: (spread.append(getattr(tx, "parts", 1)), orig(tx))[1]
+        in_order = net._in_wire_order
+
+        def counted(tx):  # note each batch's parts on its way out
+            spread.append(getattr(tx, "parts", 1))
+            return in_order(tx)
+        net._in_wire_order = counted
         h = a.send(addrs[1], data, now=net.now, reliable=True, tag=5)
         r = b.post_receive([(addrs[0], 5, out)], now=net.now)
         net.pump(addrs[0])

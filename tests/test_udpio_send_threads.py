@@ -477,26 +477,37 @@ def test_config_refuses_bad_thread_pacing(bad):
         Config(thread_pacing_s=bad)
 
 
-async def test_an_endpoint_paces_one_peers_data_in_its_threads_unless_told_not_to():
+async def _one_peer_transfer(cfg, n: int, *, seed: int, wrap=None):
+    """Send ``n`` float32 reliably from one endpoint to another (both with ``cfg``; ``wrap(io)`` replaces the
+    sender's UdpIO), assert the bytes arrived exactly, and that every thread started ended with the endpoints.
+    Returns (the send's report, whether threads were started, the sender's UdpIO, its ``io_stats``)."""
     import ltp
 
+    before = _quiet_threads()
+    a = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
+    b = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
+    if wrap is not None:
+        a._io = wrap(a._io)
+    try:
+        data = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+        out = np.zeros_like(data)
+        rep, _ = await asyncio.gather(a.send(b.local_addr, data, tag=1, reliable=True), b.recv(out, tag=1))
+        assert np.array_equal(out, data) and rep.delivered_fraction == 1.0
+        started = _threads_now() > before
+        io, stats = a._io, dict(a.io_stats)
+    finally:
+        await a.close()
+        await b.close()
+    assert _quiet_threads() == before
+    return rep, started, io, stats
+
+
+async def test_an_endpoint_paces_one_peers_data_in_its_threads_unless_told_not_to():
     assert Config().thread_pacing_s == 0.0  # off unless asked for (docs/performance.md, "Change 15")
     for q, threads_started in ((0.0002, True), (0.0, False)):
-        before = _quiet_threads()
-        cfg = Config(thread_pacing_s=q)
-        a = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
-        b = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
-        try:
-            data = np.random.default_rng(3).standard_normal(2_000_000).astype(np.float32)  # 8 MB
-            out = np.zeros_like(data)
-            rep, _ = await asyncio.gather(a.send(b.local_addr, data, tag=1, reliable=True), b.recv(out, tag=1))
-            assert np.array_equal(out, data) and rep.delivered_fraction == 1.0
-            assert (_threads_now() > before) == threads_started
-            assert a.io_stats["datagrams_out"] >= data.nbytes // 1456
-        finally:
-            await a.close()
-            await b.close()
-        assert _quiet_threads() == before
+        _, started, _, stats = await _one_peer_transfer(Config(thread_pacing_s=q), 2_000_000, seed=3)  # 8 MB
+        assert started == threads_started
+        assert stats["datagrams_out"] >= 2_000_000 * 4 // 1456
 
 
 def test_the_endpoint_thread_paces_only_what_its_loop_timer_cannot():
@@ -646,30 +657,17 @@ async def test_an_endpoint_spreads_one_peers_large_batches_over_its_threads_unle
     interleaved parts cost next to no resends, because loss detection counts each lane apart (before lanes, a
     40 MB transfer resent up to 8 %). With DATA dropped at random before it reaches the threads, the losses are
     found and resent in every lane."""
-    import ltp
 
     assert Config().spread_sends is False  # off unless asked for (docs/performance.md)
     for spread, threads_started in ((True, True), (False, False)):
-        before = _quiet_threads()
-        cfg = Config(spread_sends=spread)
-        a = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
-        b = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
+        wrap = (lambda io: _DroppingIO(io, loss, seed=5)) if loss else None
+        rep, started, a_io, _ = await _one_peer_transfer(Config(spread_sends=spread), 4_000_000, seed=5,
+                                                         wrap=wrap)  # 16 MB
+        assert started == threads_started
         if loss:
-            a._io = _DroppingIO(a._io, loss, seed=5)
-        try:
-            data = np.random.default_rng(5).standard_normal(4_000_000).astype(np.float32)  # 16 MB
-            out = np.zeros_like(data)
-            rep, _ = await asyncio.gather(a.send(b.local_addr, data, tag=1, reliable=True), b.recv(out, tag=1))
-            assert np.array_equal(out, data) and rep.delivered_fraction == 1.0
-            assert (_threads_now() > before) == threads_started
-            if loss:
-                assert rep.retransmitted_packets >= a._io.dropped > 0, rep
-            else:
-                assert rep.retransmitted_packets <= 0.002 * rep.packets_sent, (spread, rep)
-        finally:
-            await a.close()
-            await b.close()
-        assert _quiet_threads() == before
+            assert rep.retransmitted_packets >= a_io.dropped > 0, rep
+        else:
+            assert rep.retransmitted_packets <= 0.002 * rep.packets_sent, (spread, rep)
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])
