@@ -91,13 +91,36 @@ STOP_REPEAT_S = 0.002
 UNREGISTERED_RESETS_PER_S = 1000.0
 
 
+#: at most this many source addresses keep their canonical MAC bytes (``address_bytes``); the table is emptied
+#: when full, so a flood of source addresses costs the parse again, never memory
+ADDRESS_BYTES_CACHE = 1024
+_address_bytes_cache: dict = {}
+
+
 def address_bytes(addr) -> bytes:
     """Canonical bytes of a ``(host, port)`` source address for the MAC.
 
     IPv4 and IPv4-mapped IPv6 give the same 4 bytes; other hosts (names used in
-    simulations) are their UTF-8 text. The port is 2 bytes, big-endian.
+    simulations) are their UTF-8 text. The port is 2 bytes, big-endian. Every REG
+    is MACed and checked over its source (four times per message with two copies),
+    and parsing the host literal was most of a MAC's cost: the answer is remembered
+    per ``(host, port)``.
     """
-    host, port = addr[0], addr[1]
+    key = (addr[0], addr[1])
+    try:
+        return _address_bytes_cache[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable host: not cached
+        return _address_bytes(addr[0], addr[1])
+    out = _address_bytes(addr[0], addr[1])
+    if len(_address_bytes_cache) >= ADDRESS_BYTES_CACHE:
+        _address_bytes_cache.clear()
+    _address_bytes_cache[key] = out
+    return out
+
+
+def _address_bytes(host, port) -> bytes:
     try:
         ip = ipaddress.ip_address(host.split("%", 1)[0] if isinstance(host, str) else host)
     except ValueError:

@@ -102,8 +102,12 @@ class FlowSender:
         if n - 1 > wire.MAX_SEQ:
             raise LocalProtocolError(f"message needs {n} segments; at most {wire.MAX_SEQ + 1} fit one flow — split it")
         self.seg_count = n
-        self.cq: deque = deque(np.flatnonzero(mask).tolist())
-        self.normal = np.flatnonzero(mask == 0).astype(np.int64)
+        if runs:
+            self.cq: deque = deque(np.flatnonzero(mask).tolist())
+            self.normal = np.flatnonzero(mask == 0).astype(np.int64)
+        else:  # nothing critical (most messages): every segment is normal, in order
+            self.cq = deque()
+            self.normal = np.arange(n, dtype=np.int64)
         self.nq_pos = 0
         self.rq: deque = deque()
         self.state = OPEN

@@ -74,6 +74,29 @@ def test_mac_covers_every_byte_and_the_source_address():
     assert address_bytes(("::ffff:10.0.0.1", 7447)) == address_bytes(A)
 
 
+def test_address_bytes_remembers_sources_in_a_bounded_table(monkeypatch):
+    from ltp import admission
+
+    monkeypatch.setattr(admission, "_address_bytes_cache", {})
+    monkeypatch.setattr(admission, "ADDRESS_BYTES_CACHE", 8)
+    parsed = []
+    real = admission._address_bytes
+    monkeypatch.setattr(admission, "_address_bytes", lambda h, p: parsed.append((h, p)) or real(h, p))
+    # the same source is parsed once, and a remembered answer is the parsed one
+    assert address_bytes(A) == address_bytes(A) == bytes([4, 10, 0, 0, 1]) + (7447).to_bytes(2, "big")
+    assert parsed == [A]
+    # an IPv6 4-tuple is keyed by host and port only: its flow info and scope do not split the table
+    assert address_bytes(("fe80::1", 9, 0, 2)) == address_bytes(("fe80::1", 9, 7, 2))
+    assert len(parsed) == 2
+    # a flood of source addresses never grows the table past its bound, and every answer stays right
+    for i in range(100):
+        src = (f"10.1.{i // 250}.{i % 250}", 1000 + i)
+        assert address_bytes(src) == real(*src)
+        assert len(admission._address_bytes_cache) <= 8
+    # a host that cannot be a dict key is answered, uncached
+    assert address_bytes((["weird"], 1)) == real(["weird"], 1)
+
+
 @pytest.mark.parametrize("byte", range(8, 16))
 def test_bit_flips_in_header_bytes_8_to_15_are_refused(byte):
     _, b = engines()
