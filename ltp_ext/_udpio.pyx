@@ -824,6 +824,7 @@ cdef class UdpIO:
     cdef long _tx_pid
     cdef dict _tx_assign          # destination sockaddr bytes -> its thread
     cdef int *_tx_load            # destinations assigned per thread
+    cdef int _tx_assign_max       # destinations remembered before the idle ones are forgotten
 
     def __cinit__(self):
         self._tx = NULL
@@ -957,6 +958,7 @@ cdef class UdpIO:
         self._paced_late = 0.0
         self._errors = {}
         self._tx_assign = {}
+        self._tx_assign_max = _ADDR_CACHE_MAX
         self.send_threads = send_threads  # started by the first send_segments
 
     cdef _start_send_threads(self):
@@ -1145,9 +1147,8 @@ cdef class UdpIO:
         key = PyBytes_FromStringAndSize(<char *>name, namelen)
         entry = self._tx_assign.get(key)
         if entry is None:
-            if len(self._tx_assign) >= _ADDR_CACHE_MAX:
-                self._tx_assign.clear()
-                memset(self._tx_load, 0, self._tx_started * sizeof(int))
+            if len(self._tx_assign) >= self._tx_assign_max:
+                self._tx_forget_idle()
             for i in range(1, self._tx_started):
                 if self._tx_load[i] < self._tx_load[w]:
                     w = i
@@ -1230,13 +1231,16 @@ cdef class UdpIO:
 
     cdef bint _tx_busy(self, sockaddr_storage *name, int namelen) except -1:
         """Whether a batch for this destination is still queued or being sent (a send beside it must queue too)."""
-        cdef int w
         if not self._tx_started:
             return False
         entry = self._tx_assign.get(PyBytes_FromStringAndSize(<char *>name, namelen))
         if entry is None:
             return False
-        w = entry[0]
+        return self._entry_busy(entry)
+
+    cdef bint _entry_busy(self, list entry) except -1:
+        """Whether any thread still holds a batch (or a part of one) of the destination of ``entry``."""
+        cdef int w = entry[0]
         self._reap(w)
         if self._tx_reaped[w] < <long long>entry[1]:
             return True
@@ -1246,6 +1250,33 @@ cdef class UdpIO:
                 if self._tx_reaped[w] < <long long>head:
                     return True
         return False
+
+    cdef int _tx_forget_idle(self) except -1:
+        """The destination table is full: forget every destination no thread holds a batch of. One with a batch
+        queued keeps its thread, so that its next batch queues behind it in order and a send beside it still
+        sees it busy; those are at most ``send_threads`` x ``SEND_QUEUE_DEPTH``, so the table stays bounded."""
+        idle = [key for key, entry in self._tx_assign.items() if not self._entry_busy(entry)]
+        for key in idle:
+            entry = self._tx_assign.pop(key)
+            self._tx_load[<int>entry[0]] -= 1
+        return 0
+
+    @property
+    def thread_destinations(self):
+        """How many destinations the sender threads remember (each keeps one thread while it is remembered)."""
+        return len(self._tx_assign)
+
+    @property
+    def thread_destinations_max(self):
+        """Destinations remembered before those with nothing queued are forgotten (a forgotten one gets a thread
+        afresh, the least loaded, with its next batch). Settable: an int of at least 1."""
+        return self._tx_assign_max
+
+    @thread_destinations_max.setter
+    def thread_destinations_max(self, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"thread_destinations_max must be an int >= 1, got {value!r}")
+        self._tx_assign_max = <int>min(value, 1 << 30)
 
     # ------------------------------------------------------------------ receive
 

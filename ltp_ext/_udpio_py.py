@@ -258,6 +258,7 @@ class UdpIO:
         self._send_threads = send_threads  # started by the first send_segments
         self._tx: list = []         # per thread: [job queue, thread, submitted, finished-job queue, reaped]
         self._tx_assign: dict = {}  # destination -> its thread
+        self._tx_assign_max = _ADDR_CACHE_MAX  # destinations remembered before the idle ones are forgotten
         self._tx_load: list = []
         self._tx_pid = 0
         self._tx_sock = None
@@ -401,9 +402,8 @@ class UdpIO:
                                "create the UdpIO (and its endpoint) in the process that uses it")
         entry = self._tx_assign.get(name)
         if entry is None:
-            if len(self._tx_assign) >= _ADDR_CACHE_MAX:
-                self._tx_assign.clear()
-                self._tx_load = [0] * len(self._tx)
+            if len(self._tx_assign) >= self._tx_assign_max:
+                self._tx_forget_idle()
             w = min(range(len(self._tx)), key=lambda i: (self._tx_load[i], i))
             self._tx_load[w] += 1
             entry = [w, 0, None]  # its thread, the job count that includes its latest batch there, parts elsewhere
@@ -443,6 +443,10 @@ class UdpIO:
         entry = self._tx_assign.get(name) if self._tx else None
         if entry is None:
             return False
+        return self._entry_busy(entry)
+
+    def _entry_busy(self, entry) -> bool:
+        """Whether any thread still holds a batch (or a part of one) of the destination of ``entry``."""
         self._reap(entry[0])
         if self._tx[entry[0]][4] < entry[1]:
             return True
@@ -451,6 +455,32 @@ class UdpIO:
             if self._tx[w][4] < head:
                 return True
         return False
+
+    def _tx_forget_idle(self) -> None:
+        """The destination table is full: forget every destination no thread holds a batch of. One with a batch
+        queued keeps its thread, so that its next batch queues behind it in order and a send beside it still
+        sees it busy; those are at most ``send_threads`` x ``SEND_QUEUE_DEPTH``, so the table stays bounded."""
+        idle = [name for name, entry in self._tx_assign.items() if not self._entry_busy(entry)]
+        for name in idle:
+            entry = self._tx_assign.pop(name)
+            self._tx_load[entry[0]] -= 1
+
+    @property
+    def thread_destinations(self) -> int:
+        """How many destinations the sender threads remember (each keeps one thread while it is remembered)."""
+        return len(self._tx_assign)
+
+    @property
+    def thread_destinations_max(self) -> int:
+        """Destinations remembered before those with nothing queued are forgotten (a forgotten one gets a thread
+        afresh, the least loaded, with its next batch). Settable: an int of at least 1."""
+        return self._tx_assign_max
+
+    @thread_destinations_max.setter
+    def thread_destinations_max(self, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"thread_destinations_max must be an int >= 1, got {value!r}")
+        self._tx_assign_max = min(value, 1 << 30)
 
     # ------------------------------------------------------------------ receive
 

@@ -630,6 +630,51 @@ def test_a_destination_counts_as_busy_while_a_part_on_another_thread_is_queued(s
     tx.stop_send_threads()
 
 
+def test_a_full_destination_table_forgets_only_idle_destinations_and_keeps_a_busy_ones_order(mod, socks):
+    """The sender threads' destination table is bounded (``thread_destinations_max``). When it is full the idle
+    destinations are forgotten; one with a batch still queued keeps its thread, so that its next batch queues
+    behind that one. (The table used to be emptied whole: a slow paced batch's destination then got the least
+    loaded thread afresh, and its next batch went out before the rest of the first.)"""
+    a, b = socks.make(), socks.make()
+    others = [socks.make() for _ in range(6)]
+    rx, tx = mod.UdpIO(a), mod.UdpIO(b, send_threads=2)
+    tx.thread_destinations_max = 3
+    pay = np.zeros(4 * 984, np.uint8)
+
+    def quick(sock, tag):  # a small batch to a new destination, sent before the next
+        before = tx.stats["datagrams_out"]
+        assert tx.send_segments(sock.getsockname(), _headers(4, tag=tag), pay, np.arange(4, dtype=np.int64), 984,
+                                4 * 984) == 4
+        end = time.monotonic() + 5.0
+        while tx.stats["datagrams_out"] < before + 4 and time.monotonic() < end:
+            time.sleep(0.002)
+
+    quick(others[0], 1)  # the first destination takes thread 0, so the slow one below gets thread 1
+    slow = _paced_send(tx, a, 30, 984, 40_000.0, 2_000, tag=2)  # 30 kB at 40 kB/s: about 0.7 s on its thread
+    for k, sock in enumerate(others[1:], start=3):  # new destinations overflow the table while the slow one runs
+        quick(sock, k)
+        assert tx.thread_destinations <= 3  # the idle ones were forgotten, the slow one kept
+    assert tx.stats["datagrams_out"] < 4 * len(others) + 30  # the slow batch was still going
+    pay2 = np.full(20 * 984, 7, np.uint8)
+    hdr2 = _headers(20, tag=9)
+    assert tx.send_segments(a.getsockname(), hdr2, pay2, np.arange(20, dtype=np.int64), 984, 20 * 984) == 20
+    tx.wait_sent()
+    got = [d for d, _ in drain(rx, 50)]
+    assert got == slow + _expected(hdr2, pay2.tobytes(), range(20), 984, 20 * 984)  # the second batch queued behind
+    for sock in others:
+        drain(mod.UdpIO(sock), 4)
+    assert tx.stats["datagrams_out"] == 4 * len(others) + 50 and tx.stats["errors"] == {}
+    tx.stop_send_threads()
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "3", None])
+def test_a_bad_destination_table_bound_raises_naming_the_fix(mod, socks, bad):
+    tx = mod.UdpIO(socks.make(), send_threads=1)
+    with pytest.raises(ValueError, match="thread_destinations_max must be an int >= 1"):
+        tx.thread_destinations_max = bad
+    assert tx.thread_destinations_max >= 1
+
+
 class _DroppingIO:
     """Wraps an endpoint's UdpIO: ``send_segments`` drops each DATA packet with probability ``loss`` (seeded) and
     hands the rest on in one call, in the parts asked for, so that what is left still goes out side by side."""
