@@ -48,6 +48,15 @@ answers, and what this host says to DATA that arrives too late:
   ``unregistered`` (at most :data:`UNREGISTERED_RESETS_PER_S`), so a sender
   whose REG was lost or expired registers again.
 
+Every REG copy is answered with an ACK (no entries), so that a lost answer
+costs nothing while another copy's answer arrives. An answer is folded away
+only where it says nothing new: :func:`fold_reg_answers` drops, from control
+datagrams about to go out together, the REG answers of a flow for which an ACK
+with entries or a STOP goes out beside them (each confirms the registration,
+carries the same grant and at least the same count). A one-datagram message
+whose REG copies and DATA were read together is then answered with its ACK and
+STOP alone: four datagrams back became two.
+
 It writes its answers (ACK, RESET, STOP datagrams) to the engine's control
 queue and its counts to the engine's :class:`~ltp.reports.EndpointStats`;
 the engine owns the flows and receive slots and tells it what it needs to
@@ -68,7 +77,7 @@ from .link_share import datagram_share, on_loopback
 from .regimes import CloseReason
 from .timers import DeadlineHeap
 
-__all__ = ["Admission", "reg_mac", "address_bytes", "ReplayCache", "PendingRegistration", "pending_lifetime",
+__all__ = ["Admission", "reg_mac", "address_bytes", "fold_reg_answers", "ReplayCache", "PendingRegistration", "pending_lifetime",
            "stop_datagram", "PENDING_RTTS", "PENDING_MIN_S", "PENDING_MAX_S", "STOP_REPEAT_S",
            "UNREGISTERED_RESETS_PER_S"]
 
@@ -130,6 +139,38 @@ def _address_bytes(host, port) -> bytes:
             ip = ip.ipv4_mapped
         hb = ip.packed
     return bytes([len(hb)]) + hb + (int(port) & 0xFFFF).to_bytes(2, "big")
+
+
+_ACK_B0 = (wire.VERSION << 4) | wire.T_ACK
+_STOP_B0 = (wire.VERSION << 4) | wire.T_STOP
+
+
+def _entries(data) -> int:
+    """The entry count of an ACK datagram (header word 3, low 16 bits): 0 for a REG answer."""
+    return data[14] << 8 | data[15]
+
+
+def fold_reg_answers(ctrl) -> int:
+    """Drop from ``ctrl`` -- a deque of ``(datagram, addr)`` control datagrams about to go out together -- every
+    REG answer (an ACK without entries) of a flow that also has an ACK with entries or a STOP among them, to the
+    same address; returns how many were dropped. What is kept keeps its order."""
+    confirmed = set()
+    answers = 0
+    for data, addr in ctrl:
+        b0 = data[0]
+        if b0 == _STOP_B0 or (b0 == _ACK_B0 and _entries(data)):
+            confirmed.add((addr, bytes(data[2:8])))  # flow id and token
+        elif b0 == _ACK_B0:
+            answers += 1
+    if not answers or not confirmed:
+        return 0
+    kept = [(d, a) for d, a in ctrl
+            if not (d[0] == _ACK_B0 and not _entries(d) and (a, bytes(d[2:8])) in confirmed)]
+    folded = len(ctrl) - len(kept)
+    if folded:
+        ctrl.clear()
+        ctrl.extend(kept)
+    return folded
 
 
 def reg_mac(key: bytes, source, signed: bytes) -> bytes:

@@ -82,7 +82,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import liveness, wire
-from .admission import Admission, PendingRegistration, stop_datagram
+from .admission import Admission, PendingRegistration, fold_reg_answers, stop_datagram
 from .buffer_pool import SPARE_MIN_BYTES, BufferPool
 from .config import Config
 from .early_close import EarlyClose
@@ -883,6 +883,8 @@ class Engine:
         if self.config.link_rate is not None and self.config.share_egress:
             self._share_egress(now)
         out = []
+        if len(self._ctrl) > 1:
+            self.stats.reg_answers_folded += fold_reg_answers(self._ctrl)
         while self._ctrl:
             data, addr = self._ctrl.popleft()
             out.append(Transmit(addr, memoryview(data), len(data)))

@@ -78,6 +78,9 @@ class EndpointStats:
     #: REG datagrams for a flow already registered, open or closed (a round's other copies,
     #: ``Config.reg_copies``, or a repeat that crossed its answer): answered again, not dropped
     reg_repeats: int = 0
+    #: REG answers not sent because an ACK with entries or a STOP of the same flow went out with them
+    #: (:func:`ltp.admission.fold_reg_answers`)
+    reg_answers_folded: int = 0
     #: RESET "unregistered" answers received for open sends (each may make the send register again)
     reregistrations: int = 0
     #: RESET "stale" answers that made an open send register again with a fresh stamp (``sender.STALE_RETRIES``)

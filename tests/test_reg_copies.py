@@ -5,7 +5,9 @@ before REG copies a single lost REG threw away the whole first flight: DATA drew
 sender waited for its REG back-off, and a receive group's deadline could pass first. In a 4-host ring of
 30 kB steps at 10 % loss (every datagram size, as on a real lossy link) that cut flows to 5 % delivered and
 stretched a step to 40 one-way delays. Each registration round now sends ``reg_copies`` (default 2) copies
-back to back, each with its own attempt byte and MAC, and each copy is answered.
+back to back, each with its own attempt byte and MAC, and each copy is answered -- unless an ACK with entries or
+a STOP of the same flow goes out beside the answers and confirms the registration for them
+(``ltp.admission.fold_reg_answers``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ltp import wire
-from ltp.admission import reg_mac
+from ltp.admission import fold_reg_answers, reg_mac
 from ltp.config import REG_COPIES_MAX, Config
-from ltp.engine import Engine
+from ltp.engine import Engine, ReceiveDone, SendDone
 from ltp.errors import LocalProtocolError
 from ltp.sender import FlowSender
 
@@ -69,6 +73,85 @@ def test_every_copy_is_admitted_once_and_answered():
     assert len(b._pending) == 1 and b.stats.refused == {} and b.stats.dropped == {} and b.stats.reg_repeats == 1
     answers = [d for d in _out(b, 0.001) if d[0] & 0x0F == wire.T_ACK]
     assert len(answers) == 2  # a lost answer is as unlikely as a lost REG
+
+
+def _answers(ds) -> list:
+    """The REG answers among ``ds``: ACKs without entries."""
+    return [d for d in ds if d[0] & 0x0F == wire.T_ACK and not wire.unpack_header(d)[5] & 0xFFFF]
+
+
+@pytest.mark.parametrize("reliable", [True, False])
+def test_a_message_read_whole_with_its_regs_is_answered_by_its_ack_and_stop_alone(reliable):
+    """Both REG copies and the one DATA of a small message read in one go: the ACK with the DATA's entry and the
+    STOP confirm the registration, so the two REG answers that would go out beside them are folded away."""
+    a = Engine(Config(job_key=KEY), rng=random.Random(1), local_addr=A, wall_offset=T0)
+    b = Engine(Config(job_key=KEY), rng=random.Random(2), local_addr=B, wall_offset=T0)
+    out = bytearray(1000)
+    b.post_receive([(A, 5, out)], now=0.0)
+    a.send(B, np.arange(1000, dtype=np.uint8), now=0.0, reliable=reliable, tag=5)
+    sent = _out(a, 0.0)
+    assert sum(map(_is_reg, sent)) == 2 and len(sent) == 3
+    for d in sent:
+        b.receive_datagram(d, A, 0.001)
+    back = _out(b, 0.001)
+    assert [d[0] & 0x0F for d in back] == [wire.T_ACK, wire.T_STOP] and _answers(back) == []
+    assert b.stats.reg_answers_folded == 2 and b.stats.reg_repeats == 1
+    for d in back:
+        a.receive_datagram(d, B, 0.002)
+    assert isinstance(a.next_event(), SendDone) and isinstance(b.next_event(), ReceiveDone)
+    assert bytes(out) == bytes(range(256)) * 3 + bytes(range(232))
+
+
+def test_regs_whose_data_was_lost_are_each_answered():
+    """Without the DATA (lost), nothing else confirms the registration: every copy is answered, as before."""
+    a = Engine(Config(job_key=KEY), rng=random.Random(1), local_addr=A, wall_offset=T0)
+    b = Engine(Config(job_key=KEY), rng=random.Random(2), local_addr=B, wall_offset=T0)
+    b.post_receive([(A, 5, bytearray(1000))], now=0.0)
+    a.send(B, np.zeros(1000, np.uint8), now=0.0, tag=5)
+    for d in _out(a, 0.0):
+        if _is_reg(d):
+            b.receive_datagram(d, A, 0.001)
+    back = _out(b, 0.001)
+    assert len(_answers(back)) == 2 and b.stats.reg_answers_folded == 0
+
+
+def _ctl(kind: str, fid: int, token: int = 7, entries: int = 0) -> bytes:
+    if kind == "ack":
+        return wire.pack_ack(fid, token, entries, 0, list(range(entries)))
+    if kind == "stop":
+        return wire.pack_header(wire.T_STOP, 0, fid, token, 0, wire.STOP_CODES["complete"] << 24)
+    return wire.pack_header(wire.T_RESET, 0, fid, token, 1, 0)
+
+
+def test_only_answers_of_a_flow_confirmed_beside_them_to_the_same_address_are_folded():
+    from collections import deque
+
+    q = deque([(_ctl("ack", 1), A), (bytearray(_ctl("ack", 1)), A),  # two answers of flow 1 (one a bytearray)
+               (_ctl("ack", 2), A),  # flow 2: nothing confirms it here
+               (_ctl("ack", 1), B),  # flow 1's id at another address: another flow
+               (_ctl("ack", 3, token=8), A),  # flow 3, token 8: the STOP below is for token 9
+               (_ctl("ack", 1, entries=2), A), (_ctl("stop", 3, token=9), A), (_ctl("reset", 2), A),
+               (_ctl("stop", 4), A), (_ctl("ack", 4), A)])  # an answer after its flow's STOP goes too
+    want = [q[2], q[3], q[4], q[5], q[6], q[7], q[8]]
+    assert fold_reg_answers(q) == 3
+    assert list(q) == want
+    assert fold_reg_answers(q) == 0 and list(q) == want
+
+
+_KINDS = st.sampled_from(["ack", "ack+", "stop", "reset"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_KINDS, st.integers(1, 3), st.integers(7, 8), st.sampled_from([A, B])), max_size=12))
+def test_folding_drops_exactly_the_answers_of_flows_confirmed_beside_them(items):
+    from collections import deque
+
+    q = deque((_ctl(k.rstrip("+"), fid, token, 2 if k == "ack+" else 0), addr) for k, fid, token, addr in items)
+    confirmed = {(addr, fid, token) for k, fid, token, addr in items if k in ("ack+", "stop")}
+    keep = [(_ctl(k.rstrip("+"), fid, token, 2 if k == "ack+" else 0), addr) for k, fid, token, addr in items
+            if not (k == "ack" and (addr, fid, token) in confirmed)]
+    assert fold_reg_answers(q) == len(items) - len(keep)
+    assert list(q) == keep  # everything else, in its order
 
 
 def test_the_back_off_counts_rounds_not_copies():
