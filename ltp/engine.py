@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,6 +186,9 @@ class Engine:
         self._per_host = self._admission.per_host  # source host -> open + pending receive flows
         self._paths: dict = {}
         self._tx: dict = {}  # (peer, fid) -> FlowSender
+        #: (peer, fid) -> token of the sends that finished last (at most ``Config.max_closed_flows``): their
+        #: receiver's ACKs and STOPs still on the way are late answers, not drops (``EndpointStats.late_answers``)
+        self._tx_finished: OrderedDict = OrderedDict()
         self._tx_by_handle: dict = {}
         self._rx: dict = {}  # (peer, fid) -> FlowReceiver
         self._matcher = ReceiveMatcher()  # posted receive groups, waiting slots, unexpected messages
@@ -255,6 +258,7 @@ class Engine:
             path.begin_busy(now)
         path.flows.append(flow)
         self._tx[(peer, fid)] = flow
+        self._tx_finished.pop((peer, fid), None)
         self._tx_by_handle[handle] = flow
         self.stats.flows_sent += 1
         self._ctrl.extend((reg, peer) for reg in regs)
@@ -509,8 +513,7 @@ class Engine:
         elif ptype == wire.T_ACK:
             flow = self._tx.get(key)
             if flow is None or flow.token != token:
-                self.stats.drop("unknown_flow" if flow is None else "bad_token")
-                return False
+                return self._late_or_drop(key, token, flow)
             entries = wire.unpack_ack_entries(data, w3, 0, flags)
             grant = wire.ack_grant(data, flags)  # 0: none; a malformed one raises bad_grant
             confirms = not flow.reg_confirmed
@@ -533,8 +536,7 @@ class Engine:
         elif ptype == wire.T_STOP:
             flow = self._tx.get(key)
             if flow is None or flow.token != token:
-                self.stats.drop("unknown_flow" if flow is None else "bad_token")
-                return False
+                return self._late_or_drop(key, token, flow)
             if len(data) != wire.HEADER_SIZE:
                 raise WireError("bad_length", "STOP")
             reason = wire.STOP_REASONS.get(w3 >> 24)
@@ -572,6 +574,16 @@ class Engine:
                 self._admission.drop_pending(pend)
                 return True
             self.stats.drop("unknown_flow")
+        return False
+
+    def _late_or_drop(self, key, token: int, flow) -> bool:
+        """An ACK or STOP with no open send of its flow and token: a late answer to a send that finished (the
+        STOP behind the ACK that completed it; a repeat), counted in ``stats.late_answers``, or a drop. Either way
+        False: it keeps no peer alive (the dead-peer rule counts only what open flows hear, as before)."""
+        if flow is None and self._tx_finished.get(key) == token:
+            self.stats.late_answers += 1
+        else:
+            self.stats.drop("unknown_flow" if flow is None else "bad_token")
         return False
 
     # ------------------------------------------------------------------ registration and matching
@@ -803,6 +815,10 @@ class Engine:
                 pass
         self._tx.pop((flow.peer, flow.flow_id), None)
         self._tx_by_handle.pop(flow.handle, None)
+        finished = self._tx_finished
+        finished[(flow.peer, flow.flow_id)] = flow.token
+        if len(finished) > self.config.max_closed_flows:
+            finished.popitem(last=False)
         if flow.error is not None:
             self._events.append(SendDone(flow.handle, None, flow.error))
             return

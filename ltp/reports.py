@@ -81,6 +81,9 @@ class EndpointStats:
     #: REG answers not sent because an ACK with entries or a STOP of the same flow went out with them
     #: (:func:`ltp.admission.fold_reg_answers`)
     reg_answers_folded: int = 0
+    #: ACKs and STOPs for sends that had already finished (the receiver's STOP behind the ACK that completed a
+    #: send, or a repeat): one of our tokens, so not counted as drops
+    late_answers: int = 0
     #: RESET "unregistered" answers received for open sends (each may make the send register again)
     reregistrations: int = 0
     #: RESET "stale" answers that made an open send register again with a fresh stamp (``sender.STALE_RETRIES``)

@@ -840,3 +840,52 @@ def test_a_sender_stalled_mid_message_is_told_deadline_and_a_resend_reaches_the_
     again, resent = h.wait([(0, hr), (1, tx.send(h.addrs[0], data, now=h.now, tag=3, reliable=True))])
     assert again.reports[0].regime == "complete" and np.array_equal(out, data)
     assert resent.report.close_reason == "acked"
+
+
+def _one_datagram_exchange(a: Engine, b: Engine, tag: int, *, reliable: bool, now: float) -> list:
+    """A 1 kB message from ``a`` to ``b`` with everything delivered at once; returns ``b``'s answers."""
+    A, B = a.local_addr, b.local_addr
+    b.post_receive([(A, tag, bytearray(1000))], now=now)
+    a.send(B, np.ones(1000, np.uint8), now=now, reliable=reliable, tag=tag)
+    for tx in a.datagrams_to_send(now):
+        for d in tx.datagrams():
+            b.receive_datagram(bytes(d), A, now)
+    return [bytes(d) for tx in b.datagrams_to_send(now) for d in tx.datagrams()]
+
+
+@pytest.mark.parametrize("reliable", [True, False])
+def test_the_stop_behind_the_ack_that_finished_a_send_is_a_late_answer_not_a_drop(reliable):
+    """The receiver answers a small message with the ACK that completes it and a STOP. The ACK finishes the send,
+    so the STOP finds no open send: it is counted as a late answer, and ``stats.dropped`` keeps to real drops."""
+    A, B = ("10.0.0.1", 7447), ("10.0.0.2", 7447)
+    a = Engine(Config(), rng=random.Random(1), local_addr=A)
+    b = Engine(Config(), rng=random.Random(2), local_addr=B)
+    back = _one_datagram_exchange(a, b, 5, reliable=reliable, now=0.0)
+    assert len(back) == 2
+    for d in back:
+        a.receive_datagram(d, B, 0.001)
+    assert a.stats.dropped == {} and a.stats.late_answers == 1
+    for d in back:  # repeated (a duplicate on the path): late again, still no drop
+        a.receive_datagram(d, B, 0.002)
+    assert a.stats.dropped == {} and a.stats.late_answers == 3
+    forged = bytearray(back[1])
+    forged[7] ^= 0x01  # the finished flow's id with another token
+    a.receive_datagram(bytes(forged), B, 0.003)
+    assert a.stats.dropped == {"unknown_flow": 1} and a.stats.late_answers == 3
+    a.receive_datagram(back[1], ("10.0.0.9", 7447), 0.004)  # from another address: not our flow
+    assert a.stats.dropped == {"unknown_flow": 2}
+
+
+def test_finished_sends_are_remembered_up_to_max_closed_flows():
+    A, B = ("10.0.0.1", 7447), ("10.0.0.2", 7447)
+    a = Engine(Config(max_closed_flows=2), rng=random.Random(1), local_addr=A)
+    b = Engine(Config(), rng=random.Random(2), local_addr=B)
+    answers = []
+    for k in range(3):  # three small messages; each ends on its ACK (the STOPs are held back)
+        back = _one_datagram_exchange(a, b, 10 + k, reliable=True, now=0.01 * k)
+        a.receive_datagram(back[0], B, 0.01 * k)
+        answers.append(back[1])
+    assert len(a._tx_finished) == 2
+    for stop in answers:
+        a.receive_datagram(stop, B, 0.1)
+    assert a.stats.late_answers == 2 and a.stats.dropped == {"unknown_flow": 1}  # the oldest was forgotten
