@@ -77,8 +77,8 @@ from .link_share import datagram_share, on_loopback
 from .regimes import CloseReason
 from .timers import DeadlineHeap
 
-__all__ = ["Admission", "reg_mac", "address_bytes", "fold_reg_answers", "ReplayCache", "PendingRegistration", "pending_lifetime",
-           "stop_datagram", "PENDING_RTTS", "PENDING_MIN_S", "PENDING_MAX_S", "STOP_REPEAT_S",
+__all__ = ["Admission", "reg_mac", "address_bytes", "fold_reg_answers", "ReplayCache", "PendingRegistration",
+           "pending_lifetime", "stop_datagram", "PENDING_RTTS", "PENDING_MIN_S", "PENDING_MAX_S", "STOP_REPEAT_S",
            "UNREGISTERED_RESETS_PER_S"]
 
 _MAC_LABEL = b"LTP1-REG"
