@@ -446,6 +446,11 @@ class Admission:
         for pend in [p for p in self.pending.values() if p.peer == peer]:
             self.drop_pending(pend)
 
+    def next_expiry(self) -> float | None:
+        """When :meth:`expire_pending` next has work: the earliest expiry of a registration still pending. A
+        registration whose first DATA came (most of them, within a round trip) arms no timer of its own."""
+        return self.expiries.next_time(self.pending.__contains__)
+
     def expire_pending(self, now: float) -> None:
         """Drop the pending registrations that waited their lifetime for DATA (``registration_expired``)."""
         heap = self.expiries

@@ -1017,7 +1017,7 @@ class Engine:
                 if t is not None and (group_at is None or t < group_at):
                     group_at = t
         claim = self._claim_at if self._claims else None  # due at once: a copy step per loop turn
-        return (pacing, reg, tail, silence, early, ack, group_at, self._admission.expiries.next_time(),
+        return (pacing, reg, tail, silence, early, ack, group_at, self._admission.next_expiry(),
                 self._rx_idle_next if self._rx else None, claim, self._pool.next_expiry(),
                 self._matcher.unclaimed_expiry(self.config.unclaimed_ttl_s), reorder)
 

@@ -139,9 +139,14 @@ class DeadlineHeap:
         self._seq += 1
         heapq.heappush(self._heap, (at, self._seq, key))
 
-    def next_time(self) -> float | None:
-        """The earliest scheduled deadline, or None when empty."""
-        return self._heap[0][0] if self._heap else None
+    def next_time(self, alive=None) -> float | None:
+        """The earliest scheduled deadline, or None when empty. With ``alive`` (a predicate on keys), entries
+        at the front whose key is no longer alive are dropped first, so that a removed key arms no timer."""
+        heap = self._heap
+        if alive is not None:
+            while heap and not alive(heap[0][2]):
+                heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
     def pop_due(self, now: float):
         """Remove and return the earliest key scheduled at or before ``now``, or None."""

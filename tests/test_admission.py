@@ -116,6 +116,36 @@ def test_replay_from_other_ports_and_hosts_is_unauthenticated():
     assert b.receive_memory == 0 and not b._pending
 
 
+def test_a_registration_whose_data_came_arms_no_expiry_timer():
+    """A pending registration's expiry is the engine's timer only while it is pending: once its first DATA
+    commits it (most messages, within a round trip) the heap's entry for it is stale, and it must not wake the
+    endpoint for nothing (it did: 0.65 empty timer wake-ups per small message). One still waiting keeps its
+    timer, and expires as before."""
+    from ltp.timers import Timer
+
+    a, b = engines()
+    b.post_receive([(A, 3, bytearray(4000))], now=0.0)
+    a.send(B, np.ones(1000, np.float32), now=0.0, tag=3)
+    sent = out(a, 0.0)
+    for d, _ in sent:
+        if d[0] & 0x0F == wire.T_REG:
+            b.receive_datagram(d, A, 0.001)
+    assert len(b._pending) == 1
+    expiry = b.timers().as_dict()[Timer.REGISTRATION_EXPIRY]
+    assert 0.001 < expiry <= 0.001 + PENDING_MAX_S
+    for d, _ in sent:
+        if d[0] & 0x0F == wire.T_DATA:
+            b.receive_datagram(d, A, 0.002)
+    assert not b._pending and Timer.REGISTRATION_EXPIRY not in b.timers().as_dict()
+    assert b.get_timer() is None or b.get_timer() != expiry
+    # a registration that waits for its DATA still expires on time
+    _, c = engines()
+    c.receive_datagram(regs(sent)[0], A, 0.001)
+    assert c.timers().as_dict()[Timer.REGISTRATION_EXPIRY] == expiry
+    c.handle_timer(expiry)
+    assert not c._pending and c.stats.dropped["registration_expired"] == 1
+
+
 def test_replay_from_the_same_source_is_refused_and_not_answered():
     _, b = engines()
     reg = captured_reg()

@@ -83,3 +83,16 @@ def test_engine_names_which_timer_is_next():
     ev = eng.next_event()
     assert ev is not None and type(ev.error).__name__ == "TransferTimeout"
     assert {Timer.REG_REPEAT, Timer.PEER_SILENCE} <= seen
+
+
+def test_next_time_skips_keys_no_longer_alive_at_the_front():
+    h = DeadlineHeap()
+    for at, key in ((1.0, "a"), (2.0, "b"), (3.0, "c")):
+        h.push(at, key)
+    alive = {"b", "c"}
+    assert h.next_time() == 1.0  # without a predicate: the earliest entry, stale or not
+    assert h.next_time(alive.__contains__) == 2.0 and len(h) == 2  # "a" was dropped
+    alive.clear()
+    assert h.next_time(alive.__contains__) is None and len(h) == 0
+    h.push(5.0, "d")
+    assert h.next_time(lambda k: True) == 5.0 and h.pop_due(5.0) == "d"
