@@ -643,6 +643,8 @@ class Engine:
                             now=pend.registered, est=pend.est, padding=max(0, padding))
         flow.placed = placed is not None
         self._rx[pend.key] = flow
+        if self._rx_idle_next is None:  # the first receive arms the idle scan (handle_timer re-arms it from then on)
+            self._rx_idle_next = now + cfg.idle_timeout_s * liveness.IDLE_SCAN_FRACTION
         self.stats.flows_received += 1
         if slot is not None:
             self._matcher.unwait(slot)

@@ -889,3 +889,35 @@ def test_finished_sends_are_remembered_up_to_max_closed_flows():
     for stop in answers:
         a.receive_datagram(stop, B, 0.1)
     assert a.stats.late_answers == 2 and a.stats.dropped == {"unknown_flow": 1}  # the oldest was forgotten
+
+
+def test_the_first_receive_arms_the_idle_scan_and_a_silent_sender_times_out():
+    """An engine's first receive flow arms the idle scan itself. The scan was armed only by the first
+    ``handle_timer``, and that came from another timer firing (found when a registration's stale expiry stopped
+    waking the endpoint: a receive whose sender went silent half-way then never closed)."""
+    from ltp.engine import ReceiveDone
+
+    A, B = ("10.0.0.1", 7447), ("10.0.0.2", 7447)
+    idle = 0.4
+    a = Engine(Config(), rng=random.Random(1), local_addr=A)
+    b = Engine(Config(idle_timeout_s=idle), rng=random.Random(2), local_addr=B)
+    b.post_receive([(A, 1, bytearray(100_000))], now=0.0)
+    a.send(B, np.ones(100_000, np.uint8), now=0.0, reliable=True, tag=1)
+    first = [bytes(d) for tx in a.datagrams_to_send(0.0) for d in tx.datagrams()][:6]  # REGs and a few DATA
+    for d in first:
+        b.receive_datagram(d, A, 0.001)
+    b.flush_acks(0.001)  # its ACKs go now (no ACK-delay timer to run handle_timer); the sender is silent from now on
+    b.datagrams_to_send(0.001)
+    assert b._rx and Timer.ACK_DELAY not in b.timers().as_dict()
+    now, done = 0.001, None
+    while done is None:
+        t = b.get_timer()
+        assert t is not None, "no timer armed: the open receive would never time out"
+        assert t <= 0.001 + idle * 1.5, t
+        now = max(now, t)
+        b.handle_timer(now)
+        b.datagrams_to_send(now)
+        ev = b.next_event()
+        if isinstance(ev, ReceiveDone):
+            done = ev
+    assert done.reports[0].regime == "timeout" and 0.001 + idle <= now <= 0.001 + idle * 1.25 + 1e-9
