@@ -644,7 +644,7 @@ class Engine:
         flow.placed = placed is not None
         self._rx[pend.key] = flow
         if self._rx_idle_next is None:  # the first receive arms the idle scan (handle_timer re-arms it from then on)
-            self._rx_idle_next = now + cfg.idle_timeout_s * liveness.IDLE_SCAN_FRACTION
+            self._rx_idle_next = liveness.next_idle_scan(cfg, now)
         self.stats.flows_received += 1
         if slot is not None:
             self._matcher.unwait(slot)
@@ -1042,6 +1042,8 @@ class Engine:
         due = self._due
         if liveness.stalled(due, now) and due > self._heard_floor:
             self._heard_floor = now
+            for path in self._paths.values():
+                path.timing_floor = now
             self.own_stall_since, self.own_stall_at = due, now
             self.stats.own_stalls += 1
             self._due = None
@@ -1109,7 +1111,7 @@ class Engine:
             self._close_rx(flow, now, Regime.TIMEOUT, cause=liveness.idle_cause(
                 flow.peer, silent_s=now - flow.last_arrival, idle_timeout_s=limit, received=flow.window.received,
                 seg_count=flow.seg_count, ran_s=now - flow.start))
-        self._rx_idle_next = now + limit * liveness.IDLE_SCAN_FRACTION
+        self._rx_idle_next = liveness.next_idle_scan(self.config, now)
 
     # ------------------------------------------------------------------ network reports
     def peer_unreachable(self, peer, *, now: float, cause: str) -> int:

@@ -32,7 +32,7 @@ transfer got. Pure functions: the engine passes in what they need.
 from __future__ import annotations
 
 __all__ = ["PEER_SILENCE_RTTS", "IDLE_SCAN_FRACTION", "OWN_STALL_S", "silence_limit", "silence_message",
-           "idle_cause", "stalled"]
+           "idle_cause", "next_idle_scan", "stalled"]
 
 #: dead-peer rule: a send fails after this many smoothed RTTs of silence (floored, see Config)
 PEER_SILENCE_RTTS = 64
@@ -45,6 +45,11 @@ OWN_STALL_S = 1.0
 def stalled(due: float | None, now: float) -> bool:
     """True if a timer armed for ``due`` that runs at ``now`` tells of a stall of this process (the own-stall rule)."""
     return due is not None and now - due > OWN_STALL_S
+
+
+def next_idle_scan(config, now: float) -> float:
+    """When the receive flows are next scanned for the idle rule, after a scan (or the first receive) at ``now``."""
+    return now + config.idle_timeout_s * IDLE_SCAN_FRACTION
 
 
 def silence_limit(config, srtt_s: float | None) -> float:

@@ -163,6 +163,9 @@ class Path:
         self.app_limited_until = 0
         self.srtt: float | None = None
         self.rttvar = 0.0
+        # the own-stall rule (ltp.liveness): when this process last resumed from a stall. A transmission sent before
+        # it and acknowledged after it times the stall, not the path: no RTT or rate sample comes from it
+        self.timing_floor = float("-inf")
         self.pto_count = 0  # tail-loss timeouts in a row that no acknowledgement answered (the PTO backs off)
         self.next_flow_id = rng.randrange(1 << 16)
         self._rng = rng
@@ -364,8 +367,15 @@ class Path:
         (newly, newly_bytes, self.delivered, self.delivered_time, rtt, prior_delivered, prior_time, first_sent,
          sample_sent, lost) = flow.window.on_ack(entries, now, self.delivered, self.delivered_time)
         rate = None
+        # samples that span a stall of this process time the stall, not the path (timing_floor): a start-up BBR
+        # took a 3 s "RTT" and paced a loopback send at kB/s after it, and the send missed its window (CI, stop 47)
+        floor = self.timing_floor
+        if rtt >= 0 and now - rtt < floor:  # the batch's smallest sample, so every one, spans the stall
+            rtt = -1.0
+        timed = prior_delivered >= 0 and sample_sent >= floor  # the newest transmission acknowledged is a sample
         if prior_delivered >= 0:
             self.first_sent_time = sample_sent
+        if timed and prior_time >= floor and first_sent >= floor:
             interval = max(sample_sent - first_sent, now - prior_time)
             # as Linux's rate sampler: an interval shorter than the minimum RTT comes from
             # ACK compression or a send burst and would overestimate the bottleneck
@@ -377,14 +387,14 @@ class Path:
         # transmission's exact RTT (SendWindow.first_tx_time) still counts: without it, a long path whose first
         # messages all fit in one flight never learned its RTT, and its 8 ms start-up probe timeout resent every
         # such message two or three times.
-        fresh = now - sample_sent if prior_delivered >= 0 else (rtt if rtt >= 0 else None)
+        fresh = now - sample_sent if timed else (rtt if rtt >= 0 else None)
         if fresh is not None:
             if self.srtt is None:
                 self.srtt, self.rttvar = fresh, fresh / 2
             else:
                 self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - fresh)
                 self.srtt = 0.875 * self.srtt + 0.125 * fresh
-        if prior_delivered >= 0:  # RACK: the newest transmission acknowledged times the ones it overtook
+        if timed:  # RACK: the newest transmission acknowledged times the ones it overtook
             flow.rack_rtt = now - sample_sent
         late = self.reordered(flow, now)
         if late.shape[0]:

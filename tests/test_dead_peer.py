@@ -192,6 +192,32 @@ def test_a_stall_is_seen_when_datagrams_wake_the_process_before_its_timer(harnes
     assert a.stats.own_stalls == 1  # counted once
 
 
+def test_rtt_and_rate_samples_that_span_a_stall_of_the_sender_are_not_taken(harness, floats):
+    """A sender stalled right after its first flight reads the ACKs that waited when it resumes: those samples time
+    the stall, not the path. Taken, the path's first RTT was 3 s and BBR's start-up paced the rest of an 8 MB send
+    at kB/s (CI, stop 47: a loopback send resumed after a stall missed its 2 s window). ``Path.timing_floor``."""
+    h = harness(seed=58, config=Config(peer_silence_min_s=0.5))
+    h.links(rate=GBIT, delay_s=0.001)
+    a = h.engines[0]
+    data = floats(2_000_000)
+    hs = a.send(h.addrs[1], data, now=h.now, reliable=True)
+    h.engines[1].post_receive([(h.addrs[0], 0, np.zeros_like(data))], now=h.now)
+    h.net.run(until=h.now + 0.0005)  # the first flight is out; no ACK is back
+    path = a._paths[h.addrs[1]]
+    assert path.srtt is None
+    stopped = h.now
+    h.net.stall(h.addrs[0], 3.0)
+    h.net.run(until=stopped + 3.0 + 1e-6)  # the ACKs that waited are read
+    assert a.stats.own_stalls == 1
+    assert path.srtt is None or path.srtt < 0.05, path.srtt
+    assert path.bbr.rtprop is None or path.bbr.rtprop < 0.05, path.bbr.rtprop
+    (ev,) = h.wait([(0, hs)], timeout=5)
+    assert ev.error is None, ev.error
+    # 8 MB at 1 Gbit/s is 65 ms of wire time; paced by a 3 s "RTT" it took seconds
+    assert h.now - stopped - 3.0 < 0.3, h.now - stopped - 3.0
+    assert path.srtt < 0.05 and path.bbr.rtprop < 0.01
+
+
 def test_a_dead_peer_is_still_declared_dead_one_limit_after_a_stall(harness, floats):
     h = harness(seed=55, config=Config(peer_silence_min_s=0.5))
     h.links(rate=GBIT, delay_s=0.001)
@@ -455,20 +481,23 @@ async def test_a_send_whose_acks_wait_unread_at_its_deadline_completes():
 
 
 async def test_a_caller_timeout_does_not_count_time_the_process_did_not_run():
-    """The loop blocked for 2.5 s (the process did not run) mid-send: the caller's 1 s timeout fired 1.5 s
-    late, so the send got its window again instead of failing (``loop_stats["stalled_timeouts"]``)."""
+    """The loop blocked for 3 s (the process did not run) mid-send: the caller's 2 s timeout fired 1 s late, so
+    the send got its window again instead of failing (``loop_stats["stalled_timeouts"]``)."""
     a = await ltp.open_endpoint(("127.0.0.1", 0))
     b = await ltp.open_endpoint(("127.0.0.1", 0))
     try:
-        # 8 MB: enough to be mid-send after 5 ms, little enough for the pure-Python twin to finish within the 1 s
-        # window it gets back (32 MB did not, once, on a loaded machine)
+        # 8 MB: many round trips, little enough for the pure-Python twin to finish within the 2 s window it gets
+        # back (32 MB did not, once, on a loaded machine; 8 MB missed a 1 s window 2 runs in 12)
         data = np.random.default_rng(0).standard_normal(2_000_000).astype(np.float32)
         out = np.zeros_like(data)
         recv = asyncio.ensure_future(b.recv(out))
-        send = asyncio.ensure_future(a.send(b.local_addr, data, reliable=True, timeout=1.0))
-        await asyncio.sleep(0.005)
+        send = asyncio.ensure_future(a.send(b.local_addr, data, reliable=True, timeout=2.0))
+        # a few loop turns: the send has armed its caller timeout and is under way, but cannot have finished (8 MB
+        # needs many ACK round trips). A 5 ms sleep here let the compiled path finish it first (CI, stop 47)
+        for _ in range(3):
+            await asyncio.sleep(0)
         assert not send.done()
-        time.sleep(2.5)  # the whole process stops (both endpoints share this loop)
+        time.sleep(3.0)  # the whole process stops (both endpoints share this loop) past the send's deadline
         await asyncio.wait_for(asyncio.gather(send, recv), 20)
         assert np.array_equal(out, data)
         # 1: the late timer gave the send its window again. 0 (1 run in 9 on a slow machine): the reads that ran
