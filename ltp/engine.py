@@ -207,6 +207,7 @@ class Engine:
         self._bulk_bad = 0  # the bulk flow's bad_seq + bad_length when bulk_flow() handed it out
         self._wakes: dict = {}  # (peer, fid) -> when its Early Close decision can change (Timer.EARLY_CLOSE)
         self._due: float | None = None  # the deadline get_timer last gave (the adapter's timer is armed there)
+        self._input_at = float("-inf")  # the newest input's now (the own-stall and own-pause rules)
         self._heard_floor = float("-inf")  # silence counts from no earlier than this (the own-stall rule)
         #: the last stall of this process the own-stall rule found (:meth:`_note_stall`): since when it had not run
         #: (the deadline the late timer was armed for), and when it noticed (the ``now`` of the first input after
@@ -1038,15 +1039,38 @@ class Engine:
         runs, and the flush after that read moves the deadlines (a pacing wake is recomputed from ``now``), so
         the timer that runs next is on time and the stall went unseen (found by CI: a PS stopped for 10 s
         failed a 10 s send, in ``test_pause_launch``). A stall counts once: a deadline from before the moment
-        it was noticed (still due after the read, so the late timer runs next) belongs to it."""
+        it was noticed (still due after the read, so the late timer runs next) belongs to it.
+
+        A shorter lateness, over ``liveness.OWN_PAUSE_S``, is the own-pause rule: the Early Close clocks of the
+        open receives move on by it (:meth:`_pause_receives`)."""
         due = self._due
+        if due is not None and due < self._input_at:
+            due = self._input_at  # a deadline already past when it was armed was due at that input, not before
+        if now > self._input_at:
+            self._input_at = now
+        pause = liveness.paused(due, now)
+        if not pause:
+            return
+        self._due = None  # one pause, counted once
+        if self._rx:
+            self._pause_receives(pause, now)
         if liveness.stalled(due, now) and due > self._heard_floor:
             self._heard_floor = now
             for path in self._paths.values():
                 path.timing_floor = now
             self.own_stall_since, self.own_stall_at = due, now
             self.stats.own_stalls += 1
-            self._due = None
+
+    def _pause_receives(self, seconds: float, now: float) -> None:
+        """The own-pause rule (:mod:`ltp.liveness`): this process did not run for ``seconds`` before ``now``, so
+        every open receive's Early Close clock, and its group's, moves on by them."""
+        self.stats.own_pauses += 1
+        for flow in self._rx.values():
+            if flow.regime is None:
+                flow.pause(seconds, now)
+        for group in self._matcher.groups.values():
+            if not group.done and group.t0 is not None:
+                group.t0 += seconds
 
     def handle_timer(self, now: float) -> None:
         """Run every timer due at ``now`` (REG repeat, tail-loss probe, idle, Early Close).

@@ -94,6 +94,7 @@ class FlowReceiver:
         self.slot: RecvSlot | None = None
         self.start = now
         self.last_arrival = now
+        self.paused_s = 0.0  # this process's own pauses while the flow was open (start moved on by them)
         self.ack_since: float | None = None
         self.rtprop_us, self.btlbw = est
         self.padding = padding
@@ -137,6 +138,14 @@ class FlowReceiver:
             if bw:
                 self.btlbw = bw
 
+    def pause(self, seconds: float, now: float) -> None:
+        """This process did not run for ``seconds`` before ``now`` (the own-pause rule, :mod:`ltp.liveness`): the
+        flow's Early Close clock (its start, and its last arrival as progress evidence) moves on by them, since
+        its sender was waiting for our ACKs. The report's ``duration_s`` still counts them."""
+        self.start += seconds
+        self.paused_s += seconds
+        self.last_arrival = min(now, self.last_arrival + seconds)
+
     def close(self, now: float, regime: Regime) -> RecvReport:
         """Zero-fill what is missing and build the report."""
         self.update_estimates()  # the newest the sender advertised, whenever the last check ran
@@ -151,7 +160,7 @@ class FlowReceiver:
             delivered_fraction=w.received_bytes / self.total,
             bubbles=bubble_byte_ranges(runs, self.seg_size, self.total),
             critical_complete=self.critical_ok, regime=regime,
-            duration_s=(self.last_arrival if regime == Regime.COMPLETE else now) - self.start,
+            duration_s=(self.last_arrival if regime == Regime.COMPLETE else now) - self.start + self.paused_s,
             duplicates=w.duplicates, rtprop_s=self.rtprop_us / 1e6, btlbw_bps=float(self.btlbw),
             lt_threshold_s=self.lt, deadline_s=None if self.deadline is None else self.deadline - self.anchor,
             reliable=self.reliable, padding_bytes_per_packet=self.padding)

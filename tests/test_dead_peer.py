@@ -411,7 +411,9 @@ async def test_a_stop_is_counted_for_a_send_begun_after_the_late_timer_was_armed
     noticed after that (``Engine.own_stall_at``) overlapped the window."""
 
     def armed_before_the_send(a, t0):
-        a.engine._due = t0 - 0.01  # the race, made certain: the armed deadline predates the send
+        # the race, made certain: the armed deadline (and, since the engine also measures from its newest input,
+        # that input) predates the send
+        a.engine._due = a.engine._input_at = t0 - 0.01
 
     engine, t0 = await _a_send_through_a_stop(2, armed_before_the_send)
     assert engine.own_stall_since < t0 < engine.own_stall_at

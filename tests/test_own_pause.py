@@ -1,0 +1,98 @@
+"""The own-pause rule (ltp.liveness): a receiver whose process paused judges its senders by what they could send.
+
+Engine tier, virtual clock: ``SimNetwork.stall`` stops a host as SIGSTOP or a loop blocked in one call would; its
+arrivals wait and are read, then its late timer runs, when it resumes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ltp.config import Config
+from ltp.liveness import OWN_PAUSE_S, OWN_STALL_S, paused
+from ltp.regimes import Regime
+
+GBIT = 1e9 / 8
+N = 2_000_000  # 8 MB of float32: 65 ms at 1 Gbit/s
+
+
+def _warm_then_receive(h, floats, *, pause_host: int | None, pause_s: float, tag: int = 9):
+    """Three loss-tolerant 8 MB messages 0 -> 1 teach the receiver's Early Close thresholds; a fourth is paused
+    10 ms in (host ``pause_host`` stops for ``pause_s``). Returns the fourth's receive report."""
+    data = floats(N)
+    out = np.zeros_like(data)
+    for k in range(3):
+        hs = h.engines[0].send(h.addrs[1], data, now=h.now, tag=k)
+        hr = h.engines[1].post_receive([(h.addrs[0], k, out)], now=h.now)
+        h.wait([(0, hs), (1, hr)], timeout=20)
+    hs = h.engines[0].send(h.addrs[1], data, now=h.now, tag=tag)
+    hr = h.engines[1].post_receive([(h.addrs[0], tag, out)], now=h.now)
+    h.net.run(until=h.now + 0.01)
+    if pause_host is not None:
+        h.net.stall(h.addrs[pause_host], pause_s)
+    _, recv = h.wait([(0, hs), (1, hr)], timeout=20)
+    assert recv.error is None, recv.error
+    (rep,) = recv.reports
+    if rep.regime == Regime.COMPLETE:
+        assert np.array_equal(out, data)
+    return rep
+
+
+@pytest.mark.parametrize("pause_s", [0.05, 0.3, 0.9])
+def test_a_receiver_that_paused_does_not_cut_its_senders(harness, floats, pause_s):
+    """Before the rule, a receiver paused 0.3 s in a gather cut the message at about 14 %: its Early Close deadline
+    passed while its senders waited for its ACKs, and it closed the flow with what its socket held."""
+    h = harness(seed=61)
+    h.links(rate=GBIT, delay_s=0.0005)
+    rep = _warm_then_receive(h, floats, pause_host=1, pause_s=pause_s)
+    rx = h.engines[1]
+    assert rep.regime == Regime.COMPLETE and rep.delivered_fraction == 1.0, rep
+    assert rx.stats.own_pauses == 1 and rx.stats.own_stalls == 0
+    assert rep.duration_s >= pause_s  # the report still counts the wall time
+
+
+def test_a_stall_of_the_receiver_moves_its_clocks_too(harness, floats):
+    h = harness(seed=62, config=Config(peer_silence_min_s=8.0))  # the sender waits out the 3 s silence
+    h.links(rate=GBIT, delay_s=0.0005)
+    rep = _warm_then_receive(h, floats, pause_host=1, pause_s=3.0)
+    rx = h.engines[1]
+    assert rep.regime == Regime.COMPLETE and rep.delivered_fraction == 1.0, rep
+    assert rx.stats.own_stalls == 1 and rx.stats.own_pauses == 1  # one pause, counted once
+    assert 3.0 <= rep.duration_s < 3.5
+
+
+def test_a_sender_that_paused_is_still_cut_by_the_receivers_deadline(harness, floats):
+    """The rule is the receiver's own: a sender's pause is a straggler, and Early Close cuts it."""
+    h = harness(seed=63)
+    h.links(rate=GBIT, delay_s=0.0005)
+    rep = _warm_then_receive(h, floats, pause_host=0, pause_s=0.3)
+    assert rep.regime in (Regime.DEADLINE, Regime.EARLY) and rep.delivered_fraction < 0.5, rep
+    assert h.engines[1].stats.own_pauses == 0
+    assert rep.duration_s < 0.3
+
+
+def test_a_lateness_within_the_scheduling_noise_is_no_pause(harness, floats):
+    h = harness(seed=64)
+    h.links(rate=GBIT, delay_s=0.0005)
+    rep = _warm_then_receive(h, floats, pause_host=1, pause_s=OWN_PAUSE_S / 2)
+    assert rep.regime == Regime.COMPLETE
+    assert h.engines[1].stats.own_pauses == 0
+
+
+def test_a_deadline_already_past_when_armed_counts_from_the_input_that_armed_it(harness, floats):
+    """The engine measures lateness from its newest input as well as from its deadline: a deadline that was
+    already past when get_timer gave it (overdue work) is due at that input, so reading more datagrams at one
+    moment after a pause counts one pause, not one per datagram."""
+    h = harness(seed=65)
+    h.links(rate=GBIT, delay_s=0.0005)
+    rx = h.engines[1]
+    rx._due, rx._input_at = 10.0, 11.0
+    rx._note_stall(11.005)
+    assert rx.stats.own_pauses == 0 and rx.stats.own_stalls == 0
+
+
+def test_paused_is_the_lateness_past_the_threshold():
+    assert paused(None, 5.0) == 0.0
+    assert paused(5.0, 5.0 + OWN_PAUSE_S / 2) == 0.0
+    assert paused(5.0, 5.3) == pytest.approx(0.3)
+    assert OWN_PAUSE_S < OWN_STALL_S
