@@ -1054,10 +1054,10 @@ class Engine:
         self._due = None  # one pause, counted once
         if self._rx:
             self._pause_receives(pause, now)
+        for path in self._paths.values():  # an ACK read now for a transmission sent before times the pause
+            path.timing_floor = now
         if liveness.stalled(due, now) and due > self._heard_floor:
             self._heard_floor = now
-            for path in self._paths.values():
-                path.timing_floor = now
             self.own_stall_since, self.own_stall_at = due, now
             self.stats.own_stalls += 1
 

@@ -163,8 +163,9 @@ class Path:
         self.app_limited_until = 0
         self.srtt: float | None = None
         self.rttvar = 0.0
-        # the own-stall rule (ltp.liveness): when this process last resumed from a stall. A transmission sent before
-        # it and acknowledged after it times the stall, not the path: no RTT or rate sample comes from it
+        # the own-pause and own-stall rules (ltp.liveness): when this process last resumed from a pause. A
+        # transmission sent before it and acknowledged after it times the pause, not the path: no RTT or rate
+        # sample comes from it
         self.timing_floor = float("-inf")
         self.pto_count = 0  # tail-loss timeouts in a row that no acknowledgement answered (the PTO backs off)
         self.next_flow_id = rng.randrange(1 << 16)

@@ -96,3 +96,24 @@ def test_paused_is_the_lateness_past_the_threshold():
     assert paused(5.0, 5.0 + OWN_PAUSE_S / 2) == 0.0
     assert paused(5.0, 5.3) == pytest.approx(0.3)
     assert OWN_PAUSE_S < OWN_STALL_S
+
+
+def test_acks_read_after_a_senders_pause_give_no_rtt_sample(harness, floats):
+    """A sender paused 0.3 s right after its first flight reads that flight's ACKs on resume: they time the pause
+    (``Path.timing_floor``), so its first RTT sample, and BBR's RTprop, come from the next flight."""
+    h = harness(seed=66, config=Config(peer_silence_min_s=8.0))
+    h.links(rate=GBIT, delay_s=0.001)
+    a = h.engines[0]
+    data = floats(N)
+    hs = a.send(h.addrs[1], data, now=h.now, reliable=True)
+    h.engines[1].post_receive([(h.addrs[0], 0, np.zeros_like(data))], now=h.now)
+    h.net.run(until=h.now + 0.0005)  # the first flight is out; no ACK is back
+    path = a._paths[h.addrs[1]]
+    stopped = h.now
+    h.net.stall(h.addrs[0], 0.3)
+    h.net.run(until=stopped + 0.3 + 1e-6)  # the ACKs that waited are read
+    assert a.stats.own_pauses == 0  # a sender: no receive to move on
+    assert path.srtt is None and path.bbr.rtprop is None
+    (ev,) = h.wait([(0, hs)], timeout=5)
+    assert ev.error is None, ev.error
+    assert path.srtt < 0.01 and path.bbr.rtprop < 0.005
