@@ -208,6 +208,9 @@ class Engine:
         self._wakes: dict = {}  # (peer, fid) -> when its Early Close decision can change (Timer.EARLY_CLOSE)
         self._due: float | None = None  # the deadline get_timer last gave (the adapter's timer is armed there)
         self._input_at = float("-inf")  # the newest input's now (the own-stall and own-pause rules)
+        # when this process last resumed from a pause: a REG that arrived during it (its kernel time) starts its
+        # flow's Early Close clock here, as _pause_receives moves the clocks of flows that were open
+        self._paused_until = float("-inf")
         self._heard_floor = float("-inf")  # silence counts from no earlier than this (the own-stall rule)
         #: the last stall of this process the own-stall rule found (:meth:`_note_stall`): since when it had not run
         #: (the deadline the late timer was armed for), and when it noticed (the ``now`` of the first input after
@@ -641,7 +644,7 @@ class Engine:
         flow = FlowReceiver(key=pend.key, peer=addr, flow_id=pend.flow_id, token=pend.token, total=total,
                             seg_size=pend.seg_size, element_size=pend.element_size, tag=pend.tag,
                             reliable=pend.reliable, critical_runs=pend.ranges, dest=dest, internal=internal,
-                            now=pend.registered, est=pend.est, padding=max(0, padding))
+                            now=max(pend.registered, self._paused_until), est=pend.est, padding=max(0, padding))
         flow.placed = placed is not None
         self._rx[pend.key] = flow
         if self._rx_idle_next is None:  # the first receive arms the idle scan (handle_timer re-arms it from then on)
@@ -1052,6 +1055,7 @@ class Engine:
         if not pause:
             return
         self._due = None  # one pause, counted once
+        self._paused_until = now
         if self._rx:
             self._pause_receives(pause, now)
         for path in self._paths.values():  # an ACK read now for a transmission sent before times the pause

@@ -117,3 +117,23 @@ def test_acks_read_after_a_senders_pause_give_no_rtt_sample(harness, floats):
     (ev,) = h.wait([(0, hs)], timeout=5)
     assert ev.error is None, ev.error
     assert path.srtt < 0.01 and path.bbr.rtprop < 0.005
+
+
+def test_a_message_that_registered_during_the_pause_counts_from_the_resume():
+    """Its REG and first DATA waited in the socket while this process paused (their kernel timestamps fall in the
+    pause): the flow was not open to be moved on, so its Early Close clock starts when the process resumed, not
+    at the REG's arrival. (Read late without a pause, a busy loop, the arrival still counts:
+    ``test_admission.test_a_registration_read_from_a_late_backlog_waits_for_its_data_behind_it``.)"""
+    from test_admission import A, B, _deliver_late, datas, engines, out, regs
+
+    a, b = engines()
+    b.post_receive([(A, 1, np.zeros(50_000, np.float32))], now=1.0)
+    a.send(B, np.arange(50_000, dtype=np.float32), now=1.0, tag=1)
+    dg = out(a, 1.0)
+    b._due = 1.01  # the timer the paused process did not run
+    arrived, resumed = 1.001, 1.3
+    _deliver_late(b, regs(dg) + datas(dg)[:4], A, arrived, resumed)
+    assert b.stats.own_pauses == 0  # no receive was open when the pause was noticed
+    (flow,) = b._rx.values()
+    assert flow.start == pytest.approx(resumed)
+    assert flow.anchor == pytest.approx(resumed)  # the receive group's clock too
