@@ -257,7 +257,8 @@ class Engine:
                           element_size=element_size, segment_size=seg, reliable=reliable, critical=critical,
                           tag=tag, now=now, job_key=self.config.job_key, source=source,
                           reg_copies=self.config.reg_copies)
-        regs = flow.reg_datagrams(now, path.est_word(), path.base_pto(), self._wall_us(now))  # before it is known
+        regs = flow.reg_datagrams(now, path.est_word(), path.base_pto(), self._wall_us(now),  # before it is known
+                                  liveness.reg_gap_max(self.config, path.srtt))
         if not path.flows:
             path.begin_busy(now)
         path.flows.append(flow)
@@ -1056,8 +1057,7 @@ class Engine:
             return
         self._due = None  # one pause, counted once
         self._paused_until = now
-        if self._rx:
-            self._pause_receives(pause, now)
+        self._pause_receives(pause, now)
         for path in self._paths.values():  # an ACK read now for a transmission sent before times the pause
             path.timing_floor = now
         if liveness.stalled(due, now) and due > self._heard_floor:
@@ -1067,14 +1067,19 @@ class Engine:
 
     def _pause_receives(self, seconds: float, now: float) -> None:
         """The own-pause rule (:mod:`ltp.liveness`): this process did not run for ``seconds`` before ``now``, so
-        every open receive's Early Close clock, and its group's, moves on by them."""
-        self.stats.own_pauses += 1
+        every open receive's Early Close clock, and its group's, moves on by them. A group whose clock runs counts
+        even with no flow open: one of its messages completed before the pause, the others had not registered."""
+        moved = False
         for flow in self._rx.values():
             if flow.regime is None:
                 flow.pause(seconds, now)
+                moved = True
         for group in self._matcher.groups.values():
             if not group.done and group.t0 is not None:
                 group.t0 += seconds
+                moved = True
+        if moved:
+            self.stats.own_pauses += 1
 
     def handle_timer(self, now: float) -> None:
         """Run every timer due at ``now`` (REG repeat, tail-loss probe, idle, Early Close).
@@ -1097,7 +1102,8 @@ class Engine:
                     continue
                 if not flow.reg_confirmed and now >= flow.reg_next:
                     self._ctrl.extend((reg, flow.peer) for reg in flow.reg_datagrams(
-                        now, path.est_word(), path.base_pto(), self._wall_us(now)))
+                        now, path.est_word(), path.base_pto(), self._wall_us(now),
+                        liveness.reg_gap_max(self.config, path.srtt)))
                 lost = path.reordered(flow, now)  # RACK: overtaken, and a round trip + reordering window old
                 if lost.shape[0]:
                     flow.requeue_lost(lost)

@@ -39,7 +39,8 @@ transfer got. Pure functions: the engine passes in what they need.
 from __future__ import annotations
 
 __all__ = ["PEER_SILENCE_RTTS", "IDLE_SCAN_FRACTION", "OWN_STALL_S", "OWN_PAUSE_S", "silence_limit",
-           "silence_message", "idle_cause", "next_idle_scan", "stalled", "paused"]
+           "silence_message", "idle_cause", "next_idle_scan", "stalled", "paused", "REG_ROUNDS_PER_SILENCE",
+           "reg_gap_max"]
 
 #: dead-peer rule: a send fails after this many smoothed RTTs of silence (floored, see Config)
 PEER_SILENCE_RTTS = 64
@@ -47,6 +48,17 @@ PEER_SILENCE_RTTS = 64
 IDLE_SCAN_FRACTION = 0.25
 #: own-stall rule: a timer that runs this many seconds after its deadline means this process did not run
 OWN_STALL_S = 1.0
+
+
+#: a registration is repeated at least this many times within the dead-peer limit: a receiver whose socket
+#: dropped the first rounds (a process paused 0.3 s behind a full socket) is not judged dead while the back-off
+#: waits 1 s for its next round
+REG_ROUNDS_PER_SILENCE = 4
+
+
+def reg_gap_max(config, srtt_s: float | None) -> float:
+    """The longest wait between two registration rounds to a peer: its dead-peer limit / REG_ROUNDS_PER_SILENCE."""
+    return silence_limit(config, srtt_s) / REG_ROUNDS_PER_SILENCE
 
 
 #: own-pause rule: an input this many seconds after the engine's deadline means this process paused, and the Early

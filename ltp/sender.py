@@ -44,6 +44,9 @@ FAILED = "failed"
 #: a receiver that lost (expired) our registration asks again this many times before the flow fails
 MAX_REREGISTRATIONS = 8
 
+#: the longest wait between two registration rounds (seconds)
+REG_GAP_MAX_S = 1.0
+
 #: a REG refused as ``stale`` is stamped afresh and sent again this many times before the flow fails: a process
 #: that stopped (SIGSTOP, a long pause) between taking ``now`` and sending, on either side, makes one REG look
 #: old; a clock that is really off draws ``stale`` every time and fails after these few round trips
@@ -138,13 +141,15 @@ class FlowSender:
         self.data_refused = False
 
     # -- registration ---------------------------------------------------
-    def reg_datagrams(self, now: float, est_word: int, rto: float, wall_us: int) -> list:
+    def reg_datagrams(self, now: float, est_word: int, rto: float, wall_us: int,
+                      max_gap: float = REG_GAP_MAX_S) -> list:
         """The REG datagrams to (re)send now, ``reg_copies`` of them, each stamped ``wall_us`` with its own
         attempt byte (so each has its own MAC: a receiver's replay cache refuses identical bytes, and each
-        copy is answered); schedules the next round."""
+        copy is answered); schedules the next round: ``rto`` doubled per round, at most ``max_gap`` (the engine
+        passes a fraction of the dead-peer limit, ``liveness.reg_gap_max``) and :data:`REG_GAP_MAX_S`."""
         self.reg_rounds += 1
         self.reg_sent_at = now
-        self.reg_next = now + min(rto * (2 ** min(self.reg_rounds - 1, 8)), 1.0)
+        self.reg_next = now + min(rto * (2 ** min(self.reg_rounds - 1, 8)), max_gap, REG_GAP_MAX_S)
         out = []
         for _ in range(self.reg_copies):
             self.reg_attempts += 1

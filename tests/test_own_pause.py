@@ -10,6 +10,7 @@ import pytest
 
 from ltp.config import Config
 from ltp.liveness import OWN_PAUSE_S, OWN_STALL_S, paused
+from ltp import wire
 from ltp.regimes import Regime
 
 GBIT = 1e9 / 8
@@ -137,3 +138,32 @@ def test_a_message_that_registered_during_the_pause_counts_from_the_resume():
     (flow,) = b._rx.values()
     assert flow.start == pytest.approx(resumed)
     assert flow.anchor == pytest.approx(resumed)  # the receive group's clock too
+
+
+def test_an_unanswered_registration_is_repeated_several_times_within_the_dead_peer_limit(harness, floats):
+    """The registration's back-off doubled up to 1 s, the dead-peer limit itself: after rounds at 0.25 and 0.5 s
+    the next was due at 1 s, so a receiver that missed the early rounds (a process paused 0.3 s behind a full
+    socket) had no chance to answer before the sender judged it dead, and a live peer failed a send with
+    "registration unanswered" (found pausing a gathering process 0.3 s at random). Rounds are now at most a
+    quarter of that limit apart (``liveness.reg_gap_max``). Here every answer is lost, so the rounds show."""
+    h = harness(seed=67, config=Config(peer_silence_min_s=1.0))
+    h.links(rate=GBIT, delay_s=0.0005)
+    a, b = h.engines
+    h.link(1, 0, rate=GBIT, delay_s=0.0005, loss=1.0, loss_min_size=0)
+    h.net.trace = []
+    t0 = h.now
+    hs = a.send(h.addrs[1], floats(1000), now=h.now, reliable=True)
+    (ev,) = h.wait([(0, hs)], timeout=5)
+    assert ev.error is not None  # nothing was heard: dead after the limit
+    rounds = sorted({round(t - t0, 4) for (t, src, dst, d) in h.net.trace if d[0] == (wire.VERSION << 4 | wire.T_REG)})
+    gaps = [q - p for p, q in zip(rounds, rounds[1:])]
+    assert rounds[-1] > 0.7 and max(gaps) <= 0.25 + 0.002, rounds
+
+
+def test_registration_rounds_are_at_most_a_quarter_of_the_dead_peer_limit_apart():
+    from ltp.liveness import REG_ROUNDS_PER_SILENCE, reg_gap_max, silence_limit
+
+    cfg = Config(peer_silence_min_s=1.0, idle_timeout_s=30.0)
+    for srtt in (None, 0.0001, 0.05):
+        assert reg_gap_max(cfg, srtt) == pytest.approx(silence_limit(cfg, srtt) / REG_ROUNDS_PER_SILENCE)
+    assert reg_gap_max(cfg, None) == pytest.approx(0.25)
