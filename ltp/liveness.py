@@ -30,7 +30,11 @@ measured on the engine's clock from the last datagram heard:
   ACKs, so the Early Close clocks of every open receive move on by the pause
   (``FlowReceiver.pause``, ``Engine._note_stall``): a PS that paused 0.3 s in a
   gather cut every gradient at about 14 % before (the simulator), none now. A
-  receive's caller timeout is not moved.
+  receive's caller timeout is not moved. On the sending side, an ACK read
+  after a pause for a transmission sent before it gives no RTT or rate sample
+  (``Path.timing_floor``), and registration rounds go out at least
+  :data:`REG_ROUNDS_PER_SILENCE` times within the dead-peer limit, so a peer
+  that paused is not judged dead while the back-off waits.
 
 Every error states the peer, the elapsed time, the limit and how far the
 transfer got. Pure functions: the engine passes in what they need.

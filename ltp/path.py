@@ -368,7 +368,7 @@ class Path:
         (newly, newly_bytes, self.delivered, self.delivered_time, rtt, prior_delivered, prior_time, first_sent,
          sample_sent, lost) = flow.window.on_ack(entries, now, self.delivered, self.delivered_time)
         rate = None
-        # samples that span a stall of this process time the stall, not the path (timing_floor): a start-up BBR
+        # samples that span a pause of this process time the pause, not the path (timing_floor): a start-up BBR
         # took a 3 s "RTT" and paced a loopback send at kB/s after it, and the send missed its window (CI, stop 47)
         floor = self.timing_floor
         if rtt >= 0 and now - rtt < floor:  # the batch's smallest sample, so every one, spans the stall
