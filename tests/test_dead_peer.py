@@ -138,13 +138,13 @@ def test_receive_from_a_sender_that_went_silent_closes_with_the_real_cause(harne
     assert 0.5 <= h.now - gone <= 0.5 * 1.25 + 0.05  # the idle scan runs every quarter of the limit
 
 
-def _mid_transfer(h, floats):
-    """Start a reliable 8 MB send 0 -> 1 and run 20 ms of it; returns the send's handle."""
+def _mid_transfer(h, floats, run_s: float = 0.02):
+    """Start a reliable 8 MB send 0 -> 1 and run ``run_s`` of it; returns the send's handle."""
     a = h.engines[0]
     data = floats(2_000_000)
     hs = a.send(h.addrs[1], data, now=h.now, reliable=True)
     h.engines[1].post_receive([(h.addrs[0], 0, np.zeros_like(data))], now=h.now)
-    h.net.run(until=h.now + 0.02)
+    h.net.run(until=h.now + run_s)
     assert a._tx, "the send finished before the stall: make it bigger"
     return hs
 
@@ -199,10 +199,7 @@ def test_rtt_and_rate_samples_that_span_a_stall_of_the_sender_are_not_taken(harn
     h = harness(seed=58, config=Config(peer_silence_min_s=0.5))
     h.links(rate=GBIT, delay_s=0.001)
     a = h.engines[0]
-    data = floats(2_000_000)
-    hs = a.send(h.addrs[1], data, now=h.now, reliable=True)
-    h.engines[1].post_receive([(h.addrs[0], 0, np.zeros_like(data))], now=h.now)
-    h.net.run(until=h.now + 0.0005)  # the first flight is out; no ACK is back
+    hs = _mid_transfer(h, floats, run_s=0.0005)  # the first flight is out; no ACK is back
     path = a._paths[h.addrs[1]]
     assert path.srtt is None
     stopped = h.now
