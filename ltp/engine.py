@@ -209,7 +209,8 @@ class Engine:
         self._due: float | None = None  # the deadline get_timer last gave (the adapter's timer is armed there)
         self._input_at = float("-inf")  # the newest input's now (the own-stall and own-pause rules)
         # when this process last resumed from a pause: a REG that arrived during it (its kernel time) starts its
-        # flow's Early Close clock here, as _pause_receives moves the clocks of flows that were open
+        # flow's Early Close clock here, as _pause_receives moves the clocks of flows that were open, and an ACK
+        # read after it for a transmission sent before it gives no RTT or rate sample (Path.on_ack)
         self._paused_until = float("-inf")
         self._heard_floor = float("-inf")  # silence counts from no earlier than this (the own-stall rule)
         #: the last stall of this process the own-stall rule found (:meth:`_note_stall`): since when it had not run
@@ -527,7 +528,7 @@ class Engine:
             path = self._paths[addr]
             if grant:
                 path.on_grant(grant, now)
-            lost = path.on_ack(flow, entries, now)
+            lost = path.on_ack(flow, entries, now, self._paused_until)
             if lost.shape[0]:
                 flow.requeue_lost(lost)
             if confirms and flow.data_refused:
@@ -1058,8 +1059,6 @@ class Engine:
         self._due = None  # one pause, counted once
         self._paused_until = now
         self._pause_receives(pause, now)
-        for path in self._paths.values():  # an ACK read now for a transmission sent before times the pause
-            path.timing_floor = now
         if liveness.stalled(due, now) and due > self._heard_floor:
             self._heard_floor = now
             self.own_stall_since, self.own_stall_at = due, now

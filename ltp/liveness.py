@@ -32,7 +32,7 @@ measured on the engine's clock from the last datagram heard:
   gather cut every gradient at about 14 % before (the simulator), none now. A
   receive's caller timeout is not moved. On the sending side, an ACK read
   after a pause for a transmission sent before it gives no RTT or rate sample
-  (``Path.timing_floor``), and registration rounds go out at least
+  (``Path.on_ack``'s ``timing_floor``), and registration rounds go out at least
   :data:`REG_ROUNDS_PER_SILENCE` times within the dead-peer limit, so a peer
   that paused is not judged dead while the back-off waits.
 
@@ -41,6 +41,8 @@ transfer got. Pure functions: the engine passes in what they need.
 """
 
 from __future__ import annotations
+
+from .early_close import STALL_MIN_S
 
 __all__ = ["PEER_SILENCE_RTTS", "IDLE_SCAN_FRACTION", "OWN_STALL_S", "OWN_PAUSE_S", "silence_limit",
            "silence_message", "idle_cause", "next_idle_scan", "stalled", "paused", "REG_ROUNDS_PER_SILENCE",
@@ -66,9 +68,9 @@ def reg_gap_max(config, srtt_s: float | None) -> float:
 
 
 #: own-pause rule: an input this many seconds after the engine's deadline means this process paused, and the Early
-#: Close clocks of its open receives move on by the pause (above the deadline slack's scheduling noise: the same
-#: as Early Close's STALL_MIN_S, a few time slices of a loaded host)
-OWN_PAUSE_S = 0.020
+#: Close clocks of its open receives move on by the pause (above scheduling noise: Early Close's STALL_MIN_S, a
+#: few time slices of a loaded host)
+OWN_PAUSE_S = STALL_MIN_S
 
 
 def paused(due: float | None, now: float) -> float:

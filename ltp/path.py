@@ -163,10 +163,6 @@ class Path:
         self.app_limited_until = 0
         self.srtt: float | None = None
         self.rttvar = 0.0
-        # the own-pause and own-stall rules (ltp.liveness): when this process last resumed from a pause. A
-        # transmission sent before it and acknowledged after it times the pause, not the path: no RTT or rate
-        # sample comes from it
-        self.timing_floor = float("-inf")
         self.pto_count = 0  # tail-loss timeouts in a row that no acknowledgement answered (the PTO backs off)
         self.next_flow_id = rng.randrange(1 << 16)
         self._rng = rng
@@ -363,20 +359,22 @@ class Path:
         return w.detect_reordered(now - flow.rack_rtt - self.reorder_window(flow) + 1e-9)
 
     # -- ACK processing ------------------------------------------------------
-    def on_ack(self, flow, entries, now: float):
-        """Feed ACK entries of ``flow`` to its window and the model; returns newly lost segments."""
+    def on_ack(self, flow, entries, now: float, timing_floor: float = float("-inf")):
+        """Feed ACK entries of ``flow`` to its window and the model; returns newly lost segments.
+
+        ``timing_floor``: when this process last resumed from a pause (the own-pause rule, :mod:`ltp.liveness`);
+        a transmission sent before it and acknowledged after it gives no RTT or rate sample."""
         (newly, newly_bytes, self.delivered, self.delivered_time, rtt, prior_delivered, prior_time, first_sent,
          sample_sent, lost) = flow.window.on_ack(entries, now, self.delivered, self.delivered_time)
         rate = None
         # samples that span a pause of this process time the pause, not the path (timing_floor): a start-up BBR
         # took a 3 s "RTT" and paced a loopback send at kB/s after it, and the send missed its window (CI, stop 47)
-        floor = self.timing_floor
-        if rtt >= 0 and now - rtt < floor:  # the batch's smallest sample, so every one, spans the stall
+        if rtt >= 0 and now - rtt < timing_floor:  # the batch's smallest sample, so every one, spans the stall
             rtt = -1.0
-        timed = prior_delivered >= 0 and sample_sent >= floor  # the newest transmission acknowledged is a sample
+        timed = prior_delivered >= 0 and sample_sent >= timing_floor  # the newest transmission acknowledged is a sample
         if prior_delivered >= 0:
             self.first_sent_time = sample_sent
-        if timed and prior_time >= floor and first_sent >= floor:
+        if timed and prior_time >= timing_floor and first_sent >= timing_floor:
             interval = max(sample_sent - first_sent, now - prior_time)
             # as Linux's rate sampler: an interval shorter than the minimum RTT comes from
             # ACK compression or a send burst and would overestimate the bottleneck

@@ -101,7 +101,7 @@ def test_paused_is_the_lateness_past_the_threshold():
 
 def test_acks_read_after_a_senders_pause_give_no_rtt_sample(harness, floats):
     """A sender paused 0.3 s right after its first flight reads that flight's ACKs on resume: they time the pause
-    (``Path.timing_floor``), so its first RTT sample, and BBR's RTprop, come from the next flight."""
+    (the own-pause rule in ``Path.on_ack``), so its first RTT sample, and BBR's RTprop, come from the next flight."""
     h = harness(seed=66, config=Config(peer_silence_min_s=8.0))
     h.links(rate=GBIT, delay_s=0.001)
     a = h.engines[0]
