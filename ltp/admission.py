@@ -22,7 +22,14 @@ wall clock in seconds since the Unix epoch, derived from ``now``):
    when the first DATA of the flow with the right token arrives from the same
    address. Pending registrations expire after a few RTTs
    (:func:`pending_lifetime`) and are capped per source address, per source
-   host (IP, any port) and in total.
+   host (IP, any port) and in total. An expired registration *lapses*: it
+   no longer counts against any cap, but its first DATA, should it still come
+   with the right token, revives it (if the caps allow it then) instead of
+   drawing RESET ``unregistered``. The life is counted in network round trips,
+   and a sender starved of CPU answers slower than its path: with every
+   turnaround longer than the life, each re-registration expired before its
+   DATA came, and the send failed ``unregistered`` after nine of them (found
+   by CI: a torchrun rank, three training processes on two cores).
 
 Without a job key, layers 1-2 are off (anyone can register: there is no secret
 to tell a peer from an attacker) and layer 3 still bounds what a REG can cost.
@@ -44,9 +51,10 @@ answers, and what this host says to DATA that arrives too late:
   is posted again (:meth:`Admission.want_tag`): the application waits for it
   once more (a control stream reads its next message again after a timeout),
   and a message for it must not be turned away;
-* DATA of a flow this host holds nothing for is answered with RESET
-  ``unregistered`` (at most :data:`UNREGISTERED_RESETS_PER_S`), so a sender
-  whose REG was lost or expired registers again.
+* DATA of a flow this host holds nothing for (not even a lapsed
+  registration) is answered with RESET ``unregistered`` (at most
+  :data:`UNREGISTERED_RESETS_PER_S`), so a sender whose REG was lost registers
+  again.
 
 Every REG copy is answered with an ACK (no entries), so that a lost answer
 costs nothing while another copy's answer arrives. An answer is folded away
@@ -79,7 +87,7 @@ from .timers import DeadlineHeap
 
 __all__ = ["Admission", "reg_mac", "address_bytes", "fold_reg_answers", "ReplayCache", "PendingRegistration",
            "pending_lifetime", "stop_datagram", "PENDING_RTTS", "PENDING_MIN_S", "PENDING_MAX_S", "STOP_REPEAT_S",
-           "UNREGISTERED_RESETS_PER_S"]
+           "UNREGISTERED_RESETS_PER_S", "LAPSED_TTL_S"]
 
 _MAC_LABEL = b"LTP1-REG"
 MAC_SIZE = 16
@@ -94,6 +102,10 @@ PENDING_MIN_S = 0.05
 #: answer arrives one round trip after the REG (measured: 50 ms one-way, 10 Mbit/s -- every re-registration
 #: expired, and the sends failed "unregistered")
 PENDING_MAX_S = 1.0
+#: a lapsed (expired) registration may be revived by its first DATA for this long after it expired (seconds);
+#: at most ``Config.max_pending_registrations`` are kept, the oldest forgotten first. A sender that takes longer is
+#: one the dead-peer rule gives up on anyway (``Config.peer_silence_min_s``, 1 s by default)
+LAPSED_TTL_S = 2.0
 #: DATA of a closed flow is answered with its STOP again at most once per this interval (seconds)
 STOP_REPEAT_S = 0.002
 #: RESET ``unregistered`` answers to DATA of unknown flows: at most this many per second (and burst)
@@ -268,6 +280,8 @@ class Admission:
         self._srtt = srtt if srtt is not None else (lambda addr: None)
         self._make_room = make_room if make_room is not None else (lambda host, n, now: None)
         self.pending: dict = {}  # (peer, fid) -> PendingRegistration
+        #: (peer, fid) -> (PendingRegistration, revivable until): expired registrations, counted against no cap
+        self.lapsed: OrderedDict = OrderedDict()
         self.expiries = DeadlineHeap()  # pending registrations by expiry, lazily cleaned
         self.per_peer: dict = {}  # source address -> open + pending receive flows
         self.link_peers = 0  # how many of those addresses are not loopback (rate grants share the link among them)
@@ -347,15 +361,9 @@ class Admission:
             self.refuse(addr, fid, token, "bad_registration")
             return None
         host = addr[0]
-        if self.per_peer.get(addr, 0) >= cfg.max_flows_per_peer or (
-                addr not in self.per_peer and len(self.per_peer) >= cfg.max_peers):
-            self.refuse(addr, fid, token, "too_many_flows")
-            return None
-        if self.per_host.get(host, 0) >= cfg.max_flows_per_host:
-            self.refuse(addr, fid, token, "too_many_host_flows", "too_many_flows")
-            return None
-        if len(self.pending) >= cfg.max_pending_registrations:
-            self.refuse(addr, fid, token, "too_many_pending", "too_many_flows")
+        full = self._cap_reached(addr)
+        if full is not None:
+            self.refuse(addr, fid, token, *full)
             return None
         expired = self.expired_tags.get((addr, tag))
         if expired is not None and expired > now:
@@ -378,14 +386,63 @@ class Admission:
                                    element_size=elem, seg_count=count, tag=tag, reliable=bool(mode),
                                    ranges=ranges, est=wire.split_estimates(w3), registered=now,
                                    expires=life_from + pending_lifetime(self._rtt_hint(addr, w3)))
-        self.pending[key] = pend
+        self.lapsed.pop(key, None)  # registered afresh: the new registration counts, not an expired one
+        self._hold(pend)
         self.expiries.push(pend.expires, key)
+        self.ctrl.append((wire.pack_ack(fid, token, 0, 0, (), self.grant(seg, addr)), addr))
+        return None
+
+    def _cap_reached(self, addr) -> tuple | None:
+        """The refusal (reason, wire code) if one more receive flow from ``addr`` exceeds a cap, else None."""
+        cfg = self.config
+        if self.per_peer.get(addr, 0) >= cfg.max_flows_per_peer or (
+                addr not in self.per_peer and len(self.per_peer) >= cfg.max_peers):
+            return "too_many_flows", None
+        if self.per_host.get(addr[0], 0) >= cfg.max_flows_per_host:
+            return "too_many_host_flows", "too_many_flows"
+        if len(self.pending) >= cfg.max_pending_registrations:
+            return "too_many_pending", "too_many_flows"
+        return None
+
+    def _hold(self, pend: PendingRegistration) -> None:
+        """Keep ``pend`` as pending and count it against its address's and host's caps."""
+        addr = pend.peer
+        self.pending[pend.key] = pend
         if addr not in self.per_peer and not on_loopback(addr):
             self.link_peers += 1
         self.per_peer[addr] = self.per_peer.get(addr, 0) + 1
-        self.per_host[host] = self.per_host.get(host, 0) + 1
-        self.ctrl.append((wire.pack_ack(fid, token, 0, 0, (), self.grant(seg, addr)), addr))
-        return None
+        self.per_host[addr[0]] = self.per_host.get(addr[0], 0) + 1
+
+    def revive(self, key, token: int, now: float) -> PendingRegistration | None:
+        """DATA with ``token`` came for ``key``, which has no pending registration: its lapsed registration, held
+        as pending again (the caller commits it at once, :meth:`commit`), or None -- none lapsed with that token
+        within :data:`LAPSED_TTL_S`, or a cap is reached now, or the receive it was meant for expired meanwhile
+        (the caller answers RESET ``unregistered``, as to any unknown flow, and the sender's next REG hears the
+        cap's refusal or STOP ``deadline``)."""
+        entry = self.lapsed.get(key)
+        if entry is None:
+            return None
+        pend, until = entry
+        if pend.token != token:
+            return None
+        del self.lapsed[key]
+        if until < now or self._cap_reached(pend.peer) is not None:
+            return None
+        expired = self.expired_tags.get((pend.peer, pend.tag))
+        if expired is not None and expired > now:
+            return None  # the receive it was meant for passed its deadline meanwhile: its next REG hears so
+        self._hold(pend)
+        self.stats.revived_registrations += 1
+        return pend
+
+    def forget_lapsed(self, key, token: int) -> bool:
+        """The sender of ``key`` gave up (its RESET with ``token``): forget its lapsed registration; True if there
+        was one."""
+        entry = self.lapsed.get(key)
+        if entry is None or entry[0].token != token:
+            return False
+        del self.lapsed[key]
+        return True
 
     def grant(self, seg_size: int, addr) -> int:
         """The rate grant (datagram bytes/s) for sender ``addr`` of ``seg_size``-byte segments: this host's
@@ -442,9 +499,11 @@ class Admission:
             self.uncount(pend.peer)
 
     def drop_peer(self, peer) -> None:
-        """Forget every pending registration from ``peer``."""
+        """Forget every pending (and lapsed) registration from ``peer``."""
         for pend in [p for p in self.pending.values() if p.peer == peer]:
             self.drop_pending(pend)
+        for key in [k for k, (p, _) in self.lapsed.items() if p.peer == peer]:
+            del self.lapsed[key]
 
     def next_expiry(self) -> float | None:
         """When :meth:`expire_pending` next has work: the earliest expiry of a registration still pending. A
@@ -463,10 +522,15 @@ class Admission:
                 continue
             self.drop_pending(pend)
             self.stats.drop("registration_expired")
+            self.lapsed[key] = (pend, now + LAPSED_TTL_S)  # its late first DATA may still revive it (revive)
+            self.lapsed.move_to_end(key)
+            while len(self.lapsed) > self.config.max_pending_registrations:
+                self.lapsed.popitem(last=False)
 
     def clear(self) -> None:
         """The engine is closing: forget every pending registration and give back all receive memory and counts."""
         self.pending.clear()
+        self.lapsed.clear()
         self.expiries.clear()
         self.per_peer.clear()
         self.link_peers = 0
@@ -556,7 +620,13 @@ class Admission:
                               key[0]))
 
     def purge(self, now: float) -> None:
-        """Forget closed flows and expired tags older than ``closed_flow_ttl_s``."""
+        """Forget closed flows and expired tags older than ``closed_flow_ttl_s``, and lapsed registrations past
+        their :data:`LAPSED_TTL_S`."""
+        while self.lapsed:
+            key, (pend, until) = next(iter(self.lapsed.items()))
+            if until > now:
+                break
+            self.lapsed.popitem(last=False)
         while self.closed:
             key, rec = next(iter(self.closed.items()))
             if rec[3] > now:

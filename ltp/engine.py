@@ -181,6 +181,7 @@ class Engine:
         self._admission = Admission(self.config, self.stats, self._ctrl, srtt=self._srtt_of,
                                     make_room=self._evict_stale_unclaimed)
         self._pending = self._admission.pending  # (peer, fid) -> PendingRegistration
+        self._lapsed = self._admission.lapsed  # (peer, fid) -> expired registration its first DATA may revive
         self._egress_recount_at = float("-inf")  # when the paths sharing the link outbound are next recounted
         self._rx_per_peer = self._admission.per_peer  # source address -> open + pending receive flows
         self._per_host = self._admission.per_host  # source host -> open + pending receive flows
@@ -422,9 +423,12 @@ class Engine:
             if length >= wire.HEADER_SIZE and mv[o] == _DATA_B0:
                 key = (addr, mv[o + 2] << 8 | mv[o + 3])
                 flow = self._rx.get(key)
-                if flow is None and self._pending:
+                if flow is None and (self._pending or self._lapsed):
+                    token = int.from_bytes(mv[o + 4:o + 8], "big")
                     pend = self._pending.get(key)
-                    if pend is not None and pend.token == int.from_bytes(mv[o + 4:o + 8], "big"):
+                    if pend is None and self._lapsed:  # its registration expired before this DATA came
+                        pend = self._admission.revive(key, token, now)
+                    if pend is not None and pend.token == token:
                         flow = self._admit(pend, now)  # the first DATA: evidence, commit memory now
                 if flow is not None and flow.regime is None:
                     w = flow.window
@@ -578,6 +582,8 @@ class Engine:
             pend = self._pending.get(key)
             if pend is not None and pend.token == token:
                 self._admission.drop_pending(pend)
+                return True
+            if self._admission.forget_lapsed(key, token):  # its sender gave up: its late DATA revives nothing
                 return True
             self.stats.drop("unknown_flow")
         return False

@@ -84,6 +84,9 @@ class EndpointStats:
     #: ACKs and STOPs for sends that had already finished (the receiver's STOP behind the ACK that completed a
     #: send, or a repeat): one of our tokens, so not counted as drops
     late_answers: int = 0
+    #: registrations that expired before their first DATA came and were revived by it (a sender slower than its
+    #: path, :data:`ltp.admission.LAPSED_TTL_S`) instead of being answered RESET "unregistered"
+    revived_registrations: int = 0
     #: RESET "unregistered" answers received for open sends (each may make the send register again)
     reregistrations: int = 0
     #: RESET "stale" answers that made an open send register again with a fresh stamp (``sender.STALE_RETRIES``)

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ltp import wire
-from ltp.admission import PENDING_MAX_S, PENDING_MIN_S, ReplayCache, address_bytes, pending_lifetime, reg_mac
+from ltp.admission import LAPSED_TTL_S, PENDING_MAX_S, PENDING_MIN_S, ReplayCache, address_bytes, pending_lifetime, reg_mac
 from ltp.config import Config
 from ltp.engine import Engine
 from ltp.errors import TransferRefused
@@ -316,28 +316,147 @@ def test_a_registration_on_a_long_path_survives_its_first_data_lost_and_a_re_reg
     assert "registration_expired" not in b.stats.dropped and a.stats.reregistrations == 0, b.stats.dropped
 
 
-def test_sender_registers_again_when_the_receiver_forgot_it():
-    """The receiver's pending registration expired before the first DATA arrived (a sender stuck behind
-    other flows): DATA draws RESET 'unregistered', the sender repeats REG and the transfer completes.  (With no
-    RTT known the registration lives PENDING_MAX_S, as long as the sender's own patience with a silent peer by
-    default: this sender waits longer.)"""
-    a, b = engines(cfg_a=Config(job_key=KEY, peer_silence_min_s=5.0))
+def _registered_then_expired(cfg_b=None):
+    """A sends a message; B reads its REG copies only (the DATA is "late") and answers; then B's pending
+    registration expires (no RTT known on either side: the longest life).  Returns ``(a, b, hs, data, DATA)``."""
+    a, b = engines(cfg_a=Config(job_key=KEY, peer_silence_min_s=5.0), cfg_b=cfg_b)
     data = np.arange(20_000, dtype=np.float32)
     hs = a.send(B, data, now=0.0)
     dg = out(a, 0.0)
     for r in regs(dg):
-        b.receive_datagram(r, A, 0.001)  # REG only; its DATA is "late"
+        b.receive_datagram(r, A, 0.001)
     for d, _ in out(b, 0.001):
         a.receive_datagram(d, B, 0.002)  # the confirming ACK
-    b.handle_timer(PENDING_MAX_S + 0.01)  # no RTT known on either side: the longest life
-    assert not b._pending
+    b.handle_timer(PENDING_MAX_S + 0.01)
+    assert not b._pending and b.stats.dropped["registration_expired"] == 1
+    assert b._rx_per_peer == {} and b._per_host == {}  # a lapsed registration counts against no cap
+    return a, b, hs, data, datas(dg)
+
+
+def test_late_first_data_revives_a_lapsed_registration():
+    """The receiver's pending registration expired before the first DATA came (a sender starved of CPU, or stuck
+    behind other flows): that DATA, with the registration's token, revives it, and the transfer completes with no
+    RESET ``unregistered`` and no second registration."""
+    a, b, hs, data, late = _registered_then_expired()
     buf = np.zeros_like(data)
     t = PENDING_MAX_S + 0.02
     hr = b.post_receive([(A, 0, buf)], now=t)
-    sent, received = exchange(a, b, datas(dg), t, hs, hr)
-    assert a.stats.reregistrations >= 1
+    sent, received = exchange(a, b, late, t, hs, hr)
     assert sent[hs].error is None and received[hr].error is None
     assert np.array_equal(buf, data)
+    assert b.stats.revived_registrations == 1 and a.stats.reregistrations == 0
+    assert "unknown_flow" not in b.stats.dropped and not b._lapsed
+
+
+def test_sender_registers_again_when_the_receiver_forgot_it():
+    """Past LAPSED_TTL_S the receiver holds nothing for the flow: DATA draws RESET 'unregistered', the sender
+    repeats REG and the transfer completes."""
+    a, b, hs, data, late = _registered_then_expired()
+    t = PENDING_MAX_S + LAPSED_TTL_S + 0.02
+    b.handle_timer(t)
+    assert not b._lapsed  # forgotten at its TTL
+    buf = np.zeros_like(data)
+    hr = b.post_receive([(A, 0, buf)], now=t)
+    sent, received = exchange(a, b, late, t, hs, hr)
+    assert a.stats.reregistrations >= 1 and b.stats.revived_registrations == 0
+    assert sent[hs].error is None and received[hr].error is None
+    assert np.array_equal(buf, data)
+
+
+def test_late_data_with_a_wrong_token_or_past_a_cap_revives_nothing():
+    """A lapsed registration is revived only by DATA with its own token, and only while the caps allow one more
+    flow from its sender (else the DATA is an unknown flow's, answered RESET ``unregistered``: the sender's next
+    REG hears the cap's refusal)."""
+    a, b, hs, data, late = _registered_then_expired()
+    forged = bytearray(late[0])
+    forged[4] ^= 0xFF
+    b.receive_datagram(bytes(forged), A, PENDING_MAX_S + 0.02)
+    assert b.receive_memory == 0 and b.stats.revived_registrations == 0 and b.stats.dropped["unknown_flow"] == 1
+    # the forgery made it forget nothing; now every flow slot of the sender's address is taken
+    b._admission.per_peer[A] = b.config.max_flows_per_peer
+    b.receive_datagram(late[0], A, PENDING_MAX_S + 0.03)
+    assert b.receive_memory == 0 and b.stats.revived_registrations == 0 and b.stats.dropped["unknown_flow"] == 2
+
+
+def test_a_reset_from_the_sender_forgets_a_lapsed_registration():
+    """The sender gave up (its RESET): its late DATA then revives nothing."""
+    a, b, hs, data, late = _registered_then_expired()
+    t = PENDING_MAX_S + 0.02
+    a.cancel(hs, now=t)
+    for d, _ in out(a, t):
+        b.receive_datagram(d, A, t)
+    assert not b._lapsed
+    b.receive_datagram(late[0], A, t + 0.001)
+    assert b.stats.revived_registrations == 0 and b.receive_memory == 0
+
+
+def test_a_fresh_reg_replaces_a_lapsed_registration():
+    """The sender registers again (it heard RESET ``unregistered`` for DATA of its that was lost or refused):
+    the new REG is admitted as pending, counted against the caps, and the lapsed registration is gone."""
+    a, b, hs, data, late = _registered_then_expired()
+    _, _, fid, token, _, _ = wire.unpack_header(memoryview(late[0]))
+    t = PENDING_MAX_S + 0.02
+    a.receive_datagram(wire.pack_header(wire.T_RESET, 0, fid, token, wire.RESET_CODES["unregistered"], 0), B, t)
+    a.handle_timer(t)
+    again = regs(out(a, t))
+    assert again
+    for r in again:
+        b.receive_datagram(r, A, t + 0.001)
+    assert len(b._pending) == 1 and not b._lapsed and b._rx_per_peer == {A: 1}
+
+
+def test_lapsed_registrations_are_bounded_by_the_pending_cap():
+    """However many registrations expire, at most ``max_pending_registrations`` are kept lapsed (oldest forgotten)."""
+    cfg = Config(job_key=KEY, max_pending_registrations=3)
+    _, b = engines(cfg_b=cfg)
+    for i in range(7):
+        src = ("10.0.0.1", 1000 + i)
+        s = Engine(Config(job_key=KEY), rng=random.Random(i), local_addr=src, wall_offset=T0)
+        s.send(B, np.ones(1000, np.float32), now=0.0)
+        b.receive_datagram(regs(out(s, 0.0))[0], src, 0.001 * i)
+        b.handle_timer(0.001 * i + PENDING_MAX_S + 0.001)
+    assert not b._pending and len(b._lapsed) == 3
+    assert [k[0][1] for k in b._lapsed] == [1004, 1005, 1006]
+    b.handle_timer(1.0 + PENDING_MAX_S + LAPSED_TTL_S)
+    assert not b._lapsed
+
+
+@pytest.mark.parametrize("turnaround_s", [0.06, 0.3])
+def test_a_sender_slower_than_its_path_completes_after_its_first_registration_is_lost(harness, turnaround_s):
+    """The CI failure of stop 48 (``test_killed_rank_gives_a_clear_error_and_no_hang``: three training
+    processes on two cores): a sender starved of CPU loses the CPU each time it sends a REG, so its DATA reaches
+    the receiver ``turnaround_s`` after the REG, while the path's RTT (timed by the kernel) is 0.1 ms and a
+    registration lives PENDING_MIN_S = 50 ms.  Its first registration is lost, so its DATA is held until a REG is
+    answered.  Before lapsed registrations every re-registration expired before its DATA came, and the send failed
+    "transfer refused by peer: unregistered" after nine.  Now the late DATA revives the registration."""
+    h = harness(seed=4, config=Config())
+    a, b = h.engines
+    sender, net = h.addrs[0], h.net
+    state = {"armed": False, "lost": 0}
+
+    def starve_after_reg(d) -> bool:  # SimLink.drop_if, used as a hook on every datagram A sends
+        if not state["armed"] or d[0] & 0x0F != wire.T_REG:
+            return False
+        net.stall(sender, turnaround_s)
+        state["lost"] += 1
+        return state["lost"] <= COPIES  # the first registration round is lost
+    h.link(0, 1, rate=125e6, delay_s=50e-6, drop_if=starve_after_reg)
+    h.link(1, 0, rate=125e6, delay_s=50e-6)
+    data = np.arange(6337, dtype=np.float32)  # 25,348 bytes, as in the CI failure
+    warm = [(0, a.send(h.addrs[1], data, now=0.0, reliable=True, tag=5)),
+            (1, b.post_receive([(sender, 5, np.zeros_like(data))], now=0.0))]
+    net.start()
+    h.wait(warm, timeout=5)  # both sides know the path's RTT now: registrations live 50 ms
+    state["armed"] = True
+    buf = np.zeros_like(data)
+    t0 = h.now
+    hs = a.send(h.addrs[1], data, now=t0, reliable=True)
+    hr = b.post_receive([(sender, 0, buf)], now=t0)
+    sent, got = h.wait([(0, hs), (1, hr)], timeout=30)
+    assert sent.error is None and got.error is None, (sent.error, b.stats.dropped)
+    assert np.array_equal(buf, data)
+    assert b.stats.revived_registrations >= 1 and b.stats.dropped.get("registration_expired", 0) >= 1
+    assert h.now - t0 < 4 * turnaround_s + 0.1  # no re-registration round: before, 9 of them and a failure
 
 
 def test_caps_per_address_per_host_and_pending_total_are_counted_by_reason():

@@ -7,9 +7,11 @@ from collections import deque
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ltp import wire
-from ltp.admission import STOP_REPEAT_S, UNREGISTERED_RESETS_PER_S, Admission
+from ltp.admission import LAPSED_TTL_S, STOP_REPEAT_S, UNREGISTERED_RESETS_PER_S, Admission
 from ltp.config import Config
 from ltp.engine import Engine
 from ltp.regimes import CloseReason
@@ -127,3 +129,83 @@ def test_per_address_cap_refuses_with_reset(cap):
         adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0)
     assert len(adm.pending) == cap and adm.stats.refused == {"too_many_flows": 2}
     assert _types(ctrl).count(wire.T_RESET) == 2
+
+
+def test_a_lapsed_registration_is_revived_once_with_its_token_and_counted_again():
+    adm, ctrl = _admission()
+    data, flags, fid, token, w3 = _reg()
+    adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0)
+    expiry = adm.expiries.next_time()
+    adm.expire_pending(expiry)
+    assert list(adm.lapsed) == [(A, fid)] and adm.per_peer == {}  # lapsed: counted against no cap
+    assert adm.revive((A, fid), token ^ 1, expiry) is None and adm.lapsed  # another token: kept, not revived
+    pend = adm.revive((A, fid), token, expiry + LAPSED_TTL_S / 2)
+    assert pend is not None and adm.pending == {(A, fid): pend} and adm.per_peer == {A: 1}
+    assert not adm.lapsed and adm.stats.revived_registrations == 1
+    assert adm.revive((A, fid), token, expiry + LAPSED_TTL_S / 2) is None  # once
+    assert adm.commit(pend, None, expiry) is not None and not adm.pending
+
+
+def test_a_lapsed_registration_is_not_revived_past_its_ttl():
+    adm, _ = _admission()
+    data, flags, fid, token, w3 = _reg()
+    adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0)
+    expiry = adm.expiries.next_time()
+    adm.expire_pending(expiry)
+    assert adm.revive((A, fid), token, expiry + LAPSED_TTL_S + 1e-6) is None
+    assert not adm.pending and adm.per_peer == {} and adm.stats.revived_registrations == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["reg", "expire", "revive", "forge", "commit", "purge"]),
+                          st.integers(0, 2), st.floats(0.0, 3.0)), min_size=1, max_size=40),
+       st.integers(1, 3), st.integers(1, 4))
+def test_pending_and_lapsed_registrations_keep_the_caps_whatever_the_order(ops, per_peer, pending_cap):
+    """Registrations from three sources, expiring, revived by their DATA (or a forgery), committed and purged in
+    any order: the per-address counts are exactly the pending plus committed flows, no source exceeds its cap,
+    no registration is both pending and lapsed, and at most ``max_pending_registrations`` are kept lapsed."""
+    adm, _ = _admission(max_flows_per_peer=per_peer, max_pending_registrations=pending_cap)
+    regs: dict = {}  # source -> [(fid, token), ...] of every message it registered
+    made = 0
+    committed: dict = {}
+    now = 0.0
+    for op, who, dt in ops:
+        now += dt
+        src = ("10.0.0.1", 1000 + who)
+        if op == "reg":
+            made += 1
+            data, flags, fid, token, w3 = _reg(seed=made)
+            regs.setdefault(who, []).append((fid, token))
+            adm.on_reg(data, src, flags, fid, token, w3, now, 0.0)
+        elif op == "expire":
+            adm.expire_pending(now)
+        elif op in ("revive", "forge") and who in regs:
+            fid, token = regs[who][int(dt * 7) % len(regs[who])]
+            pend = adm.revive((src, fid), token if op == "revive" else token ^ 0x5A5A, now)
+            if pend is not None:
+                assert op == "revive" and pend.token == token
+                if adm.commit(pend, None, now) is not None:
+                    committed[src] = committed.get(src, 0) + 1
+        elif op == "commit" and who in regs:
+            fid, token = regs[who][int(dt * 7) % len(regs[who])]
+            pend = adm.pending_for((src, fid), token)
+            if pend is not None and adm.commit(pend, None, now) is not None:
+                committed[src] = committed.get(src, 0) + 1
+        elif op == "purge":
+            adm.purge(now)
+        counts: dict = dict(committed)
+        for p in adm.pending.values():
+            counts[p.peer] = counts.get(p.peer, 0) + 1
+        assert adm.per_peer == counts
+        assert all(n <= per_peer for n in adm.per_peer.values())
+        assert not set(adm.pending) & set(adm.lapsed) and len(adm.lapsed) <= pending_cap
+
+
+def test_a_lapsed_registration_for_a_receive_that_expired_meanwhile_is_not_revived():
+    adm, _ = _admission()
+    data, flags, fid, token, w3 = _reg(tag=5)
+    adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0)
+    expiry = adm.expiries.next_time()
+    adm.expire_pending(expiry)
+    adm.expire_tag(A, 5, expiry)  # the receive for (A, 5) passed its deadline
+    assert adm.revive((A, fid), token, expiry + 0.01) is None and not adm.pending and not adm.lapsed
