@@ -131,12 +131,18 @@ def test_per_address_cap_refuses_with_reset(cap):
     assert _types(ctrl).count(wire.T_RESET) == 2
 
 
-def test_a_lapsed_registration_is_revived_once_with_its_token_and_counted_again():
-    adm, ctrl = _admission()
-    data, flags, fid, token, w3 = _reg()
+def _lapsed(adm, tag=5):
+    """A REG from A admitted by ``adm`` and expired unfilled: ``(fid, token, expiry)`` of its lapsed registration."""
+    data, flags, fid, token, w3 = _reg(tag=tag)
     adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0)
     expiry = adm.expiries.next_time()
     adm.expire_pending(expiry)
+    return fid, token, expiry
+
+
+def test_a_lapsed_registration_is_revived_once_with_its_token_and_counted_again():
+    adm, _ = _admission()
+    fid, token, expiry = _lapsed(adm)
     assert list(adm.lapsed) == [(A, fid)] and adm.per_peer == {}  # lapsed: counted against no cap
     assert adm.revive((A, fid), token ^ 1, expiry) is None and adm.lapsed  # another token: kept, not revived
     pend = adm.revive((A, fid), token, expiry + LAPSED_TTL_S / 2)
@@ -148,10 +154,7 @@ def test_a_lapsed_registration_is_revived_once_with_its_token_and_counted_again(
 
 def test_a_lapsed_registration_is_not_revived_past_its_ttl():
     adm, _ = _admission()
-    data, flags, fid, token, w3 = _reg()
-    adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0)
-    expiry = adm.expiries.next_time()
-    adm.expire_pending(expiry)
+    fid, token, expiry = _lapsed(adm)
     assert adm.revive((A, fid), token, expiry + LAPSED_TTL_S + 1e-6) is None
     assert not adm.pending and adm.per_peer == {} and adm.stats.revived_registrations == 0
 
@@ -203,9 +206,6 @@ def test_pending_and_lapsed_registrations_keep_the_caps_whatever_the_order(ops, 
 
 def test_a_lapsed_registration_for_a_receive_that_expired_meanwhile_is_not_revived():
     adm, _ = _admission()
-    data, flags, fid, token, w3 = _reg(tag=5)
-    adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0)
-    expiry = adm.expiries.next_time()
-    adm.expire_pending(expiry)
+    fid, token, expiry = _lapsed(adm, tag=5)
     adm.expire_tag(A, 5, expiry)  # the receive for (A, 5) passed its deadline
     assert adm.revive((A, fid), token, expiry + 0.01) is None and not adm.pending and not adm.lapsed
