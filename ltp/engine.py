@@ -51,9 +51,10 @@ Invariants:
    address and every REG byte, freshness, replay cache, caps) becomes a small
    pending registration; the flow's bitmap and buffer are allocated when its
    first DATA with the right token arrives. Pending registrations that see no
-   DATA expire after a few RTTs; DATA of a flow this host does not know is
-   answered (rate-limited) with RESET ``unregistered`` so its sender registers
-   again. Every refusal is counted in ``stats.refused`` by reason.
+   DATA expire after a few RTTs and lapse: a late first DATA still revives one
+   for ``admission.LAPSED_TTL_S`` (a sender starved of CPU); DATA of a flow this
+   host does not know is answered (rate-limited) with RESET ``unregistered`` so
+   its sender registers again. Every refusal is counted in ``stats.refused`` by reason.
 3. ACKs are batched: one ACK datagram carries the entries of ``ack_every``
    received packets, or fewer once the oldest has waited ``ack_delay_s`` (a
    timer), or when the flow closes. At high rates one input batch yields one
