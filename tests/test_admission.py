@@ -12,7 +12,7 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ltp import wire
@@ -421,28 +421,25 @@ def test_lapsed_registrations_are_bounded_by_the_pending_cap():
     assert not b._lapsed
 
 
-@pytest.mark.parametrize("turnaround_s", [0.06, 0.3])
-def test_a_sender_slower_than_its_path_completes_after_its_first_registration_is_lost(harness, turnaround_s):
-    """The CI failure of stop 48 (``test_killed_rank_gives_a_clear_error_and_no_hang``: three training
-    processes on two cores): a sender starved of CPU loses the CPU each time it sends a REG, so its DATA reaches
-    the receiver ``turnaround_s`` after the REG, while the path's RTT (timed by the kernel) is 0.1 ms and a
-    registration lives PENDING_MIN_S = 50 ms.  Its first registration is lost, so its DATA is held until a REG is
-    answered.  Before lapsed registrations every re-registration expired before its DATA came, and the send failed
-    "transfer refused by peer: unregistered" after nine.  Now the late DATA revives the registration."""
-    h = harness(seed=4, config=Config())
+def _starved_sender(harness, turnaround, lost_copies: int, seed: int = 4):
+    """A reliable 25,348-byte send (the size of stop 48's CI failure) from a sender that loses the CPU after each
+    REG it sends, for ``turnaround()`` seconds, on a 0.1 ms path whose RTT both sides know (a registration lives
+    50 ms); its first ``lost_copies`` REG datagrams are lost.  Returns ``(send event, receive event, sent data,
+    received buffer, seconds taken, receiver)``."""
+    h = harness(seed=seed, config=Config())
     a, b = h.engines
     sender, net = h.addrs[0], h.net
-    state = {"armed": False, "lost": 0}
+    state = {"armed": False, "regs": 0}
 
     def starve_after_reg(d) -> bool:  # SimLink.drop_if, used as a hook on every datagram A sends
         if not state["armed"] or d[0] & 0x0F != wire.T_REG:
             return False
-        net.stall(sender, turnaround_s)
-        state["lost"] += 1
-        return state["lost"] <= COPIES  # the first registration round is lost
+        net.stall(sender, turnaround())
+        state["regs"] += 1
+        return state["regs"] <= lost_copies
     h.link(0, 1, rate=125e6, delay_s=50e-6, drop_if=starve_after_reg)
     h.link(1, 0, rate=125e6, delay_s=50e-6)
-    data = np.arange(6337, dtype=np.float32)  # 25,348 bytes, as in the CI failure
+    data = np.arange(6337, dtype=np.float32)
     warm = [(0, a.send(h.addrs[1], data, now=0.0, reliable=True, tag=5)),
             (1, b.post_receive([(sender, 5, np.zeros_like(data))], now=0.0))]
     net.start()
@@ -453,10 +450,34 @@ def test_a_sender_slower_than_its_path_completes_after_its_first_registration_is
     hs = a.send(h.addrs[1], data, now=t0, reliable=True)
     hr = b.post_receive([(sender, 0, buf)], now=t0)
     sent, got = h.wait([(0, hs), (1, hr)], timeout=30)
+    return sent, got, data, buf, h.now - t0, b
+
+
+@pytest.mark.parametrize("turnaround_s", [0.06, 0.3])
+def test_a_sender_slower_than_its_path_completes_after_its_first_registration_is_lost(harness, turnaround_s):
+    """The CI failure of stop 48 (``test_killed_rank_gives_a_clear_error_and_no_hang``: three training
+    processes on two cores): a sender starved of CPU loses the CPU each time it sends a REG, so its DATA reaches
+    the receiver ``turnaround_s`` after the REG, while the path's RTT (timed by the kernel) is 0.1 ms and a
+    registration lives PENDING_MIN_S = 50 ms.  Its first registration is lost, so its DATA is held until a REG is
+    answered.  Before lapsed registrations every re-registration expired before its DATA came, and the send failed
+    "transfer refused by peer: unregistered" after nine.  Now the late DATA revives the registration."""
+    sent, got, data, buf, took, b = _starved_sender(harness, lambda: turnaround_s, COPIES)
     assert sent.error is None and got.error is None, (sent.error, b.stats.dropped)
     assert np.array_equal(buf, data)
     assert b.stats.revived_registrations >= 1 and b.stats.dropped.get("registration_expired", 0) >= 1
-    assert h.now - t0 < 4 * turnaround_s + 0.1  # no re-registration round: before, 9 of them and a failure
+    assert took < 4 * turnaround_s + 0.1  # no re-registration round: before, 9 of them and a failure
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.floats(0.0, 0.6), st.floats(0.0, 1.0), st.integers(0, 3 * COPIES), st.integers(0, 1000))
+def test_a_starved_sender_completes_whatever_its_turnaround_and_lost_regs(harness, longest, spread, lost, seed):
+    """Turnarounds drawn per REG from ``[longest * (1 - spread), longest]`` (up to 0.6 s; the registration lives
+    50 ms), and up to three registration rounds lost: the send always completes, with every byte."""
+    rng = random.Random(seed)
+    sent, got, data, buf, took, b = _starved_sender(
+        harness, lambda: longest * (1 - spread * rng.random()), lost, seed=seed % 7)
+    assert sent.error is None and got.error is None, (sent.error, got.error, b.stats.dropped)
+    assert np.array_equal(buf, data)
 
 
 def test_caps_per_address_per_host_and_pending_total_are_counted_by_reason():
