@@ -1172,7 +1172,7 @@ class Engine:
                                                          "started"))
                     self._end_send(flow, now)
                     n += 1
-        if self._rx_per_peer.get(peer):
+        if self._rx_per_peer.get(peer) or self._lapsed:  # its lapsed registrations count nowhere: look for them too
             for flow in [f for f in self._rx.values() if f.peer == peer and f.regime is None]:
                 self._close_rx(flow, now, Regime.TIMEOUT, send_stop=False,
                                cause=f"sender {peer} unreachable: {cause} "

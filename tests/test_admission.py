@@ -405,6 +405,17 @@ def test_a_fresh_reg_replaces_a_lapsed_registration():
     assert len(b._pending) == 1 and not b._lapsed and b._rx_per_peer == {A: 1}
 
 
+def test_an_unreachable_peer_leaves_no_lapsed_registration():
+    """ICMP says the sender is gone: its lapsed registration goes with its pending ones (it counts against no cap,
+    so the peer may have nothing else open here)."""
+    a, b, hs, data, late = _registered_then_expired()
+    assert b._rx_per_peer == {} and len(b._lapsed) == 1
+    b.peer_unreachable(A, now=PENDING_MAX_S + 0.02, cause="port unreachable")
+    assert not b._lapsed
+    b.receive_datagram(late[0], A, PENDING_MAX_S + 0.03)
+    assert b.stats.revived_registrations == 0 and b.receive_memory == 0
+
+
 def test_lapsed_registrations_are_bounded_by_the_pending_cap():
     """However many registrations expire, at most ``max_pending_registrations`` are kept lapsed (oldest forgotten)."""
     cfg = Config(job_key=KEY, max_pending_registrations=3)
