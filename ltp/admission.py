@@ -435,9 +435,13 @@ class Admission:
         self.stats.revived_registrations += 1
         return pend
 
-    def forget_lapsed(self, key, token: int) -> bool:
-        """The sender of ``key`` gave up (its RESET with ``token``): forget its lapsed registration; True if there
-        was one."""
+    def forget(self, key, token: int) -> bool:
+        """The sender of ``key`` gave up (its RESET with ``token``): forget its pending or lapsed registration (its
+        late DATA then revives nothing); True if there was one."""
+        pend = self.pending_for(key, token)
+        if pend is not None:
+            self.drop_pending(pend)
+            return True
         entry = self.lapsed.get(key)
         if entry is None or entry[0].token != token:
             return False
@@ -464,6 +468,14 @@ class Admission:
         """The pending registration ``key`` if ``token`` is its token (a first DATA), else None."""
         pend = self.pending.get(key)
         return pend if pend is not None and pend.token == token else None
+
+    def first_data(self, key, token: int, now: float):
+        """DATA with ``token`` came for ``key``, which has no open flow: the registration it commits (the caller
+        :meth:`commit` s it at once) -- the pending one, else a lapsed one revived (:meth:`revive`) -- or None."""
+        pend = self.pending_for(key, token)
+        if pend is None and self.lapsed:
+            pend = self.revive(key, token, now)
+        return pend
 
     def commit(self, pend: PendingRegistration, slot, now: float, *, own_buffer: bool = False) -> int | None:
         """The first DATA of ``pend`` arrived: take its memory, or refuse it.
@@ -499,11 +511,14 @@ class Admission:
             self.uncount(pend.peer)
 
     def drop_peer(self, peer) -> None:
-        """Forget every pending (and lapsed) registration from ``peer``."""
-        for pend in [p for p in self.pending.values() if p.peer == peer]:
-            self.drop_pending(pend)
-        for key in [k for k, (p, _) in self.lapsed.items() if p.peer == peer]:
-            del self.lapsed[key]
+        """Forget every pending and lapsed registration from ``peer`` (a lapsed one counts against no cap, so
+        ``per_peer`` does not show it)."""
+        if self.per_peer.get(peer):
+            for pend in [p for p in self.pending.values() if p.peer == peer]:
+                self.drop_pending(pend)
+        if self.lapsed:
+            for key in [k for k, (p, _) in self.lapsed.items() if p.peer == peer]:
+                del self.lapsed[key]
 
     def next_expiry(self) -> float | None:
         """When :meth:`expire_pending` next has work: the earliest expiry of a registration still pending. A

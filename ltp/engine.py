@@ -425,11 +425,8 @@ class Engine:
                 key = (addr, mv[o + 2] << 8 | mv[o + 3])
                 flow = self._rx.get(key)
                 if flow is None and (self._pending or self._lapsed):
-                    token = int.from_bytes(mv[o + 4:o + 8], "big")
-                    pend = self._pending.get(key)
-                    if pend is None and self._lapsed:  # its registration expired before this DATA came
-                        pend = self._admission.revive(key, token, now)
-                    if pend is not None and pend.token == token:
+                    pend = self._admission.first_data(key, int.from_bytes(mv[o + 4:o + 8], "big"), now)
+                    if pend is not None:
                         flow = self._admit(pend, now)  # the first DATA: evidence, commit memory now
                 if flow is not None and flow.regime is None:
                     w = flow.window
@@ -580,11 +577,7 @@ class Engine:
             if rflow is not None and rflow.token == token:
                 self._close_rx(rflow, now, Regime.CANCELLED, send_stop=False)
                 return True
-            pend = self._pending.get(key)
-            if pend is not None and pend.token == token:
-                self._admission.drop_pending(pend)
-                return True
-            if self._admission.forget_lapsed(key, token):  # its sender gave up: its late DATA revives nothing
+            if self._admission.forget(key, token):  # a registration still pending or lapsed
                 return True
             self.stats.drop("unknown_flow")
         return False
@@ -1172,13 +1165,13 @@ class Engine:
                                                          "started"))
                     self._end_send(flow, now)
                     n += 1
-        if self._rx_per_peer.get(peer) or self._lapsed:  # its lapsed registrations count nowhere: look for them too
+        if self._rx_per_peer.get(peer):
             for flow in [f for f in self._rx.values() if f.peer == peer and f.regime is None]:
                 self._close_rx(flow, now, Regime.TIMEOUT, send_stop=False,
                                cause=f"sender {peer} unreachable: {cause} "
                                      f"({now - flow.start:.3f} s after it registered)")
                 n += 1
-            self._admission.drop_peer(peer)
+        self._admission.drop_peer(peer)
         for slot in self._matcher.waiting_for(peer):
             self._expire_slot(slot, now, Regime.TIMEOUT, cause=f"peer {peer} unreachable: {cause}")
             self._check_group(slot.group, now)
