@@ -316,10 +316,10 @@ def test_a_registration_on_a_long_path_survives_its_first_data_lost_and_a_re_reg
     assert "registration_expired" not in b.stats.dropped and a.stats.reregistrations == 0, b.stats.dropped
 
 
-def _registered_then_expired(cfg_b=None):
+def _registered_then_expired():
     """A sends a message; B reads its REG copies only (the DATA is "late") and answers; then B's pending
     registration expires (no RTT known on either side: the longest life).  Returns ``(a, b, hs, data, DATA)``."""
-    a, b = engines(cfg_a=Config(job_key=KEY, peer_silence_min_s=5.0), cfg_b=cfg_b)
+    a, b = engines(cfg_a=Config(job_key=KEY, peer_silence_min_s=5.0))
     data = np.arange(20_000, dtype=np.float32)
     hs = a.send(B, data, now=0.0)
     dg = out(a, 0.0)

@@ -195,7 +195,7 @@ def test_a_stall_is_seen_when_datagrams_wake_the_process_before_its_timer(harnes
 def test_rtt_and_rate_samples_that_span_a_stall_of_the_sender_are_not_taken(harness, floats):
     """A sender stalled right after its first flight reads the ACKs that waited when it resumes: those samples time
     the stall, not the path. Taken, the path's first RTT was 3 s and BBR's start-up paced the rest of an 8 MB send
-    at kB/s (CI, stop 47: a loopback send resumed after a stall missed its 2 s window). the own-pause rule in ``Path.on_ack``."""
+    at kB/s (CI, stop 47: a loopback send resumed after a stall missed its 2 s window). The own-pause rule in ``Path.on_ack``."""
     h = harness(seed=58, config=Config(peer_silence_min_s=0.5))
     h.links(rate=GBIT, delay_s=0.001)
     a = h.engines[0]
