@@ -455,7 +455,7 @@ class Engine:
         if heard:  # never for junk or a forged source without a token: neither may keep a dead peer alive
             path = self._paths.get(addr)
             if path is not None:
-                path.last_heard = now
+                path.last_heard = path.silence_from = now
 
     def bulk_flow(self) -> FlowReceiver | None:
         """The receive whose DATA an adapter may feed from its socket straight into the flow's window
@@ -493,7 +493,7 @@ class Engine:
         self._after_ingest(flow, now)
         path = self._paths.get(flow.peer)
         if path is not None:
-            path.last_heard = now
+            path.last_heard = path.silence_from = now
 
     def _receive_one(self, data: memoryview, addr, now: float, processed: float | None = None) -> bool:
         """Process one datagram off the DATA fast path; True when it carried the token of one of our flows
@@ -1003,7 +1003,7 @@ class Engine:
                         t = path.reorder_deadline(flow)
                         if t is not None and (reorder is None or t < reorder):
                             reorder = t
-                t = max(flow.last_heard, path.last_heard, floor) + limit
+                t = max(flow.silence_from, path.silence_from, floor) + limit
                 if silence is None or t < silence:
                     silence = t
         early = min(self._wakes.values()) if self._wakes else None
@@ -1047,7 +1047,8 @@ class Engine:
         it was noticed (still due after the read, so the late timer runs next) belongs to it.
 
         A shorter lateness, over ``liveness.OWN_PAUSE_S``, is the own-pause rule: the Early Close clocks of the
-        open receives move on by it (:meth:`_pause_receives`)."""
+        open receives (:meth:`_pause_receives`) and the dead-peer clocks of the open sends (:meth:`_pause_sends`)
+        move on by it."""
         due = self._due
         if due is not None and due < self._input_at:
             due = self._input_at  # a deadline already past when it was armed was due at that input, not before
@@ -1058,16 +1059,18 @@ class Engine:
             return
         self._due = None  # one pause, counted once
         self._paused_until = now
-        self._pause_receives(pause, now)
+        if self._pause_receives(pause, now) | self._pause_sends(pause, now):
+            self.stats.own_pauses += 1
         if liveness.stalled(due, now) and due > self._heard_floor:
             self._heard_floor = now
             self.own_stall_since, self.own_stall_at = due, now
             self.stats.own_stalls += 1
 
-    def _pause_receives(self, seconds: float, now: float) -> None:
+    def _pause_receives(self, seconds: float, now: float) -> bool:
         """The own-pause rule (:mod:`ltp.liveness`): this process did not run for ``seconds`` before ``now``, so
         every open receive's Early Close clock, and its group's, moves on by them. A group whose clock runs counts
-        even with no flow open: one of its messages completed before the pause, the others had not registered."""
+        even with no flow open: one of its messages completed before the pause, the others had not registered.
+        True when a clock moved."""
         moved = False
         for flow in self._rx.values():
             if flow.regime is None:
@@ -1077,8 +1080,24 @@ class Engine:
             if not group.done and group.t0 is not None:
                 group.t0 += seconds
                 moved = True
-        if moved:
-            self.stats.own_pauses += 1
+        return moved
+
+    def _pause_sends(self, seconds: float, now: float) -> bool:
+        """The own-pause rule, sending side (:mod:`ltp.liveness`): this process did not run for ``seconds`` before
+        ``now``, so the dead-peer clock of every path with an open send, and of each such send, moves on by them
+        (``liveness.pause_credit``, bounded): what the peer sent meanwhile waited unread, and what we meant to send
+        (a registration round) was not sent. True when a send was open."""
+        credit = liveness.pause_credit
+        moved = False
+        for path in self._paths.values():
+            if not path.flows:
+                continue
+            limit = self.silence_limit(path)
+            path.silence_from = credit(path.silence_from, path.last_heard, seconds, now, limit)
+            for flow in path.flows:
+                flow.silence_from = credit(flow.silence_from, flow.last_heard, seconds, now, limit)
+            moved = True
+        return moved
 
     def handle_timer(self, now: float) -> None:
         """Run every timer due at ``now`` (REG repeat, tail-loss probe, idle, Early Close).
@@ -1093,10 +1112,12 @@ class Engine:
             for flow in list(path.flows):
                 if flow.state != OPEN:
                     continue
-                heard = max(flow.last_heard, path.last_heard, self._heard_floor)
+                heard = max(flow.silence_from, path.silence_from, self._heard_floor)
                 limit = self.silence_limit(path)
                 if heard + limit <= now:
-                    flow.fail(now, TransferTimeout(self._silence_message(flow, path, now - heard, limit, now)))
+                    wall = now - max(flow.last_heard, path.last_heard, self._heard_floor)
+                    flow.fail(now, TransferTimeout(self._silence_message(flow, path, wall, limit, now,
+                                                                         paused=wall - (now - heard))))
                     self._end_send(flow, now)
                     continue
                 if not flow.reg_confirmed and now >= flow.reg_next:
@@ -1130,11 +1151,12 @@ class Engine:
         if self._claims:
             self._claim_step(now)
 
-    def _silence_message(self, flow: FlowSender, path: Path, silent: float, limit: float, now: float) -> str:
+    def _silence_message(self, flow: FlowSender, path: Path, silent: float, limit: float, now: float,
+                         paused: float = 0.0) -> str:
         what = "registration unanswered" if not flow.reg_confirmed else \
             f"{flow.window.acked_count}/{flow.seg_count} segments acknowledged"
         return liveness.silence_message(self.config, peer=flow.peer, srtt_s=path.srtt, silent_s=silent, limit_s=limit,
-                               ran_s=now - flow.started, progress=what)
+                                        ran_s=now - flow.started, progress=what, paused_s=paused)
 
     def _expire_idle_receives(self, now: float) -> None:
         """Close receive flows whose sender has been silent for ``idle_timeout_s`` (regime ``timeout``)."""

@@ -35,6 +35,16 @@ measured on the engine's clock from the last datagram heard:
   (``Path.on_ack``'s ``timing_floor``), and registration rounds go out at least
   :data:`REG_ROUNDS_PER_SILENCE` times within the dead-peer limit, so a peer
   that paused is not judged dead while the back-off waits.
+* **own pause** (sending side): the dead-peer rule's clock (``silence_from`` of
+  each path and open send) moves on by the pause too (:func:`pause_credit`): a
+  sender starved of CPU, paused 0.5 s after each of three lost registration
+  rounds, heard nothing for 1.5 s of which it ran for a few ms, and failed
+  "registration unanswered" against a live receiver (the simulator). What it
+  did not run for is not the peer's silence. The credit is bounded: at most
+  :data:`PAUSE_CREDIT_LIMITS` dead-peer limits past the last datagram heard, so
+  a dead peer is still declared dead within ``1 + PAUSE_CREDIT_LIMITS`` limits
+  of wall-clock silence however often this process pauses (a stall over
+  :data:`OWN_STALL_S` still restarts the count, as above).
 
 Every error states the peer, the elapsed time, the limit and how far the
 transfer got. Pure functions: the engine passes in what they need.
@@ -46,7 +56,7 @@ from .early_close import STALL_MIN_S
 
 __all__ = ["PEER_SILENCE_RTTS", "IDLE_SCAN_FRACTION", "OWN_STALL_S", "OWN_PAUSE_S", "silence_limit",
            "silence_message", "idle_cause", "next_idle_scan", "stalled", "paused", "REG_ROUNDS_PER_SILENCE",
-           "reg_gap_max"]
+           "reg_gap_max", "PAUSE_CREDIT_LIMITS", "pause_credit"]
 
 #: dead-peer rule: a send fails after this many smoothed RTTs of silence (floored, see Config)
 PEER_SILENCE_RTTS = 64
@@ -82,6 +92,18 @@ def paused(due: float | None, now: float) -> float:
     return late if late > OWN_PAUSE_S else 0.0
 
 
+#: own-pause rule, sending side: the dead-peer clock moves on by this process's pauses up to this many dead-peer
+#: limits past the last datagram heard (so a dead peer is declared within 1 + this many limits of silence)
+PAUSE_CREDIT_LIMITS = 2
+
+
+def pause_credit(silence_from: float, last_heard: float, pause: float, now: float, limit: float) -> float:
+    """The dead-peer clock after this process paused ``pause`` seconds before ``now`` (the own-pause rule):
+    ``silence_from`` (the clock, at or after ``last_heard``, the last datagram heard) moved on by the pause, to no
+    later than ``now`` and no later than :data:`PAUSE_CREDIT_LIMITS` × ``limit`` past ``last_heard``; never back."""
+    return max(silence_from, min(now, silence_from + pause, last_heard + PAUSE_CREDIT_LIMITS * limit))
+
+
 def stalled(due: float | None, now: float) -> bool:
     """True if a timer armed for ``due`` that runs at ``now`` tells of a stall of this process (the own-stall rule)."""
     return due is not None and now - due > OWN_STALL_S
@@ -99,12 +121,14 @@ def silence_limit(config, srtt_s: float | None) -> float:
 
 
 def silence_message(config, *, peer, srtt_s: float | None, silent_s: float, limit_s: float, ran_s: float,
-                    progress: str) -> str:
+                    progress: str, paused_s: float = 0.0) -> str:
     """The ``TransferTimeout`` message of a send whose peer was silent for ``silent_s`` (>= ``limit_s``).
 
-    ``ran_s``: how long the send ran; ``progress``: how far it got, in words."""
+    ``ran_s``: how long the send ran; ``progress``: how far it got, in words; ``paused_s``: how much of the silence
+    was this process's own pauses, not counted against the peer (:func:`pause_credit`)."""
     rtt = f"{srtt_s * 1e3:.2f} ms" if srtt_s is not None else "not measured"
-    return (f"peer {peer} sent nothing for {silent_s:.3f} s, the dead-peer limit "
+    own = f" ({paused_s:.3f} s of it this process's own pauses, not counted)" if paused_s > 1e-3 else ""
+    return (f"peer {peer} sent nothing for {silent_s:.3f} s{own}, the dead-peer limit "
             f"(max({config.peer_silence_min_s} s, {PEER_SILENCE_RTTS} x RTT {rtt}), at most idle_timeout_s="
             f"{config.idle_timeout_s} s, = {limit_s:.3f} s); the send ran {ran_s:.3f} s ({progress}). "
             "The peer process probably died or the path is down")

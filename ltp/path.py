@@ -170,6 +170,8 @@ class Path:
         self.budget_left = False  # the last poll's flow ran out of segments before the window and pacer did
         self.wake: float | None = None  # when the pacer next allows a worthwhile burst
         self.last_heard = float("-inf")  # last datagram from this peer that carried one of our flows' tokens (dead-peer rule)
+        #: the dead-peer rule's clock: last_heard moved on by this process's own pauses since (liveness.pause_credit)
+        self.silence_from = float("-inf")
         self.grant: float | None = None  # the receiver's rate grant (datagram bytes/s; ltp/link_share.py)
         self.grant_at = float("-inf")  # when it was last renewed
         self._grant_floor: float | None = None  # the smallest grant of the current busy period

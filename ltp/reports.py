@@ -96,8 +96,9 @@ class EndpointStats:
     #: timers that ran more than ``liveness.OWN_STALL_S`` late: this process did not run (SIGSTOP, a blocked
     #: loop), and every peer's silence was counted afresh (the own-stall rule, :mod:`ltp.liveness`)
     own_stalls: int = 0
-    #: inputs over ``liveness.OWN_PAUSE_S`` late while receives (or a receive group's clock) were open: this process
-    #: paused, and their Early Close clocks moved on by the pause (the own-pause rule, :mod:`ltp.liveness`)
+    #: inputs over ``liveness.OWN_PAUSE_S`` late while receives (or a receive group's clock) or sends were open: this
+    #: process paused, and their Early Close clocks and the sends' dead-peer clocks moved on by the pause (the
+    #: own-pause rule, :mod:`ltp.liveness`)
     own_pauses: int = 0
     #: datagrams this endpoint's socket dropped for want of room (the kernel's count, ``SO_RXQ_OVFL``, as the
     #: adapter last read it): a receiver slower than its senders

@@ -119,6 +119,8 @@ class FlowSender:
         self.started = now
         self.finished: float | None = None
         self.last_heard = now
+        #: the dead-peer rule's clock: last_heard moved on by this process's own pauses since (liveness.pause_credit)
+        self.silence_from = now
         self.receiver_count = 0
         # registration: every copy is stamped and MACed afresh (see ltp/admission.py)
         self._reg_fields = (total, segment_size, element_size, n, tag, 1 if reliable else 0, runs)
@@ -267,7 +269,7 @@ class FlowSender:
     # -- inputs ------------------------------------------------------------
     def on_heard(self, now: float) -> None:
         """Any valid datagram of this flow arrived."""
-        self.last_heard = now
+        self.last_heard = self.silence_from = now
         self.reg_confirmed = True
         self.hold_data = False
 

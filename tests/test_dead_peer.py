@@ -19,10 +19,13 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import ltp
 from ltp.config import Config
 from ltp.engine import PEER_SILENCE_RTTS
+from ltp.liveness import PAUSE_CREDIT_LIMITS, pause_credit
 from ltp.errors import PeerUnreachable, TransferTimeout
 
 pytestmark = pytest.mark.timeout(120)
@@ -225,6 +228,99 @@ def test_a_dead_peer_is_still_declared_dead_one_limit_after_a_stall(harness, flo
     limit = h.engines[0].silence_limit(h.engines[0]._paths[h.addrs[1]])
     assert limit <= h.now - resumed <= limit + 0.05
     assert h.engines[0].stats.own_stalls == 1
+
+
+def _pausing_sender_to_a_dead_peer(h, floats, *, pause_s: float, registered: bool):
+    """A reliable 8 MB send 0 -> 1 whose peer dies (every datagram lost, both ways) once the send is ``registered``
+    (mid-transfer) or before it starts (every REG lost), while host 0 pauses ``pause_s`` after every datagram it
+    sends from then on, once it has run 20 ms since its last pause (pauses back to back would add up to a stall,
+    which restarts the count by design). Returns ``(the send's event, when the peer died)``."""
+    a, net, sender = h.engines[0], h.net, h.addrs[0]
+    resumes = [float("-inf")]
+
+    def dead_and_pausing(d) -> bool:  # SimLink.drop_if: called for each datagram host 0 sends
+        if net.now >= resumes[0] + 0.02:
+            net.stall(sender, pause_s)
+            resumes[0] = net.now + pause_s
+        return True
+    if registered:
+        hs = _mid_transfer(h, floats, run_s=0.01)
+    died = h.now
+    h.link(0, 1, rate=GBIT, delay_s=0.001, drop_if=dead_and_pausing)
+    h.link(1, 0, rate=GBIT, delay_s=0.001, loss=1.0, loss_min_size=0)
+    if not registered:
+        hs = a.send(h.addrs[1], floats(2_000_000), now=h.now, reliable=True)
+    (ev,) = h.wait([(0, hs)], timeout=30)
+    return ev, died
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["mid_transfer", "registration_unanswered"])
+@pytest.mark.parametrize("pause_s", [0.03, 0.2, 0.45])
+def test_a_dead_peer_is_declared_dead_within_a_bound_however_often_the_sender_pauses(harness, floats, pause_s,
+                                                                                      registered):
+    """The own-pause rule's credit on the sending side is bounded (``liveness.PAUSE_CREDIT_LIMITS``): a sender
+    that pauses after every datagram it sends (a host starved of CPU) to a peer that died is still told, within
+    ``1 + PAUSE_CREDIT_LIMITS`` dead-peer limits of wall-clock silence (plus the pause it is in), and the error
+    says how much of the silence was its own."""
+    limit = 0.5
+    h = harness(seed=59, config=Config(peer_silence_min_s=limit))
+    h.links(rate=GBIT, delay_s=0.001)
+    ev, died = _pausing_sender_to_a_dead_peer(h, floats, pause_s=pause_s, registered=registered)
+    assert isinstance(ev.error, TransferTimeout), ev.error
+    took = h.now - died
+    msg = str(ev.error)
+    assert ("registration unanswered" in msg) != registered
+    assert "own pauses, not counted" in msg and h.engines[0].stats.own_pauses >= 1
+    assert h.engines[0].stats.own_stalls == 0
+    silent = float(msg.split("sent nothing for ")[1].split(" s")[0])  # wall-clock, from the last datagram heard
+    own = float(msg.split("s (")[1].split(" s of it")[0])
+    assert 0 < own <= PAUSE_CREDIT_LIMITS * limit + 1e-9
+    assert silent <= (1 + PAUSE_CREDIT_LIMITS) * limit + pause_s + 0.02, msg  # the bound
+    assert silent - 1e-3 <= took <= silent + pause_s + 0.02  # ACKs in flight when it died were read after a pause
+    assert silent - own >= limit - 1e-9  # the peer's silence while this process ran reached the limit
+
+
+def test_a_sender_that_paused_under_the_dead_peer_limit_keeps_its_live_peer(harness, floats):
+    """The own-pause rule, sending side: a sender whose registration rounds are all lost while it pauses 0.3 s
+    after each datagram heard nothing for 1.2 s, over the 0.5 s limit, yet ran for only a few ms of them. Before,
+    it failed "registration unanswered" at its third pause; now its dead-peer clock moves on by each pause, its
+    fifth round is answered and the send completes."""
+    h = harness(seed=60, config=Config(peer_silence_min_s=0.5))
+    h.links(rate=GBIT, delay_s=0.001)
+    a, b, net, sender = h.engines[0], h.engines[1], h.net, h.addrs[0]
+    state = {"regs": 0}
+
+    def pause_and_lose_four_rounds(d) -> bool:
+        if d[0] & 0x0F != ltp.wire.T_REG:
+            return False
+        net.stall(sender, 0.3)
+        state["regs"] += 1
+        return state["regs"] <= 4 * Config().reg_copies
+    h.link(0, 1, rate=GBIT, delay_s=0.001, drop_if=pause_and_lose_four_rounds)
+    data = floats(200_000)
+    out = np.zeros_like(data)
+    t0 = h.now
+    hs = a.send(h.addrs[1], data, now=t0, reliable=True)
+    hr = b.post_receive([(sender, 0, out)], now=t0)
+    sent, got = h.wait([(0, hs), (1, hr)], timeout=10)
+    assert sent.error is None and got.error is None, sent.error
+    assert np.array_equal(out, data)
+    assert h.now - t0 > 1.2 and a.stats.own_pauses >= 4 and a.stats.own_stalls == 0
+
+
+@given(st.floats(0, 10), st.floats(0, 10), st.floats(0, 5), st.floats(0, 20), st.floats(0.01, 5))
+def test_pause_credit_moves_the_clock_on_by_the_pause_within_its_bounds(heard, earlier, pause, after, limit):
+    """The dead-peer clock after a pause: the whole pause while under the bound, never past ``now`` nor
+    PAUSE_CREDIT_LIMITS limits past the last datagram heard, never back."""
+    bound = heard + PAUSE_CREDIT_LIMITS * limit
+    clock = pause_credit(heard, heard, earlier, heard + earlier, limit)  # an earlier pause moved it
+    assert clock == pytest.approx(min(heard + earlier, bound))
+    now = clock + pause + after
+    got = pause_credit(clock, heard, pause, now, limit)
+    assert clock <= got <= min(now, max(clock, bound)) + 1e-9
+    assert got == pytest.approx(max(clock, min(clock + pause, bound)))
+    assert pause_credit(float("-inf"), float("-inf"), pause, now, limit) == float("-inf")  # never heard: no clock
+    assert pause_credit(clock, heard, 0.0, now, limit) == clock  # no pause, no move
 
 
 def test_timers_run_on_time_are_no_stall(harness, floats):
