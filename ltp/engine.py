@@ -270,6 +270,11 @@ class Engine:
         self._tx_by_handle[handle] = flow
         self.stats.flows_sent += 1
         self._ctrl.extend((reg, peer) for reg in regs)
+        if self._due is None or self._due > now:
+            # its REGs are due now: until the adapter's flush collects them and get_timer re-arms, a stall of this
+            # process counts from here (found by CI: a PS stopped 10 s between a send and its flush, with no timer
+            # armed, failed the send at once on resume, "sent nothing for 10.001 s", the stall unseen)
+            self._due = now
         return handle
 
     def set_source(self, peer, addr) -> None:

@@ -86,10 +86,12 @@ class SimNetwork:
 
     def stall(self, addr, seconds: float) -> None:
         """Stop host ``addr`` from now for ``seconds`` (a SIGSTOPped process): its arrivals wait, its timer
-        does not run; on resume it reads what arrived, then runs its (by then late) timer."""
+        does not run; on resume it reads what arrived, then runs its (by then late) timer, then the flush its
+        loop had scheduled before it stopped (commands issued to a stalled host, e.g. a ``send``, go out then)."""
         if addr not in self.hosts:
             raise KeyError(f"no host {addr!r}: add_host it first")
         self._stalled[addr] = self.now + seconds
+        self._push(self.now + seconds + 2e-9, "resume", addr)
 
     def _stalled_until(self, addr) -> float | None:
         """When stalled host ``addr`` runs again; None when it runs now."""
@@ -186,6 +188,9 @@ class SimNetwork:
                     self.trace.append((self.now, src, dst, data))
                 self.hosts[dst].receive_datagram(data, src, self.now)
                 self.pump(dst)
+            elif kind == "resume":
+                if self._stalled_until(payload) is None:  # not stalled again meanwhile (that stall resumes it)
+                    self.pump(payload)
             else:
                 addr, version = payload
                 if version != self._timer_version[addr]:

@@ -218,6 +218,30 @@ def test_rtt_and_rate_samples_that_span_a_stall_of_the_sender_are_not_taken(harn
     assert path.srtt < 0.05 and path.bbr.rtprop < 0.01
 
 
+def test_a_stall_between_a_send_and_its_flush_is_seen_by_an_idle_engine(harness, floats):
+    """Found by CI (``test_pause_launch``, mlfabric): a PS stopped 10 s after it called ``send`` and before the
+    loop turn that flushes the REGs and arms the timer. The engine was idle before (no timer armed), so the
+    stall had no deadline to be late for: on resume its first timer failed the send at once, "sent nothing for
+    10.001 s (registration unanswered)". The send's REGs are due at once, and that is now the deadline."""
+    h = harness(seed=63, config=Config(peer_silence_min_s=0.5))
+    h.links(rate=GBIT, delay_s=0.001)
+    a, b = h.engines
+    data = floats(50_000)
+    warm = [(0, a.send(h.addrs[1], data, now=h.now, reliable=True)),
+            (1, b.post_receive([(h.addrs[0], 0, np.zeros_like(data))], now=h.now))]
+    h.wait(warm, timeout=5)
+    h.net.run(until=h.now + 1.0)
+    assert a.get_timer() is None  # idle: nothing armed
+    out = np.zeros_like(data)
+    hs = a.send(h.addrs[1], data, now=h.now, reliable=True)
+    hr = b.post_receive([(h.addrs[0], 0, out)], now=h.now)
+    h.net.stall(h.addrs[0], 3.0)  # stopped before the flush, which runs on resume
+    sent, got = h.wait([(0, hs), (1, hr)], timeout=5)
+    assert sent.error is None and got.error is None, sent.error
+    assert np.array_equal(out, data)
+    assert a.stats.own_stalls == 1
+
+
 def test_a_dead_peer_is_still_declared_dead_one_limit_after_a_stall(harness, floats):
     h = harness(seed=55, config=Config(peer_silence_min_s=0.5))
     h.links(rate=GBIT, delay_s=0.001)
