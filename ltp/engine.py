@@ -209,6 +209,9 @@ class Engine:
         self._bulk_bad = 0  # the bulk flow's bad_seq + bad_length when bulk_flow() handed it out
         self._wakes: dict = {}  # (peer, fid) -> when its Early Close decision can change (Timer.EARLY_CLOSE)
         self._due: float | None = None  # the deadline get_timer last gave (the adapter's timer is armed there)
+        # when the REGs of a send not yet flushed became due (None: none waiting): a deadline too, until the
+        # flush (datagrams_to_send) collects them, so a stall between a send and its flush is seen by an idle engine
+        self._ctrl_due: float | None = None
         self._input_at = float("-inf")  # the newest input's now (the own-stall and own-pause rules)
         # when this process last resumed from a pause: a REG that arrived during it (its kernel time) starts its
         # flow's Early Close clock here, as _pause_receives moves the clocks of flows that were open, and an ACK
@@ -270,11 +273,11 @@ class Engine:
         self._tx_by_handle[handle] = flow
         self.stats.flows_sent += 1
         self._ctrl.extend((reg, peer) for reg in regs)
-        if self._due is None or self._due > now:
-            # its REGs are due now: until the adapter's flush collects them and get_timer re-arms, a stall of this
-            # process counts from here (found by CI: a PS stopped 10 s between a send and its flush, with no timer
-            # armed, failed the send at once on resume, "sent nothing for 10.001 s", the stall unseen)
-            self._due = now
+        if self._ctrl_due is None:
+            # its REGs are due now: until the adapter's flush collects them, a stall of this process counts from
+            # here (found by CI: a PS stopped 10 s between a send and its flush, with no timer armed, failed the
+            # send at once on resume, "sent nothing for 10.001 s", the stall unseen)
+            self._ctrl_due = now
         return handle
 
     def set_source(self, peer, addr) -> None:
@@ -902,6 +905,7 @@ class Engine:
     def datagrams_to_send(self, now: float) -> list:
         """Everything to transmit now: control datagrams, then paced DATA batches."""
         self._note_stall(now)
+        self._ctrl_due = None  # the REGs that were due go out now
         if self._ack_dirty:
             every, delay = self.config.ack_every, self.config.ack_delay_s
             for key, flow in list(self._ack_dirty.items()):
@@ -1049,12 +1053,15 @@ class Engine:
         runs, and the flush after that read moves the deadlines (a pacing wake is recomputed from ``now``), so
         the timer that runs next is on time and the stall went unseen (found by CI: a PS stopped for 10 s
         failed a 10 s send, in ``test_pause_launch``). A stall counts once: a deadline from before the moment
-        it was noticed (still due after the read, so the late timer runs next) belongs to it.
+        it was noticed (still due after the read, so the late timer runs next) belongs to it. The REGs of a send
+        not yet flushed are a deadline too (``_ctrl_due``): an idle engine has no timer armed.
 
         A shorter lateness, over ``liveness.OWN_PAUSE_S``, is the own-pause rule: the Early Close clocks of the
         open receives (:meth:`_pause_receives`) and the dead-peer clocks of the open sends (:meth:`_pause_sends`)
         move on by it."""
         due = self._due
+        if self._ctrl_due is not None and (due is None or self._ctrl_due < due):
+            due = self._ctrl_due
         if due is not None and due < self._input_at:
             due = self._input_at  # a deadline already past when it was armed was due at that input, not before
         if now > self._input_at:
@@ -1062,7 +1069,7 @@ class Engine:
         pause = liveness.paused(due, now)
         if not pause:
             return
-        self._due = None  # one pause, counted once
+        self._due = self._ctrl_due = None  # one pause, counted once
         self._paused_until = now
         if self._pause_receives(pause, now) | self._pause_sends(pause, now):
             self.stats.own_pauses += 1

@@ -19,7 +19,10 @@ measured on the engine's clock from the last datagram heard:
   this process did not run (SIGSTOP, a suspended VM, an event loop blocked in
   one call): what the peer sent meanwhile may not have been read, and what we
   meant to send was not sent, so every peer's silence is counted afresh from
-  that moment (``Engine._note_stall``). A genuinely dead
+  that moment (``Engine._note_stall``). A send's REGs are due at once, so
+  ``Engine.send`` is such a deadline even for an idle engine with no timer
+  armed: a process stopped between a send and the loop turn that flushes it is
+  seen. A genuinely dead
   peer is still declared dead one limit later: the timer that judges it runs
   on time. A send's caller timeout (``Endpoint``) follows the same rule with
   its own ticks, every ``CALLER_TICK_S``: a tick this late, or a stall the
