@@ -436,7 +436,7 @@ def _starved_sender(harness, turnaround, lost_copies: int, seed: int = 4):
     """A reliable 25,348-byte send (the size of stop 48's CI failure) from a sender that loses the CPU after each
     REG it sends, for ``turnaround()`` seconds, on a 0.1 ms path whose RTT both sides know (a registration lives
     50 ms); its first ``lost_copies`` REG datagrams are lost.  Returns ``(send event, receive event, sent data,
-    received buffer, seconds taken, receiver)``."""
+    received buffer, seconds taken, harness)``: the sender is ``harness.engines[0]``, the receiver ``[1]``."""
     h = harness(seed=seed, config=Config())
     a, b = h.engines
     sender, net = h.addrs[0], h.net
@@ -461,7 +461,7 @@ def _starved_sender(harness, turnaround, lost_copies: int, seed: int = 4):
     hs = a.send(h.addrs[1], data, now=t0, reliable=True)
     hr = b.post_receive([(sender, 0, buf)], now=t0)
     sent, got = h.wait([(0, hs), (1, hr)], timeout=30)
-    return sent, got, data, buf, h.now - t0, b
+    return sent, got, data, buf, h.now - t0, h
 
 
 @pytest.mark.parametrize("turnaround_s", [0.06, 0.3])
@@ -472,7 +472,8 @@ def test_a_sender_slower_than_its_path_completes_after_its_first_registration_is
     registration lives PENDING_MIN_S = 50 ms.  Its first registration is lost, so its DATA is held until a REG is
     answered.  Before lapsed registrations every re-registration expired before its DATA came, and the send failed
     "transfer refused by peer: unregistered" after nine.  Now the late DATA revives the registration."""
-    sent, got, data, buf, took, b = _starved_sender(harness, lambda: turnaround_s, COPIES)
+    sent, got, data, buf, took, h = _starved_sender(harness, lambda: turnaround_s, COPIES)
+    b = h.engines[1]
     assert sent.error is None and got.error is None, (sent.error, b.stats.dropped)
     assert np.array_equal(buf, data)
     assert b.stats.revived_registrations >= 1 and b.stats.dropped.get("registration_expired", 0) >= 1
@@ -489,8 +490,9 @@ def test_a_starved_sender_completes_whatever_its_turnaround_and_lost_regs(harnes
     for only a few ms of that, and its own pauses do not count against the peer (``liveness.pause_credit``; before
     it, the send failed "registration unanswered")."""
     rng = random.Random(seed)
-    sent, got, data, buf, took, b = _starved_sender(
+    sent, got, data, buf, took, h = _starved_sender(
         harness, lambda: longest * (1 - spread * rng.random()), lost, seed=seed % 7)
+    b = h.engines[1]
     assert sent.error is None and got.error is None, (sent.error, got.error, b.stats.dropped)
     assert np.array_equal(buf, data)
 
