@@ -847,7 +847,8 @@ class Engine:
                             retransmitted_packets=w.retransmits, duration_s=now - flow.started,
                             close_reason=flow.close_reason, rtprop_s=rt or 0.0,
                             btlbw_bps=path.bbr.btlbw if path is not None else 0.0, reliable=flow.reliable,
-                            lost_packets=w.lost_events)
+                            lost_packets=w.lost_events, spurious_losses=w.spurious_losses,
+                            spurious_timeouts=w.spurious_losses - w.spurious_reorder_losses)
         self._events.append(SendDone(flow.handle, report))
 
     # ------------------------------------------------------------------ output

@@ -36,16 +36,11 @@ from .bbr import BBR
 from .config import Config
 from .link_share import GRANT_TTL_S, GRANTED_MIN_BURST_PACKETS, PROVISIONAL_GRANT_S
 from .pacing import Pacer
+from .reordering import REORDER_WINDOW_RTPROPS, Reordering
 from ltp_ext.constants import SPREAD_PART_MIN
 
 __all__ = ["Path", "SegmentTransmit", "Transmit", "PTO_BACKOFF_MAX", "REORDER_WINDOW_RTPROPS", "spread_parts"]
 
-#: RACK's reordering window (RFC 8985), in RTprops: a transmission that a later one overtook (that one was
-#: acknowledged first) is lost once its own round trip and this much more have passed. RFC 8985's initial
-#: value, min_rtt / 4; LTP's paths do not reorder, so it is never widened. Without the rule a loss among a
-#: message's last three packets waited for the tail-loss timer, re-armed by every ACK: about 2.5 round trips
-#: instead of 1.25 (simulator: a 30 kB message on a 20 ms path lost its 20th of 21 packets and took 189 ms).
-REORDER_WINDOW_RTPROPS = 0.25
 
 _NONE = np.empty(0, np.int64)  # no segments (read-only use)
 
@@ -163,6 +158,8 @@ class Path:
         self.app_limited_until = 0
         self.srtt: float | None = None
         self.rttvar = 0.0
+        #: what this path's reordering has taught loss detection (the packet-count rule, the RACK window)
+        self.reordering = Reordering()
         self.pto_count = 0  # tail-loss timeouts in a row that no acknowledgement answered (the PTO backs off)
         self.next_flow_id = rng.randrange(1 << 16)
         self._rng = rng
@@ -337,9 +334,9 @@ class Path:
 
     def reorder_window(self, flow) -> float:
         """RACK's reordering window for ``flow``: :data:`REORDER_WINDOW_RTPROPS` x RTprop (x its own latest
-        RTT sample before RTprop is known)."""
+        RTT sample before RTprop is known), widened where this path reordered (:class:`~ltp.reordering.Reordering`)."""
         base = self.bbr.rtprop if self.bbr.rtprop is not None else flow.rack_rtt
-        return REORDER_WINDOW_RTPROPS * (base or 0.0)
+        return self.reordering.window(base or 0.0, self.srtt)
 
     def reorder_deadline(self, flow) -> float | None:
         """When RACK declares ``flow``'s oldest in-flight transmission lost if nothing else arrives: its send
@@ -366,8 +363,11 @@ class Path:
 
         ``timing_floor``: when this process last resumed from a pause (the own-pause rule, :mod:`ltp.liveness`);
         a transmission sent before it and acknowledged after it gives no RTT or rate sample."""
+        w = flow.window
+        w.reorder_threshold = self.reordering.packet_threshold
+        spurious = w.spurious_reorder_losses
         (newly, newly_bytes, self.delivered, self.delivered_time, rtt, prior_delivered, prior_time, first_sent,
-         sample_sent, lost) = flow.window.on_ack(entries, now, self.delivered, self.delivered_time)
+         sample_sent, lost) = w.on_ack(entries, now, self.delivered, self.delivered_time)
         rate = None
         # samples that span a pause of this process time the pause, not the path (timing_floor): a start-up BBR
         # took a 3 s "RTT" and paced a loopback send at kB/s after it, and the send missed its window (CI, stop 47)
@@ -400,6 +400,11 @@ class Path:
         late = self.reordered(flow, now)
         if late.shape[0]:
             lost = np.concatenate((lost, late)) if lost.shape[0] else late
+        spurious = w.spurious_reorder_losses - spurious
+        if spurious:  # verdicts proved wrong: the path reorders (ltp/reordering.py)
+            self.reordering.on_spurious(spurious, now, self.srtt)
+        elif lost.shape[0]:
+            self.reordering.on_loss_episode()
         if newly:
             self.pto_count = 0
             self.bbr.on_ack(now, delivered=self.delivered, prior_delivered=prior_delivered,

@@ -27,6 +27,12 @@ class SendReport:
     btlbw_bps: float
     reliable: bool
     lost_packets: int = 0
+    #: loss verdicts that the acknowledgements later proved wrong (the transmission had arrived: the path
+    #: reordered or was late, :mod:`ltp.reordering`); each cost a resend unless its ACK came first
+    spurious_losses: int = 0
+    #: of those, the tail-loss timer's (it fired while the ACKs were late: a peer or this process starved of CPU);
+    #: the rest were the reordering rules' (the path reordered)
+    spurious_timeouts: int = 0
 
 
 @dataclass(frozen=True)

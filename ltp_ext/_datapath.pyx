@@ -265,11 +265,15 @@ cdef class SendWindow:
     """
 
     cdef readonly object data, critical, state, attempt, tx_batch, first_batch, tx_index, log_seq, log_acked, log_lane
+    cdef readonly object reorder_verdict
     cdef readonly object flow_id, token, flags
     cdef readonly int64_t total, seg_size, seg_count, last_len
     cdef readonly int64_t log_base, head, tail, acked_in_window
     cdef readonly int64_t acked_count, acked_bytes, inflight_count, inflight_bytes
-    cdef readonly int64_t packets_sent, retransmits, lost_events, bad_acks, dup_acks
+    cdef readonly int64_t packets_sent, retransmits, lost_events, bad_acks, dup_acks, spurious_losses
+    cdef readonly int64_t spurious_reorder_losses
+    cdef uint8_t *_reo               # per segment: its latest loss verdict came from a reordering rule (not expiry)
+    cdef int _reorder_threshold      # the packet-count loss rule's threshold (0: off; reorder_threshold)
 
     cdef object _data_ref            # keeps the Py_buffer export of ``data`` alive
     cdef Py_buffer _data_view
@@ -299,6 +303,7 @@ cdef class SendWindow:
 
     def __cinit__(self, data, total, seg_size, flow_id, token, flags, critical):
         mv = _as_bytes_view(data, False)
+        self._reorder_threshold = _REORDER
         self.data = mv
         if total > len(mv) or total <= 0 or seg_size <= 0:
             raise LocalProtocolError("total must be in 1..len(data) and seg_size positive")
@@ -320,6 +325,7 @@ cdef class SendWindow:
         self.attempt = np.zeros(n, np.uint8)
         self.tx_batch = np.zeros(n, np.int32)
         self.first_batch = np.zeros(n, np.int32)  # attempt 1's batch: its send time (see _ack_one)
+        self.reorder_verdict = np.zeros(n, np.uint8)
         self.tx_index = np.zeros(n, np.int32)
         self._b_cap = 0
         self._nb = 0
@@ -339,6 +345,7 @@ cdef class SendWindow:
         self._attempt = <uint8_t *>_ptr(self.attempt)
         self._txb = <int32_t *>_ptr(self.tx_batch)
         self._fb = <int32_t *>_ptr(self.first_batch)
+        self._reo = <uint8_t *>_ptr(self.reorder_verdict)
         self._txi = <int32_t *>_ptr(self.tx_index)
         self._log_seq = <int32_t *>_ptr(self.log_seq)
         self._log_acked = <uint8_t *>_ptr(self.log_acked)
@@ -406,6 +413,20 @@ cdef class SendWindow:
     def batches(self):
         """Batches used, batch 0 (never sent) included."""
         return self._nb
+
+    @property
+    def reorder_threshold(self):
+        """How many later transmissions of its lane must be acknowledged before :meth:`on_ack` declares one lost
+        (``PACKET_REORDER_THRESHOLD`` by default); 0 turns that rule off, leaving the RACK time rule
+        (:meth:`detect_reordered`) and the tail-loss timer (:meth:`expire`): the sender sets it per path, and turns
+        it off where the path proved to reorder (``ltp.reordering``)."""
+        return self._reorder_threshold
+
+    @reorder_threshold.setter
+    def reorder_threshold(self, value):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _I32_MAX:
+            raise LocalProtocolError(f"reorder_threshold must be an int in 0..{_I32_MAX} (0: off), got {value!r}")
+        self._reorder_threshold = value
 
     @property
     def sent_idx(self):
@@ -601,6 +622,11 @@ cdef class SendWindow:
         if st == _PENDING:
             self.bad_acks += 1
             return
+        if st == _LOST or a != self._attempt[seq]:
+            # a transmission this window had declared lost arrived after all (its resend is not built yet, or an
+            # older attempt is acknowledged after the resend left): the verdict was wrong
+            self.spurious_losses += 1
+            self.spurious_reorder_losses += self._reo[seq]
         wire = self._len(seq) + _HDR
         if st == _INFLIGHT:
             self.inflight_count -= 1
@@ -671,7 +697,8 @@ cdef class SendWindow:
             prior = (self._b_d[b], self._b_dt[b], self._b_fs[b], self._b_time[b])
         else:
             prior = (-1, 0.0, 0.0, 0.0)
-        lost = self._detect(_REORDER, -1.0)
+        lost = self._detect(self._reorder_threshold, -1.0) if self._reorder_threshold else \
+            _new_vec(0, cnp.NPY_INT64, self._lost, sizeof(int64_t))
         return (acc.newly, acc.newly_bytes, delivered, delivered_time, acc.rtt) + prior + (lost,)
 
     def expire(self, double cutoff):
@@ -701,6 +728,7 @@ cdef class SendWindow:
                     or (threshold == 0 and self._b_time[self._txb[seq]] <= cutoff)
                     or (threshold < 0 and later > 0 and self._b_time[self._txb[seq]] <= cutoff)):
                 self._state[seq] = _LOST
+                self._reo[seq] = threshold != 0
                 self.inflight_count -= 1
                 self.inflight_bytes -= self._len(seq) + _HDR
                 self.lost_events += 1

@@ -21,6 +21,13 @@ declares lost every in-flight transmission sent before a cutoff that has an
 acknowledged successor in the log (``acked_in_window`` > 0 at the head), which
 catches a loss among a message's last packets, where fewer than three
 successors exist, a round trip and a reordering window after it was sent.
+``reorder_threshold`` (default ``PACKET_REORDER_THRESHOLD``; 0: off) is the
+packet-count rule's threshold, set by the sender per path (``ltp.reordering``).
+A verdict is proved wrong when its transmission is acknowledged after all
+(before the resend was built, or as an older attempt after it):
+``spurious_losses`` counts those, ``spurious_reorder_losses`` the ones the
+reordering rules made (``reorder_verdict`` remembers per segment which kind of
+rule made its latest verdict).
 
 :class:`RecvWindow` is the per-flow state of a receiver: it validates each DATA
 datagram of its flow, copies the payload straight into the destination buffer
@@ -105,6 +112,7 @@ class SendWindow(_Geometry):
         self.attempt = np.zeros(n, np.uint8)
         self.tx_batch = np.zeros(n, np.int32)
         self.first_batch = np.zeros(n, np.int32)  # attempt 1's batch: an ACK echoing it is an exact RTT sample
+        self.reorder_verdict = np.zeros(n, np.uint8)  # per segment: its latest loss verdict came from a reordering rule
         self.tx_index = np.zeros(n, np.int32)  # 1 + the send index of the latest transmission (0: never)
         # per batch: send time, and the path's delivered bytes, delivered time and first-sent time at send
         self._b_time = np.zeros(SEND_BATCH_MIN, np.float64)
@@ -128,8 +136,25 @@ class SendWindow(_Geometry):
         self.packets_sent = 0
         self.retransmits = 0
         self.lost_events = 0
+        self.spurious_losses = 0
+        self.spurious_reorder_losses = 0
         self.bad_acks = 0
         self.dup_acks = 0
+        self._reorder_threshold = PACKET_REORDER_THRESHOLD
+
+    @property
+    def reorder_threshold(self) -> int:
+        """How many later transmissions of its lane must be acknowledged before :meth:`on_ack` declares one lost
+        (``PACKET_REORDER_THRESHOLD`` by default); 0 turns that rule off, leaving the RACK time rule
+        (:meth:`detect_reordered`) and the tail-loss timer (:meth:`expire`): the sender sets it per path, and turns
+        it off where the path proved to reorder (``ltp.reordering``)."""
+        return self._reorder_threshold
+
+    @reorder_threshold.setter
+    def reorder_threshold(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _I32_MAX:
+            raise LocalProtocolError(f"reorder_threshold must be an int in 0..{_I32_MAX} (0: off), got {value!r}")
+        self._reorder_threshold = value
 
     def seg_len(self, seq: int) -> int:
         """Payload bytes of segment ``seq``."""
@@ -296,6 +321,11 @@ class SendWindow(_Geometry):
             if st == SEG_PENDING:
                 self.bad_acks += 1
                 continue
+            if st == SEG_LOST or a != self.attempt[seq]:
+                # a transmission this window had declared lost arrived after all (its resend is not built yet,
+                # or an older attempt is acknowledged after the resend left): the verdict was wrong
+                self.spurious_losses += 1
+                self.spurious_reorder_losses += int(self.reorder_verdict[seq])
             wire = self.seg_len(seq) + HEADER_SIZE
             if st == SEG_INFLIGHT:
                 self.inflight_count -= 1
@@ -334,7 +364,7 @@ class SendWindow(_Geometry):
             sample_sent = float(self._b_time[b])
         else:
             prior_delivered, prior_time, first_sent, sample_sent = -1, 0.0, 0.0, 0.0
-        lost = self._detect(PACKET_REORDER_THRESHOLD, -1.0)
+        lost = self._detect(self._reorder_threshold, -1.0) if self._reorder_threshold else np.empty(0, np.int64)
         return (newly, newly_bytes, delivered, delivered_time, rtt, prior_delivered, prior_time,
                 first_sent, sample_sent, lost)
 
@@ -365,6 +395,7 @@ class SendWindow(_Geometry):
                     or (threshold == 0 and self._b_time[self.tx_batch[seq]] <= cutoff)
                     or (threshold < 0 and later > 0 and self._b_time[self.tx_batch[seq]] <= cutoff)):
                 self.state[seq] = SEG_LOST
+                self.reorder_verdict[seq] = threshold != 0
                 self.inflight_count -= 1
                 self.inflight_bytes -= self.seg_len(seq) + HEADER_SIZE
                 self.lost_events += 1

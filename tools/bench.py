@@ -37,6 +37,17 @@ Theory of operation
     answering for ``RECEIVER_LINGER_S`` after its receive before it closes, so
     a sender whose final ACKs were lost is not told the port is gone.
 
+    Where resends came from, for LTP: ``lost_packets`` (the sender's loss
+    verdicts), ``spurious_losses`` (those its ACKs later proved wrong;
+    ``spurious_timeouts`` of them the tail-loss timer's, the rest the
+    reordering rules', :mod:`ltp.reordering`),
+    ``receiver_duplicates`` (copies that arrived twice: resends the
+    path did not need), ``measured_loss`` and ``reverse_measured_loss`` (the
+    lab's drops on the data and on the ACK direction), ``kernel_drops`` (the
+    receiving socket's full-buffer drops and every CPU's input-backlog drops
+    during the transfer, :mod:`ltp_tools.kernel_drops`), and ``sender_pauses``
+    / ``receiver_pauses`` (each end's own stalls and pauses, :mod:`ltp.liveness`).
+
     ltp-bench --transport ltp --size 1G --loss 0.01 --rate 1gbit --delay 10ms
 """
 
@@ -54,6 +65,7 @@ import time
 import ltp
 from ltp_ext.constants import SEND_THREADS_MAX
 from ltp_tools.argtypes import number
+from ltp_tools import kernel_drops
 from ltp_tools.machine_cpu import cpu_s_per_gb, machine_cpu_s
 from ltp_tools.payload import pattern, verify
 
@@ -152,8 +164,10 @@ def _ltp_receiver(args) -> int:
         for w in range(args.warmup):  # same path, earlier messages: the link is measured
             await ep.recv(buf, tag=w, timeout=wait)
         cpu0, user0 = _cpu()
+        udp0 = kernel_drops.udp_drops()
         rep = await ep.recv(buf, tag=args.warmup, timeout=wait)
         cpu1, user1 = _cpu()
+        udp = kernel_drops.delta(udp0, kernel_drops.udp_drops())
         cpu, user = cpu1 - cpu0, user1 - user0
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         ok = None
@@ -162,6 +176,7 @@ def _ltp_receiver(args) -> int:
         out = dict(regime=rep.regime, received_bytes=rep.received_bytes, delivered_fraction=rep.delivered_fraction,
                    receiver_cpu_s=round(cpu, 3), receiver_user_s=round(user, 3), verified=ok, receiver_peak_rss=peak,
                    receiver_rss_before_transfer=base_rss, dropped=dict(ep.stats.dropped),
+                   duplicates=rep.duplicates, udp_drops=udp, receiver_pauses=ep.stats.own_pauses + ep.stats.own_stalls,
                    extensions=ltp.using_extensions(), receiver_wakeups=dict(ep.loop_stats),
                    receiver_io={k: ep.io_stats[k] for k in ("syscalls", "datagrams_in", "slots_in")})
         await ep.close(linger=RECEIVER_LINGER_S)
@@ -192,7 +207,9 @@ def _ltp_sender(args) -> int:
         machine = _machine_delta(m0)
         out = dict(duration_s=round(dt, 4), delivered_bytes=rep.delivered_bytes,
                    delivered_fraction=rep.delivered_fraction, retransmitted_packets=rep.retransmitted_packets,
-                   packets_sent=rep.packets_sent, close_reason=rep.close_reason, sender_cpu_s=round(cpu, 3),
+                   packets_sent=rep.packets_sent, lost_packets=rep.lost_packets, spurious_losses=rep.spurious_losses,
+                   spurious_timeouts=rep.spurious_timeouts, close_reason=rep.close_reason,
+                   sender_cpu_s=round(cpu, 3), sender_pauses=ep.stats.own_pauses + ep.stats.own_stalls,
                    sender_user_s=round(user, 3), machine_cpu_s=machine,
                    rtprop_ms=round(rep.rtprop_s * 1e3, 3), btlbw_gbps=round(rep.btlbw_bps * 8 / 1e9, 3),
                    sender_wakeups=dict(ep.loop_stats), send_threads=ep.config.send_threads,
@@ -299,6 +316,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
         rcv_conn = ["--peer", snd_host, "--peer-port", str(port + 1)] if connected else []
         snd_conn = ["--connected", "--bind-port", str(port + 1)] if connected else []
         t_wall = time.time()
+        backlog0 = kernel_drops.backlog_drops()
         if transport == "ltp":
             rp = popen(rcv, [py, "-m", "ltp_tools.bench", "_ltp_recv", "--port", str(port), *rcv_conn, *common],
                        **kw)
@@ -316,12 +334,19 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             delivered = s["delivered_bytes"]
             result = dict(transport="ltp", mode=mode, **{k: s[k] for k in (
                 "duration_s", "retransmitted_packets", "packets_sent", "sender_cpu_s", "close_reason",
-                "rtprop_ms", "btlbw_gbps", "machine_cpu_s", "sender_wakeups", "sender_user_s")},
+                "rtprop_ms", "btlbw_gbps", "machine_cpu_s", "sender_wakeups", "sender_user_s", "lost_packets", "spurious_losses", "spurious_timeouts",
+                "sender_pauses")},
                 delivered_fraction=r["delivered_fraction"], receiver_cpu_s=r["receiver_cpu_s"],
                 receiver_user_s=r["receiver_user_s"],
                 verified=r["verified"], receiver_peak_rss=r["receiver_peak_rss"],
                 receiver_overhead_bytes=r["receiver_peak_rss"] - size, dropped_by_receiver=r["dropped"],
-                extensions=r["extensions"], receiver_wakeups=r["receiver_wakeups"], receiver_io=r["receiver_io"])
+                extensions=r["extensions"], receiver_wakeups=r["receiver_wakeups"], receiver_io=r["receiver_io"],
+                receiver_duplicates=r["duplicates"], receiver_pauses=r["receiver_pauses"])
+            backlog1 = kernel_drops.backlog_drops()
+            udp = r["udp_drops"] or {}
+            result["kernel_drops"] = dict(
+                receiver_socket=udp.get("udp_rcvbuf_errors"),
+                input_backlog=None if backlog0 is None or backlog1 is None else backlog1 - backlog0)
             io = r["receiver_io"]  # > 1 only where the receiving interface coalesced (GRO)
             result["receiver_datagrams_per_slot"] = round(io["datagrams_in"] / io["slots_in"], 2) if io["slots_in"] else None
             result["goodput_gbps"] = round(min(delivered, r["received_bytes"]) * 8 / s["duration_s"] / 1e9, 4)
@@ -344,6 +369,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
         per_gb = cpu_s_per_gb(result.get("machine_cpu_s"), delivered_bytes)
         result["machine_cpu_s_per_gb"] = None if per_gb is None else round(per_gb, 3)
         stats = lab.loss_stats(rcv) if lab is not None else {}
+        reverse = lab.loss_stats(snd, "ingress") if lab is not None else {}
         if transport == "ltp":
             result["send_threads"] = s.get("send_threads")
             result["thread_pacing_s"] = s.get("thread_pacing_s")
@@ -352,6 +378,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             result["connected"] = s.get("connected")
         result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
                       measured_loss=stats.get("measured_loss"), oversize_packets=stats.get("oversize"),
+                      reverse_measured_loss=reverse.get("measured_loss"),
                       backend=lab.backend if lab is not None else "loopback",
                       receive_gro=lab.gro if lab is not None else True, wall_s=round(time.time() - t_wall, 2))
         if result.get("mode") == "reliable" and (result.get("delivered_fraction", 1.0) < 1.0
