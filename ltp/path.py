@@ -401,10 +401,11 @@ class Path:
         if late.shape[0]:
             lost = np.concatenate((lost, late)) if lost.shape[0] else late
         spurious = w.spurious_reorder_losses - spurious
-        if spurious:  # verdicts proved wrong: the path reorders (ltp/reordering.py)
-            self.reordering.on_spurious(spurious, now, self.srtt)
-        elif lost.shape[0]:
-            self.reordering.on_loss_episode()
+        if self.config.learn_reordering:
+            if spurious:  # verdicts proved wrong: the path reorders (ltp/reordering.py)
+                self.reordering.on_spurious(spurious, now, self.srtt)
+            elif lost.shape[0]:
+                self.reordering.on_loss_episode()
         if newly:
             self.pto_count = 0
             self.bbr.on_ack(now, delivered=self.delivered, prior_delivered=prior_delivered,

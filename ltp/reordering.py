@@ -11,7 +11,9 @@ Theory of operation
     them needed). Each wrong verdict costs a resend and a congestion-control loss signal.
 
     The sender learns a verdict was wrong when the transmission it declared lost is acknowledged after all
-    (``SendWindow.spurious_losses``). :class:`Reordering` is the path's memory of that, after RFC 8985 section 6.2:
+    (``SendWindow.spurious_losses``). :class:`Reordering` is the path's memory of that, after RFC 8985 section 6.2,
+    fed only where ``Config.learn_reordering`` is on (off by default: see its comment for what waiting for late
+    packets cost on the lab's most jittery path):
 
     - *in order* (the start): the packet-count rule is on and the reordering window is
       ``REORDER_WINDOW_RTPROPS`` x RTprop.

@@ -64,3 +64,15 @@ def test_a_tolerant_delivery_is_verified_outside_and_inside_its_bubbles():
     assert not verify(bad, bubbles, step=700)  # a bubble that is not zero-filled
     assert not verify(holed, [(9000, 10_001)])  # a bubble past the end
     assert not verify(holed, [(9000, 10_000), (1456, 2912)])  # out of order
+
+
+def test_a_jitter_larger_than_the_delay_is_refused_before_any_lab_is_built(capsys):
+    from ltp_tools.bench import main, run_bench
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--delay", "1ms", "--jitter", "2ms"])
+    assert exc.value.code == 2 and "must not exceed --delay" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="jitter must be in 0..delay"):
+        run_bench(delay_s=0.001, jitter_s=0.002)
+    with pytest.raises(ValueError, match="jitter must be in 0..delay"):
+        run_bench(jitter_s=-0.001)

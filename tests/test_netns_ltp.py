@@ -125,6 +125,20 @@ def test_a_spread_transfer_is_exact_and_its_reordering_costs_no_resends(lab, spr
         assert res["retransmitted_packets"] <= 0.001 * res["packets_sent"] + drops + res["spurious_timeouts"], seen
 
 
+def test_a_path_that_reorders_is_exact_and_its_wrong_verdicts_are_counted(lab):
+    """``ltp-bench --delay 2ms --jitter 1ms``: each packet's one-way delay is 1-3 ms, so the lab's delayer reorders
+    them. The transfer is exact; the ACKs prove some of the reordering rules' verdicts wrong, and the report says so
+    (``spurious_losses`` beside ``spurious_timeouts``, the tail-loss timer's share)."""
+    from ltp_tools.bench import run_bench
+
+    res = run_bench(transport="ltp", size=20_000_000, delay_s=0.002, jitter_s=0.001, mode="reliable", lab=lab,
+                    timeout=120)
+    assert res["verified"] is True and res["delivered_fraction"] == 1.0 and "error" not in res, res
+    assert res["jitter_s"] == 0.001 and res["measured_loss"] == 0.0
+    assert res["spurious_losses"] - res["spurious_timeouts"] > 0, res  # the reordering rules were proved wrong
+    assert res["lost_packets"] >= res["spurious_losses"] and res["retransmitted_packets"] <= res["lost_packets"]
+
+
 def test_a_run_without_loss_on_a_shared_lab_clears_an_earlier_runs_loss_on_the_acks(lab):
     """``run_bench`` on a lab shared by runs sets both directions every time. It set the ACK direction only with
     ``loss_both``, so a clean run after a ``loss_both`` one kept that run's loss on its ACKs (found by the spread

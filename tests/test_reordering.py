@@ -91,3 +91,13 @@ def test_the_state_stays_within_its_bounds(events, rtprop, srtt):
         assert (r.packet_threshold == 0) == r.seen
         assert r.seen or r.mult == 1
         assert r.spurious == total
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_learn_reordering_must_be_a_bool(bad):
+    from ltp.config import Config
+    from ltp.errors import LocalProtocolError
+
+    assert Config().learn_reordering is False  # off by default (docs/performance.md, "Session 51")
+    with pytest.raises(LocalProtocolError, match="learn_reordering=.*pass True or False"):
+        Config(learn_reordering=bad)

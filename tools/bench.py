@@ -7,7 +7,8 @@ Theory of operation
     (random drop of data-sized packets at the receiver's ingress, the lab's
     default rule, so small ACKs survive; ``--loss-both`` also drops in the
     reverse direction and all sizes), ``--rate`` (tbf on the receiver's
-    downlink), ``--delay`` (one-way, on the receiver's ingress). Offloads are
+    downlink), ``--delay`` (one-way, on the receiver's ingress; ``--jitter``
+    adds a uniform ± that reorders packets). Offloads are
     off on the lab's veths, so GSO batches are segmented before the loss point
     and the loss rate holds per wire packet (the lab's ``oversize`` counter
     checks it; it is reported). ``--gro`` turns receive GRO on at the hosts'
@@ -259,7 +260,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
               delay_s: float = 0.0, mtu: int = 1500, mode: str = "reliable", loss_both: bool = False,
               timeout: float = 300.0, lab=None, port: int = 7447, warmup: int = 0, gro: bool = False,
               tcp_buffer: str = "message", send_threads: int | None = None, bulk_drain: bool = True,
-              connected: bool = True, thread_pacing_s: float | None = None, spread: bool | None = None) -> dict:
+              connected: bool = True, thread_pacing_s: float | None = None, spread: bool | None = None,
+              jitter_s: float = 0.0) -> dict:
     """Run one transfer and return the result dict (see module docstring).
 
     ``tcp_buffer`` says where a TCP transfer's bytes live (:data:`ltp_tools.tcpbench.BUFFERS`): ``"message"``
@@ -279,6 +281,9 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
     """
     from ltp_tools.netlab import Lab, check_support
 
+    if not 0.0 <= jitter_s <= delay_s:
+        raise ValueError(f"jitter must be in 0..delay (the delay is {delay_s * 1e3:g} ms ± jitter), "
+                         f"got {jitter_s * 1e3:g} ms")
     own_lab = None
     problem = check_support() if lab is None else None
     if lab is None and problem is None:
@@ -288,7 +293,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
     try:
         if lab is not None:
             snd, rcv = lab.hosts[0], lab.hosts[1]
-            lab.impair(rcv, "ingress", loss=loss, rate_bps=rate_bps, delay_s=delay_s,
+            lab.impair(rcv, "ingress", loss=loss, rate_bps=rate_bps, delay_s=delay_s, jitter_s=jitter_s,
                        queue_bytes=None if rate_bps is None else max(256_000, int(rate_bps / 8 * 0.005)))
             # the reverse direction too, every time: a lab shared by runs kept an earlier run's loss on the ACKs
             lab.impair(snd, "ingress", loss=loss if loss_both else 0.0, all_sizes=loss_both)
@@ -334,7 +339,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             delivered = s["delivered_bytes"]
             result = dict(transport="ltp", mode=mode, **{k: s[k] for k in (
                 "duration_s", "retransmitted_packets", "packets_sent", "sender_cpu_s", "close_reason",
-                "rtprop_ms", "btlbw_gbps", "machine_cpu_s", "sender_wakeups", "sender_user_s", "lost_packets", "spurious_losses", "spurious_timeouts",
+                "rtprop_ms", "btlbw_gbps", "machine_cpu_s", "sender_wakeups", "sender_user_s", "lost_packets",
+                "spurious_losses", "spurious_timeouts",
                 "sender_pauses")},
                 delivered_fraction=r["delivered_fraction"], receiver_cpu_s=r["receiver_cpu_s"],
                 receiver_user_s=r["receiver_user_s"],
@@ -376,7 +382,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             result["spread_sends"] = s.get("spread_sends")
             result["bulk_drain"] = bulk_drain
             result["connected"] = s.get("connected")
-        result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s, mtu=mtu, loss_both=loss_both,
+        result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s,
+                      jitter_s=jitter_s, mtu=mtu, loss_both=loss_both,
                       measured_loss=stats.get("measured_loss"), oversize_packets=stats.get("oversize"),
                       reverse_measured_loss=reverse.get("measured_loss"),
                       backend=lab.backend if lab is not None else "loopback",
@@ -427,6 +434,9 @@ def main(argv=None) -> int:
     ap.add_argument("--loss-both", action="store_true", help="drop in both directions and all sizes")
     ap.add_argument("--rate", type=parse_rate, default=None, help="tbf rate, e.g. 1gbit (default: unlimited)")
     ap.add_argument("--delay", type=parse_time, default=0.0, help="one-way delay, e.g. 10ms")
+    ap.add_argument("--jitter", type=parse_time, default=0.0,
+                    help="each packet's delay is --delay plus or minus up to this much, uniformly, which reorders "
+                         "them as netem's jitter does (at most --delay)")
     ap.add_argument("--mtu", type=number(int, 576, 65535, what="the link MTU"), default=1500)
     ap.add_argument("--mode", choices=["reliable", "tolerant"], default="reliable")
     ap.add_argument("--timeout", type=number(float, 0.0, what="seconds a transfer may take", open_lo=True),
@@ -457,6 +467,9 @@ def main(argv=None) -> int:
                     help="LTP: both endpoints accept any peer, as a parameter server's does (default: each is "
                          "connected to the other, open_endpoint(peer=...), as kernel TCP's sockets are)")
     args = ap.parse_args(argv)
+    if args.jitter > args.delay:
+        ap.error(f"--jitter ({args.jitter * 1e3:g} ms) must not exceed --delay ({args.delay * 1e3:g} ms): each "
+                 "packet's delay is --delay plus or minus up to --jitter")
     for _ in range(args.repeats):
         try:
             res = run_bench(transport=args.transport, size=args.size, loss=args.loss, rate_bps=args.rate,
@@ -464,7 +477,7 @@ def main(argv=None) -> int:
                             timeout=args.timeout, warmup=args.warmup, gro=args.gro, tcp_buffer=args.tcp_buffer,
                             send_threads=args.send_threads, bulk_drain=not args.no_bulk_drain,
                             connected=not args.unconnected, thread_pacing_s=args.thread_pacing,
-                            spread=None if args.spread is None else args.spread == "on")
+                            spread=None if args.spread is None else args.spread == "on", jitter_s=args.jitter)
         except (TimeoutError, subprocess.TimeoutExpired, ltp.LTPError, RuntimeError) as exc:
             # a transfer that did not finish is a result to report, not a crash
             print(f"ltp-bench: {args.transport} transfer of {args.size} B failed: {type(exc).__name__}: {exc}",
