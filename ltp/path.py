@@ -334,7 +334,8 @@ class Path:
 
     def reorder_window(self, flow) -> float:
         """RACK's reordering window for ``flow``: :data:`REORDER_WINDOW_RTPROPS` x RTprop (x its own latest
-        RTT sample before RTprop is known), widened where this path reordered (:class:`~ltp.reordering.Reordering`)."""
+        RTT sample before RTprop is known), widened where this path reordered and ``Config.learn_reordering`` is on
+        (:class:`~ltp.reordering.Reordering`)."""
         base = self.bbr.rtprop if self.bbr.rtprop is not None else flow.rack_rtt
         return self.reordering.window(base or 0.0, self.srtt)
 
@@ -364,8 +365,10 @@ class Path:
         ``timing_floor``: when this process last resumed from a pause (the own-pause rule, :mod:`ltp.liveness`);
         a transmission sent before it and acknowledged after it gives no RTT or rate sample."""
         w = flow.window
-        w.reorder_threshold = self.reordering.packet_threshold
-        spurious = w.spurious_reorder_losses
+        learn = self.config.learn_reordering
+        if learn:  # what the path's reordering taught (ltp/reordering.py)
+            w.reorder_threshold = self.reordering.packet_threshold
+            spurious = w.spurious_reorder_losses
         (newly, newly_bytes, self.delivered, self.delivered_time, rtt, prior_delivered, prior_time, first_sent,
          sample_sent, lost) = w.on_ack(entries, now, self.delivered, self.delivered_time)
         rate = None
@@ -400,9 +403,9 @@ class Path:
         late = self.reordered(flow, now)
         if late.shape[0]:
             lost = np.concatenate((lost, late)) if lost.shape[0] else late
-        spurious = w.spurious_reorder_losses - spurious
-        if self.config.learn_reordering:
-            if spurious:  # verdicts proved wrong: the path reorders (ltp/reordering.py)
+        if learn:
+            spurious = w.spurious_reorder_losses - spurious
+            if spurious:  # verdicts proved wrong: the path reorders
                 self.reordering.on_spurious(spurious, now, self.srtt)
             elif lost.shape[0]:
                 self.reordering.on_loss_episode()

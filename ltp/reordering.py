@@ -4,11 +4,10 @@ Theory of operation
     A sender declares a transmission lost by two rules (``ltp_ext._datapath.SendWindow``): the packet-count rule
     (``PACKET_REORDER_THRESHOLD`` = 3 later transmissions of its lane acknowledged) and RACK's time rule (RFC
     8985: a later transmission was acknowledged and the transmission's own round trip plus a *reordering window*
-    has passed). Both assume the path keeps order. A real path can break it: on a Linux host a veth hands each
-    packet to the backlog of the CPU that sent it, so a sender thread that moves between cores, or a core whose
-    packet work waits behind busy processes, lets later packets overtake earlier ones by hundreds of packets or
-    milliseconds (found by CI, 2026-12-06: a clean 40 MB lab transfer, 1,193 loss verdicts, 205 resends, none of
-    them needed). Each wrong verdict costs a resend and a congestion-control loss signal.
+    has passed). Both assume the path keeps order. A real path can break it: multipath routing, link-layer
+    retries, or delay jitter let later packets overtake earlier ones (the lab's delayer does it with ``--jitter``:
+    on 2 ms +- 1 ms one way, 192-381 needless resends per 40 MB). Each wrong verdict costs a resend unless the
+    late packet's ACK comes before the resend is built.
 
     The sender learns a verdict was wrong when the transmission it declared lost is acknowledged after all
     (``SendWindow.spurious_losses``). :class:`Reordering` is the path's memory of that, after RFC 8985 section 6.2,

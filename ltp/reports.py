@@ -28,7 +28,7 @@ class SendReport:
     reliable: bool
     lost_packets: int = 0
     #: loss verdicts that the acknowledgements later proved wrong (the transmission had arrived: the path
-    #: reordered or was late, :mod:`ltp.reordering`); each cost a resend unless its ACK came first
+    #: reordered, or the ACKs were late); each cost a resend unless its ACK came first
     spurious_losses: int = 0
     #: of those, the tail-loss timer's (it fired while the ACKs were late: a peer or this process starved of CPU);
     #: the rest were the reordering rules' (the path reordered)
