@@ -36,10 +36,10 @@ from .bbr import BBR
 from .config import Config
 from .link_share import GRANT_TTL_S, GRANTED_MIN_BURST_PACKETS, PROVISIONAL_GRANT_S
 from .pacing import Pacer
-from .reordering import REORDER_WINDOW_RTPROPS, Reordering
+from .reordering import Reordering
 from ltp_ext.constants import SPREAD_PART_MIN
 
-__all__ = ["Path", "SegmentTransmit", "Transmit", "PTO_BACKOFF_MAX", "REORDER_WINDOW_RTPROPS", "spread_parts"]
+__all__ = ["Path", "SegmentTransmit", "Transmit", "PTO_BACKOFF_MAX", "spread_parts"]
 
 
 _NONE = np.empty(0, np.int64)  # no segments (read-only use)
@@ -333,7 +333,7 @@ class Path:
         return t if t > now else None
 
     def reorder_window(self, flow) -> float:
-        """RACK's reordering window for ``flow``: :data:`REORDER_WINDOW_RTPROPS` x RTprop (x its own latest
+        """RACK's reordering window for ``flow``: :data:`~ltp.reordering.REORDER_WINDOW_RTPROPS` x RTprop (x its own latest
         RTT sample before RTprop is known), widened where this path reordered and ``Config.learn_reordering`` is on
         (:class:`~ltp.reordering.Reordering`)."""
         base = self.bbr.rtprop if self.bbr.rtprop is not None else flow.rack_rtt

@@ -15,13 +15,15 @@ from ltp.sim import SimNetwork
 class SimHarness:
     """Engines on a :class:`SimNetwork` plus helpers to wait for their events."""
 
-    def __init__(self, n_hosts: int = 2, seed: int = 0, config: Config | None = None, configs=None) -> None:
-        self.net = SimNetwork(seed=seed)
+    def __init__(self, n_hosts: int = 2, seed: int = 0, config: Config | None = None, configs=None, *,
+                 gather_send: bool = False, interleave_parts: bool = False) -> None:
+        """``gather_send`` and ``interleave_parts`` go to every :class:`Engine` and to the :class:`SimNetwork`."""
+        self.net = SimNetwork(seed=seed, interleave_parts=interleave_parts)
         self.addrs = [(f"10.0.0.{i + 1}", 7447) for i in range(n_hosts)]
         self.engines = []
         for i, addr in enumerate(self.addrs):
             cfg = configs[i] if configs else (config or Config())
-            eng = Engine(cfg, rng=random.Random(seed * 1000 + i))
+            eng = Engine(cfg, rng=random.Random(seed * 1000 + i), gather_send=gather_send)
             self.engines.append(eng)
             self.net.add_host(addr, eng)
         self.events: list = []

@@ -113,25 +113,17 @@ def test_a_clean_path_declares_nothing_lost(harness, floats):
         assert tag == 0 or sent.report.lost_packets == 0, sent.report
 
 
-def _spread_transfer(floats, *, lanes_built: bool, loss: float, seed: int = 3, learn: bool = False):
+def _spread_transfer(harness, floats, *, lanes_built: bool, loss: float, seed: int = 3, learn: bool = False):
     """A 6 MB reliable transfer between two gather-send engines with ``Config.spread_sends`` (two sender threads)
     on a simulated 10 Gbit/s path whose network sends each batch's parts interleaved, last part first. With
     ``lanes_built`` False the path builds every batch in one lane while the network still interleaves its halves:
     loss detection before lanes. Returns (report, retransmitted packets, batches sent in parts)."""
-    from ltp.engine import Engine
-    from ltp.sim import SimNetwork
-    import random
-
-    net = SimNetwork(seed=seed, interleave_parts=True)
-    addrs = [("10.0.0.1", 7447), ("10.0.0.2", 7447)]
     # ACKs every 512 packets and bursts of 256 or more: batches large enough to be built in two lanes (the
     # simulator pumps an engine on every arrival, where an event loop gathers what arrived in a tick)
     cfg = Config(spread_sends=True, send_threads=2, ack_every=512, min_burst_packets=256, learn_reordering=learn)
-    engines = [Engine(cfg, rng=random.Random(seed * 10 + i), gather_send=True) for i in range(2)]
-    for a, e in zip(addrs, engines):
-        net.add_host(a, e)
-    net.set_link(addrs[0], addrs[1], rate=1.25e9, delay_s=0.0002, loss=loss, loss_min_size=200)
-    net.set_link(addrs[1], addrs[0], rate=1.25e9, delay_s=0.0002)
+    h = harness(seed=seed, config=cfg, gather_send=True, interleave_parts=True)
+    h.link(0, 1, rate=1.25e9, delay_s=0.0002, loss=loss, loss_min_size=200)
+    h.link(1, 0, rate=1.25e9, delay_s=0.0002)
     spread = []
     real_poll = None
     if not lanes_built:
@@ -145,14 +137,13 @@ def _spread_transfer(floats, *, lanes_built: bool, loss: float, seed: int = 3, l
             return tx
         Path.poll = one_lane_poll
     try:
-        data = floats(1_500_000, seed)
-        in_order = net._in_wire_order
+        in_order = h.net._in_wire_order
 
         def counted(tx):  # note each batch's parts on its way out
             spread.append(getattr(tx, "parts", 1))
             return in_order(tx)
-        net._in_wire_order = counted
-        rep, _ = _reliable_transfer(net, engines, addrs, data, limit_s=30)
+        h.net._in_wire_order = counted
+        rep, _ = _reliable_transfer(h, floats(1_500_000, seed), timeout_s=30)
         return rep, rep.retransmitted_packets, sum(p > 1 for p in spread)
     finally:
         if real_poll is not None:
@@ -161,13 +152,13 @@ def _spread_transfer(floats, *, lanes_built: bool, loss: float, seed: int = 3, l
 
 
 @pytest.mark.parametrize("loss", [0.0, 0.02])
-def test_interleaved_parts_of_a_batch_built_in_lanes_cost_no_spurious_resends(floats, loss):
+def test_interleaved_parts_of_a_batch_built_in_lanes_cost_no_spurious_resends(harness, floats, loss):
     """Sender threads send a spread batch's parts side by side, so they interleave on the wire. Loss detection
     counts each lane apart: with no loss nothing is resent, with 2 % loss about the lost packets are (each lost
     packet once or a little more). Built in one lane, the same interleaving trips the 3-out-of-order rule on a
     clean path. (Measured, both implementations: 0 of 4,121 packets resent at 0 %, 86 of 4,207 at 2 %; in one
     lane 496 of 4,617 at 0 %.)"""
-    rep, resent, spread = _spread_transfer(floats, lanes_built=True, loss=loss)
+    rep, resent, spread = _spread_transfer(harness, floats, lanes_built=True, loss=loss)
     assert spread > 10, spread  # most batches went out in two interleaved parts
     n = rep.packets_sent - rep.retransmitted_packets
     if loss:
@@ -176,69 +167,53 @@ def test_interleaved_parts_of_a_batch_built_in_lanes_cost_no_spurious_resends(fl
         assert resent == 0, rep
     assert rep.spurious_losses == 0, rep
     if not loss:  # one lane: the interleaving is reordering, which the sender learns from its wrong verdicts
-        one, resent_one_lane, spread = _spread_transfer(floats, lanes_built=False, loss=0.0)
+        one, resent_one_lane, spread = _spread_transfer(harness, floats, lanes_built=False, loss=0.0)
         assert spread > 10 and resent_one_lane > 0.05 * n and one.spurious_losses > 0, one
 
 
-def test_a_path_that_proved_to_reorder_costs_a_fraction_of_the_resends(floats):
+def test_a_path_that_proved_to_reorder_costs_a_fraction_of_the_resends(harness, floats):
     """The same interleaving built in one lane is a path that reorders. Once ACKs prove its first loss verdicts
     wrong, a sender with ``Config.learn_reordering`` turns the packet-count rule off and widens the RACK window
     (ltp/reordering.py): 126 of 4,247 packets resent (both implementations), against 496 when it does not learn
     (the default). The transfer is exact either way."""
-    learned, resent_learned, _ = _spread_transfer(floats, lanes_built=False, loss=0.0, learn=True)
-    blind, resent_blind, _ = _spread_transfer(floats, lanes_built=False, loss=0.0)
+    learned, resent_learned, _ = _spread_transfer(harness, floats, lanes_built=False, loss=0.0, learn=True)
+    blind, resent_blind, _ = _spread_transfer(harness, floats, lanes_built=False, loss=0.0)
     assert resent_learned < 0.5 * resent_blind, (resent_learned, resent_blind)
     assert learned.spurious_losses < 0.5 * blind.spurious_losses, (learned, blind)
 
 
-def test_a_path_that_reorders_and_loses_still_resends_every_lost_packet(floats):
+def test_a_path_that_reorders_and_loses_still_resends_every_lost_packet(harness, floats):
     """With the packet-count rule off (the path proved to reorder), real losses are found by the RACK time rule
     and the tail-loss timer: the transfer is exact (``_spread_transfer`` checks every byte) and the path did learn."""
-    rep, resent, _ = _spread_transfer(floats, lanes_built=False, loss=0.02, learn=True)
+    rep, resent, _ = _spread_transfer(harness, floats, lanes_built=False, loss=0.02, learn=True)
     n = rep.packets_sent - resent
     assert rep.spurious_losses > 0 and resent >= 0.5 * 0.02 * n, rep
 
 
-def _jittery_transfer(floats, *, jitter_s, loss, seed, learn):
+def _jittery_transfer(harness, floats, *, jitter_s, loss, seed, learn):
     """A 8 MB reliable transfer over 1 Gbit/s, 2 ms one way, with up to ``jitter_s`` of random extra delay per
     packet (which reorders them) and ``loss`` on the DATA: (report, seconds)."""
-    from ltp.engine import Engine
-    from ltp.sim import SimNetwork
-    import random
-
-    net = SimNetwork(seed=seed)
-    addrs = [("10.0.0.1", 7447), ("10.0.0.2", 7447)]
-    engines = [Engine(Config(learn_reordering=learn), rng=random.Random(seed * 10 + i)) for i in range(2)]
-    for a, e in zip(addrs, engines):
-        net.add_host(a, e)
-    net.set_link(addrs[0], addrs[1], rate=1.25e8, delay_s=0.002, jitter_s=jitter_s, loss=loss, loss_min_size=200)
-    net.set_link(addrs[1], addrs[0], rate=1.25e8, delay_s=0.002)
-    return _reliable_transfer(net, engines, addrs, floats(2_000_000, seed), limit_s=60)
+    h = harness(seed=seed, config=Config(learn_reordering=learn))
+    h.link(0, 1, rate=1.25e8, delay_s=0.002, jitter_s=jitter_s, loss=loss, loss_min_size=200)
+    h.link(1, 0, rate=1.25e8, delay_s=0.002)
+    return _reliable_transfer(h, floats(2_000_000, seed), timeout_s=60)
 
 
-def _reliable_transfer(net, engines, addrs, data, *, limit_s):
-    """Send ``data`` reliably from engine 0 to engine 1 on ``net`` and check every byte arrived: (the sender's
-    report, seconds from send to both ends done)."""
+def _reliable_transfer(h, data, *, timeout_s):
+    """Send ``data`` reliably from engine 0 to engine 1 of the harness ``h`` and check every byte arrived: (the
+    sender's report, seconds from send to both ends done)."""
     out = np.zeros_like(data)
-    a, b = engines
-    t0 = net.now
-    h = a.send(addrs[1], data, now=t0, reliable=True, tag=5)
-    r = b.post_receive([(addrs[0], 5, out)], now=t0)
-    net.pump(addrs[0])
-    done = {}
-
-    def finished():
-        for i, e in enumerate(engines):
-            while (ev := e.next_event()) is not None:
-                done[(i, ev.handle)] = ev
-        return (0, h) in done and (1, r) in done
-    net.run(until=t0 + limit_s, stop=finished)
-    assert (0, h) in done and np.array_equal(out, data)
-    return done[(0, h)].report, net.now - t0
+    a, b = h.engines
+    t0 = h.now
+    s = a.send(h.addrs[1], data, now=t0, reliable=True, tag=5)
+    r = b.post_receive([(h.addrs[0], 5, out)], now=t0)
+    sent, _ = h.wait([(0, s), (1, r)], timeout=timeout_s)
+    assert np.array_equal(out, data)
+    return sent.report, h.now - t0
 
 
 @pytest.mark.parametrize("jitter_s,loss,seed", [(0.0005, 0.0, 1), (0.002, 0.0, 2), (0.002, 0.01, 3), (0.004, 0.03, 4)])
-def test_a_jittery_path_is_learned_and_costs_few_resends(floats, jitter_s, loss, seed):
+def test_a_jittery_path_is_learned_and_costs_few_resends(harness, floats, jitter_s, loss, seed):
     """Random per-packet delay reorders a path as multipath routing does. Learning from its wrong verdicts
     (``Config.learn_reordering``, ltp/reordering.py), the sender resends about the lost packets (and what its
     tail-loss timer resends when the jitter outlasts it); blind to them (the default) it resends about a sixth of
@@ -246,8 +221,8 @@ def test_a_jittery_path_is_learned_and_costs_few_resends(floats, jitter_s, loss,
     jitter, 0 %), 28 / 1,028 (2 ms, 0 %),
     110 / 1,059 (2 ms, 1 %), 286 / 1,337 (4 ms, 3 %); learning took 0.080-0.102 s, at most 2 % longer than
     blind (4 ms, 3 %) and 8 % shorter at 2 ms, 1 %."""
-    learned, t_learned = _jittery_transfer(floats, jitter_s=jitter_s, loss=loss, seed=seed, learn=True)
-    blind, t_blind = _jittery_transfer(floats, jitter_s=jitter_s, loss=loss, seed=seed, learn=False)
+    learned, t_learned = _jittery_transfer(harness, floats, jitter_s=jitter_s, loss=loss, seed=seed, learn=True)
+    blind, t_blind = _jittery_transfer(harness, floats, jitter_s=jitter_s, loss=loss, seed=seed, learn=False)
     n = learned.packets_sent - learned.retransmitted_packets
     assert learned.retransmitted_packets <= 3 * loss * n + 0.01 * n, learned
     assert learned.retransmitted_packets < 0.5 * blind.retransmitted_packets, (learned, blind)
