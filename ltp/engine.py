@@ -92,7 +92,7 @@ from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAbor
 from .link_share import SHARE_REFRESH_S, datagram_share, on_loopback
 from .liveness import PEER_SILENCE_RTTS  # noqa: F401  (re-exported: the dead-peer rule's constant)
 from .matching import CLAIM_STEP_BYTES, ReceiveMatcher
-from .path import Path, Transmit
+from .path import PTO_BACKOFF_MIN_PACKETS, Path, Transmit
 from .placement import PlacementHints, overlap, overlapping_pair
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .regimes import CloseReason, Regime, stop_reason
@@ -1145,8 +1145,9 @@ class Engine:
                     lost = flow.window.expire(now - pto + 1e-9)
                     if lost.shape[0]:
                         flow.requeue_lost(lost)
-                        timed_out = True
-            if timed_out:  # the path's next probe timeout is twice as long, until an ACK answers (Path.pto)
+                        timed_out = timed_out or lost.shape[0] >= PTO_BACKOFF_MIN_PACKETS
+            if timed_out:  # the path's next probe timeout is twice as long, until an ACK answers (Path.pto): not
+                # for a timeout that re-sends only a few packets, which floods no one
                 path.pto_count += 1
         for key, wake in list(self._wakes.items()):
             if wake <= now:

@@ -704,6 +704,40 @@ def test_a_receiver_that_stops_reading_is_not_sent_a_window_per_probe_timeout(ha
     assert path.pto_count == 0
 
 
+@pytest.mark.parametrize("one_way_s", [0.0002, 0.01])
+def test_a_lone_segment_whose_resends_keep_being_lost_is_not_backed_off(harness, floats, one_way_s):
+    """Only segment 5 is missing and its first five transmissions are lost: each tail-loss timeout re-sends one
+    packet, which floods no one, so the next timeout does not double (``PTO_BACKOFF_MIN_PACKETS``). The sixth copy
+    arrives within about six base probe timeouts (doubling from the second, as before this rule, took 10.9 and
+    15.4 of them)."""
+    from ltp import wire
+    from ltp.path import PTO_BACKOFF_MIN_PACKETS
+
+    assert PTO_BACKOFF_MIN_PACKETS > 1
+    h = harness(seed=48)
+    h.links(rate=GBIT, delay_s=one_way_s)
+    a, b = h.engines
+
+    def drop(d):
+        ptype, _, _, _, word, *_ = wire.unpack_header(d)
+        return ptype == wire.T_DATA and word >> 8 == 5 and word & 0xFF <= 5
+
+    data = floats(20_000)
+    out = np.zeros_like(data)
+    # the first message teaches the path its RTT; the second loses segment 5 five times
+    _transfer(h, floats(20_000, seed=1), np.zeros_like(data), reliable=True, tag=1)
+    h.link(0, 1, rate=GBIT, delay_s=one_way_s, drop_if=drop)
+    path = a._paths[h.addrs[1]]
+    base = path.base_pto()
+    t0 = h.now
+    sent, recv = _transfer(h, data, out, reliable=True, tag=2)
+    assert recv.reports[0].regime == "complete" and np.array_equal(out, data)
+    took = h.now - t0
+    assert sent.report.retransmitted_packets == 5, sent.report
+    assert took <= 6.5 * base + 4 * one_way_s + 0.002, (took, base)
+    assert path.pto_count == 0
+
+
 def test_each_flow_on_a_path_gets_its_turn_while_the_receiver_is_silent(harness, floats):
     """Two flows to one peer (a PS's READY note, then the gradient) and a receiver that reads nothing for a
     while: each tail-loss timeout re-queues both flows' segments, and the same turn sends both, not only the
