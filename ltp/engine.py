@@ -1121,7 +1121,7 @@ class Engine:
         self._due = None
         for path in list(self._paths.values()):
             pto = path.pto()
-            timed_out = False
+            declared = 0  # packets this path's tail-loss timeouts declared lost now
             for flow in list(path.flows):
                 if flow.state != OPEN:
                     continue
@@ -1145,9 +1145,10 @@ class Engine:
                     lost = flow.window.expire(now - pto + 1e-9)
                     if lost.shape[0]:
                         flow.requeue_lost(lost)
-                        timed_out = timed_out or lost.shape[0] >= PTO_BACKOFF_MIN_PACKETS
-            if timed_out:  # the path's next probe timeout is twice as long, until an ACK answers (Path.pto): not
-                # for a timeout that re-sends only a few packets, which floods no one
+                        declared += lost.shape[0]
+            if declared >= PTO_BACKOFF_MIN_PACKETS:
+                # the path's next probe timeout is twice as long, until an ACK answers (Path.pto); not after a
+                # timeout that re-sends only a few packets over all its flows, which floods no one
                 path.pto_count += 1
         for key, wake in list(self._wakes.items()):
             if wake <= now:

@@ -738,6 +738,29 @@ def test_a_lone_segment_whose_resends_keep_being_lost_is_not_backed_off(harness,
     assert path.pto_count == 0
 
 
+def test_many_small_sends_to_a_stalled_receiver_still_back_off(harness):
+    """Eight one-packet sends to a receiver that stopped reading: each timeout declares one packet per flow lost,
+    eight over the path, and that counts as a window (``PTO_BACKOFF_MIN_PACKETS`` is per path, not per flow)."""
+    from ltp import wire
+
+    h = harness(seed=49)
+    h.links(rate=GBIT, delay_s=0.0002)
+    a, b = h.engines
+    data_sent = []
+    h.link(0, 1, rate=GBIT, delay_s=0.0002,
+           drop_if=lambda d: data_sent.append(1) if wire.unpack_header(d)[0] == wire.T_DATA else False)
+    h.net.stall(h.addrs[1], 0.3)
+    handles = [a.send(h.addrs[1], np.full(4, k, np.float32), now=h.now, tag=k) for k in range(8)]
+    h.net.run(until=h.now + 0.25)
+    path = a._paths[h.addrs[1]]
+    assert path.pto_count >= 4
+    # a first copy and one per timeout each, not one per base PTO (4 ms: 60 timeouts)
+    assert len(data_sent) <= 8 * (path.pto_count + 2), (len(data_sent), path.pto_count)
+    outs = [np.zeros(4, np.float32) for _ in range(8)]
+    h.wait([(1, b.post_receive([(h.addrs[0], k, outs[k])], now=h.now)) for k in range(8)] + [(0, x) for x in handles])
+    assert [o[0] for o in outs] == list(range(8))
+
+
 def test_each_flow_on_a_path_gets_its_turn_while_the_receiver_is_silent(harness, floats):
     """Two flows to one peer (a PS's READY note, then the gradient) and a receiver that reads nothing for a
     while: each tail-loss timeout re-queues both flows' segments, and the same turn sends both, not only the
