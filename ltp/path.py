@@ -13,8 +13,10 @@ whole budget is used, whichever flows it takes). The path also keeps the RFC 629
 tail-loss probe timeout -- doubled for every timeout in a row that no
 acknowledgement answered, up to :data:`PTO_BACKOFF_MAX` doublings (as TCP's
 RTO and QUIC's PTO back off; a receiver that stops reading for a while must
-not be sent a fresh window per probe timeout into its full socket; a
-registration's repeats back off on their own, from :meth:`Path.base_pto`) --
+not be sent a fresh window per probe timeout into its full socket), except
+after a timeout that re-sent fewer than :data:`PTO_BACKOFF_MIN_PACKETS`
+packets (a registration's repeats back off on their own, from
+:meth:`Path.base_pto`) --
 and the delivery-rate state (delivered bytes,
 delivered time, first-sent time, app-limited mark) that turns each ACK into
 a BBR sample. With ``Config.spread_sends`` a large gather batch is built in
@@ -167,7 +169,9 @@ class Path:
         self.rttvar = 0.0
         #: what this path's reordering has taught loss detection (the packet-count rule, the RACK window)
         self.reordering = Reordering()
-        self.pto_count = 0  # tail-loss timeouts in a row that no acknowledgement answered (the PTO backs off)
+        #: tail-loss timeouts in a row that no acknowledgement answered and that re-sent at least
+        #: PTO_BACKOFF_MIN_PACKETS packets (the PTO backs off)
+        self.pto_count = 0
         self.next_flow_id = rng.randrange(1 << 16)
         self._rng = rng
         self._out = bytearray(0)
@@ -197,7 +201,8 @@ class Path:
 
     def pto(self) -> float:
         """The tail-loss probe timeout: :meth:`base_pto`, doubled per tail-loss timeout in a row that no
-        acknowledgement answered (``pto_count``, at most :data:`PTO_BACKOFF_MAX` times)."""
+        acknowledgement answered and that re-sent at least :data:`PTO_BACKOFF_MIN_PACKETS` packets (``pto_count``,
+        at most :data:`PTO_BACKOFF_MAX` times)."""
         return self.base_pto() * (1 << min(self.pto_count, PTO_BACKOFF_MAX))
 
     def est_word(self) -> int:

@@ -198,7 +198,10 @@ def test_no_live_worker_and_none_rejoins_fails_naming_the_drop_reasons():
     assert "failed after" in msg  # the real elapsed time, not a configured constant
 
 
-def _kill_at(job, round_index, ranks):
+async def _run_killing_at(job, round_index, ranks):
+    """Run the job, killing the workers ``ranks`` once the PS reaches ``round_index``; returns the job's results.
+    A job that ends before that round returns its own outcome (the killer stops with it) instead of hanging the
+    test until its timeout."""
     ps = job.servers[0]
 
     async def killer():
@@ -206,7 +209,11 @@ def _kill_at(job, round_index, ranks):
             await asyncio.sleep(0.002)
         for r in ranks:
             job.net.kill(job.worker_transports[r].local_addr)
-    return killer()
+    kill = asyncio.ensure_future(killer())
+    try:
+        return await run_job_allow_fail(job)
+    finally:
+        kill.cancel()
 
 
 def test_the_only_worker_killed_mid_round_waits_for_a_rejoin_not_an_empty_round_count():
@@ -216,10 +223,7 @@ def test_the_only_worker_killed_mid_round_waits_for_a_rejoin_not_an_empty_round_
     job = make_job(1, epochs=3, lr=0.1, gather_timeout_s=0.3, max_missed=2, join_timeout_s=0.5,
                    worker_kw={"pull_timeout_s": 3.0})
 
-    async def go():
-        return await asyncio.gather(run_job_allow_fail(job), _kill_at(job, 5, [0]))
-
-    (res, _) = asyncio.run(asyncio.wait_for(go(), 60))
+    res = asyncio.run(asyncio.wait_for(_run_killing_at(job, 5, [0]), 60))
     assert isinstance(res[0], TrainingFailed), res[0]
     assert "no live worker at round" in str(res[0]) and "none rejoined within" in str(res[0]), res[0]
 
@@ -227,14 +231,14 @@ def test_the_only_worker_killed_mid_round_waits_for_a_rejoin_not_an_empty_round_
 @pytest.mark.parametrize("n", [1, 7])
 def test_every_worker_killed_in_the_last_round_fails_the_job(n):
     # Nobody delivered the last round: the job did not finish its training, even though fewer than
-    # --max-missed rounds were missed and the model of the round before is fine.
-    job = make_job(n, iterations=12, lr=0.1, gather_timeout_s=0.3, max_missed=3, join_timeout_s=0.5,
+    # --max-missed rounds were missed and the model of the round before is fine. Stop 52's CI timed out here
+    # (7 workers, lr 0.1): the killer waited for round 11 after the job had ended, and the test said nothing of how.
+    # Not reproduced (four runs beside two busy loops failed the last round as they should). The killer now stops
+    # with the job, whose own outcome then fails the test. lr 0.02: the point is the last round, not the accuracy,
+    # and 7 workers at lr 0.1 can make the model diverge first (as in the async budget test).
+    job = make_job(n, iterations=12, lr=0.02, gather_timeout_s=0.3, max_missed=3, join_timeout_s=0.5,
                    worker_kw={"pull_timeout_s": 3.0})
-
-    async def go():
-        return await asyncio.gather(run_job_allow_fail(job), _kill_at(job, 11, range(n)))
-
-    (res, _) = asyncio.run(asyncio.wait_for(go(), 60))
+    res = asyncio.run(asyncio.wait_for(_run_killing_at(job, 11, range(n)), 60))
     assert isinstance(res[0], TrainingFailed), res[0]
     assert "the last round (11) applied no update" in str(res[0]), res[0]
 
