@@ -746,7 +746,7 @@ def test_many_small_sends_to_a_stalled_receiver_still_back_off(harness):
     h = harness(seed=49)
     h.links(rate=GBIT, delay_s=0.0002)
     a, b = h.engines
-    data_sent = []
+    data_sent = []  # drop_if counts the DATA datagrams and drops nothing (list.append returns None)
     h.link(0, 1, rate=GBIT, delay_s=0.0002,
            drop_if=lambda d: data_sent.append(1) if wire.unpack_header(d)[0] == wire.T_DATA else False)
     h.net.stall(h.addrs[1], 0.3)

@@ -232,10 +232,10 @@ def test_the_only_worker_killed_mid_round_waits_for_a_rejoin_not_an_empty_round_
 def test_every_worker_killed_in_the_last_round_fails_the_job(n):
     # Nobody delivered the last round: the job did not finish its training, even though fewer than
     # --max-missed rounds were missed and the model of the round before is fine. Stop 52's CI timed out here
-    # (7 workers, lr 0.1): the killer waited for round 11 after the job had ended, and the test said nothing of how.
+    # (7 workers, lr 0.1) with the killer still waiting for round 11, so the test said nothing of the job's state.
     # Not reproduced (four runs beside two busy loops failed the last round as they should). The killer now stops
-    # with the job, whose own outcome then fails the test. lr 0.02: the point is the last round, not the accuracy,
-    # and 7 workers at lr 0.1 can make the model diverge first (as in the async budget test).
+    # with the job, so a job that ends early fails the test with its own outcome. lr 0.02: the point is the last
+    # round, not the accuracy, and 7 workers at lr 0.1 may make the model diverge first (as in the async budget test).
     job = make_job(n, iterations=12, lr=0.02, gather_timeout_s=0.3, max_missed=3, join_timeout_s=0.5,
                    worker_kw={"pull_timeout_s": 3.0})
     res = asyncio.run(asyncio.wait_for(_run_killing_at(job, 11, range(n)), 60))
