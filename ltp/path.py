@@ -67,7 +67,7 @@ PTO_BACKOFF_MAX = 3
 #: a tail-loss timeout that declared fewer packets than this lost (over all the path's flows) does not double the
 #: next: the backoff keeps a stalled receiver from being sent a window per timeout, and a handful of packets is no
 #: flood. *Choice, 2026-12-06*: without it, one segment whose resends kept being lost (10 % loss of every datagram,
-#: a 20 ms one-way path, the first message) waited 60, 120, 240 and 480 ms between them, and its 30 kB ring step
+#: a 10 ms one-way path, the first message) waited 60, 120, 240 and 480 ms between them, and its 30 kB ring step
 #: took 950 ms
 PTO_BACKOFF_MIN_PACKETS = 4
 
