@@ -92,7 +92,7 @@ from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAbor
 from .link_share import SHARE_REFRESH_S, datagram_share, on_loopback
 from .liveness import PEER_SILENCE_RTTS  # noqa: F401  (re-exported: the dead-peer rule's constant)
 from .matching import CLAIM_STEP_BYTES, ReceiveMatcher
-from .path import PTO_BACKOFF_MIN_PACKETS, Path, Transmit
+from .path import Path, Transmit
 from .placement import PlacementHints, overlap, overlapping_pair
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .regimes import CloseReason, Regime, stop_reason
@@ -1146,10 +1146,8 @@ class Engine:
                     if lost.shape[0]:
                         flow.requeue_lost(lost)
                         declared += lost.shape[0]
-            if declared >= PTO_BACKOFF_MIN_PACKETS:
-                # the path's next probe timeout is twice as long, until an ACK answers (Path.pto); not after a
-                # timeout that re-sends only a few packets over all its flows, which floods no one
-                path.pto_count += 1
+            if declared:
+                path.on_tail_loss(declared)
         for key, wake in list(self._wakes.items()):
             if wake <= now:
                 flow = self._rx.get(key)

@@ -199,6 +199,13 @@ class Path:
             return max(self.config.min_pto_s, 2 * self.config.initial_rtt_s) * 2
         return max(self.config.min_pto_s, self.srtt + 4 * self.rttvar)
 
+    def on_tail_loss(self, declared: int) -> None:
+        """This turn's tail-loss timeouts declared ``declared`` packets lost over all the path's flows: the next
+        probe timeout is twice as long (``pto_count``, until an ACK answers), unless they were fewer than
+        :data:`PTO_BACKOFF_MIN_PACKETS`, which floods no one."""
+        if declared >= PTO_BACKOFF_MIN_PACKETS:
+            self.pto_count += 1
+
     def pto(self) -> float:
         """The tail-loss probe timeout: :meth:`base_pto`, doubled per tail-loss timeout in a row that no
         acknowledgement answered and that re-sent at least :data:`PTO_BACKOFF_MIN_PACKETS` packets (``pto_count``,
