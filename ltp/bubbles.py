@@ -48,6 +48,7 @@ def critical_mask(byte_ranges, total: int, segment_size: int) -> tuple:
     mask = np.zeros(count, np.uint8)
     if isinstance(byte_ranges, (tuple, list)) and not byte_ranges:  # the common case (every gradient, every small message): nothing critical
         return mask, []
+    spans = []
     for rng in byte_ranges:
         try:
             raw_start, raw_end = rng
@@ -59,12 +60,17 @@ def critical_mask(byte_ranges, total: int, segment_size: int) -> tuple:
         if not 0 <= start < end <= total:
             raise LocalProtocolError(
                 f"critical range ({start}, {end}) is outside the {total}-byte buffer; use 0 <= start < end <= len")
-        mask[start // segment_size:(end - 1) // segment_size + 1] = 1
+        spans.append((start // segment_size, (end - 1) // segment_size + 1))
+    # merge the segment spans in Python: a message names a few ranges, and numpy's per-call cost on a
+    # mask scan was most of a small message's set-up (docs/performance.md, session 53)
+    spans.sort()
     runs = []
-    if mask.any():
-        idx = np.flatnonzero(mask)
-        breaks = np.flatnonzero(np.diff(idx) != 1)
-        starts = np.concatenate(([idx[0]], idx[breaks + 1]))
-        ends = np.concatenate((idx[breaks] + 1, [idx[-1] + 1]))
-        runs = [(int(a), int(b)) for a, b in zip(starts, ends)]
+    for a, b in spans:
+        if runs and a <= runs[-1][1]:  # overlapping or adjacent: one run
+            if b > runs[-1][1]:
+                runs[-1] = (runs[-1][0], b)
+        else:
+            runs.append((a, b))
+    for a, b in runs:
+        mask[a:b] = 1
     return mask, runs
