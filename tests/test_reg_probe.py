@@ -10,8 +10,12 @@ does.
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ltp.sender as sender_mod
 from ltp import wire
@@ -146,3 +150,40 @@ def test_while_data_is_held_take_hands_out_only_the_probe():
     assert not f.has_sendable() and f.take(5).shape[0] == 0
     f.on_heard(0.003)  # a REG answered: everything is sendable again
     assert f.has_sendable() and f.take(100).shape[0] == 10 - 3 - REG_PROBE_SEGMENTS
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), reg_loss=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+       answer_loss=st.sampled_from([0.0, 0.5, 1.0]), data_loss=st.sampled_from([0.0, 0.1, 0.4]),
+       reset_loss=st.sampled_from([0.0, 0.5]), one_way=st.sampled_from([0.0002, 0.005, 0.03]),
+       reliable=st.booleans(), size=st.sampled_from([4, 30_000, 300_000]))
+def test_any_loss_of_registrations_and_answers_ends_every_send(harness, seed, reg_loss, answer_loss, data_loss,
+                                                               reset_loss, one_way, reliable, size):
+    """REGs, their answers, DATA and RESETs each lost at their own rate: every send ends within a few seconds,
+    completed (a reliable one with every byte) or failed with an error that names the peer; the receive ends
+    too, at the latest at its own timeout. No probe, RESET or back-off keeps a send going without end."""
+    rng = random.Random(seed)
+    rates = {wire.T_REG: reg_loss, wire.T_DATA: data_loss, wire.T_RESET: reset_loss}
+    h = harness(seed=seed, config=Config())
+    a, b = h.engines
+
+    def drop(d) -> bool:
+        p = answer_loss if _answer(d) else rates.get(_kind(d), 0.0)
+        return rng.random() < p
+    h.link(0, 1, rate=125e6, delay_s=one_way, drop_if=drop)
+    h.link(1, 0, rate=125e6, delay_s=one_way, drop_if=drop)
+    data = np.arange(size // 4, dtype=np.float32)
+    buf = np.zeros_like(data)
+    hs = a.send(h.addrs[1], data, now=0.0, reliable=reliable, tag=1)
+    hr = b.post_receive([(h.addrs[0], 1, buf)], now=0.0, timeout=60.0)
+    (sent,) = h.wait([(0, hs)], timeout=120)
+    # ended within a few dead-peer limits (1 s on these paths: 64 RTTs is less), whatever was lost
+    assert h.now < 5.0, (h.now, sent.error)
+    (got,) = h.wait([(1, hr)], timeout=120)
+    if sent.error is None:
+        assert sent.report.delivered_bytes > 0
+        if reliable:
+            assert got.error is None and np.array_equal(buf, data)
+    else:
+        assert h.addrs[1][0] in str(sent.error), sent.error
+    assert h.now <= 60.0 + 1e-6, h.now
