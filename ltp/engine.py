@@ -566,14 +566,10 @@ class Engine:
             reason = wire.RESET_REASONS.get(w2, "unknown")
             flow = self._tx.get(key)
             if flow is not None and flow.token == token:
-                held = flow.hold_data and not flow.reg_confirmed  # it refused DATA sent before or behind a REG round
                 if reason == "unregistered" and flow.state == OPEN and \
                         flow.reregister(now, 2 * self._paths[addr].base_pto()):
                     self.stats.reregistrations += 1
-                    # while DATA is held the refusal answers an old segment or a probe (sender.REG_PROBE_SEGMENTS):
-                    # the peer is alive, but nothing says our REGs reach it, so the dead-peer clock keeps running
-                    # (else probes refused each round would keep a send to a peer no REG reaches going forever)
-                    return not held
+                    return True
                 if reason == "stale" and flow.state == OPEN:
                     if not flow.answers_latest_reg(w3):
                         self.stats.drop("stale_old_copy")  # a newer, fresher copy is on its way or admitted
@@ -1141,10 +1137,6 @@ class Engine:
                     self._ctrl.extend((reg, flow.peer) for reg in flow.reg_datagrams(
                         now, path.est_word(), path.base_pto(), self._wall_us(now),
                         liveness.reg_gap_max(self.config, path.srtt)))
-                    if flow.hold_data:  # a few segments follow the REGs (sender.REG_PROBE_SEGMENTS)
-                        refused = flow.probe_behind_reg(now)
-                        if refused.shape[0]:
-                            flow.requeue_lost(refused)
                 lost = path.reordered(flow, now)  # RACK: overtaken, and a round trip + reordering window old
                 if lost.shape[0]:
                     flow.requeue_lost(lost)

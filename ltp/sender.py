@@ -33,7 +33,6 @@ from .errors import LocalProtocolError
 _dp = _load("datapath")
 SEG_ACKED = _dp.SEG_ACKED
 SEG_LOST = _dp.SEG_LOST
-_NO_SEGMENTS = np.zeros(0, np.int64)
 
 __all__ = ["FlowSender", "OPEN", "DONE", "FAILED"]
 
@@ -48,12 +47,6 @@ MAX_REREGISTRATIONS = 8
 #: the longest wait between two registration rounds (seconds)
 REG_GAP_MAX_S = 1.0
 
-#: a registration round sent while DATA is held (:meth:`FlowSender.probe_behind_reg`) lets this many DATA segments
-#: follow its REGs: when a REG gets through they commit the flow at once and their ACK confirms it as well as the
-#: REG's answer does, so a lost answer no longer leaves the receiver registered, its Early Close clock running,
-#: and nothing sent until the next round (at 20 % loss of every datagram a ring of 30 kB messages lost most of a
-#: message that way in about 1 flow of 200); few enough that a full queue is not sent a window per round
-REG_PROBE_SEGMENTS = 2
 #: a REG refused as ``stale`` is stamped afresh and sent again this many times before the flow fails: a process
 #: that stopped (SIGSTOP, a long pause) between taking ``now`` and sending, on either side, makes one REG look
 #: old; a clock that is really off draws ``stale`` every time and fails after these few round trips
@@ -144,7 +137,6 @@ class FlowSender:
         self.reg_copies = reg_copies
         self.reg_next: float = now
         self.hold_data = False  # the receiver answered DATA with RESET unregistered: wait for a REG's answer
-        self.probe_left = 0  # while DATA is held: segments that may still follow the latest REG round
         self.rack_rtt: float | None = None  # RTT of the newest transmission acknowledged (RACK; Path.on_ack)
         #: DATA was refused as unregistered (it overtook its REG, or the REG was lost): whatever is in flight
         #: when a REG is next answered was dropped there, and goes again at once (``resend_refused``)
@@ -195,19 +187,6 @@ class FlowSender:
         self.reg_next = now
         return True
 
-    def probe_behind_reg(self, now: float) -> np.ndarray:
-        """A registration round went out while DATA is held: :data:`REG_PROBE_SEGMENTS` segments may follow it
-        (:meth:`take`). Returns the segments in flight that were refused as unregistered (all were sent before
-        this round: none is sent while DATA is held), declared lost now so that the probe can carry them, as
-        :meth:`resend_refused` would once a REG is answered; empty when nothing was refused. A probe refused
-        again draws a RESET that shows the peer alive but not that our REGs reach it: the engine does not count
-        it against the dead-peer rule, so a peer no REG reaches still fails the send in time."""
-        self.probe_left = REG_PROBE_SEGMENTS
-        if not self.data_refused:
-            return _NO_SEGMENTS
-        self.data_refused = False
-        return self.window.expire(now)
-
     def resend_refused(self, now: float) -> np.ndarray:
         """A REG was answered after DATA had been refused as unregistered: the segments still in flight were
         sent before the receiver knew the flow and were dropped there. They are declared lost now (and go
@@ -240,7 +219,7 @@ class FlowSender:
     # -- sending --------------------------------------------------------
     def has_sendable(self) -> bool:
         """True when a segment is waiting in CQ, NQ or RQ."""
-        if self.state != OPEN or (self.hold_data and not self.probe_left):
+        if self.state != OPEN or self.hold_data:
             return False
         return bool(self.cq) or self.nq_pos < self.normal.shape[0] or bool(self.rq)
 
@@ -252,16 +231,8 @@ class FlowSender:
         """Up to ``n`` segments to transmit next: CQ, then NQ, then RQ, in that strict order.
 
         A short final segment ends the batch (one GSO batch may only end with a
-        short datagram), so queue order is never bent to fit the batch. While DATA
-        is held, at most what the latest REG round's probe has left.
+        short datagram), so queue order is never bent to fit the batch.
         """
-        if self.hold_data:
-            seqs = self._take(min(n, self.probe_left))
-            self.probe_left -= seqs.shape[0]
-            return seqs
-        return self._take(n)
-
-    def _take(self, n: int) -> np.ndarray:
         out = []
         state = self.window.state
         last = self.seg_count - 1 if self.window.last_len != self.seg_size else -1

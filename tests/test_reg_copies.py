@@ -17,7 +17,7 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ltp import wire
@@ -242,3 +242,50 @@ def test_a_ring_of_small_messages_at_ten_percent_loss_of_every_datagram_keeps_it
     packets = -(-data.nbytes // 1456)
     assert min(fractions) >= Config().lt_fraction - 1 / packets, sorted(fractions)[:5]
     assert max(steps) <= 12, [round(s, 1) for s in steps]
+
+
+def _kind(d) -> int:
+    return d[0] & 0x0F
+
+
+def _answer(d) -> bool:
+    """A REG answer: an ACK without entries (no grant on these links)."""
+    return _kind(d) == wire.T_ACK and len(d) == wire.HEADER_SIZE
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), reg_loss=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+       answer_loss=st.sampled_from([0.0, 0.5, 1.0]), data_loss=st.sampled_from([0.0, 0.1, 0.4]),
+       reset_loss=st.sampled_from([0.0, 0.5]), one_way=st.sampled_from([0.0002, 0.005, 0.03]),
+       reliable=st.booleans(), size=st.sampled_from([4, 30_000, 300_000]))
+def test_any_loss_of_registrations_and_answers_ends_every_send(harness, seed, reg_loss, answer_loss, data_loss,
+                                                               reset_loss, one_way, reliable, size):
+    """REGs, their answers, DATA and RESETs each lost at their own rate: every send ends within a few seconds,
+    completed (a reliable one with every byte) or failed with an error that names the peer; the receive ends
+    too, at the latest at its own timeout. No RESET, re-registration or back-off keeps a send going without end
+    (session 53: a registration probe whose refusals counted as hearing the peer did, and this test failed)."""
+    rng = random.Random(seed)
+    rates = {wire.T_REG: reg_loss, wire.T_DATA: data_loss, wire.T_RESET: reset_loss}
+    h = harness(seed=seed, config=Config())
+    a, b = h.engines
+
+    def drop(d) -> bool:
+        p = answer_loss if _answer(d) else rates.get(_kind(d), 0.0)
+        return rng.random() < p
+    h.link(0, 1, rate=125e6, delay_s=one_way, drop_if=drop)
+    h.link(1, 0, rate=125e6, delay_s=one_way, drop_if=drop)
+    data = np.arange(size // 4, dtype=np.float32)
+    buf = np.zeros_like(data)
+    hs = a.send(h.addrs[1], data, now=0.0, reliable=reliable, tag=1)
+    hr = b.post_receive([(h.addrs[0], 1, buf)], now=0.0, timeout=60.0)
+    (sent,) = h.wait([(0, hs)], timeout=120)
+    # ended within a few dead-peer limits (1 s on these paths: 64 RTTs is less), whatever was lost
+    assert h.now < 5.0, (h.now, sent.error)
+    (got,) = h.wait([(1, hr)], timeout=120)
+    if sent.error is None:
+        assert sent.report.delivered_bytes > 0
+        if reliable:
+            assert got.error is None and np.array_equal(buf, data)
+    else:
+        assert h.addrs[1][0] in str(sent.error), sent.error
+    assert h.now <= 60.0 + 1e-6, h.now
