@@ -1470,9 +1470,7 @@ cdef class UdpIO:
         if not self.recverr_enabled:
             return out
         sock = self._sock
-        if sock.fileno() < 0:
-            raise _closed_error()
-        if not ltp_errq_pending(sock.fileno()):
+        if not ltp_errq_pending(self._fd()):  # _fd() raises for a closed socket
             return out  # the common case (an empty wake-up reads it): no recvmsg, no BlockingIOError
         for _ in range(limit):
             try:

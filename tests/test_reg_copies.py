@@ -75,9 +75,14 @@ def test_every_copy_is_admitted_once_and_answered():
     assert len(answers) == 2  # a lost answer is as unlikely as a lost REG
 
 
+def _is_answer(d) -> bool:
+    """Whether ``d`` is a REG answer: an ACK without entries."""
+    return d[0] & 0x0F == wire.T_ACK and not wire.unpack_header(d)[5] & 0xFFFF
+
+
 def _answers(ds) -> list:
-    """The REG answers among ``ds``: ACKs without entries."""
-    return [d for d in ds if d[0] & 0x0F == wire.T_ACK and not wire.unpack_header(d)[5] & 0xFFFF]
+    """The REG answers among ``ds``."""
+    return [d for d in ds if _is_answer(d)]
 
 
 @pytest.mark.parametrize("reliable", [True, False])
@@ -244,15 +249,6 @@ def test_a_ring_of_small_messages_at_ten_percent_loss_of_every_datagram_keeps_it
     assert max(steps) <= 12, [round(s, 1) for s in steps]
 
 
-def _kind(d) -> int:
-    return d[0] & 0x0F
-
-
-def _answer(d) -> bool:
-    """A REG answer: an ACK without entries (no grant on these links)."""
-    return _kind(d) == wire.T_ACK and len(d) == wire.HEADER_SIZE
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), reg_loss=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
        answer_loss=st.sampled_from([0.0, 0.5, 1.0]), data_loss=st.sampled_from([0.0, 0.1, 0.4]),
@@ -270,7 +266,7 @@ def test_any_loss_of_registrations_and_answers_ends_every_send(harness, seed, re
     a, b = h.engines
 
     def drop(d) -> bool:
-        p = answer_loss if _answer(d) else rates.get(_kind(d), 0.0)
+        p = answer_loss if _is_answer(d) else rates.get(d[0] & 0x0F, 0.0)
         return rng.random() < p
     h.link(0, 1, rate=125e6, delay_s=one_way, drop_if=drop)
     h.link(1, 0, rate=125e6, delay_s=one_way, drop_if=drop)
