@@ -47,6 +47,17 @@ receive claims it, as the claiming group's:
   single receive): ``t0 + max(LT) + C`` where ``t0`` is the first registration
   in the group and ``C`` the configured slack (30 ms DCN, 100 ms WAN).
 
+**When the group's clock starts** (:class:`GroupClock`, chosen per gather).
+``FIRST`` is the paper's: the first registration (not before the posting).
+``ALL`` (*choice*, for a parameter server whose workers compute before they
+push) starts it when the last slot of the group has registered, at that
+registration; until then no flow of the group is closed early and no slot
+expires before the caller's timeout. A worker still computing is not a
+network long tail. Under ``FIRST`` the PS had to learn that every worker was
+done with a tiny reliable READY message per worker and round, and post its
+gather only then: a fifth of the messages of a digits round, each costing
+LTP more CPU than the kernel's TCP spends on the whole round's notes.
+
 Between the two, a flow closes as soon as its received fraction reaches
 ``lt_fraction`` (80% by default) *and* every critical segment is in *and*
 the flow is in its long tail (see below) (*choice*: the fraction is per
@@ -102,16 +113,28 @@ delivered without the header, before this.
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict, deque
 
 import numpy as np
 
 from .regimes import Regime
 
-__all__ = ["EarlyClose", "LinkThresholds", "FlowProgress", "decide", "stall_window", "group_deadline",
+__all__ = ["GroupClock", "EarlyClose", "LinkThresholds", "FlowProgress", "decide", "stall_window", "group_deadline",
            "hard_deadline", "projected_full_duration", "COMPLETE", "EARLY", "DEADLINE", "STALL_MIN_S",
            "STALL_RTPROPS", "STALL_GAPS", "HARD_STRETCH", "STRETCH_MAX_LOSS", "HISTORY_RTPROP_MARGIN",
            "INITIAL_RTPROPS"]
+
+
+class GroupClock(str, enum.Enum):
+    """Where a receive group's Early Close clock (``t0``) starts (see the module docstring)."""
+
+    #: the group's first registration, not before it was posted (the paper's batch synchronisation)
+    FIRST = "first"
+    #: the registration that completes the group: every slot has a message (a barrier: senders that were
+    #: still computing are not a network tail)
+    ALL = "all"
+
 
 #: the regimes :func:`decide` returns (members of :class:`ltp.regimes.Regime`)
 COMPLETE = Regime.COMPLETE

@@ -287,8 +287,12 @@ class Endpoint:
             raise TransferTimeout(rep.cause or f"no message from {peer or 'any peer'} after {rep.duration_s:.3f} s")
         return rep
 
-    async def gather(self, peers, into, *, tag=None, timeout: float | None = None) -> list:
-        """Receive one message from each peer into the matching buffer, with one Early Close deadline."""
+    async def gather(self, peers, into, *, tag=None, timeout: float | None = None, clock: str = "first") -> list:
+        """Receive one message from each peer into the matching buffer, with one Early Close deadline.
+
+        ``clock``: where that deadline's clock starts: ``"first"``, the first registration (the paper's batch
+        synchronisation), or ``"all"``, once every peer's message has registered, for peers that may start
+        late (still computing): until then nothing is closed early (:class:`ltp.early_close.GroupClock`)."""
         _check_timeout(timeout)
         peers = list(peers)
         into = list(into)
@@ -304,7 +308,7 @@ class Endpoint:
                                      f"received; list each peer once (use recv() for several messages of one peer)")
         self._check_open()
         handle = self.engine.post_receive([(p, tag, b) for p, b in zip(peers, into)], now=_now(),
-                                          timeout=timeout)
+                                          timeout=timeout, clock=clock)
         return await self._wait(handle, None)
 
     async def expect(self, peer, into, *, tag: int) -> None:

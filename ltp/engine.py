@@ -86,7 +86,7 @@ from . import liveness, wire
 from .admission import Admission, PendingRegistration, fold_reg_answers, stop_datagram
 from .buffer_pool import SPARE_MIN_BYTES, BufferPool
 from .config import Config
-from .early_close import EarlyClose
+from .early_close import EarlyClose, GroupClock
 from .errors import (LocalProtocolError, LTPError, PeerUnreachable, TransferAborted, TransferRefused,
                      TransferTimeout, WireError)
 from .link_share import SHARE_REFRESH_S, datagram_share, on_loopback
@@ -290,12 +290,15 @@ class Engine:
     def _wall_us(self, now: float) -> int:
         return int((now + self.wall_offset) * 1e6)
 
-    def post_receive(self, slots, *, now: float, timeout: float | None = None) -> int:
+    def post_receive(self, slots, *, now: float, timeout: float | None = None,
+                     clock: GroupClock | str = GroupClock.FIRST) -> int:
         """Post receives: ``slots`` is a list of ``(peer or None, tag or None, buffer)``.
 
         All slots form one group with one Early Close deadline; a
         :class:`ReceiveDone` with one report per slot follows. ``timeout``
         (seconds) closes whatever is still open at ``now + timeout``.
+        ``clock``: where the group's Early Close clock starts (:class:`~ltp.early_close.GroupClock`:
+        ``"first"`` registration, the paper's, or ``"all"``: once every slot's message registered).
         """
         self._check_open()
         self._note_stall(now)
@@ -304,8 +307,13 @@ class Engine:
                                      "to receive from and one buffer per peer)")
         if timeout is not None and not timeout >= 0:
             raise LocalProtocolError(f"timeout={timeout!r}: pass None (wait for Early Close) or seconds >= 0")
+        try:
+            clock = GroupClock(clock)
+        except ValueError:
+            raise LocalProtocolError(f"clock={clock!r}: pass one of "
+                                     f"{', '.join(repr(c.value) for c in GroupClock)}") from None
         handle = self._new_handle()
-        group = RecvGroup(handle, now, None if timeout is None else now + timeout)
+        group = RecvGroup(handle, now, None if timeout is None else now + timeout, clock)
         for peer, tag, _ in slots:
             _check_tag(tag, "a receive", wildcard=True)
         dests = [_writable_view(buf) for _, _, buf in slots]
@@ -662,7 +670,8 @@ class Engine:
         self.stats.flows_received += 1
         if slot is not None:
             self._matcher.unwait(slot)
-            self._matcher.bind(slot, flow)
+            if self._matcher.bind(slot, flow):
+                self._group_clock_started(slot.group, now)
         else:
             self._matcher.add_unexpected(flow)
         return flow
@@ -673,7 +682,8 @@ class Engine:
         flow = self._matcher.find_unexpected(slot)
         if flow is None:
             return False
-        self._matcher.bind(slot, flow)
+        if self._matcher.bind(slot, flow):
+            self._group_clock_started(slot.group, now, skip=flow)
         if flow.report is not None:
             self._deliver_internal(flow, now)
         else:
@@ -740,7 +750,9 @@ class Engine:
         if flow.complete:
             self._close_rx(flow, now, Regime.COMPLETE)
             return
-        if flow.slot is None:  # unexpected: nobody waits for it yet, so there is no tail to cut (ltp/early_close.py)
+        if flow.slot is None or flow.slot.group.t0 is None:
+            # unexpected: nobody waits for it yet, so there is no tail to cut; or its group's clock has not
+            # started (GroupClock.ALL: a slot still waits for its message). Checked again when it starts.
             self._wakes.pop(flow.key, None)
             return
         regime, wake = self._early.check(flow, now)
@@ -775,7 +787,17 @@ class Engine:
                 flow.slot.report = report
                 self._check_group(flow.slot.group, now)
 
+    def _group_clock_started(self, group: RecvGroup, now: float, skip: FlowReceiver | None = None) -> None:
+        """``group``'s Early Close clock just started: its open flows, which waited for it
+        (:attr:`GroupClock.ALL`), are checked now (``skip``: one its caller checks itself)."""
+        for s in group.slots:
+            f = s.flow
+            if f is not None and f is not skip and f.regime is None and f.slot is s:
+                self._check_flow(f, now)
+
     def _check_group(self, group: RecvGroup, now: float) -> None:
+        if not group.done and self._matcher.start_clock(group):  # GroupClock.ALL: a slot stopped waiting
+            self._group_clock_started(group, now)
         if self._matcher.settled(group):
             errors = [s.error for s in group.slots if s.error is not None]
             self._finish_group(group, now, errors[0] if errors else None)

@@ -34,7 +34,9 @@ as flows that registered (REG) and sent their first DATA. The
 
 Binding a flow to a slot sets the group's ``t0`` (its first registration, or
 the group's posting if a message registered before the receive was posted),
-where Early Close starts the group's clock. The matcher holds no clock and no
+where Early Close starts the group's clock; a group posted with
+:attr:`~ltp.early_close.GroupClock.ALL` sets it only once no slot waits for a
+message, at the latest registration among its slots (:meth:`ReceiveMatcher.start_clock`). The matcher holds no clock and no
 policy of its own: the engine decides when a slot expires (Early Close, the
 caller's timeout, an unreachable peer) and what a closed flow reports.
 """
@@ -45,6 +47,7 @@ from collections import deque
 
 import numpy as np
 
+from .early_close import GroupClock
 from .placement import same_memory
 from .receiver import FlowReceiver, RecvGroup, RecvSlot
 from .regimes import Regime
@@ -132,15 +135,31 @@ class ReceiveMatcher:
         """``flow`` found no slot: it keeps its internal buffer until one is posted."""
         self.unexpected.append(flow)
 
-    def bind(self, slot: RecvSlot, flow: FlowReceiver) -> None:
+    def bind(self, slot: RecvSlot, flow: FlowReceiver) -> bool:
         """Pair ``slot`` (no longer waiting) and ``flow``; the group's clock starts at its first registration,
-        but never before the group was posted."""
+        but never before the group was posted. True when this pairing started the clock of a
+        :attr:`~ltp.early_close.GroupClock.ALL` group (:meth:`start_clock`), whose flows then need a check."""
         slot.flow = flow
         flow.slot = slot
         group = slot.group
+        if group.clock is GroupClock.ALL:
+            return self.start_clock(group)
         start = max(flow.start, group.posted)
         if group.t0 is None or start < group.t0:
             group.t0 = start
+        return False
+
+    @staticmethod
+    def start_clock(group: RecvGroup) -> bool:
+        """A :attr:`~ltp.early_close.GroupClock.ALL` group's clock starts once no slot waits for a message (each
+        has one, or failed or expired), at the latest registration among them (never before the posting).
+        True when it started now."""
+        if group.t0 is not None or group.clock is not GroupClock.ALL:
+            return False
+        if any(s.flow is None and s.report is None for s in group.slots):
+            return False
+        group.t0 = max([group.posted] + [s.flow.start for s in group.slots if s.flow is not None])
+        return True
 
     def claim(self, flow: FlowReceiver, budget: int = CLAIM_STEP_BYTES) -> bool:
         """Copy up to ``budget`` more bytes of a closed unexpected ``flow`` into its slot; returns True when

@@ -22,6 +22,7 @@ from ltp_ext import load as _load
 
 from . import wire
 from .bubbles import bubble_byte_ranges
+from .early_close import GroupClock
 from .regimes import Regime
 from .reports import RecvReport
 
@@ -33,10 +34,13 @@ __all__ = ["FlowReceiver", "RecvSlot", "RecvGroup"]
 class RecvGroup:
     """Receives posted by one call; they share one Early Close deadline."""
 
-    def __init__(self, handle: int, now: float, timeout_at: float | None) -> None:
+    def __init__(self, handle: int, now: float, timeout_at: float | None, clock: GroupClock = GroupClock.FIRST) -> None:
         self.handle = handle
         self.slots: list = []
-        self.t0: float | None = None  # first registration among the slots, not before ``posted``
+        self.clock = clock
+        #: where the Early Close clock starts (``clock``): the first registration among the slots (``ALL``: the
+        #: one that completed the group), never before ``posted``; None until then
+        self.t0: float | None = None
         self.posted = now
         self.timeout_at = timeout_at
         self.wake: float | None = None  # next group-level timer (deadline for unregistered slots)
@@ -108,9 +112,9 @@ class FlowReceiver:
 
     @property
     def anchor(self) -> float:
-        """Where this flow's Early Close clock starts: its receive group's first registration (the start
-        of the batch synchronisation; not before the group was posted), or its own registration when received
-        alone."""
+        """Where this flow's Early Close clock starts: its receive group's ``t0`` (the first registration, the
+        start of the batch synchronisation, or the last under :attr:`GroupClock.ALL`; not before the group was
+        posted), or its own registration when received alone or before the group's clock started."""
         if self.slot is not None and self.slot.group.t0 is not None:
             return self.slot.group.t0
         return self.start

@@ -19,7 +19,7 @@ import numpy as np
 from .aggregate import Aggregator, bubbles_to_elements
 from .errors import ConfigError, TransportError, TransportTimeout
 from .schedules.executor import Executor, Slots
-from .schedules.program import RELIABLE, TOLERANT, Program, Recv, Send
+from .schedules.program import CLOCK_ALL, CLOCK_FIRST, RELIABLE, TOLERANT, Program, Recv, Send
 from .transport.base import TIMEOUT, RecvReport, Transport
 from .wire import HEADER_BYTES, KIND_GRAD, KIND_READY, READY_BYTES, GradHeader, tag_of
 
@@ -85,7 +85,7 @@ class DirectSchedule(Schedule):
 
     name = "direct"
 
-    def __init__(self, *, ready_handshake: bool = True):
+    def __init__(self, *, ready_handshake: bool = False):
         self.ready_handshake = ready_handshake
         self.last_ready_wait_s: float | None = None
 
@@ -95,7 +95,8 @@ class DirectSchedule(Schedule):
         return edges
 
     async def server_gather(self, transport: Transport, peers, bufs, *, tag: int, timeout):
-        """READY notes (bounded by ``timeout``), then one Early Close gather over the ready peers."""
+        """One Early Close gather whose clock starts once every peer's gradient registered (with
+        ``ready_handshake``: READY notes, bounded by ``timeout``, then the gather over the ready peers)."""
         nodes = _peer_nodes(peers)
         ex = Executor(transport, "server:0", nodes, timeout_s=timeout if timeout is not None else 1e9)
         slots = Slots()
@@ -109,7 +110,8 @@ class DirectSchedule(Schedule):
         for n, b in zip(nodes, bufs):
             slots.bind(f"in:{n}", b)
         stages.append(tuple(Recv(n, f"in:{n}", 0, 0, tag, TOLERANT, "grad", group="grad",
-                                 only_if="ready" if self.ready_handshake else None) for n in nodes))
+                                 only_if="ready" if self.ready_handshake else None,
+                                 clock=CLOCK_FIRST if self.ready_handshake else CLOCK_ALL) for n in nodes))
         res = await ex.run(Program("server:0", tuple(stages)), slots)
         self.last_ready_wait_s = res.group_s.get("ready")
         return res.reports[-len(nodes):] if nodes else []

@@ -118,15 +118,16 @@ class DirectServerRole:
         self.applied = True
 
 
-def test_direct_plan_runs_and_dead_worker_costs_one_bound():
+@pytest.mark.parametrize("ready_handshake", [False, True])
+def test_direct_plan_runs_and_dead_worker_costs_one_bound(ready_handshake):
     """Direct's server program over the executor: a worker that never answers is reported missing within
-    the READY bound and does not hold up the others' gradients."""
+    one gather bound (with the handshake: the READY bound) and does not hold up the others' gradients."""
     async def main():
         net = MemoryNetwork()
         eps = [net.endpoint() for _ in range(4)]  # server + 3 workers
         addrs = {"server:0": eps[0].local_addr, **{worker(r): eps[r + 1].local_addr for r in range(3)}}
         world = World(workers=range(3), n_elems=16, shards=((0, 16),))
-        sched = create("direct", world)
+        sched = create("direct", world, ready_handshake=ready_handshake)
         plan = sched.plan(0)
         plan.check()
         s_slots = Slots()
@@ -155,15 +156,21 @@ def test_direct_plan_runs_and_dead_worker_costs_one_bound():
         t0 = asyncio.get_running_loop().time()
         res, *_ = await asyncio.gather(ex.run(plan.program("server:0"), s_slots, role), run_worker(0), run_worker(1))
         took = asyncio.get_running_loop().time() - t0
-        return res, s_slots, role, took
+        return res, s_slots, role, took, plan
 
-    res, slots, role, took = asyncio.run(main())
+    res, slots, role, took, plan = asyncio.run(main())
     got = {k for k in ("in:worker:0", "in:worker:1", "in:worker:2") if slots.buffers[k][64:].any()}
     assert got == {"in:worker:0", "in:worker:1"}
     assert set(role.combined) == {"in:worker:0", "in:worker:1", "in:worker:2"} and role.applied
-    assert took < 1.5  # the dead worker cost one READY bound (0.3 s), not the full default
-    assert res.group_s["ready"] >= 0.29
-    assert len(res.missing) >= 2  # worker 2's READY and grad
+    assert took < 1.5  # the dead worker cost one bound (0.3 s), not the full default
+    if ready_handshake:
+        assert res.group_s["ready"] >= 0.29
+        assert len(res.missing) >= 2  # worker 2's READY and grad
+    else:
+        assert "ready" not in res.group_s and res.group_s["grad"] >= 0.29
+        assert len(res.missing) == 1  # worker 2's grad
+        recvs = [s for st in plan.program("server:0").stages for s in st if s.op == "recv"]
+        assert recvs and all(s.clock == "all" and s.group == "grad" for s in recvs)
 
 
 def test_handler_stop_ends_the_program_and_unknown_slots_name_the_fix():

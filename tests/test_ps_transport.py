@@ -191,10 +191,10 @@ class _FakeEndpoint:
         return self._rrep(await self.inner.recv(into, peer=None if peer is None else ("mem", peer[1]), tag=tag,
                                                 timeout=timeout))
 
-    async def gather(self, peers, into, *, tag=None, timeout=None):
+    async def gather(self, peers, into, *, tag=None, timeout=None, clock="first"):
         self.calls.append(("gather", len(peers), tag))
         return [self._rrep(r) for r in await self.inner.gather([("mem", p[1]) for p in peers], into, tag=tag,
-                                                                 timeout=timeout)]
+                                                                 timeout=timeout, clock=clock)]
 
     async def broadcast(self, peers, data, *, tag=0, critical=(), element_size=4, timeout=None):
         self.calls.append(("broadcast", len(peers), tag))

@@ -5,20 +5,28 @@ Theory of operation
 Round ``i`` for shard ``s`` (``server:s``) and worker ``w``::
 
     server:s  stage 0  Send params -> every worker      reliable, group "params" (one broadcast)
-              stage 1  Recv READY  <- workers reached   reliable, group "ready" (parallel receives, one bound)
-              stage 2  Recv grad   <- workers ready     tolerant, group "grad" (one Early Close gather),
-                                                        bound = the READY bound minus the READY wait
-              stage 3  Combine every grad into "acc"; Apply "acc" (the PS's optimizer)
+              stage 1  Recv grad   <- workers reached   tolerant, group "grad" (one Early Close gather
+                                                        whose clock starts once every gradient registered)
+              stage 2  Combine every grad into "acc"; Apply "acc" (the PS's optimizer)
     worker:w  stage 0  Recv params <- every shard       reliable, any tag (the message names the round)
               stage 1  Compute
-              stage 2  Send READY + grad -> every shard  (READY reliable, grad tolerant with the
-                                                        header and each tensor's first/last element critical)
+              stage 2  Send grad -> every shard         tolerant, the header and each tensor's
+                                                        first/last element critical
 
-Why READY: LTP's gather starts its Early Close clock at the first
-registration and expires peers that have not registered by the deadline.  A
-worker that is still computing is not a network long tail, so the PS waits
-for each worker's READY note first and only then posts the gather.  The same
-protocol runs over TCP so that timings compare like with like.
+Where the gather's clock starts: the paper's gather starts its Early Close
+clock at the first registration and expires peers that have not registered
+by the deadline.  A worker that is still computing is not a network long
+tail, so the gather's clock starts once every worker's gradient has
+registered (``clock="all"``, ``ltp.early_close.GroupClock``), and only the
+caller's bound (the gather timeout) waits for a worker that never does.
+
+``ready_handshake=True`` keeps the older form, which did the same with the
+paper's clock: each worker sent a tiny reliable READY note before its
+gradient (stage 1 ``Recv READY``, group "ready"), and the PS posted the
+gather only once the notes were in.  On two shared cores a READY note cost
+LTP as much CPU as a gradient's control path, a third of a digits round's
+messages (docs/performance.md, session 54).  The same protocol runs over TCP
+so that timings compare like with like.
 
 This is the old ``ltp_ps.schedule.DirectSchedule`` re-expressed as data; its
 behaviour on the wire (tags, kinds, message layouts, the handshake) is
@@ -29,8 +37,8 @@ from __future__ import annotations
 
 from ..aggregate import critical_ranges
 from .base import Schedule, World
-from .program import (RELIABLE, SLOT_ACC, SLOT_PARAMS, TOLERANT, Apply, Combine, Compute, Program, Recv, RoundPlan,
-                      Send, server, worker)
+from .program import (CLOCK_ALL, CLOCK_FIRST, RELIABLE, SLOT_ACC, SLOT_PARAMS, TOLERANT, Apply, Combine, Compute,
+                      Program, Recv, RoundPlan, Send, server, worker)
 from .tags import PHASE_PUSH, pack
 
 # Message kinds are the wire's (``ltp_ps.wire``); repeated here as plain ints to keep the planner import-light.
@@ -71,7 +79,7 @@ class DirectSchedule(Schedule):
 
     name = "direct"
 
-    def __init__(self, world: World, *, rng=None, ready_handshake: bool = True, edge_elems: int = 1,
+    def __init__(self, world: World, *, rng=None, ready_handshake: bool = False, edge_elems: int = 1,
                  max_critical_ranges: int = 128):
         super().__init__(world, rng=rng)
         self.ready_handshake = ready_handshake
@@ -93,7 +101,8 @@ class DirectSchedule(Schedule):
                                   push_tag(iteration, KIND_READY))
         bcast = tuple(Send(worker(w), SLOT_PARAMS, lo, hi, t_par, RELIABLE, "params", group="params") for w in ws)
         gather = tuple(Recv(worker(w), grad_slot(w), lo, hi, t_grad, TOLERANT, "grad", group="grad",
-                            only_if="ready" if self.ready_handshake else "params") for w in ws)
+                            only_if="ready" if self.ready_handshake else "params",
+                            clock=CLOCK_FIRST if self.ready_handshake else CLOCK_ALL) for w in ws)
         stages = [bcast]
         if self.ready_handshake:
             stages.append(tuple(Recv(worker(w), ready_slot(w), 0, 0, t_ready, RELIABLE, "note", group="ready",

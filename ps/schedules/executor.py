@@ -553,7 +553,7 @@ class Executor:
             lbufs = [bufs[k] for k in live]
             tags = {members[k][1].tag for k in live}
             if isinstance(g, str) and s0.mode != RELIABLE and len(tags) == 1 and None not in tags:
-                reps = await self.transport.gather(peers, lbufs, tag=s0.tag, timeout=timeout)
+                reps = await self.transport.gather(peers, lbufs, tag=s0.tag, timeout=timeout, clock=s0.clock)
             else:  # one receive per peer, each abandonable, one deadline (``gather_by_recv``'s semantics)
                 reps = await self._recv_reliable([members[k][1] for k in live], peers, lbufs, timeout, slots)
             for k, r in zip(live, reps):

@@ -59,6 +59,11 @@ TOLERANT = "tolerant"
 MODES = (RELIABLE, TOLERANT)
 
 PAYLOADS = ("partial", "grad", "params", "note", "stop", "grant")
+#: where a receive group's Early Close clock starts (``ltp.early_close.GroupClock``): its first registration, or
+#: once every member's message registered (members that may still be computing; no READY note needed)
+CLOCK_FIRST = "first"
+CLOCK_ALL = "all"
+CLOCKS = (CLOCK_FIRST, CLOCK_ALL)
 
 SLOT_GRAD = "grad"
 SLOT_ACC = "acc"
@@ -133,12 +138,15 @@ class Recv:
     group: str | None = None  # Recvs of one stage with one group share a gather (one Early Close deadline)
     only_if: str | None = None  # post only if ``peer`` delivered in this earlier group (READY handshake)
     timeout_s: float | None = None
+    clock: str = CLOCK_FIRST  # the group's Early Close clock (CLOCKS): members of one group give the same
     op: str = dataclasses.field(default="recv", init=False)
 
     def __post_init__(self):
         _check_range(self.lo, self.hi)
         if self.mode not in MODES or self.payload not in PAYLOADS:
             raise ValueError(f"Recv mode {self.mode!r}/payload {self.payload!r}: use {MODES} / {PAYLOADS}")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"Recv clock {self.clock!r}: use one of {CLOCKS}")
 
 
 @dataclasses.dataclass(frozen=True)

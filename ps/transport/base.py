@@ -123,8 +123,12 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def gather(self, peers: Sequence[Address], into: Sequence, *, tag: int,
-                     timeout: float | None = None) -> list[RecvReport]:
-        """One message from each peer (same tag) into the matching buffer."""
+                     timeout: float | None = None, clock: str = "first") -> list[RecvReport]:
+        """One message from each peer (same tag) into the matching buffer.
+
+        ``clock``: where a loss-tolerant transport's Early Close clock starts, ``"first"`` registration or
+        ``"all"`` registered (``ltp.early_close.GroupClock``); a transport without Early Close waits for every
+        message up to ``timeout`` either way."""
 
     async def broadcast(self, peers: Sequence[Address], data, *, tag: int,
                         timeout: float | None = None) -> list[Union[SendReport, BaseException]]:

@@ -128,12 +128,12 @@ class LtpTransport(Transport):
             raise self._wrap(exc, f"recv from {peer}") from exc
         return _recv_report(r)
 
-    async def gather(self, peers: Sequence[Address], into: Sequence, *, tag, timeout=None):
+    async def gather(self, peers: Sequence[Address], into: Sequence, *, tag, timeout=None, clock="first"):
         t0 = time.monotonic()
         peers = [tuple(p) for p in peers]
         views = [as_bytes_view(b) for b in into]
         try:
-            reps = await self._ep.gather(peers, into=views, tag=tag, timeout=timeout)
+            reps = await self._ep.gather(peers, into=views, tag=tag, timeout=timeout, clock=clock)
         except self._ltp.errors.TransferTimeout:
             return [missing_report(p, tag, v.nbytes, TIMEOUT, time.monotonic() - t0) for p, v in zip(peers, views)]
         except self._ltp.errors.LTPError:

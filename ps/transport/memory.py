@@ -157,7 +157,7 @@ class MemoryTransport(Transport):
                           critical_complete=True, regime=EARLY if bubbles else COMPLETE,
                           duration_s=time.monotonic() - t0)
 
-    async def gather(self, peers: Sequence[Address], into: Sequence, *, tag, timeout=None):
+    async def gather(self, peers: Sequence[Address], into: Sequence, *, tag, timeout=None, clock="first"):
         return await gather_by_recv(self, peers, into, tag=tag, timeout=timeout)
 
     async def close(self):

@@ -160,7 +160,7 @@ class TcpTransport(Transport):
                           duration_s=time.monotonic() - t0)
 
     async def gather(self, peers: Sequence[Address], into: Sequence, *, tag: int,
-                     timeout: float | None = None) -> list[RecvReport]:
+                     timeout: float | None = None, clock: str = "first") -> list[RecvReport]:
         self._check_open()
         return await gather_by_recv(self, peers, into, tag=tag, timeout=timeout)
 
