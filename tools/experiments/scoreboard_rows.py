@@ -95,7 +95,12 @@ def launch_job(transport: str, *, job: dict, loss: float, seed: int = 0, timeout
 
 
 def round_stats(rows: list[dict]) -> dict:
-    """The PS's batch synchronisation per round (after the first) and its gather's mean delivered fraction."""
+    """The PS's batch synchronisation per round (after the first) and its gather's mean delivered fraction.
+
+    Synchronisation = ``broadcast_s + gather_s``: from the PS's broadcast start to its last gradient, less the
+    slowest worker's compute (``ltp_ps.server``). Before session 54 the PS subtracted the wait for the workers'
+    READY notes instead, which also removed the delivery of a TCP broadcast's last bytes (its sends end in the
+    kernel's buffers): rows of earlier boards read TCP's rounds shorter by that tail."""
     its = [r for r in rows if r.get("event") == "iteration"][1:]
     sync = sorted((r.get("gather_s") or 0.0) + (r.get("broadcast_s") or 0.0) for r in its)
     fr = [v for r in its for v in (r.get("delivered") or {}).values() if isinstance(v, (int, float))]
