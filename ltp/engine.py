@@ -796,7 +796,7 @@ class Engine:
                 self._check_flow(f, now)
 
     def _check_group(self, group: RecvGroup, now: float) -> None:
-        if not group.done and self._matcher.start_clock(group):  # GroupClock.ALL: a slot stopped waiting
+        if not group.done and self._matcher.start_clock(group, now):  # GroupClock.ALL: a slot ended unfilled
             self._group_clock_started(group, now)
         if self._matcher.settled(group):
             errors = [s.error for s in group.slots if s.error is not None]

@@ -150,15 +150,17 @@ class ReceiveMatcher:
         return False
 
     @staticmethod
-    def start_clock(group: RecvGroup) -> bool:
+    def start_clock(group: RecvGroup, now: float | None = None) -> bool:
         """A :attr:`~ltp.early_close.GroupClock.ALL` group's clock starts once no slot waits for a message (each
-        has one, or failed or expired), at the latest registration among them (never before the posting).
-        True when it started now."""
+        has one, or failed or expired), at the latest registration among them (never before the posting), or at
+        ``now`` when the last waiting slot ended without a message (its caller's ``now``). True when it started
+        with this call."""
         if group.t0 is not None or group.clock is not GroupClock.ALL:
             return False
         if any(s.flow is None and s.report is None for s in group.slots):
             return False
-        group.t0 = max([group.posted] + [s.flow.start for s in group.slots if s.flow is not None])
+        group.t0 = max([group.posted] + [s.flow.start for s in group.slots if s.flow is not None]
+                       + ([] if now is None else [now]))
         return True
 
     def claim(self, flow: FlowReceiver, budget: int = CLAIM_STEP_BYTES) -> bool:

@@ -149,21 +149,23 @@ def _slot(group, flow_start=None, report=False):
 
 @settings(max_examples=300, deadline=None)
 @given(posted=st.floats(0, 10), slots=st.lists(st.tuples(st.sampled_from(["waiting", "flow", "ended"]),
-                                                          st.floats(0, 10)), min_size=1, max_size=6))
-def test_the_all_clock_starts_once_no_slot_waits_at_the_latest_registration(posted, slots):
+                                                          st.floats(0, 10)), min_size=1, max_size=6),
+       now=st.one_of(st.none(), st.floats(0, 20)))
+def test_the_all_clock_starts_once_no_slot_waits_at_the_latest_registration(posted, slots, now):
     """``ReceiveMatcher.start_clock``: started exactly when no slot waits for a message; then at the latest
-    registration among the slots, never before the posting, and only once."""
+    registration among the slots (or the caller's ``now``, when a slot ended unfilled), never before the
+    posting, and only once."""
     group = RecvGroup(1, posted, None, GroupClock.ALL)
     for kind, start in slots:
         _slot(group, start if kind == "flow" else None, report=kind == "ended")
     waiting = any(kind == "waiting" for kind, _ in slots)
-    started = ReceiveMatcher.start_clock(group)
+    started = ReceiveMatcher.start_clock(group, now)
     assert started is (not waiting)
     if waiting:
         assert group.t0 is None
     else:
-        assert group.t0 == max([posted] + [s for kind, s in slots if kind == "flow"])
-        assert ReceiveMatcher.start_clock(group) is False  # once
+        assert group.t0 == max([posted] + [s for kind, s in slots if kind == "flow"] + ([] if now is None else [now]))
+        assert ReceiveMatcher.start_clock(group, now) is False  # once
     first = RecvGroup(2, posted, None)  # FIRST groups start in bind(), never here
     _slot(first, 1.0)
     assert ReceiveMatcher.start_clock(first) is False and first.t0 is None
@@ -194,3 +196,57 @@ async def test_gather_with_the_all_clock_over_loopback_waits_for_a_late_worker()
     finally:
         for e in [ps, *workers]:
             await e.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 4),
+       starts=st.lists(st.floats(0.0, 0.05), min_size=4, max_size=4),
+       losses=st.lists(st.sampled_from([0.0, 0.01, 0.1, 0.3]), min_size=4, max_size=4),
+       sizes=st.lists(st.integers(1_000, 150_000), min_size=4, max_size=4),
+       silent=st.sampled_from([None, 0, 1]))
+def test_under_the_all_clock_nothing_is_cut_before_the_last_registration(seed, n, starts, losses, sizes, silent):
+    """Senders that start at random times over links with random loss, one perhaps never sending: the gather
+    always ends (by its timeout at the latest); no flow is closed early or at a deadline before the group's
+    clock started, which is at the last registration; every byte reported received is the sender's."""
+    from conftest import SimHarness
+
+    h = SimHarness(n_hosts=n + 1, seed=seed, config=Config(deadline_slack_s=0.005))
+    rx = h.engines[-1]
+    for i in range(n):
+        h.link(i, n, rate=GBIT, delay_s=0.0005, loss=losses[i])
+        h.link(n, i, rate=GBIT, delay_s=0.0005)
+    closes = []
+    real = rx._close_rx
+
+    def spy(flow, now, regime, *a, **kw):
+        closes.append((regime, now, flow.slot.group.t0 if flow.slot is not None else None))
+        return real(flow, now, regime, *a, **kw)
+
+    rx._close_rx = spy
+    data = [np.random.default_rng(seed + i).integers(1, 255, sizes[i], dtype=np.uint8) for i in range(n)]
+    outs = [np.zeros(sizes[i], np.uint8) for i in range(n)]
+    timeout = 2.0
+    hr = rx.post_receive([(h.addrs[i], 7, outs[i]) for i in range(n)], now=h.now, timeout=timeout, clock="all")
+    group = rx._matcher.groups[hr]
+    posted = h.now
+    for i in sorted(range(n), key=lambda k: starts[k]):
+        if i == silent:
+            continue
+        h.net.run(until=posted + starts[i])
+        h.engines[i].send(h.addrs[n], data[i], now=h.now, tag=7)
+    (recv,) = h.wait([(n, hr)], timeout=timeout + 1.0)
+    assert h.now <= posted + timeout + 1e-6 or recv.reports  # ended, at the timeout at the latest
+    for regime, at, t0 in closes:
+        if regime in (Regime.EARLY, Regime.DEADLINE):
+            assert t0 is not None and at >= t0
+    if silent is None:
+        assert group.t0 is not None and group.t0 >= posted + max(starts[:n]) - 1e-9
+    else:
+        assert group.t0 is None or group.t0 >= posted + timeout - 1e-9  # not before the silent slot ended
+        assert recv.reports[silent].regime == Regime.TIMEOUT and recv.reports[silent].received_bytes == 0
+    for i, r in enumerate(recv.reports):
+        got = np.ones(sizes[i], bool)
+        for a, b in r.bubbles:
+            got[a:b] = False
+        assert np.array_equal(outs[i][got], data[i][got])
+        assert int(got.sum()) == r.received_bytes
