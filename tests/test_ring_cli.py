@@ -116,7 +116,8 @@ def test_plan_prints_json_with_a_prediction(tmp_path):
         out[name] = json.loads(p.stdout)
     r, d = out["ring"], out["direct"]
     assert r["apply_at"] == "workers" and d["apply_at"] == "server"
-    assert len(r["edges"]) == 2 * 4 * 5 and len(d["edges"]) == 3 * 5
+    # direct: per worker, parameters out and the gradient back (no READY note since session 54)
+    assert len(r["edges"]) == 2 * 4 * 5 and len(d["edges"]) == 2 * 5
     # 100 Mbit/s, 4 MB: the PS's downlink carries 5 x 4 MB (>= 1.6 s); a ring moves 2 (N-1)/N x 4 MB per host
     assert d["predicted_s"] >= 1.6 and 0.5 < r["predicted_s"] < 0.7
     assert r["plan"]["programs"]["worker:0"]["stages"]
