@@ -34,6 +34,16 @@ wall clock in seconds since the Unix epoch, derived from ``now``):
 Without a job key, layers 1-2 are off (anyone can register: there is no secret
 to tell a peer from an attacker) and layer 3 still bounds what a REG can cost.
 
+A REG for a flow id that a *pending* registration of another token holds
+supersedes it (counted as ``superseded_registration``): no DATA ever committed
+the older one, and a REG proves nothing, so the newer is as likely genuine (a
+corrupted or forged copy took the id, or the sender restarted). Before, it was
+dropped as a collision: a mutated copy of a REG that took a sender's *next*
+flow id and claimed a 1 s round trip held that id for the registration's whole
+life, and the sender's genuine message failed at its dead-peer limit (found by
+``test_onpath_mutation``'s hypothesis test). A committed flow of another token
+still wins (``flow_id_collision``): it has had DATA with its token.
+
 :class:`Admission` applies the three layers for an engine and keeps every
 count they need: pending registrations (and their expiry heap), open + pending
 flows per source address and per source host, receive memory in total and per
@@ -346,9 +356,12 @@ class Admission:
                 self.stats.reg_repeats += 1
                 if pend is not None:
                     pend.expires = max(pend.expires, life_from + pending_lifetime(self._rtt_hint(addr, w3)))
-            else:
+                return None
+            if existing is not None:
                 self.stats.drop("flow_id_collision")
-            return None
+                return None
+            self.drop_pending(pend)  # uncommitted, of another token: the newer REG takes the id (see above)
+            self.stats.drop("superseded_registration")
         rec = self.closed.get(key)
         if rec is not None and rec[0] == token:
             self.stats.reg_repeats += 1

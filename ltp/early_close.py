@@ -54,9 +54,10 @@ push) starts it when the last slot of the group has registered, at that
 registration; until then no flow of the group is closed early and no slot
 expires before the caller's timeout. A worker still computing is not a
 network long tail. Under ``FIRST`` the PS had to learn that every worker was
-done with a tiny reliable READY message per worker and round, and post its
-gather only then: a fifth of the messages of a digits round, each costing
-LTP more CPU than the kernel's TCP spends on the whole round's notes.
+done from a tiny reliable READY message per worker and round, and post its
+gather only then: a third of the messages of a digits round, each costing
+LTP about as much CPU as a gradient's control path (docs/performance.md,
+session 54).
 
 Between the two, a flow closes as soon as its received fraction reaches
 ``lt_fraction`` (80% by default) *and* every critical segment is in *and*

@@ -36,7 +36,8 @@ Binding a flow to a slot sets the group's ``t0`` (its first registration, or
 the group's posting if a message registered before the receive was posted),
 where Early Close starts the group's clock; a group posted with
 :attr:`~ltp.early_close.GroupClock.ALL` sets it only once no slot waits for a
-message, at the latest registration among its slots (:meth:`ReceiveMatcher.start_clock`). The matcher holds no clock and no
+message, at the latest registration among its slots
+(:meth:`ReceiveMatcher.start_clock`). The matcher holds no clock and no
 policy of its own: the engine decides when a slot expires (Early Close, the
 caller's timeout, an unreachable peer) and what a closed flow reports.
 """

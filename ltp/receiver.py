@@ -34,7 +34,8 @@ __all__ = ["FlowReceiver", "RecvSlot", "RecvGroup"]
 class RecvGroup:
     """Receives posted by one call; they share one Early Close deadline."""
 
-    def __init__(self, handle: int, now: float, timeout_at: float | None, clock: GroupClock = GroupClock.FIRST) -> None:
+    def __init__(self, handle: int, now: float, timeout_at: float | None,
+                 clock: GroupClock = GroupClock.FIRST) -> None:
         self.handle = handle
         self.slots: list = []
         self.clock = clock

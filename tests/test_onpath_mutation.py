@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ltp import wire
@@ -75,6 +75,9 @@ def _attack(h: SimHarness, rate: float, span: int, seed: int, before: bool) -> N
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16), rate=st.sampled_from([0.05, 0.3, 1.0]), span=st.sampled_from([16, 48, 1500]),
        before=st.booleans(), reliable=st.booleans(), loss=st.sampled_from([0.0, 0.02]))
+# found by CI (session 54): a mutated REG copy took the sender's next flow id and claimed a 1 s round trip; the
+# clean message's REGs were dropped as collisions until its dead-peer limit (ltp/admission.py, superseding)
+@example(seed=462, rate=1.0, span=16, before=False, reliable=False, loss=0.0)
 def test_mutated_copies_never_raise_every_operation_ends_and_the_engines_still_work(seed, rate, span, before,
                                                                                      reliable, loss):
     h = SimHarness(n_hosts=2, seed=seed % 97, config=Config(peer_silence_min_s=0.5))
