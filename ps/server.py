@@ -402,10 +402,10 @@ class ParameterServer:
         self._lost_prev = {rank: fb for rank, v in lost.items()
                            if (fb := feedback_ranges(self.cfg.aggregation, v, uncovered))}
         self.iteration += 1
-        # The wait includes the workers' compute: subtract the slowest reported compute (with the READY handshake,
-        # the READY wait). Either way broadcast_s + gather_s runs from the broadcast's start to the last gradient,
-        # less compute: a TCP broadcast "ends" when its last bytes are in the kernel's buffers, so their delivery
-        # is in this wait (the READY wait, which also holds it, took it out of TCP's figure before session 54).
+        # The wait includes the workers' compute: subtract the slowest reported compute, so that broadcast_s +
+        # gather_s runs from the broadcast's start to the last gradient, less compute. A TCP broadcast "ends" when
+        # its last bytes are in the kernel's buffers, so their delivery is in this wait. With the READY handshake
+        # the READY wait is subtracted instead, which also takes that delivery out of TCP's figure.
         ready_wait = self._ready_wait
         t_g = max(0.0, t_wait - (ready_wait if ready_wait is not None else max(compute, default=0.0)))
         row = {"event": "iteration", "t": time.time(), "shard": self.shard, "iteration": it,

@@ -235,7 +235,7 @@ def test_under_the_all_clock_nothing_is_cut_before_the_last_registration(seed, n
         h.net.run(until=posted + starts[i])
         h.engines[i].send(h.addrs[n], data[i], now=h.now, tag=7)
     (recv,) = h.wait([(n, hr)], timeout=timeout + 1.0)
-    assert h.now <= posted + timeout + 1e-6 or recv.reports  # ended, at the timeout at the latest
+    assert h.now <= posted + timeout + 0.01  # ended, at the timeout at the latest (one timer turn)
     for regime, at, t0 in closes:
         if regime in (Regime.EARLY, Regime.DEADLINE):
             assert t0 is not None and at >= t0
