@@ -76,6 +76,7 @@ from collections import deque
 from ltp_ext import load as _load
 
 from .config import Config
+from .early_close import GroupClock
 from . import liveness
 from .engine import Engine, ReceiveDone, SendDone
 from .path import SegmentTransmit, Transmit
@@ -287,7 +288,8 @@ class Endpoint:
             raise TransferTimeout(rep.cause or f"no message from {peer or 'any peer'} after {rep.duration_s:.3f} s")
         return rep
 
-    async def gather(self, peers, into, *, tag=None, timeout: float | None = None, clock: str = "first") -> list:
+    async def gather(self, peers, into, *, tag=None, timeout: float | None = None,
+                     clock: GroupClock | str = GroupClock.FIRST) -> list:
         """Receive one message from each peer into the matching buffer, with one Early Close deadline.
 
         ``clock``: where that deadline's clock starts: ``"first"``, the first registration (the paper's batch

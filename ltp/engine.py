@@ -792,7 +792,7 @@ class Engine:
         (:attr:`GroupClock.ALL`), are checked now (``skip``: one its caller checks itself)."""
         for s in group.slots:
             f = s.flow
-            if f is not None and f is not skip and f.regime is None and f.slot is s:
+            if f is not None and f is not skip and f.regime is None:
                 self._check_flow(f, now)
 
     def _check_group(self, group: RecvGroup, now: float) -> None:
