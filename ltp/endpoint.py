@@ -188,13 +188,17 @@ class Endpoint:
     #: feed the DATA of a lone bulk receive from the socket straight into its window (``UdpIO.drain``);
     #: False: every batch goes through :meth:`Engine.receive_batch` (tests and benchmarks compare the two)
     bulk_drain = True
+    #: hand the kernel each DATA message as one buffer copied into a cache-sized stage, not two buffers per packet
+    #: (``UdpIO(stage_sends=...)``; read when the endpoint opens; benchmarks compare the two)
+    stage_sends = True
 
     def __init__(self, sock: socket.socket, config: Config, rng: random.Random) -> None:
         self._loop = asyncio.get_running_loop()
         self._sock = sock
         self.config = config
         self._io = _udpio.UdpIO(sock, batch=config.io_batch, max_datagram=max(2048, config.mtu),
-                                send_threads=config.send_threads if config.gather_send else 0)
+                                send_threads=config.send_threads if config.gather_send else 0,
+                                stage_sends=self.stage_sends)
         self._local_addr = sock.getsockname()[:2]
         # the engine stamps REGs with the wall clock: tell it how far that is from our `now`;
         # DATA goes out by gather send: headers from the engine, payload straight from the message

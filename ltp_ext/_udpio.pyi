@@ -35,6 +35,7 @@ class UdpIO:
     timestamps_enabled: bool
     recverr_enabled: bool
     drops_enabled: bool
+    stage_sends: bool
     icmp_errors: int
     socket_drops: int
     send_threads: int
@@ -50,6 +51,7 @@ class UdpIO:
         recverr: bool = True,
         drops: bool = True,
         send_threads: int = 0,
+        stage_sends: bool = True,
     ) -> None: ...
     @property
     def buffer(self) -> memoryview: ...

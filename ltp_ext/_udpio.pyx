@@ -37,6 +37,18 @@ the error of that entry decides:
   call, otherwise counted and the accepted amount returned (the next call
   meets the error again and raises).
 
+Staged sends (``stage_sends=True``, the default).  A gather message of
+``send_segments`` is two iovecs per packet: the 16-byte header, then the
+segment straight from the caller's message.  The kernel's copy into the socket
+buffer walks them one by one, paying the user-copy entry cost for each, and on
+the lab's path that made the sending process's copy cost about 1.8 times kernel
+TCP's per byte (docs/performance.md, session 55).  So just before each
+``sendmmsg`` (in the caller and in the sender threads) as many whole messages as
+fit in ``LTP_STAGE_BYTES`` (256 kB, well inside a core's cache) are copied into a
+stage, packet after packet, and the kernel gets one iovec per message.  The
+bytes on the wire are the same; a message the stage cannot hold goes out as it
+was built, and so do the per-packet fallbacks.
+
 The GIL is released around every ``recvmmsg``/``sendmmsg``; nothing in the
 per-datagram loops touches Python objects.
 
@@ -161,6 +173,61 @@ cdef extern from *:
         memcpy(CMSG_DATA(c), &seg, sizeof(uint16_t));
     }
 
+    /* Staged sends.  A gather message is two iovecs per packet (its 16-byte header, then its segment of
+       the caller's message), and the kernel's copy into the socket buffer walks them one by one: per
+       packet a short copy and a long one, each paying the user-copy entry cost.  Measured (session 55),
+       that walk made a sender's copy into the kernel ~1.8x kernel TCP's per byte.  So just before each
+       sendmmsg the messages are copied, packet after packet, into one stage buffer small enough to stay in
+       the core's cache (LTP_STAGE_BYTES), and the kernel is handed one iovec per message.  The bytes on the
+       wire are the same; a message larger than the stage goes out as it was built. */
+    #define LTP_STAGE_BYTES (256 * 1024)
+    #define LTP_STAGE_MSGS 64
+    typedef struct {
+        char *buf;                                   /* LTP_STAGE_BYTES, or NULL: staging off */
+        struct mmsghdr msgs[LTP_STAGE_MSGS];
+        struct iovec iov[LTP_STAGE_MSGS];
+    } ltp_stage;
+
+    static int ltp_stage_init(ltp_stage *st, int on) {
+        memset(st, 0, sizeof(*st));
+        if (!on) return 0;
+        st->buf = (char *)malloc(LTP_STAGE_BYTES);
+        return st->buf == NULL ? ENOMEM : 0;
+    }
+
+    static void ltp_stage_free(ltp_stage *st) {
+        free(st->buf);
+        st->buf = NULL;
+    }
+
+    /* Copy msgs[0..nm) into the stage, each message's iovecs back to back as one iovec of st->msgs (name
+       and control kept); returns how many fit: 0 when staging is off or the first alone does not fit. */
+    static int ltp_stage_msgs(ltp_stage *st, const struct mmsghdr *msgs, int nm) {
+        size_t used = 0, len, t;
+        int i;
+        char *dst;
+        if (st->buf == NULL) return 0;
+        for (i = 0; i < nm && i < LTP_STAGE_MSGS; i++) {
+            const struct msghdr *h = &msgs[i].msg_hdr;
+            len = 0;
+            for (t = 0; t < h->msg_iovlen; t++) len += h->msg_iov[t].iov_len;
+            if (used + len > LTP_STAGE_BYTES) break;
+            dst = st->buf + used;
+            for (t = 0; t < h->msg_iovlen; t++) {
+                memcpy(dst, h->msg_iov[t].iov_base, h->msg_iov[t].iov_len);
+                dst += h->msg_iov[t].iov_len;
+            }
+            st->msgs[i].msg_hdr = *h;
+            st->iov[i].iov_base = st->buf + used;
+            st->iov[i].iov_len = len;
+            st->msgs[i].msg_hdr.msg_iov = &st->iov[i];
+            st->msgs[i].msg_hdr.msg_iovlen = 1;
+            st->msgs[i].msg_len = 0;
+            used += len;
+        }
+        return i;
+    }
+
     /* sockaddr -> numeric host text (as Python's socket module formats it), port, flowinfo, scope. */
     static int ltp_decode_addr(const struct sockaddr_storage *ss, char *host, size_t hostlen,
                                unsigned int *port, unsigned int *flowinfo, unsigned int *scope) {
@@ -264,6 +331,12 @@ cdef extern from *:
                         unsigned int scope, sockaddr_storage *ss) nogil
     int ltp_same_host_port(const sockaddr_storage *a, socklen_t la, const sockaddr_storage *b,
                            socklen_t lb) nogil
+    ctypedef struct ltp_stage:
+        mmsghdr *msgs
+    int LTP_STAGE_BYTES
+    int ltp_stage_init(ltp_stage *st, int on) nogil
+    void ltp_stage_free(ltp_stage *st) nogil
+    int ltp_stage_msgs(ltp_stage *st, const mmsghdr *msgs, int nm) nogil
 
 # ---------------------------------------------------------------------------- send threads
 # A sender thread owns a ring of jobs; a job is one send_segments() call built into its own
@@ -318,6 +391,7 @@ cdef extern from *:
         int stop;                /* 1: finish the queued jobs and exit; 2: drop what a full socket holds up */
         int running;
         double pace_next;        /* thread only: CLOCK_MONOTONIC time the next paced sub-burst may leave */
+        ltp_stage stage;         /* thread only: staged sends (ltp_stage_msgs) */
     } ltp_tx_worker;
 
     static double ltp_tx_clock(void) {
@@ -401,7 +475,7 @@ cdef extern from *:
        once, back to back, until it has caught up by at most `credit` seconds (SEND_PACE_CREDIT_S): a thread
        descheduled for longer than a sub-burst's gap would otherwise lose that rate for good. */
     static void ltp_tx_run(ltp_tx_worker *w, ltp_tx_job *j) {
-        int k = 0, retry_at = -1, r, i, e, lim;
+        int k = 0, retry_at = -1, r, i, e, lim, ns;
         long long burst;
         double now;
         while (k < j->nm) {
@@ -423,7 +497,9 @@ cdef extern from *:
                     burst += b;
                 }
             }
-            r = sendmmsg(w->fd, j->msgs + k, (unsigned int)(lim - k), 0);
+            ns = ltp_stage_msgs(&w->stage, j->msgs + k, lim - k);
+            if (ns > 0) r = sendmmsg(w->fd, w->stage.msgs, (unsigned int)ns, 0);
+            else r = sendmmsg(w->fd, j->msgs + k, (unsigned int)(lim - k), 0);
             j->syscalls++;
             if (r > 0) {
                 for (i = 0; i < r; i++) {
@@ -479,6 +555,7 @@ cdef extern from *:
 
     static void ltp_tx_free_jobs(ltp_tx_worker *w) {
         int i;
+        ltp_stage_free(&w->stage);
         if (w->jobs == NULL) return;
         for (i = 0; i < w->depth; i++) {
             free(w->jobs[i].msgs); free(w->jobs[i].iov); free(w->jobs[i].hdrs);
@@ -489,12 +566,13 @@ cdef extern from *:
     }
 
     /* 0 on success, else an errno (nothing left allocated or running). */
-    static int ltp_tx_start(ltp_tx_worker *w, int fd, int depth) {
+    static int ltp_tx_start(ltp_tx_worker *w, int fd, int depth, int stage) {
         int e;
         memset(w, 0, sizeof(*w));
         w->depth = depth;
         w->jobs = (ltp_tx_job *)calloc((size_t)depth, sizeof(ltp_tx_job));
         if (w->jobs == NULL) return ENOMEM;
+        if (ltp_stage_init(&w->stage, stage) != 0) { ltp_tx_free_jobs(w); return ENOMEM; }
         w->fd = dup(fd);
         if (w->fd < 0) { e = errno; ltp_tx_free_jobs(w); return e; }
         pthread_mutex_init(&w->mu, NULL);
@@ -605,7 +683,7 @@ cdef extern from *:
         long long head
         long long done
         int running
-    int ltp_tx_start(ltp_tx_worker *w, int fd, int depth) nogil
+    int ltp_tx_start(ltp_tx_worker *w, int fd, int depth, int stage) nogil
     int ltp_tx_reserve(ltp_tx_job *j, int nm, int n) nogil
     void ltp_tx_submit(ltp_tx_worker *w) nogil
     long long ltp_tx_done(ltp_tx_worker *w) nogil
@@ -762,6 +840,10 @@ cdef class UdpIO:
     ``UdpIO`` is used; the ``UdpIO`` does not own it (close the socket yourself).
     ``gro=True`` enables ``UDP_GRO`` on the socket; ``gso=True`` uses
     ``UDP_SEGMENT`` when the kernel offers it (``gso_enabled`` says whether).
+    ``stage_sends=True`` (default) hands the kernel each gather message of
+    ``send_segments`` as one buffer, copied into a cache-sized stage just
+    before the syscall, instead of two buffers per packet (the same bytes on
+    the wire; see the module's theory of operation).
     ``stats`` counts syscalls, datagrams in and out, receive/send calls that
     met EAGAIN (or ENOBUFS), and ``errors`` by errno name: ICMP-reported
     errors, ``EMSGSIZE`` for dropped oversized datagrams, ``EINVAL``/``EIO``
@@ -780,6 +862,7 @@ cdef class UdpIO:
     cdef readonly bint timestamps_enabled
     cdef readonly bint recverr_enabled
     cdef readonly bint drops_enabled
+    cdef readonly bint stage_sends
     cdef readonly long long icmp_errors
     cdef readonly long long socket_drops
     cdef Py_ssize_t _slot_size
@@ -813,6 +896,7 @@ cdef class UdpIO:
     cdef Py_ssize_t *_m_nseg
     cdef bint *_m_gso
     cdef mmsghdr *_gmsgs  # gather sends: own headers, their msg_iov point into _giov per call
+    cdef ltp_stage *_stage  # the caller-side gather send's stage (ltp_stage_msgs)
     cdef iovec *_giov
     cdef Py_ssize_t *_g_first
     cdef dict _name_cache
@@ -858,9 +942,11 @@ cdef class UdpIO:
         self._gmsgs = NULL
         self._giov = NULL
         self._g_first = NULL
+        self._stage = NULL
 
     def __init__(self, sock, *, int batch=64, int max_datagram=2048, bint gso=True, bint gro=True,
-                 bint timestamps=True, bint recverr=True, bint drops=True, int send_threads=0):
+                 bint timestamps=True, bint recverr=True, bint drops=True, int send_threads=0,
+                 bint stage_sends=True):
         if self._rmsgs != NULL:
             raise RuntimeError("UdpIO.__init__ called twice; create a new UdpIO instead")
         if not isinstance(sock, _socket.socket):
@@ -880,6 +966,7 @@ cdef class UdpIO:
         self._sock = sock
         self.family = int(sock.family)
         self.batch = batch
+        self.stage_sends = stage_sends
         self.max_datagram = max_datagram
         sock.setblocking(False)
         self.gro_enabled = False
@@ -938,6 +1025,9 @@ cdef class UdpIO:
         self._gmsgs = <mmsghdr *>calloc(self._scap, sizeof(mmsghdr))
         self._giov = <iovec *>calloc(self._scap * 2 * GSO_MAX_SEGMENTS, sizeof(iovec))
         self._g_first = <Py_ssize_t *>calloc(self._scap + 1, sizeof(Py_ssize_t))
+        self._stage = <ltp_stage *>calloc(1, sizeof(ltp_stage))
+        if self._stage == NULL or ltp_stage_init(self._stage, stage_sends) != 0:
+            raise MemoryError()
         if (self._rmsgs == NULL or self._riov == NULL or self._rnames == NULL or self._rcmsg == NULL
                 or self._smsgs == NULL or self._siov == NULL or self._scmsg == NULL
                 or self._m_item == NULL or self._m_off == NULL or self._m_len == NULL
@@ -982,7 +1072,7 @@ cdef class UdpIO:
                 raise MemoryError()
         self._tx_pid = getpid()
         for i in range(n):
-            e = ltp_tx_start(&self._tx[i], fd, _QDEPTH)
+            e = ltp_tx_start(&self._tx[i], fd, _QDEPTH, self.stage_sends)
             if e != 0:
                 break
             self._tx_started += 1
@@ -1037,6 +1127,9 @@ cdef class UdpIO:
         free(self._gmsgs)
         free(self._giov)
         free(self._g_first)
+        if self._stage != NULL:
+            ltp_stage_free(self._stage)
+        free(self._stage)
 
     cdef _alloc_out(self, Py_ssize_t cap):
         self._cap = cap
@@ -1701,7 +1794,7 @@ cdef class UdpIO:
         cdef sockaddr_storage name
         cdef int namelen
         cdef int fd = self._fd()
-        cdef int r, e
+        cdef int r, e, ns
         cdef Py_ssize_t retry_at = -1
         cdef bint gso_ok = self.gso_enabled
         cdef char *hbuf
@@ -1756,7 +1849,11 @@ cdef class UdpIO:
                 self._g_first[nm] = j
                 e = 0
                 with nogil:
-                    r = sendmmsg(fd, self._gmsgs, nm, MSG_DONTWAIT)
+                    ns = ltp_stage_msgs(self._stage, self._gmsgs, nm)
+                    if ns > 0:
+                        r = sendmmsg(fd, self._stage.msgs, ns, MSG_DONTWAIT)
+                    else:
+                        r = sendmmsg(fd, self._gmsgs, nm, MSG_DONTWAIT)
                     if r < 0:
                         e = errno
                 self._syscalls += 1
@@ -1965,3 +2062,4 @@ cdef class UdpIO:
         if many:
             return it
         return accepted
+

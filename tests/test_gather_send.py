@@ -149,3 +149,36 @@ def test_segment_transmit_assembles_like_a_transmit():
     assert tx.datagrams() == _expected(bytes(hdr), bytes(pay), [2, 0, 9], 256, 2500)
     assert tx.nbytes == len(tx.data)
     assert tx.assemble(1) == b"".join(_expected(bytes(hdr), bytes(pay), [2, 0, 9], 256, 2500)[1:])
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("stage", [True, False], ids=["staged", "unstaged"])
+@pytest.mark.parametrize("gso", [True, False])
+def test_a_batch_many_stages_long_arrives_exact_and_in_order_staged_or_not(mod, socks, threads, stage, gso):
+    """Staged sends (``stage_sends``): a batch several times the stage (LTP_STAGE_BYTES, 256 kB), out of order,
+    with a retransmission and the short segment in the middle, puts the same bytes on the wire in the same order
+    as the unstaged one, from the caller and through sender threads."""
+    a, b = socks.make(), socks.make()
+    rx = mod.UdpIO(a)
+    tx = mod.UdpIO(b, gso=gso, send_threads=threads, stage_sends=stage)
+    assert tx.stage_sends is stage
+    seg, n_seg = 1456, 700
+    total = seg * (n_seg - 1) + 99
+    pay = np.random.default_rng(11).integers(0, 256, total, dtype=np.uint8)
+    seqs = np.array(list(range(40, 300)) + [n_seg - 1, 7, 3] + list(range(300, n_seg - 1)) + list(range(0, 40)),
+                    np.int64)
+    assert len(seqs) * (16 + seg) > 3 * 256 * 1024
+    hdr = _headers(len(seqs))
+    want = _expected(hdr, pay.tobytes(), seqs.tolist(), seg, total)
+    assert tx.send_segments(a.getsockname(), hdr, pay, seqs, seg, total, background=threads > 0) == len(seqs)
+    if threads:
+        tx.wait_sent()
+    assert [d for d, _ in drain(rx, len(seqs), timeout=5.0)] == want
+    st = tx.stats
+    assert st["datagrams_out"] == len(seqs) and st["errors"] == {}
+    if threads:
+        tx.stop_send_threads()
+
+
+def test_staged_sends_are_the_default(mod, socks):
+    assert mod.UdpIO(socks.make()).stage_sends is True

@@ -195,3 +195,16 @@ def test_a_transfer_that_times_out_names_both_ends_outcomes(lab):
     msg = str(ei.value)
     assert msg.startswith("the LTP sender failed (exit 1: ltp.errors.TransferTimeout") and "Traceback" not in msg
     assert "the receiver: {" in msg and '"regime": ' in msg, msg  # its own report (cancelled, as a rule)
+
+
+@pytest.mark.parametrize("stage", [True, False], ids=["staged", "unstaged"])
+def test_a_transfer_is_exact_with_sends_staged_or_not(lab, stage):
+    """``ltp-bench --no-stage`` (``Endpoint.stage_sends`` off) and the default staged send both move a lossy
+    transfer exactly over the lab, and the result says which ran."""
+    from ltp_tools.bench import run_bench
+
+    res = run_bench(transport="ltp", size=20_000_000, loss=0.01, mode="reliable", lab=lab, timeout=120,
+                    stage_sends=stage)
+    assert res["verified"] is True and res["delivered_fraction"] == 1.0, res
+    assert res["stage_sends"] is stage
+    assert res["retransmitted_packets"] > 0  # the loss happened, and the resends went out staged as well

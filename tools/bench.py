@@ -192,6 +192,7 @@ def _ltp_sender(args) -> int:
 
     async def main():
         peer = (args.host, args.port) if args.connected else None
+        ltp.Endpoint.stage_sends = not args.no_stage  # read when the endpoint opens
         ep = await ltp.open_endpoint(("0.0.0.0", args.bind_port), config=ltp.Config(mtu=args.mtu, **_threads(args)),
                                      peer=peer)
         data = pattern(args.size)
@@ -260,6 +261,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
               delay_s: float = 0.0, mtu: int = 1500, mode: str = "reliable", loss_both: bool = False,
               timeout: float = 300.0, lab=None, port: int = 7447, warmup: int = 0, gro: bool = False,
               tcp_buffer: str = "message", send_threads: int | None = None, bulk_drain: bool = True,
+              stage_sends: bool = True,
               connected: bool = True, thread_pacing_s: float | None = None, spread: bool | None = None,
               jitter_s: float = 0.0) -> dict:
     """Run one transfer and return the result dict (see module docstring).
@@ -275,6 +277,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
     default).
     ``bulk_drain=False`` makes the LTP receiver hand every batch to the engine (``Endpoint.bulk_drain``), for
     comparison with the default compiled drain.
+    ``stage_sends=False`` makes the LTP sender hand the kernel two buffers per DATA packet
+    (``Endpoint.stage_sends``), for comparison with the default staged send.
     ``connected`` (default) opens both LTP endpoints connected to each other (``open_endpoint(peer=...)``), as a
     point-to-point transfer between two hosts would be and as kernel TCP's sockets are; the sender then binds
     ``port + 1``. ``connected=False`` leaves them open to any peer, as a parameter server's endpoint is.
@@ -317,6 +321,8 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             common += ["--spread", "on" if spread else "off"]
         if not bulk_drain:
             common += ["--no-bulk-drain"]
+        if not stage_sends:
+            common += ["--no-stage"]
         snd_host = snd.addr if snd is not None else host  # loopback: both ends on the same address
         rcv_conn = ["--peer", snd_host, "--peer-port", str(port + 1)] if connected else []
         snd_conn = ["--connected", "--bind-port", str(port + 1)] if connected else []
@@ -381,6 +387,7 @@ def run_bench(*, transport: str = "ltp", size: int = 100_000_000, loss: float = 
             result["thread_pacing_s"] = s.get("thread_pacing_s")
             result["spread_sends"] = s.get("spread_sends")
             result["bulk_drain"] = bulk_drain
+            result["stage_sends"] = stage_sends
             result["connected"] = s.get("connected")
         result.update(warmup=warmup if transport == "ltp" else 0, size_bytes=size, loss=loss, rate=rate_bps, delay_s=delay_s,
                       jitter_s=jitter_s, mtu=mtu, loss_both=loss_both,
@@ -463,6 +470,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bulk-drain", action="store_true",
                     help="LTP: the receiver hands every batch to the engine in Python (Endpoint.bulk_drain off) "
                          "instead of draining a bulk receive into its window in compiled code")
+    ap.add_argument("--no-stage", action="store_true",
+                    help="LTP: hand the kernel two buffers per DATA packet (header, segment) instead of each message "
+                         "as one buffer copied into a cache-sized stage (Endpoint.stage_sends off)")
     ap.add_argument("--unconnected", action="store_true",
                     help="LTP: both endpoints accept any peer, as a parameter server's does (default: each is "
                          "connected to the other, open_endpoint(peer=...), as kernel TCP's sockets are)")
@@ -476,7 +486,8 @@ def main(argv=None) -> int:
                             delay_s=args.delay, mtu=args.mtu, mode=args.mode, loss_both=args.loss_both,
                             timeout=args.timeout, warmup=args.warmup, gro=args.gro, tcp_buffer=args.tcp_buffer,
                             send_threads=args.send_threads, bulk_drain=not args.no_bulk_drain,
-                            connected=not args.unconnected, thread_pacing_s=args.thread_pacing,
+                            stage_sends=not args.no_stage, connected=not args.unconnected,
+                            thread_pacing_s=args.thread_pacing,
                             spread=None if args.spread is None else args.spread == "on", jitter_s=args.jitter)
         except (TimeoutError, subprocess.TimeoutExpired, ltp.LTPError, RuntimeError) as exc:
             # a transfer that did not finish is a result to report, not a crash
@@ -506,6 +517,7 @@ def _role_main(argv) -> int:
     ap.add_argument("--thread-pacing", type=float, default=None)
     ap.add_argument("--spread", choices=["on", "off"], default=None)
     ap.add_argument("--no-bulk-drain", action="store_true")
+    ap.add_argument("--no-stage", action="store_true")
     ap.add_argument("--peer", default=None, help="receiver: connect to this sender address")
     ap.add_argument("--peer-port", type=int, default=0)
     ap.add_argument("--connected", action="store_true", help="sender: connect to the receiver")

@@ -63,8 +63,9 @@ import asyncio, json, sys, time, ltp
 from ltp_tools.machine_cpu import machine_cpu_s
 from ltp_tools.payload import pattern
 async def main():
-    peers = [(h, int(sys.argv[1])) for h in sys.argv[5:]]
+    peers = [(h, int(sys.argv[1])) for h in sys.argv[6:]]
     threads = int(sys.argv[4])
+    ltp.Endpoint.stage_sends = sys.argv[5] == "1"  # read when the endpoint opens
     ep = await ltp.open_endpoint(("0.0.0.0", 0), config=ltp.Config(**({} if threads < 0 else {"send_threads": threads})))
     data = pattern(int(sys.argv[2]))
     m0, t0 = machine_cpu_s(), time.monotonic()
@@ -72,7 +73,8 @@ async def main():
     dur, m1 = time.monotonic() - t0, machine_cpu_s()
     print(json.dumps({"duration_s": dur, "machine_cpu_s": None if m0 is None else round(m1 - m0, 3),
                       "delivered": [getattr(r, "delivered_fraction", None) for r in reports],
-                      "send_threads": ep.config.send_threads, "sender_wakeups": dict(ep.loop_stats),
+                      "send_threads": ep.config.send_threads, "stage_sends": ep.stage_sends,
+                      "sender_wakeups": dict(ep.loop_stats),
                       "sender_datagrams_in": ep.stats.datagrams_in, "sender_datagrams_out": ep.stats.datagrams_out}),
           flush=True)
     await ep.close()
@@ -108,10 +110,11 @@ def tcp_broadcast(hosts: list[str], size: int, cc: str = "cubic", port: int = TC
 
 
 def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, timeout: float = 300.0,
-        send_threads: int | None = None) -> dict:
+        send_threads: int | None = None, stage_sends: bool = True) -> dict:
     """One broadcast in a fresh lab of ``peers + 1`` hosts; the result dict (see the module docstring).
 
-    ``send_threads``: the LTP sender's ``Config.send_threads`` (None: its default)."""
+    ``send_threads``: the LTP sender's ``Config.send_threads`` (None: its default); ``stage_sends=False``: its
+    ``Endpoint.stage_sends`` off (two buffers per DATA packet to the kernel)."""
     from ltp_tools.netlab import Lab
 
     if peers < 1 or size < 1:
@@ -127,7 +130,8 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, time
                 if p.stdout.readline().strip() != "ready":
                     raise RuntimeError(f"an LTP receiver did not start: {p.stderr.read()[-800:]}")
             s = lab.run(snd, [py, "-c", _LTP_SEND, str(PORT), str(size), str(timeout),
-                              str(-1 if send_threads is None else send_threads), *addrs],
+                              str(-1 if send_threads is None else send_threads), "1" if stage_sends else "0",
+                              *addrs],
                         capture_output=True, text=True, timeout=timeout + 30)
             if s.returncode != 0:
                 raise RuntimeError(f"LTP broadcast sender failed: {s.stderr[-1500:]}")
@@ -174,9 +178,11 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--send-threads", type=number(int, 0, SEND_THREADS_MAX, what="LTP sender threads"), default=None,
                     help="LTP: the sender's Config.send_threads (default: the Config default)")
+    ap.add_argument("--no-stage", action="store_true",
+                    help="LTP: the sender hands the kernel two buffers per DATA packet (Endpoint.stage_sends off)")
     a = ap.parse_args(argv)
     print(json.dumps(run(transport=a.transport, size=a.size, peers=a.peers, timeout=a.timeout,
-                         send_threads=a.send_threads)))
+                         send_threads=a.send_threads, stage_sends=not a.no_stage)))
     return 0
 
 
