@@ -1789,7 +1789,7 @@ cdef class UdpIO:
         cdef bint pv_given = False
         cdef const int64_t[::1] sv = np.ascontiguousarray(seqs, dtype=np.int64)
         cdef Py_ssize_t n = sv.shape[0], k = 0, j, nm, m_pkts, accepted = 0
-        cdef Py_ssize_t gi
+        cdef Py_ssize_t gi, staged
         cdef int64_t q
         cdef sockaddr_storage name
         cdef int namelen
@@ -1833,14 +1833,22 @@ cdef class UdpIO:
                 pv_given = True
                 return n
             while k < n:
-                # fill up to _scap messages, each a GSO batch of equal-size packets
+                # fill up to _scap messages, each a GSO batch of equal-size packets; staged, no more than the
+                # stage takes (a message built past it would only be built again for the next call)
                 nm = 0
                 gi = 0
                 j = k
+                staged = 0
                 while nm < self._scap and j < n:
                     self._g_first[nm] = j
                     m_pkts = _gather_message(&self._gmsgs[nm].msg_hdr, &self._giov[gi], self._scmsg + nm * LTP_CMSG_SIZE,
                                              hbuf, pbuf, sv, j, n, seg_size, total, gso_ok, &name, namelen, 0)
+                    if self.stage_sends and nm > 0:
+                        staged += m_pkts * (16 + seg_size)  # at most its bytes
+                        if staged > LTP_STAGE_BYTES:
+                            break
+                    elif self.stage_sends:
+                        staged = m_pkts * (16 + seg_size)
                     gi += 2 * m_pkts
                     j += m_pkts
                     self._m_nseg[nm] = m_pkts
