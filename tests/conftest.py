@@ -32,7 +32,8 @@ class SimHarness:
         return self.net.set_link(self.addrs[src], self.addrs[dst], **params)
 
     def links(self, **params) -> None:
-        """Set every directed link; ``loss`` applies to data-sized datagrams only."""
+        """Set every directed link; ``loss`` drops any datagram, REGs and ACKs included, unless ``loss_min_size``
+        spares the smaller ones."""
         for i in range(len(self.addrs)):
             for j in range(len(self.addrs)):
                 if i != j:

@@ -63,6 +63,34 @@ def test_app_limited_rounds_do_not_end_startup():
     assert bbr.filled_pipe  # the same flat samples, not app-limited: the pipe is full
 
 
+def test_startup_never_paces_below_one_initial_window_per_round_trip():
+    """As Linux's BBR, which only raises the pacing rate until the pipe is full: a path whose only samples came from
+    tiny messages (a barrier, a 144-byte broadcast: BtlBw a few kB/s) must not pace the next large message at 2.89x
+    that. In STARTUP the rate is at least what the initial window per RTprop gives at STARTUP's gain; once the pipe
+    is full BtlBw alone decides."""
+    bbr = BBR(mss=MSS, initial_cwnd_packets=10, rng=random.Random(1))
+    floor_before = bbr.pacing_rate  # no sample: 2.89 x 10 packets per the initial RTT guess
+    assert floor_before == pytest.approx(2.885 * 10 * MSS / 0.001, rel=1e-3)
+    now, delivered = 0.0, 0
+    for _ in range(4):  # 144-byte messages, app-limited, 2 ms round trips
+        prior, now = delivered, now + 0.002
+        delivered += 144
+        bbr.on_ack(now, delivered=delivered, prior_delivered=prior, rate_bps=144 / 0.002, rtt_s=0.002, inflight=0,
+                   app_limited=True)
+    assert bbr.state == STARTUP and bbr.btlbw == pytest.approx(72_000)
+    assert bbr.pacing_rate == pytest.approx(2.885 * 10 * MSS / 0.002, rel=1e-3)  # not 2.89 x 72 kB/s
+    assert bbr.cwnd(0) >= 10 * MSS
+    # a measured rate above the floor paces as before
+    bbr.on_ack(now + 0.002, delivered=delivered + 10**6, prior_delivered=delivered, rate_bps=5e8, rtt_s=0.002,
+               inflight=0)
+    assert bbr.pacing_rate == pytest.approx(2.885 * 5e8, rel=1e-3)
+    # a full pipe: no floor, BtlBw decides (here a slow path that a large message filled)
+    slow = BBR(mss=MSS, initial_cwnd_packets=10, rng=random.Random(1))
+    _drive(slow, rate=2e5, rtt=0.002, rounds=8, inflight=10**9)
+    assert slow.filled_pipe
+    assert slow.pacing_rate <= 2.885 * 2e5
+
+
 def test_estimates_are_unsettled_while_btlbw_grows():
     bbr = BBR(mss=MSS, rng=random.Random(1))
     now, d = 0.0, 0

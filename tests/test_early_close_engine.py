@@ -138,17 +138,23 @@ def test_an_unexpected_message_is_never_closed_early_its_clock_starts_when_a_rec
     h = _lossy_pair(harness, 41)
     a, b = h.engines
     data = floats(200_000)
-    # the link's history first: a posted receive, so Early Close applies and learns a short LT
-    out = np.zeros_like(data)
-    _, first = h.wait([(0, a.send(h.addrs[1], data, now=h.now, tag=1)),
-                       (1, b.post_receive([(h.addrs[0], 1, out)], now=h.now))])
-    assert first.reports[0].regime in (Regime.EARLY, Regime.DEADLINE)
+    # the link's history first: posted receives, until Early Close has cut one (whether the first message of a
+    # path completes within its threshold is the draw's; the fourth here is cut, as most on this link are)
+    regimes = []
+    for tag in range(1, 6):
+        out = np.zeros_like(data)
+        _, first = h.wait([(0, a.send(h.addrs[1], data, now=h.now, tag=tag)),
+                           (1, b.post_receive([(h.addrs[0], tag, out)], now=h.now))])
+        regimes.append(first.reports[0].regime)
+        if regimes[-1] in (Regime.EARLY, Regime.DEADLINE):
+            break
+    assert regimes[-1] in (Regime.EARLY, Regime.DEADLINE), regimes
     assert b._thresholds.history(h.addrs[0], data.nbytes) is not None
     # the same message again, nobody receiving: it is not cut, it is all buffered
-    (sent,) = h.wait([(0, a.send(h.addrs[1], data, now=h.now, tag=2))])
+    (sent,) = h.wait([(0, a.send(h.addrs[1], data, now=h.now, tag=10))])
     assert sent.report.close_reason in ("acked", "complete") and sent.report.delivered_fraction == 1.0
     out = np.zeros_like(data)
-    (recv,) = h.wait([(1, b.post_receive([(h.addrs[0], 2, out)], now=h.now))])
+    (recv,) = h.wait([(1, b.post_receive([(h.addrs[0], 10, out)], now=h.now))])
     assert recv.reports[0].regime == Regime.COMPLETE and np.array_equal(out, data)
 
 

@@ -168,13 +168,8 @@ def test_ring_steps_with_acks_sharing_the_uplink(harness, n, seed):
     assert min(fractions) >= 0.9
 
 
-@pytest.mark.parametrize("lost_regs", [1, 2, 3])
-def test_lost_registration_holds_data_until_a_reg_is_answered(harness, lost_regs):
-    """The first REGs of a message are dropped: DATA the receiver cannot place is not sent on and on.
-
-    The receiver answers DATA of a flow it does not know with RESET ``unregistered``; the sender
-    holds its DATA from then until a repeated REG is answered. Before, it kept sending: 57, 171,
-    399 DATA datagrams (1, 2, 3 REGs lost) were dropped as unknown and all of them sent again."""
+def _first_message_with_regs_lost(harness, lost_regs: int):
+    """One SIZE message on a fresh RATE path whose first ``lost_regs`` REGs are dropped: (send, receiver engine)."""
     h = harness(n_hosts=2, seed=0, config=Config())
     h.link(0, 1, rate=RATE, delay_s=DELAY, queue_bytes=QUEUE)
     h.link(1, 0, rate=RATE, delay_s=DELAY, queue_bytes=QUEUE)
@@ -194,10 +189,26 @@ def test_lost_registration_holds_data_until_a_reg_is_answered(harness, lost_regs
     s = h.engines[0].send(h.addrs[1], data, now=0.0, reliable=True, tag=7)
     sent, got = h.wait([(0, s), (1, r)])
     assert left[0] == 0 and sent.error is None and np.array_equal(buf, data)
+    return sent, h.engines[1]
+
+
+@pytest.mark.parametrize("lost_regs", [1, 2, 3])
+def test_lost_registration_holds_data_until_a_reg_is_answered(harness, lost_regs):
+    """The first REGs of a message are dropped: DATA the receiver cannot place is not sent on and on.
+
+    The receiver answers DATA of a flow it does not know with RESET ``unregistered``; the sender
+    holds its DATA from then until a repeated REG is answered. Before, it kept sending: 57, 171,
+    399 DATA datagrams (1, 2, 3 REGs lost) were dropped as unknown and all of them sent again.
+    The sends are held against the same message with no REG lost: STARTUP's own overshoot into this
+    shallow queue is not the registration's doing (session 55: 65 of 524 packets, at the pacing
+    floor Linux's BBR also keeps)."""
+    baseline, _ = _first_message_with_regs_lost(harness, 0)
+    sent, receiver = _first_message_with_regs_lost(harness, lost_regs)
     initial = Config().initial_cwnd_packets
     segs = -(-SIZE // SEG)
-    assert h.engines[1].stats.dropped.get("unknown_flow", 0) <= 2 * initial
-    assert sent.report.packets_sent <= segs + 6 * initial
+    assert receiver.stats.dropped.get("unknown_flow", 0) <= 2 * initial
+    assert sent.report.packets_sent <= baseline.report.packets_sent + 2 * initial
+    assert baseline.report.packets_sent <= segs + 8 * initial
 
 
 def test_reset_unregistered_before_the_reg_was_answered_holds_data():
@@ -256,3 +267,32 @@ def test_seq_messages_tool_runs_in_the_lab():
     assert summary["wire_s"] == pytest.approx(100_000 * 8 / 100e6, rel=1e-3)
     assert 0.5 < summary["median_over_wire"] < 50
     assert summary["median_step_s"] > 0
+
+
+@pytest.mark.parametrize("busy_s", [0.005, 0.02])
+def test_a_large_message_after_tiny_ones_is_not_paced_at_their_rate(harness, busy_s):
+    """A path that has carried only tiny messages whose ACKs came late (a barrier, a 144-byte broadcast to a rank
+    busy in torch) has a BtlBw of a few kB/s from app-limited samples and is still in STARTUP. The next large
+    message must not be paced at 2.89x that (``BBR.startup_floor_rate``). The torch backend's 400 kB parameter
+    broadcast after DDP's 144-byte one took 0.2-2.4 s on loopback before the floor (docs/performance.md, session
+    55); here, without it, 24 ms and 133 ms instead of 4 ms on a 1 Gbit/s, 60 us path."""
+    h = harness(2, seed=3)
+    h.links(rate=125e6, delay_s=0.00003)
+    a, b = h.engines
+    for tag in range(4):  # tiny messages, each one flight, each read by a receiver busy for busy_s
+        small = np.full(36, tag, np.float32)
+        out = np.zeros_like(small)
+        r = b.post_receive([(h.addrs[0], tag, out)], now=h.now)
+        s = a.send(h.addrs[1], small, now=h.now, reliable=True, tag=tag)
+        h.net.stall(h.addrs[1], busy_s)
+        h.wait([(0, s), (1, r)])
+    path = a._paths[h.addrs[1]]
+    assert path.bbr.state == STARTUP and path.bbr.btlbw < 50_000  # bytes/s: 144 B per late round trip
+    data = np.arange(100_601, dtype=np.float32)  # 402,404 bytes: the broadcast of the trace
+    out = np.zeros_like(data)
+    r = b.post_receive([(h.addrs[0], 9, out)], now=h.now)
+    s = a.send(h.addrs[1], data, now=h.now, reliable=True, tag=9)
+    sent, _ = h.wait([(0, s), (1, r)], timeout=10.0)
+    assert sent.error is None and np.array_equal(out, data)
+    # the wire time is 3.3 ms; STARTUP's rounds on a 60 us path add little once the pacer is not the bound
+    assert sent.report.duration_s < 0.015, sent.report.duration_s
