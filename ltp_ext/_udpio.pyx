@@ -200,6 +200,14 @@ cdef extern from *:
         st->buf = NULL;
     }
 
+    /* A message's bytes: the sum of its iovecs. */
+    static long long ltp_msg_bytes(const struct msghdr *h) {
+        long long b = 0;
+        size_t i;
+        for (i = 0; i < h->msg_iovlen; i++) b += (long long)h->msg_iov[i].iov_len;
+        return b;
+    }
+
     /* Copy msgs[0..nm) into the stage, each message's iovecs back to back as one iovec of st->msgs (name
        and control kept); returns how many fit: 0 when staging is off or the first alone does not fit. */
     static int ltp_stage_msgs(ltp_stage *st, const struct mmsghdr *msgs, int nm) {
@@ -209,8 +217,7 @@ cdef extern from *:
         if (st->buf == NULL) return 0;
         for (i = 0; i < nm && i < LTP_STAGE_MSGS; i++) {
             const struct msghdr *h = &msgs[i].msg_hdr;
-            len = 0;
-            for (t = 0; t < h->msg_iovlen; t++) len += h->msg_iov[t].iov_len;
+            len = (size_t)ltp_msg_bytes(h);
             if (used + len > LTP_STAGE_BYTES) break;
             dst = st->buf + used;
             for (t = 0; t < h->msg_iovlen; t++) {
@@ -413,13 +420,6 @@ cdef extern from *:
         }
     }
 
-    static long long ltp_tx_msg_bytes(struct msghdr *h) {
-        long long b = 0;
-        size_t i;
-        for (i = 0; i < h->msg_iovlen; i++) b += (long long)h->msg_iov[i].iov_len;
-        return b;
-    }
-
     static int ltp_tx_is_icmp(int e) {
         return e == ECONNREFUSED || e == EHOSTUNREACH || e == ENETUNREACH || e == EHOSTDOWN;
     }
@@ -490,9 +490,9 @@ cdef extern from *:
                     if (k > 0) j->paced_late += now - j->credit - w->pace_next;
                     w->pace_next = now - j->credit;
                 }
-                burst = ltp_tx_msg_bytes(&j->msgs[k].msg_hdr);
+                burst = ltp_msg_bytes(&j->msgs[k].msg_hdr);
                 for (lim = k + 1; lim < j->nm; lim++) {
-                    long long b = ltp_tx_msg_bytes(&j->msgs[lim].msg_hdr);
+                    long long b = ltp_msg_bytes(&j->msgs[lim].msg_hdr);
                     if (burst + b > j->quantum) break;
                     burst += b;
                 }
@@ -504,7 +504,7 @@ cdef extern from *:
             if (r > 0) {
                 for (i = 0; i < r; i++) {
                     j->dgrams += j->nseg[k + i];
-                    if (j->rate > 0) w->pace_next += (double)ltp_tx_msg_bytes(&j->msgs[k + i].msg_hdr) / j->rate;
+                    if (j->rate > 0) w->pace_next += (double)ltp_msg_bytes(&j->msgs[k + i].msg_hdr) / j->rate;
                 }
                 k += r;
                 continue;
@@ -1843,12 +1843,10 @@ cdef class UdpIO:
                     self._g_first[nm] = j
                     m_pkts = _gather_message(&self._gmsgs[nm].msg_hdr, &self._giov[gi], self._scmsg + nm * LTP_CMSG_SIZE,
                                              hbuf, pbuf, sv, j, n, seg_size, total, gso_ok, &name, namelen, 0)
-                    if self.stage_sends and nm > 0:
+                    if self.stage_sends:
                         staged += m_pkts * (16 + seg_size)  # at most its bytes
-                        if staged > LTP_STAGE_BYTES:
+                        if nm > 0 and staged > LTP_STAGE_BYTES:
                             break
-                    elif self.stage_sends:
-                        staged = m_pkts * (16 + seg_size)
                     gi += 2 * m_pkts
                     j += m_pkts
                     self._m_nseg[nm] = m_pkts
@@ -2070,4 +2068,3 @@ cdef class UdpIO:
         if many:
             return it
         return accepted
-
