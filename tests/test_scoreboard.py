@@ -358,6 +358,8 @@ def test_broadcast_bench_delivers_to_every_peer(transport, threads):
 
     r = BB.run(transport=transport, size=3_000_000, peers=3, timeout=60, send_threads=threads)
     assert r["duration_s"] > 0 and r["peers"] == 3 and r["goodput_gbps"] > 0
+    # no peer checked its bytes while the sender's clock ran (they share its cores)
+    assert len(r["receivers"]) == 3 and all(rx["check_start_s"] >= r["clock_stop_s"] for rx in r["receivers"])
     if transport == "ltp":
         assert r["delivered"] == [1.0, 1.0, 1.0]
         assert r["send_threads"] == (Config().send_threads if threads is None else threads)

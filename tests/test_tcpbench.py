@@ -91,6 +91,34 @@ def test_a_shared_message_buffer_is_sent_as_given(sized_server):
         send("127.0.0.1", port, 5, "cubic", buffer="hot")
 
 
+def test_a_held_server_checks_only_after_its_release_line():
+    """``--hold``: the transfer ends (the client has its reply) but the check waits for a line on stdin."""
+    import select
+    import time
+
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "ltp_tools.tcpbench", "server", "--port", str(port), "--bind",
+                          "127.0.0.1", "--size", "3000001", "--hold", "--once"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(p, 30, "tcpbench server")
+        r = send("127.0.0.1", port, 3_000_001, "cubic")
+        assert r["size_bytes"] == 3_000_001
+        assert select.select([p.stdout], [], [], 0.5)[0] == [], "the server reported before it was released"
+        released = time.monotonic()
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        rx = json.loads(p.stdout.readline())
+        assert rx["verified"] is True and rx["check_start_s"] >= released
+        assert p.wait(timeout=10) == 0
+    finally:
+        p.kill()
+        p.wait(timeout=5)
+    bad = subprocess.run([sys.executable, "-m", "ltp_tools.tcpbench", "server", "--hold"], capture_output=True,
+                         text=True, timeout=30)
+    assert bad.returncode == 2 and "--hold needs --size" in bad.stderr
+
+
 def test_the_chunk_buffer_is_not_checked(server):
     """Without ``--size`` the server reads into one reused block: nothing to check (``verified`` null)."""
     port, p = server

@@ -14,13 +14,19 @@ Theory of operation
       the broadcast time is from the start until the last confirmation.
 
     Both transports move the test message of :mod:`ltp_tools.payload` from one message-sized
-    buffer into one per peer, faulted in before the clock; every peer checks every byte after it.
+    buffer into one per peer, faulted in before the clock; every peer checks every byte after it,
+    once the sender's clock has stopped (one line on each peer's stdin releases it): the peers share
+    the sender's machine, and a peer that finished first would otherwise check its 100 MB on the
+    cores the transfers still running need. Until session 56 they checked as soon as their own
+    transfer ended, which charged LTP, whose flows end further apart than TCP's, for that work.
 
     Result: one JSON line per run with ``duration_s``, ``goodput_gbps`` (N x size over the
     duration) and the machine-wide CPU over the transfer; for LTP also what each process's
     event loop did: the sender's wake-ups (``sender_wakeups``, :attr:`ltp.Endpoint.loop_stats`)
     and datagrams in (its ACKs) and out, and per receiver (``receivers``) the same three, so a
-    run says how many datagrams each receiver read per wake-up and per ACK it sent.
+    run says how many datagrams each receiver read per wake-up and per ACK it sent. Both transports
+    report when the sender's clock stopped (``clock_stop_s``) and, per receiver, when its check began
+    (``check_start_s``), both CLOCK_MONOTONIC on the one machine.
 
     python -m ltp_tools.broadcast_bench --transport ltp|cubic|bbr --size 100M --peers 4
 """
@@ -41,7 +47,7 @@ PORT = 7447
 TCP_PORT = 5201
 
 _LTP_RECV = r'''
-import asyncio, json, sys, numpy as np, ltp
+import asyncio, json, sys, time, numpy as np, ltp
 from ltp_tools.payload import verify
 async def main():
     ep = await ltp.open_endpoint(("0.0.0.0", int(sys.argv[1])))
@@ -49,10 +55,15 @@ async def main():
     buf.fill(0)  # fault the pages in before the clock starts, as ltp-bench's receiver and the TCP servers
     print("ready", flush=True)
     reports = await ep.recv(buf, tag=7, timeout=float(sys.argv[3]))
-    ok = verify(buf)  # every byte, after the sender's clock
+    # the check waits for the sender's clock to stop (a line on stdin): the peers share its machine, and a peer
+    # that finished first would otherwise check its bytes on the cores the transfers still running need.
+    # The endpoint keeps answering meanwhile (the line is read off the event loop)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    check_start = time.monotonic()
+    ok = verify(buf)  # every byte
     await asyncio.sleep(0.5)  # let the last ACKs leave (and be counted below)
     print(json.dumps({"wakeups": dict(ep.loop_stats), "datagrams_in": ep.stats.datagrams_in,
-                      "datagrams_out": ep.stats.datagrams_out}), flush=True)
+                      "datagrams_out": ep.stats.datagrams_out, "check_start_s": check_start}), flush=True)
     print("done" if ok else "corrupt", flush=True)
     await ep.close()
 ltp.run(main())
@@ -70,8 +81,8 @@ async def main():
     data = pattern(int(sys.argv[2]))
     m0, t0 = machine_cpu_s(), time.monotonic()
     reports = await ep.broadcast(peers, data, tag=7, timeout=float(sys.argv[3]))
-    dur, m1 = time.monotonic() - t0, machine_cpu_s()
-    print(json.dumps({"duration_s": dur, "machine_cpu_s": None if m0 is None else round(m1 - m0, 3),
+    t1, m1 = time.monotonic(), machine_cpu_s()
+    print(json.dumps({"duration_s": t1 - t0, "clock_stop_s": t1, "machine_cpu_s": None if m0 is None else round(m1 - m0, 3),
                       "delivered": [getattr(r, "delivered_fraction", None) for r in reports],
                       "send_threads": ep.config.send_threads, "stage_sends": ep.stage_sends,
                       "sender_wakeups": dict(ep.loop_stats),
@@ -102,11 +113,31 @@ def tcp_broadcast(hosts: list[str], size: int, cc: str = "cubic", port: int = TC
         t.start()
     for t in threads:
         t.join()
-    dur, m1 = time.monotonic() - t0, machine_cpu_s()
+    t1, m1 = time.monotonic(), machine_cpu_s()
     bad = [r for r in results if isinstance(r, Exception)]
     if bad:
         raise RuntimeError(f"TCP broadcast failed: {bad[0]}")
-    return {"duration_s": dur, "machine_cpu_s": None if m0 is None else round(m1 - m0, 3)}
+    return {"duration_s": t1 - t0, "clock_stop_s": t1, "machine_cpu_s": None if m0 is None else round(m1 - m0, 3)}
+
+
+def _release(procs, timeout: float) -> list[list[str]]:
+    """Tell every receiver the sender's clock has stopped (one line on its stdin: it checks its bytes now) and
+    collect its output lines; a receiver that does not finish within ``timeout`` s is killed (no lines)."""
+    for p in procs:
+        try:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it already exited; its output says why
+    out = []
+    for p in procs:
+        try:
+            out.append(p.communicate(timeout=timeout)[0].strip().splitlines())
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            out.append([])
+    return out
 
 
 def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, timeout: float = 300.0,
@@ -125,7 +156,8 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, time
         snd, rcvs = lab.hosts[0], lab.hosts[1:]
         addrs = [h.addr for h in rcvs]
         if transport == "ltp":
-            procs = [lab.popen(h, [py, "-c", _LTP_RECV, str(PORT), str(size), str(timeout)], **kw) for h in rcvs]
+            procs = [lab.popen(h, [py, "-c", _LTP_RECV, str(PORT), str(size), str(timeout)], stdin=subprocess.PIPE,
+                               **kw) for h in rcvs]
             for p in procs:  # each receiver has bound and posted before the sender starts
                 if p.stdout.readline().strip() != "ready":
                     raise RuntimeError(f"an LTP receiver did not start: {p.stderr.read()[-800:]}")
@@ -133,10 +165,10 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, time
                               str(-1 if send_threads is None else send_threads), "1" if stage_sends else "0",
                               *addrs],
                         capture_output=True, text=True, timeout=timeout + 30)
+            outs = _release(procs, 30)  # the clock has stopped: the receivers check their bytes now
             if s.returncode != 0:
                 raise RuntimeError(f"LTP broadcast sender failed: {s.stderr[-1500:]}")
             res = json.loads(s.stdout.strip().splitlines()[-1])
-            outs = [p.communicate(timeout=30)[0].strip().splitlines() for p in procs]
             if not all(len(o) >= 2 and o[-1] == "done" for o in outs):
                 raise RuntimeError(f"an LTP receiver did not get the whole message intact: {outs}")
             res["receivers"] = [json.loads(o[-2]) for o in outs]
@@ -145,24 +177,19 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, time
             from ltp_tools.tcpbench import READY_BASE_S, READY_PER_BYTE_S
 
             procs = [lab.popen(h, [py, "-m", "ltp_tools.tcpbench", "server", "--port", str(TCP_PORT), "--once",
-                                   "--size", str(size)], **kw) for h in rcvs]
+                                   "--size", str(size), "--hold"], stdin=subprocess.PIPE, **kw) for h in rcvs]
             for p in procs:  # each receiver has faulted its message buffer in before the sender starts
                 wait_ready(p, READY_BASE_S + size * READY_PER_BYTE_S, "tcpbench server")
             s = lab.run(snd, [py, "-c", f"import json; from ltp_tools.broadcast_bench import tcp_broadcast; "
                                         f"print(json.dumps(tcp_broadcast({addrs!r}, {size}, {transport!r})))"],
                         capture_output=True, text=True, timeout=timeout + 30)
-            rx = []
-            for p in procs:
-                try:
-                    rx.append(p.communicate(timeout=30 + size * READY_PER_BYTE_S)[0].strip().splitlines())
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    rx.append([])
+            rx = _release(procs, 30 + size * READY_PER_BYTE_S)
             if s.returncode != 0:
                 raise RuntimeError(f"TCP broadcast sender failed: {s.stderr[-1500:]}")
             res = json.loads(s.stdout.strip().splitlines()[-1])
             if not all(o and json.loads(o[-1]).get("verified") is True for o in rx):
                 raise RuntimeError(f"a TCP receiver did not get the whole message intact: {rx}")
+            res["receivers"] = [{"check_start_s": json.loads(o[-1])["check_start_s"]} for o in rx]
     res.update(transport=transport, size_bytes=size, peers=peers,
                goodput_gbps=peers * size * 8 / res["duration_s"] / 1e9)
     return res

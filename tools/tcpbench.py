@@ -72,12 +72,16 @@ def _tcp_info(sock: socket.socket) -> dict:
     return dict(rtt_us=u32[15], total_retrans=u32[23], snd_cwnd=u32[18])
 
 
-def serve(port: int, once: bool = False, bind: str = "0.0.0.0", out=sys.stdout, size: int | None = None) -> None:
+def serve(port: int, once: bool = False, bind: str = "0.0.0.0", out=sys.stdout, size: int | None = None,
+          hold: bool = False, hold_in=None) -> None:
     """Accept connections on ``port``; print ``READY`` once listening, then one JSON line per finished transfer.
 
     With ``size`` every transfer is received into one buffer of ``size`` bytes (faulted in before ``READY``)
     and checked against the test message after the reply (``verified``: false for a short, long or wrong
-    transfer); without it, into one reused CHUNK-sized block (``verified``: null).
+    transfer; ``check_start_s``: when the check began, CLOCK_MONOTONIC); without it, into one reused
+    CHUNK-sized block (``verified``: null). ``hold``: before that check, wait for one line on ``hold_in``
+    (default stdin), so a benchmark whose receivers share the sender's machine starts their checks after its
+    clock stopped, not while other transfers are still running.
     """
     if size is not None and size <= 0:
         raise ValueError(f"size must be positive, got {size}")
@@ -114,15 +118,18 @@ def serve(port: int, once: bool = False, bind: str = "0.0.0.0", out=sys.stdout, 
             cpu = _cpu_s() - cpu0
             conn.sendall(struct.pack("!Q", total))
             info = _tcp_info(conn)
-        verified = None
+        verified = check_start = None
         if msg is not None:
             from ltp_tools.payload import verify
 
+            if hold:
+                (hold_in or sys.stdin).readline()
+            check_start = time.monotonic()
             verified = total == size and verify(msg)
             msg.fill(0)  # the next transfer must write its own bytes to pass
         res = dict(transport="tcp", role="receiver", peer=peer[0], size_bytes=total,
                    goodput_gbps=total * 8 / dur / 1e9 if dur > 0 else 0.0, duration_s=dur,
-                   receiver_cpu_s=cpu, rcv_rtt_us=info.get("rtt_us"), verified=verified,
+                   receiver_cpu_s=cpu, rcv_rtt_us=info.get("rtt_us"), verified=verified, check_start_s=check_start,
                    buffer="chunk" if msg is None else "message")
         print(json.dumps(res), file=out, flush=True)
         if once:
@@ -245,6 +252,9 @@ def main(argv=None) -> int:
     s.add_argument("--once", action="store_true", help="exit after one transfer")
     s.add_argument("--size", type=number(int, 1, what="the receive buffer size"), default=None,
                    help="receive each transfer into one buffer of SIZE bytes and check it (default: a reused block)")
+    s.add_argument("--hold", action="store_true",
+                   help="with --size: check a transfer only after a line arrives on stdin (receivers that share "
+                        "the sender's machine, released once the sender's clock stopped)")
     c = sub.add_parser("client", help="send SIZE bytes, print one JSON line")
     c.add_argument("--host", required=True)
     c.add_argument("--port", type=int, default=5201)
@@ -256,7 +266,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "server":
         try:
-            serve(a.port, once=a.once, bind=a.bind, size=a.size)
+            if a.hold and a.size is None:
+                ap.error("--hold needs --size (only a message-sized transfer is checked)")
+            serve(a.port, once=a.once, bind=a.bind, size=a.size, hold=a.hold)
         except KeyboardInterrupt:
             pass
         return 0
