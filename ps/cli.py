@@ -734,8 +734,18 @@ def launch(args) -> int:
                 fatal = fatal or c in servers or c is store_proc
             if fatal or all(c.poll() == 0 for c in (servers or workers)):
                 break
-            if not servers and failures and all(c.poll() is not None for c in workers):
-                break  # a PS-less job whose workers have all exited, one or more failed: nothing is left to wait for
+            if not servers and failures:
+                # a PS-less job (ring, rsgcm): every worker carries a share of every round and no PS can drop one,
+                # so the others cannot go on: stop them now, as torchrun's agent does, instead of letting each
+                # wait out its own step timeout (a minute by default) before failing on its own
+                left = [c for c in workers if c.poll() is None]
+                if left:
+                    what = (f"stopped {', '.join(c.name for c in left)}: a --schedule {args.schedule} job has no PS "
+                            f"and cannot go on without every worker")
+                    print(f"[launch] {what}", flush=True)
+                    failures.append((what, 1))
+                fatal = True
+                break
             # Nobody restarts workers: once all have exited and one failed, none can rejoin the PS.
             if servers and no_worker_since is None and failures and all(c.poll() is not None for c in workers):
                 no_worker_since = time.monotonic()

@@ -33,13 +33,26 @@ def test_launch_ring_trains_digits_with_zero_ps(tmp_path, transport):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_ring_launch_whose_worker_is_killed_fails_instead_of_hanging(tmp_path):
-    """A PS-less job has no PS to outlive its workers: once every worker exited and one failed, the launch ends
-    and names the killed one (before: it waited forever for workers that could not come back)."""
-    text = launch_and_kill(["--schedule", "ring", "--workers", 3, "--epochs", 40, "--lab", "off", "--transport",
-                            "tcp", "--pull-timeout", 3, "--compute-delay", 0.05], tmp_path / "out.txt",
-                           tmp_path / "m.jsonl", rank=1, after_rows=3, start_s=60, end_s=60)
-    assert "worker 0" in text.split("[launch] FAILED:")[1] or "worker 2" in text.split("[launch] FAILED:")[1], text
+@pytest.mark.parametrize("schedule, transport", [("ring", "ltp"), ("rsgcm", "ltp"), ("ring", "tcp")])
+def test_a_ps_less_launch_whose_worker_is_killed_stops_the_rest_at_once(tmp_path, schedule, transport):
+    """A PS-less job has no PS to outlive its workers, and its rounds need every one: once one dies the launch
+    fails naming it, and every survivor has failed on its own (TCP: its connection broke) or is stopped by the
+    launch (LTP: nothing breaks, it would wait out its step timeout). Before: the launch waited forever for
+    workers that could not come back; later, for each survivor's own step timeout, a minute by default, so about
+    two minutes over LTP."""
+    import time
+
+    t0 = time.monotonic()
+    text = launch_and_kill(["--schedule", schedule, "--workers", 3, "--epochs", 40, "--lab", "off", "--transport",
+                            transport, "--compute-delay", 0.05], tmp_path / "out.txt",
+                           tmp_path / "m.jsonl", rank=1, after_rows=3, start_s=60, end_s=30)
+    failed = text.split("[launch] FAILED:")[1]
+    stopped = re.search(r"stopped ((?:worker \d(?:, )?)+): a --schedule \w+ job has no PS and cannot go on without "
+                        r"every worker", failed)
+    for rank in (0, 2):
+        assert (re.search(rf"worker {rank} \(pid \d+\) exited with code [1-9]", failed)
+                or (stopped and f"worker {rank}" in stopped.group(1))), text
+    assert time.monotonic() - t0 < 50, text  # well inside the survivors' default 60 s step timeout
 
 
 @pytest.mark.slow
