@@ -352,11 +352,12 @@ def test_quick_time_to_accuracy_row_in_the_lab(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(_problem is not None, reason=f"network lab unavailable: {_problem}")
-@pytest.mark.parametrize("transport, threads", [("ltp", None), ("ltp", 0), ("ltp", 3), ("cubic", None)])
-def test_broadcast_bench_delivers_to_every_peer(transport, threads):
+@pytest.mark.parametrize("transport, threads, connected", [("ltp", None, True), ("ltp", 0, True), ("ltp", 3, True),
+                                                            ("ltp", None, False), ("cubic", None, True)])
+def test_broadcast_bench_delivers_to_every_peer(transport, threads, connected):
     from ltp_tools import broadcast_bench as BB
 
-    r = BB.run(transport=transport, size=3_000_000, peers=3, timeout=60, send_threads=threads)
+    r = BB.run(transport=transport, size=3_000_000, peers=3, timeout=60, send_threads=threads, connected=connected)
     assert r["duration_s"] > 0 and r["peers"] == 3 and r["goodput_gbps"] > 0
     # no peer checked its bytes while the sender's clock ran (they share its cores)
     assert len(r["receivers"]) == 3 and all(rx["check_start_s"] >= r["clock_stop_s"] for rx in r["receivers"])
@@ -372,6 +373,10 @@ def test_broadcast_bench_delivers_to_every_peer(transport, threads):
             assert rx["wakeups"]["readable"] + rx["wakeups"]["timer"] >= 1
         assert r["sender_datagrams_in"] >= 3 and r["sender_datagrams_out"] >= 3 * packets
         assert r["sender_wakeups"]["readable"] >= 1
+        # each receiver's endpoint is connected to the sender's fixed port, or open to any peer (the sender then on
+        # an ephemeral port)
+        assert r["connected"] is connected and all(rx["connected"] is connected for rx in r["receivers"])
+        assert (r["sender_port"] == BB.PORT + 1) is connected
 
 
 @pytest.mark.netns

@@ -7,7 +7,9 @@ Theory of operation
 
     * LTP: one receiver process per peer posts a receive for the message; the sender process
       calls :meth:`ltp.Endpoint.broadcast` (reliable) once and its clock stops when every peer's
-      transfer is acknowledged in full.
+      transfer is acknowledged in full. Each receiver's endpoint is connected to the sender
+      (``open_endpoint(peer=...)``), as a TCP peer's socket is and as ``ltp-bench``'s are;
+      ``--unconnected`` opens them to any peer (before session 56, the only way).
     * TCP: a ``tcpbench server --once --size`` per peer; the sender process runs one
       :func:`ltp_tools.tcpbench.send` per peer on its own thread (``send()`` releases the GIL),
       all from one message buffer, each stopping when its receiver confirmed the byte count;
@@ -50,7 +52,9 @@ _LTP_RECV = r'''
 import asyncio, json, sys, time, numpy as np, ltp
 from ltp_tools.payload import verify
 async def main():
-    ep = await ltp.open_endpoint(("0.0.0.0", int(sys.argv[1])))
+    # connected to the sender (argv[4:6]: its address and port), as a TCP peer's socket is, unless none is given
+    peer = (sys.argv[4], int(sys.argv[5])) if len(sys.argv) > 5 else None
+    ep = await ltp.open_endpoint(("0.0.0.0", int(sys.argv[1])), peer=peer)
     buf = np.empty(int(sys.argv[2]), np.uint8)
     buf.fill(0)  # fault the pages in before the clock starts, as ltp-bench's receiver and the TCP servers
     print("ready", flush=True)
@@ -63,7 +67,8 @@ async def main():
     ok = verify(buf)  # every byte
     await asyncio.sleep(0.5)  # let the last ACKs leave (and be counted below)
     print(json.dumps({"wakeups": dict(ep.loop_stats), "datagrams_in": ep.stats.datagrams_in,
-                      "datagrams_out": ep.stats.datagrams_out, "check_start_s": check_start}), flush=True)
+                      "datagrams_out": ep.stats.datagrams_out, "check_start_s": check_start,
+                      "connected": ep.peer is not None}), flush=True)
     print("done" if ok else "corrupt", flush=True)
     await ep.close()
 ltp.run(main())
@@ -74,10 +79,11 @@ import asyncio, json, sys, time, ltp
 from ltp_tools.machine_cpu import machine_cpu_s
 from ltp_tools.payload import pattern
 async def main():
-    peers = [(h, int(sys.argv[1])) for h in sys.argv[6:]]
+    peers = [(h, int(sys.argv[1])) for h in sys.argv[7:]]
     threads = int(sys.argv[4])
     ltp.Endpoint.stage_sends = sys.argv[5] == "1"  # read when the endpoint opens
-    ep = await ltp.open_endpoint(("0.0.0.0", 0), config=ltp.Config(**({} if threads < 0 else {"send_threads": threads})))
+    ep = await ltp.open_endpoint(("0.0.0.0", int(sys.argv[6])),
+                                 config=ltp.Config(**({} if threads < 0 else {"send_threads": threads})))
     data = pattern(int(sys.argv[2]))
     m0, t0 = machine_cpu_s(), time.monotonic()
     reports = await ep.broadcast(peers, data, tag=7, timeout=float(sys.argv[3]))
@@ -85,7 +91,7 @@ async def main():
     print(json.dumps({"duration_s": t1 - t0, "clock_stop_s": t1, "machine_cpu_s": None if m0 is None else round(m1 - m0, 3),
                       "delivered": [getattr(r, "delivered_fraction", None) for r in reports],
                       "send_threads": ep.config.send_threads, "stage_sends": ep.stage_sends,
-                      "sender_wakeups": dict(ep.loop_stats),
+                      "sender_wakeups": dict(ep.loop_stats), "sender_port": ep.local_addr[1],
                       "sender_datagrams_in": ep.stats.datagrams_in, "sender_datagrams_out": ep.stats.datagrams_out}),
           flush=True)
     await ep.close()
@@ -141,11 +147,14 @@ def _release(procs, timeout: float) -> list[list[str]]:
 
 
 def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, timeout: float = 300.0,
-        send_threads: int | None = None, stage_sends: bool = True) -> dict:
+        send_threads: int | None = None, stage_sends: bool = True, connected: bool = True) -> dict:
     """One broadcast in a fresh lab of ``peers + 1`` hosts; the result dict (see the module docstring).
 
     ``send_threads``: the LTP sender's ``Config.send_threads`` (None: its default); ``stage_sends=False``: its
-    ``Endpoint.stage_sends`` off (two buffers per DATA packet to the kernel)."""
+    ``Endpoint.stage_sends`` off (two buffers per DATA packet to the kernel). ``connected`` (default): each LTP
+    receiver's endpoint is connected to the sender (``open_endpoint(peer=...)``, the sender bound to ``PORT + 1``),
+    as each TCP peer's socket is to its connection and as ``ltp-bench`` does, so the kernel demultiplexes its
+    datagrams early; ``connected=False`` leaves them open to any peer, as a worker's endpoint is."""
     from ltp_tools.netlab import Lab
 
     if peers < 1 or size < 1:
@@ -156,14 +165,15 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, time
         snd, rcvs = lab.hosts[0], lab.hosts[1:]
         addrs = [h.addr for h in rcvs]
         if transport == "ltp":
-            procs = [lab.popen(h, [py, "-c", _LTP_RECV, str(PORT), str(size), str(timeout)], stdin=subprocess.PIPE,
-                               **kw) for h in rcvs]
+            conn = [snd.addr, str(PORT + 1)] if connected else []
+            procs = [lab.popen(h, [py, "-c", _LTP_RECV, str(PORT), str(size), str(timeout), *conn],
+                               stdin=subprocess.PIPE, **kw) for h in rcvs]
             for p in procs:  # each receiver has bound and posted before the sender starts
                 if p.stdout.readline().strip() != "ready":
                     raise RuntimeError(f"an LTP receiver did not start: {p.stderr.read()[-800:]}")
             s = lab.run(snd, [py, "-c", _LTP_SEND, str(PORT), str(size), str(timeout),
                               str(-1 if send_threads is None else send_threads), "1" if stage_sends else "0",
-                              *addrs],
+                              str(PORT + 1 if connected else 0), *addrs],
                         capture_output=True, text=True, timeout=timeout + 30)
             outs = _release(procs, 30)  # the clock has stopped: the receivers check their bytes now
             if s.returncode != 0:
@@ -172,6 +182,7 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, time
             if not all(len(o) >= 2 and o[-1] == "done" for o in outs):
                 raise RuntimeError(f"an LTP receiver did not get the whole message intact: {outs}")
             res["receivers"] = [json.loads(o[-2]) for o in outs]
+            res["connected"] = connected
         else:
             from ltp_tools.ready import wait_ready
             from ltp_tools.tcpbench import READY_BASE_S, READY_PER_BYTE_S
@@ -207,9 +218,12 @@ def main(argv=None) -> int:
                     help="LTP: the sender's Config.send_threads (default: the Config default)")
     ap.add_argument("--no-stage", action="store_true",
                     help="LTP: the sender hands the kernel two buffers per DATA packet (Endpoint.stage_sends off)")
+    ap.add_argument("--unconnected", action="store_true",
+                    help="LTP: each receiver's endpoint is open to any peer (default: connected to the sender, as a "
+                         "TCP peer's socket is)")
     a = ap.parse_args(argv)
     print(json.dumps(run(transport=a.transport, size=a.size, peers=a.peers, timeout=a.timeout,
-                         send_threads=a.send_threads, stage_sends=not a.no_stage)))
+                         send_threads=a.send_threads, stage_sends=not a.no_stage, connected=not a.unconnected)))
     return 0
 
 
