@@ -734,26 +734,24 @@ def launch(args) -> int:
                 fatal = fatal or c in servers or c is store_proc
             if fatal or all(c.poll() == 0 for c in (servers or workers)):
                 break
+            give_up = None  # why the launch ends the job now ("": nothing more to report than the failures)
             if not servers and failures:
                 # a PS-less job (ring, rsgcm): every worker carries a share of every round and no PS can drop one,
                 # so the others cannot go on: stop them now, as torchrun's agent does, instead of letting each
                 # wait out its own step timeout (a minute by default) before failing on its own
                 left = [c for c in workers if c.poll() is None]
-                if left:
-                    what = (f"stopped {', '.join(c.name for c in left)}: a --schedule {args.schedule} job has no PS "
-                            f"and cannot go on without every worker")
-                    print(f"[launch] {what}", flush=True)
-                    failures.append((what, 1))
-                fatal = True
-                break
+                give_up = (f"stopped {', '.join(c.name for c in left)}: a --schedule {args.schedule} job has no PS "
+                           f"and cannot go on without every worker") if left else ""
             # Nobody restarts workers: once all have exited and one failed, none can rejoin the PS.
             if servers and no_worker_since is None and failures and all(c.poll() is not None for c in workers):
                 no_worker_since = time.monotonic()
             if no_worker_since is not None and time.monotonic() - no_worker_since > NO_WORKER_GRACE_S:
-                what = (f"every worker exited and {', '.join(c.name for c in servers if c.poll() is None)} "
-                        f"was still waiting for them {NO_WORKER_GRACE_S:.0f} s later; no worker can rejoin")
-                print(f"[launch] {what}", flush=True)
-                failures.append((what, 1))
+                give_up = (f"every worker exited and {', '.join(c.name for c in servers if c.poll() is None)} "
+                           f"was still waiting for them {NO_WORKER_GRACE_S:.0f} s later; no worker can rejoin")
+            if give_up is not None:
+                if give_up:
+                    print(f"[launch] {give_up}", flush=True)
+                    failures.append((give_up, 1))
                 fatal = True
                 break
             time.sleep(LAUNCH_POLL_S)
