@@ -73,15 +73,15 @@ def _tcp_info(sock: socket.socket) -> dict:
 
 
 def serve(port: int, once: bool = False, bind: str = "0.0.0.0", out=sys.stdout, size: int | None = None,
-          hold: bool = False, hold_in=None) -> None:
+          hold: bool = False) -> None:
     """Accept connections on ``port``; print ``READY`` once listening, then one JSON line per finished transfer.
 
     With ``size`` every transfer is received into one buffer of ``size`` bytes (faulted in before ``READY``)
     and checked against the test message after the reply (``verified``: false for a short, long or wrong
     transfer; ``check_start_s``: when the check began, CLOCK_MONOTONIC); without it, into one reused
-    CHUNK-sized block (``verified``: null). ``hold``: before that check, wait for one line on ``hold_in``
-    (default stdin), so a benchmark whose receivers share the sender's machine starts their checks after its
-    clock stopped, not while other transfers are still running.
+    CHUNK-sized block (``verified``: null). ``hold``: before that check, wait for one line on stdin, so a
+    benchmark whose receivers share the sender's machine starts their checks after its clock stopped, not
+    while other transfers are still running.
     """
     if size is not None and size <= 0:
         raise ValueError(f"size must be positive, got {size}")
@@ -123,7 +123,7 @@ def serve(port: int, once: bool = False, bind: str = "0.0.0.0", out=sys.stdout, 
             from ltp_tools.payload import verify
 
             if hold:
-                (hold_in or sys.stdin).readline()
+                sys.stdin.readline()
             check_start = time.monotonic()
             verified = total == size and verify(msg)
             msg.fill(0)  # the next transfer must write its own bytes to pass
