@@ -131,9 +131,11 @@ class PeerWorker:
             self._round["incomplete"] = True  # the coordinator decides (replan, retry)
             return None
         if p is None:
+            why = self.executor.first_missing or "no receive of this round came back empty"
             raise TrainingFailed(f"worker {self.cfg.rank}: round {self.iteration}: the reduced chunk "
-                                 f"[{step.lo}, {step.hi}) never arrived (a ring neighbour died or stalled "
-                                 f"beyond {self.cfg.step_timeout_s:.0f} s); rings have no spare path")
+                                 f"[{step.lo}, {step.hi}) never arrived; the first input missing this round: "
+                                 f"{why}. Rings have no spare path (a peer slower than the step timeout, "
+                                 f"{self.cfg.step_timeout_s:g} s, needs a longer --pull-timeout)")
         p.mean(self.cfg.aggregation, out=self.mean[step.lo:step.hi])
         c = p.counts()
         st = self._round

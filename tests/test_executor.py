@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ltp_ps.aggregate import Aggregator
 from ltp_ps.schedules import World, create
-from ltp_ps.schedules.executor import STOP, Executor, ExecutorError, Slots
+from ltp_ps.schedules.executor import STOP, Executor, ExecutorError, Slots, describe_missing
 from ltp_ps.schedules.partial import Partial, message_capacity
 from ltp_ps.schedules.program import Forward, Program, Recv, Send, worker
 from ltp_ps.transport.memory import MemoryNetwork, MemoryTransport
@@ -292,6 +292,7 @@ async def test_abandon_ends_a_waiting_reliable_receive_at_once_and_keeps_the_oth
     assert res.reports[0].received_bytes == 0 and res.reports[0].regime == "cancelled"
     assert res.reports[1].received_bytes == 64
     assert (sl.buffer("p2") == np.arange(64, dtype=np.uint8)).all()
+    assert ex.first_missing.startswith("the receive from worker:1 was abandoned after "), ex.first_missing
 
 
 async def test_a_receive_whose_sender_is_gone_says_so_and_an_abandoned_one_does_not():
@@ -320,6 +321,41 @@ async def test_a_receive_whose_sender_is_gone_says_so_and_an_abandoned_one_does_
     gone, late = res.reports
     assert gone.received_bytes == 0 and gone.peer_gone and sl.reports["p1"].peer_gone
     assert late.received_bytes == 0 and late.regime == "timeout" and not late.peer_gone
+    # what a role's "never arrived" error names: the first empty receive, gone told apart from silent
+    assert ex.first_missing.startswith("worker:1 is gone: its connection closed after "), ex.first_missing
+    assert describe_missing("worker:2", late).startswith("worker:2 sent nothing for 0.2 s, the whole receive timeout")
+
+
+def test_describe_missing_tells_every_way_a_receive_ends_empty_apart():
+    from ltp_ps.transport.base import missing_report
+
+    peer = ("10.0.0.1", 1)
+    said = {describe_missing("worker:3", r) for r in (
+        missing_report(peer, 1, 64, "timeout", 60.0), missing_report(peer, 1, 64, "cancelled", 0.5),
+        missing_report(peer, 1, 64, "cancelled", 0.0, peer_gone=True), missing_report(peer, 1, 64, "deadline", 2.0),
+        ConnectionResetError("reset by peer"))}
+    assert len(said) == 5 and all("worker:3" in w for w in said), said
+    assert any("60.0 s, the whole receive timeout" in w for w in said)
+    assert any("ConnectionResetError" in w for w in said)
+
+
+async def test_first_missing_names_an_undecodable_partial_and_a_clean_run_clears_it():
+    net = MemoryNetwork(loss=0.0, segment_size=256, seed=0)
+    a, b, c, addrs = _pair(net)
+    ex = Executor(a, "worker:0", addrs, timeout_s=2.0)
+    sl = Slots()
+    prog = Program("worker:0", ((Recv("worker:1", "acc", 0, 8, 5, "reliable", "partial", group="g"),),))
+    cap = message_capacity(8)
+    await b.send(a.local_addr, np.full(cap, 0xAB, np.uint8), reliable=True, tag=5)  # not a partial
+    await asyncio.wait_for(ex.run(prog, sl), 5)
+    assert ex.first_missing.startswith("the partial from worker:1 did not decode"), ex.first_missing
+    from ltp_ps.wire import KIND_PARTIAL
+
+    good = Partial.of_gradient(np.ones(8, np.float32), samples=1, loss=0.0)
+    msg = good.encode_into(np.zeros(cap, np.uint8), kind=KIND_PARTIAL, origin=1, iteration=0)
+    await b.send(a.local_addr, np.frombuffer(msg, np.uint8).copy(), reliable=True, tag=5)
+    await asyncio.wait_for(ex.run(prog, sl), 5)
+    assert ex.first_missing is None and sl.partial("acc", 0, 8) is not None
 
 
 async def test_a_send_that_finds_its_peer_gone_skips_the_later_receive_from_it():

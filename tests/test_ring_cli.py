@@ -53,6 +53,9 @@ def test_a_ps_less_launch_whose_worker_is_killed_stops_the_rest_at_once(tmp_path
         assert (re.search(rf"worker {rank} \(pid \d+\) exited with code [1-9]", failed)
                 or (stopped and f"worker {rank}" in stopped.group(1))), text
     assert time.monotonic() - t0 < 50, text  # well inside the survivors' default 60 s step timeout
+    if transport == "tcp":  # a survivor that failed on its own says its neighbour is gone, not "died or stalled"
+        assert re.search(r"never arrived; the first input missing this round: worker:\d is gone: its connection "
+                         r"closed after [\d.]+ s", text), text
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -75,6 +76,9 @@ async def test_dead_neighbour_fails_the_round_with_a_clear_error():
     errs = [r for r in res if isinstance(r, BaseException)]
     assert errs and all(isinstance(e, TrainingFailed) for e in errs)
     assert "never arrived" in str(errs[0])
+    # and why, precisely: the in-memory transport's departed worker is silent, not disconnected
+    assert re.search(r"first input missing this round: worker:\d sent nothing for 0\.5 s, the whole receive "
+                     r"timeout", str(errs[0])), str(errs[0])
 
 
 @pytest.mark.parametrize("n", [3, 5, 6])

@@ -212,6 +212,9 @@ class Executor:
         self.resolve: Callable[[str], tuple | None] | None = None  # looks up a node missing from ``addresses``
         self.counters = {"sent": 0, "received": 0, "missing": 0, "undecodable": 0, "stragglers_cut": 0,
                          "hints_refused": 0}
+        #: why the first receive of the latest :meth:`run` that came back empty did (:func:`describe_missing`),
+        #: None while every receive so far delivered: what a role's "never arrived" error names
+        self.first_missing: str | None = None
 
     # -- helpers -------------------------------------------------------------
     def addr(self, node: str) -> tuple:
@@ -313,6 +316,7 @@ class Executor:
         """
         steps = program.steps()
         res = RunResult(reports=[None] * len(steps), group_s={})
+        self.first_missing = None
         self._exclude = set(exclude)
         self._group_timeouts = dict(group_timeouts or {})
         self._handlers = handlers
@@ -558,6 +562,8 @@ class Executor:
                 reps = await self._recv_reliable([members[k][1] for k in live], peers, lbufs, timeout, slots)
             for k, r in zip(live, reps):
                 res.reports[members[k][0]] = r
+                if self.first_missing is None and (not isinstance(r, RecvReport) or r.received_bytes == 0):
+                    self.first_missing = describe_missing(members[k][1].peer, r)
                 if (self.skip_silent and isinstance(r, RecvReport) and r.received_bytes == 0
                         and r.regime == TIMEOUT):
                     self._exclude.add(members[k][1].peer)
@@ -577,14 +583,19 @@ class Executor:
                 try:
                     p = Partial.decode(bufs[k], r.bubbles if r.critical_complete else [(0, r.total_bytes)])
                 except PartialDecodeError as exc:
-                    self.counters["undecodable"] += 1
-                    res.missing.append((i, f"undecodable partial: {exc}"))
+                    self._undecodable(res, i, f"the partial from {s.peer} did not decode: {exc}")
                     continue
                 if (p.lo, p.hi) != (s.lo, s.hi):
-                    self.counters["undecodable"] += 1
-                    res.missing.append((i, f"partial covers [{p.lo}, {p.hi}), expected [{s.lo}, {s.hi})"))
+                    self._undecodable(res, i, f"the partial from {s.peer} covers [{p.lo}, {p.hi}), "
+                                              f"expected [{s.lo}, {s.hi})")
                     continue
                 slots.put_partial(s.slot, p)
+
+    def _undecodable(self, res, i: int, why: str) -> None:
+        self.counters["undecodable"] += 1
+        res.missing.append((i, why))
+        if self.first_missing is None:
+            self.first_missing = why
 
     async def _recv_reliable(self, steps, peers, bufs, timeout, slots) -> list:
         """Parallel reliable receives under one ``timeout``; with the role's ``straggler_bound(steps, slots,
@@ -653,6 +664,22 @@ class Executor:
         except (ConnectionError, OSError):
             return missing_report(peer, s.tag or 0, as_bytes_view(buf).nbytes, CANCELLED, time.monotonic() - t0,
                                   peer_gone=True)
+
+
+def describe_missing(node: str, report) -> str:
+    """Why nothing arrived from ``node``, from its receive's ``report`` (or exception), in words for an error:
+    gone (its connection closed or it is unreachable: the process died) told apart from silent for the whole
+    receive timeout (died, stalled or cut off: nothing here can say which) and from abandoned."""
+    if not isinstance(report, RecvReport):
+        return f"the receive from {node} failed: {report!r}"
+    took = report.duration_s
+    if report.peer_gone:
+        return f"{node} is gone: its connection closed after {took:.2f} s (the process exited or was killed)"
+    if report.regime == TIMEOUT:
+        return f"{node} sent nothing for {took:.1f} s, the whole receive timeout (it died, stalled or was cut off)"
+    if report.regime == CANCELLED:
+        return f"the receive from {node} was abandoned after {took:.2f} s (the peer was given up on)"
+    return f"nothing arrived from {node} (regime {report.regime!r} after {took:.2f} s)"
 
 
 def _raw_critical(elements, lo: int, max_ranges: int) -> list:
