@@ -103,8 +103,7 @@ async def test_tcp_congestion_control_is_set_per_socket(cc):
     a, b = await _pair(cc)
     try:
         await a.send(b.local_addr, np.zeros(4, np.float32), tag=0)
-        _, writer = a._out[tuple(b.local_addr)]
-        sock = writer.get_extra_info("socket")
+        sock = a._out[tuple(b.local_addr)]
         got = sock.getsockopt(socket.IPPROTO_TCP, TCP_CONGESTION, 16).rstrip(b"\0").decode()
         assert got == cc
     finally:
@@ -250,3 +249,154 @@ async def test_ltp_adapter_speaks_the_documented_api(monkeypatch):
     assert not [c for c in ps._ep.calls if c[0] == "broadcast"]
     for t in (ps, w1, w2):
         await t.close()
+
+
+# -- the TCP baseline reads payloads in place and commits no memory on a peer's say-so ------------------------------
+def _raw_peer(addr, host=b"10.9.8.7", port=4242):
+    """A hand-driven TCP peer speaking the transport's framing (HELLO, then frames), for byte-level control."""
+    import struct
+
+    s = socket.create_connection(tuple(addr))
+    s.sendall(b"LTPH" + struct.pack("!H", len(host)) + host + struct.pack("!H", port))
+    return s, (host.decode(), port)
+
+
+def _frame_head(tag, length):
+    import struct
+
+    return struct.pack("!4sQQ", b"LTPF", tag, length)
+
+
+async def test_tcp_receives_in_place_large_and_small_frames_and_several_per_read():
+    from ltp_ps.transport.tcp import STAGE_BYTES
+
+    a, b = await _pair()
+    try:
+        big = np.random.default_rng(1).integers(0, 255, 3 * STAGE_BYTES + 17, dtype=np.uint8)
+        smalls = [np.full(n, n % 251, np.uint8) for n in (1, 7, 100, 4096)]
+        into_big = np.zeros(big.nbytes + 100, np.uint8)  # larger than the message: the rest is left alone
+        into_big[-100:] = 9
+        posted = asyncio.ensure_future(b.recv(into_big, peer=a.local_addr, tag=50, timeout=10))
+        await asyncio.sleep(0.05)  # the receive is posted before the header arrives: read in place
+        await asyncio.gather(*(a.send(b.local_addr, m, tag=60 + i, element_size=1) for i, m in enumerate(smalls)))
+        await a.send(b.local_addr, big, tag=50, element_size=1)
+        rep = await posted
+        assert rep.total_bytes == big.nbytes and (into_big[:big.nbytes] == big).all() and (into_big[-100:] == 9).all()
+        for i, m in enumerate(smalls):  # arrived before anyone asked: buffered, then matched
+            got = np.zeros(m.nbytes, np.uint8)
+            assert (await b.recv(got, tag=60 + i, timeout=5)).total_bytes == m.nbytes
+            assert (got == m).all()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_tcp_a_receive_that_timed_out_mid_message_is_never_written_again_and_the_message_survives():
+    b = await TcpTransport.open()
+    s, peer = await asyncio.to_thread(_raw_peer, b.local_addr)
+    try:
+        msg = np.random.default_rng(2).integers(0, 255, 1 << 20, dtype=np.uint8)
+        into = np.zeros(msg.nbytes, np.uint8)
+        posted = asyncio.ensure_future(b.recv(into, tag=7, timeout=0.4))
+        await asyncio.sleep(0.05)  # posted before the header arrives: the message is read into ``into``
+        await asyncio.to_thread(s.sendall, _frame_head(7, msg.nbytes) + msg[:300_000].tobytes())
+        with pytest.raises(TransportTimeout):
+            await posted
+        assert (into[:300_000] == msg[:300_000]).all() and not into[300_000:].any()  # placed there, in place
+        into[:] = 0xEE  # the caller reuses its buffer at once
+        await asyncio.to_thread(s.sendall, msg[300_000:].tobytes())
+        again = np.zeros(msg.nbytes, np.uint8)
+        rep = await b.recv(again, tag=7, timeout=5)  # the whole message, buffered after its receive gave up
+        assert rep.total_bytes == msg.nbytes and rep.peer == peer and (again == msg).all()
+        assert (into == 0xEE).all()  # never written after the receive returned
+    finally:
+        s.close()
+        await b.close()
+
+
+async def test_tcp_a_frame_beyond_the_memory_bound_is_refused_before_any_buffer_is_made():
+    b = await TcpTransport.open(max_receive_memory=1 << 20)
+    s, _ = await asyncio.to_thread(_raw_peer, b.local_addr)
+    try:
+        await asyncio.to_thread(s.sendall, _frame_head(1, 1 << 60))  # "an exabyte follows"
+        for _ in range(100):
+            if b.dropped["too_large"]:
+                break
+            await asyncio.sleep(0.01)
+        assert b.dropped["too_large"] == 1
+        s.settimeout(2)
+        assert await asyncio.to_thread(s.recv, 1) == b""  # the connection was closed
+    finally:
+        s.close()
+        await b.close()
+
+
+async def test_tcp_unasked_messages_over_the_bound_are_dropped_and_the_connection_goes_on():
+    a = await TcpTransport.open()
+    b = await TcpTransport.open(max_receive_memory=100_000)
+    try:
+        for tag in (1, 2, 3):  # nobody asked: 60 kB buffered, the next two would pass the 100 kB bound
+            await a.send(b.local_addr, np.full(60_000, tag, np.uint8), tag=tag, element_size=1)
+        got = np.zeros(10, np.uint8)
+        await a.send(b.local_addr, np.arange(10, dtype=np.uint8), tag=4, element_size=1)
+        assert (await b.recv(got, tag=4, timeout=5)).total_bytes == 10 and (got == np.arange(10)).all()
+        assert b.dropped["memory"] == 2
+        first = np.zeros(60_000, np.uint8)
+        assert (await b.recv(first, tag=1, timeout=5)).total_bytes == 60_000 and (first == 1).all()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_tcp_a_receive_from_any_peer_outlives_a_peer_that_died_mid_message():
+    a = await TcpTransport.open()
+    b = await TcpTransport.open()
+    s, _ = await asyncio.to_thread(_raw_peer, b.local_addr)
+    try:
+        into = np.zeros(200_000, np.uint8)
+        posted = asyncio.ensure_future(b.recv(into, tag=5, timeout=10))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(s.sendall, _frame_head(5, 200_000) + b"\1" * 50_000)
+        await asyncio.sleep(0.1)
+        s.close()  # died mid-message: its message never completes
+        await asyncio.sleep(0.1)
+        assert not posted.done()
+        await a.send(b.local_addr, np.full(200_000, 3, np.uint8), tag=5, element_size=1)
+        rep = await posted
+        assert rep.peer == a.local_addr and (into == 3).all()
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.parametrize("hello", [b"LTPH\0\0", b"LTPH\xff\xff", b"HTTP/1.1 GET"])
+async def test_tcp_a_bad_hello_is_counted_and_closed(hello):
+    b = await TcpTransport.open()
+    try:
+        s = await asyncio.to_thread(socket.create_connection, tuple(b.local_addr))
+        await asyncio.to_thread(s.sendall, hello + b"\0" * 20)
+        for _ in range(100):
+            if b.dropped["bad_hello"]:
+                break
+            await asyncio.sleep(0.01)
+        assert b.dropped["bad_hello"] == 1
+        s.close()
+    finally:
+        await b.close()
+
+
+async def test_tcp_a_send_after_the_peer_restarted_redials_instead_of_writing_into_the_dead_connection():
+    a = await TcpTransport.open()
+    b = await TcpTransport.open()
+    port = b.local_addr[1]
+    try:
+        await a.send(b.local_addr, np.ones(10, np.uint8), tag=1, element_size=1)
+        await b.close()  # the peer restarts on the same port
+        await asyncio.sleep(0.05)
+        b = await TcpTransport.open(port=port)
+        await a.send(b.local_addr, np.full(10, 2, np.uint8), tag=2, element_size=1)
+        got = np.zeros(10, np.uint8)
+        assert (await b.recv(got, tag=2, timeout=5)).total_bytes == 10 and (got == 2).all()
+    finally:
+        await a.close()
+        await b.close()

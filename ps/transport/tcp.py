@@ -12,6 +12,20 @@ published in the rendezvous store.  Reports have the LTP shape with
 ``delivered_fraction == 1.0`` and no bubbles, so experiments compare like with
 like.  The congestion control (``cubic``, ``bbr``, ``reno`` ...) is set with
 ``TCP_CONGESTION`` on every socket; a kernel without it fails loudly.
+
+Theory of operation.  The baseline moves bytes the way a careful TCP program
+does, so that comparisons with LTP are fair: a send hands the caller's buffer
+to the kernel as it is (``sock_sendall`` of the view: no copy in user space),
+and a receive posted before its message's header arrives gets the payload
+read by the kernel straight into its buffer (:class:`~.mailbox.Claim`: one
+copy, as LTP's in-place receive).  Small frames are parsed out of a per-
+connection stage of ``STAGE_BYTES``; a message nobody has asked for yet is
+read into a private buffer and matched later, counted against
+``max_receive_memory`` *before* it is read, and a frame longer than that
+closes the connection (``dropped["too_large"]``): nothing a peer says commits
+memory beyond the bound.  Until 2026-12-06 both directions went through
+asyncio streams, which copied every message twice more into fresh memory
+(``docs/performance.md``, session 57).
 """
 
 from __future__ import annotations
@@ -27,6 +41,11 @@ from .base import COMPLETE, Address, CloseReason, RecvReport, SendReport, Transp
 from .mailbox import Mailbox, PeerClosed
 
 _FRAME = struct.Struct("!4sQQ")
+_HELLO_HEAD = struct.Struct("!4sH")
+#: bytes of a connection's parse buffer: frames up to this size are read with their neighbours in one ``recv``
+STAGE_BYTES = 256 * 1024
+#: the longest host name a HELLO may announce (DNS names are at most 253 characters)
+MAX_HOST_BYTES = 255
 _FRAME_MAGIC = b"LTPF"
 _HELLO_MAGIC = b"LTPH"
 TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", 13)
@@ -53,8 +72,98 @@ def set_congestion_control(sock: socket.socket, cc: str | None) -> None:
             f"or pick another with --cc") from exc
 
 
+class _EOF(Exception):
+    """The connection ended (orderly or not) while a frame was being read."""
+
+
+class _Reader:
+    """Reads one non-blocking socket: small pieces out of a stage, large payloads straight into their buffer.
+
+    Every ``recv`` into a buffer runs in the same step as the check of where the bytes go: a claimed receive
+    abandoned while the reader waited (:meth:`Mailbox.abandon`) is never written again."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.stage = bytearray(STAGE_BYTES)
+        self.sv = memoryview(self.stage)
+        self.start = self.end = 0  # unparsed bytes: stage[start:end]
+
+    async def _readable(self) -> None:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        fd = self.sock.fileno()
+        loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            loop.remove_reader(fd)
+
+    async def _recv_into(self, pick) -> int:
+        """``recv_into(pick())`` once data is there; ``pick`` names the buffer at the moment of the call."""
+        while True:
+            try:
+                n = self.sock.recv_into(pick())
+            except (BlockingIOError, InterruptedError):
+                await self._readable()
+                continue
+            if n == 0:
+                raise _EOF()
+            return n
+
+    async def take(self, n: int) -> memoryview:
+        """The next ``n`` (<= STAGE_BYTES) bytes, from the stage."""
+        while self.end - self.start < n:
+            if self.start:
+                k = self.end - self.start
+                self.sv[:k] = self.sv[self.start:self.end]
+                self.start, self.end = 0, k
+            self.end += await self._recv_into(lambda: self.sv[self.end:])
+        out = self.sv[self.start:self.start + n]
+        self.start += n
+        return out
+
+    def _from_stage(self, dest: memoryview) -> int:
+        k = min(self.end - self.start, dest.nbytes)
+        if k:
+            dest[:k] = self.sv[self.start:self.start + k]
+            self.start += k
+        return k
+
+    async def read_into(self, dest: memoryview) -> None:
+        filled = self._from_stage(dest)
+        while filled < dest.nbytes:
+            filled += await self._recv_into(lambda: dest[filled:])
+
+    async def read_into_claim(self, claim) -> None:
+        """The claimed message's payload into ``claim.dest`` (the receive's buffer, or its private copy)."""
+        claim.filled = self._from_stage(claim.dest[:claim.length])
+        while claim.filled < claim.length:
+            claim.filled += await self._recv_into(lambda: claim.dest[claim.filled:claim.length])
+
+    async def skip(self, n: int) -> None:
+        """Read and drop ``n`` bytes (a message over the memory bound)."""
+        k = min(n, self.end - self.start)
+        self.start += k
+        n -= k
+        while n > 0:
+            self.start = self.end = 0
+            n -= await self._recv_into(lambda: self.sv[:min(n, STAGE_BYTES)])
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """Whether an outbound connection may still carry a frame: its peer never sends on it, so anything to read
+    (its FIN, a reset) means the peer closed it, and a frame written now would be lost after ``send`` returned."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return True  # nothing to read: open
+    except OSError:
+        return False
+    return False  # its FIN (b"") or bytes it should never have sent
+
+
 class TcpTransport(Transport):
-    """Asyncio-streams TCP endpoint; create with ``await TcpTransport.open(...)``."""
+    """Kernel TCP endpoint over non-blocking sockets; create with ``await TcpTransport.open(...)``."""
 
     name = "tcp"
     sends_confirm_peer = False  # the kernel buffers a send for a paused peer
@@ -64,11 +173,13 @@ class TcpTransport(Transport):
         self.cc = cc
         self.connect_timeout = connect_timeout  # seconds
         self._mailbox = Mailbox(max_receive_memory)
-        self._server: asyncio.base_events.Server | None = None
+        self._lsock: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
         self._addr: Address | None = None
-        self._out: dict = {}  # peer -> (reader, writer)
+        self._out: dict = {}  # peer -> connected socket
         self._out_locks: dict = {}
         self._in_tasks: set = set()
+        self._in_socks: set = set()
         self._closed = False
 
     @classmethod
@@ -82,11 +193,21 @@ class TcpTransport(Transport):
                 set_congestion_control(probe, cc)
             finally:
                 probe.close()
-        self._server = await asyncio.start_server(self._on_conn, host, port)
-        for s in self._server.sockets:
-            set_congestion_control(s, cc)
-        bound = self._server.sockets[0].getsockname()
-        adv = advertise_host or (bound[0] if bound[0] not in ("0.0.0.0", "") else "127.0.0.1")
+        family = socket.AF_INET6 if ":" in (host or "") else socket.AF_INET
+        lsock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind((host or "0.0.0.0", port))
+            lsock.listen(512)
+            lsock.setblocking(False)
+            set_congestion_control(lsock, cc)  # inherited by every accepted connection
+        except BaseException:
+            lsock.close()
+            raise
+        self._lsock = lsock
+        self._accept_task = asyncio.ensure_future(self._accept_loop())
+        bound = lsock.getsockname()
+        adv = advertise_host or (bound[0] if bound[0] not in ("0.0.0.0", "::", "") else "127.0.0.1")
         self._addr = (adv, bound[1])
         return self
 
@@ -99,41 +220,78 @@ class TcpTransport(Transport):
         return self._mailbox.dropped
 
     # -- receiving -------------------------------------------------------
-    async def _on_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        self._in_tasks.add(task)
-        peer = None
-        try:
-            sock = writer.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            magic = await reader.readexactly(4)
-            if magic != _HELLO_MAGIC:
-                self._mailbox.dropped["bad_hello"] += 1
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            try:
+                conn, _ = await loop.sock_accept(self._lsock)
+            except asyncio.CancelledError:
                 return
-            (hl,) = struct.unpack("!H", await reader.readexactly(2))
-            host = (await reader.readexactly(hl)).decode()
-            (port,) = struct.unpack("!H", await reader.readexactly(2))
+            except OSError:
+                if self._closed:
+                    return
+                await asyncio.sleep(0.01)  # EMFILE and friends: do not spin
+                continue
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._in_socks.add(conn)
+            task = asyncio.ensure_future(self._serve(conn))
+            self._in_tasks.add(task)
+            task.add_done_callback(self._in_tasks.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        """Read one inbound connection: HELLO, then frames, each to its receive (in place) or the mailbox."""
+        rd = _Reader(conn)
+        peer = None
+        claim = None
+        reserved = 0
+        box = self._mailbox
+        try:
+            magic, hl = _HELLO_HEAD.unpack(await rd.take(_HELLO_HEAD.size))
+            if magic != _HELLO_MAGIC or not 0 < hl <= MAX_HOST_BYTES:
+                box.dropped["bad_hello"] += 1
+                return
+            host = bytes(await rd.take(hl)).decode("ascii", "replace")
+            (port,) = struct.unpack("!H", await rd.take(2))
             peer = (host, port)
-            self._mailbox.peer_opened(peer)
+            box.peer_opened(peer)
             while True:
-                head = await reader.readexactly(_FRAME.size)
-                magic, tag, length = _FRAME.unpack(head)
+                magic, tag, length = _FRAME.unpack(await rd.take(_FRAME.size))
                 if magic != _FRAME_MAGIC:
-                    self._mailbox.dropped["bad_frame"] += 1
+                    box.dropped["bad_frame"] += 1
+                    return
+                if length > box.max_bytes:  # refused before a byte of it is read or a buffer is made
+                    box.dropped["too_large"] += 1
                     return
                 t0 = time.monotonic()
-                payload = await reader.readexactly(length) if length else b""
-                self._mailbox.deliver(peer, tag, payload, time.monotonic() - t0)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+                claim = box.claim(peer, tag, length)
+                if claim is not None:
+                    await rd.read_into_claim(claim)
+                    c, claim = claim, None
+                    box.finish(c, peer, tag, time.monotonic() - t0)
+                elif box.reserve(length):
+                    reserved = length
+                    buf = memoryview(bytearray(length))
+                    await rd.read_into(buf)
+                    box.release(reserved)
+                    reserved = 0
+                    box.deliver(peer, tag, buf, time.monotonic() - t0)
+                else:
+                    box.dropped["memory"] += 1
+                    await rd.skip(length)
+        except (_EOF, ConnectionError, OSError):
             pass
         except asyncio.CancelledError:
             pass
         finally:
+            if reserved:
+                box.release(reserved)
+            if claim is not None:
+                box.unclaim(claim, PeerClosed(f"peer {peer} closed its connection mid-message"))
             if peer is not None and not self._closed:
-                self._mailbox.peer_closed(peer)
-            writer.close()
-            self._in_tasks.discard(task)
+                box.peer_closed(peer)
+            self._in_socks.discard(conn)
+            conn.close()
 
     async def recv(self, into, *, peer: Address | None = None, tag: int | None = None,
                    timeout: float | None = None) -> RecvReport:
@@ -142,19 +300,23 @@ class TcpTransport(Transport):
         if view.readonly:
             raise ValueError("recv: the buffer must be writable")
         t0 = time.monotonic()
-        fut = self._mailbox.post(peer, tag)
+        fut = self._mailbox.post(peer, tag, into=view)
         try:
             src, t, payload, _ = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError as exc:
-            fut.cancel()
+            self._mailbox.abandon(fut)  # before the caller runs again: its buffer is not written after this
             raise TransportTimeout(f"no message (peer={peer}, tag={tag}) within {timeout} s") from exc
-        except PeerClosed:
+        except asyncio.CancelledError:
+            self._mailbox.abandon(fut)
             raise
-        n = len(payload)
-        if n > view.nbytes:
-            raise TransportError(f"message of {n} bytes from {src} (tag {t}) does not fit the "
-                                 f"{view.nbytes}-byte receive buffer; the peers disagree on the model size")
-        view[:n] = payload
+        if isinstance(payload, int):  # read in place (a claimed receive): view[:payload] holds it
+            n = payload
+        else:
+            n = len(payload)
+            if n > view.nbytes:
+                raise TransportError(f"message of {n} bytes from {src} (tag {t}) does not fit the "
+                                     f"{view.nbytes}-byte receive buffer; the peers disagree on the model size")
+            view[:n] = payload
         return RecvReport(peer=src, tag=t, total_bytes=n, received_bytes=n, delivered_fraction=1.0,
                           bubbles=(), critical_complete=True, regime=COMPLETE,
                           duration_s=time.monotonic() - t0)
@@ -165,21 +327,21 @@ class TcpTransport(Transport):
         return await gather_by_recv(self, peers, into, tag=tag, timeout=timeout)
 
     # -- sending ---------------------------------------------------------
-    async def _connect(self, peer: Address):
+    async def _connect(self, peer: Address) -> socket.socket:
         loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_INET6 if ":" in str(peer[0]) else socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setblocking(False)
             set_congestion_control(sock, self.cc)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await asyncio.wait_for(loop.sock_connect(sock, tuple(peer)), self.connect_timeout)
+            host = self._addr[0].encode()
+            await loop.sock_sendall(sock, _HELLO_HEAD.pack(_HELLO_MAGIC, len(host)) + host
+                                    + struct.pack("!H", self._addr[1]))
         except BaseException:
             sock.close()
             raise
-        reader, writer = await asyncio.open_connection(sock=sock)
-        host = self._addr[0].encode()
-        writer.write(_HELLO_MAGIC + struct.pack("!H", len(host)) + host + struct.pack("!H", self._addr[1]))
-        return reader, writer
+        return sock
 
     async def send(self, peer: Address, data, *, reliable: bool = False, critical=(),
                    element_size: int = 4, tag: int = 0, timeout: float | None = None) -> SendReport:
@@ -190,16 +352,27 @@ class TcpTransport(Transport):
             raise ValueError(f"send: {view.nbytes} bytes is not a multiple of element_size={element_size}")
         lock = self._out_locks.setdefault(peer, asyncio.Lock())
         t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
 
         async def go():
             async with lock:
-                conn = self._out.get(peer)
-                if conn is None or conn[1].is_closing():
-                    conn = self._out[peer] = await self._connect(peer)
-                w = conn[1]
-                w.write(_FRAME.pack(_FRAME_MAGIC, tag, view.nbytes))
-                w.write(view)
-                await w.drain()
+                sock = self._out.get(peer)
+                if sock is not None and not _still_open(sock):  # the peer went away (restarted, closed): redial
+                    self._drop_conn(peer)
+                    sock = None
+                if sock is None:
+                    sock = self._out[peer] = await self._connect(peer)
+                try:
+                    head = _FRAME.pack(_FRAME_MAGIC, tag, view.nbytes)
+                    if view.nbytes <= STAGE_BYTES:  # one syscall for a small message
+                        await loop.sock_sendall(sock, head + view.tobytes())
+                    else:
+                        await loop.sock_sendall(sock, head)
+                        await loop.sock_sendall(sock, view)  # from the caller's buffer, no copy
+                except BaseException:
+                    # a frame cut off in the middle (timeout, error) leaves the stream unusable: reconnect next time
+                    self._drop_conn(peer)
+                    raise
 
         try:
             await asyncio.wait_for(go(), timeout)
@@ -214,9 +387,9 @@ class TcpTransport(Transport):
                           close_reason=CloseReason.COMPLETE, reliable=True)
 
     def _drop_conn(self, peer):
-        conn = self._out.pop(peer, None)
-        if conn is not None:
-            conn[1].close()
+        sock = self._out.pop(peer, None)
+        if sock is not None:
+            sock.close()
 
     def _check_open(self):
         if self._closed:
@@ -227,16 +400,14 @@ class TcpTransport(Transport):
             return
         self._closed = True
         self._mailbox.close(TransportError("transport closed"))
-        if self._server is not None:
-            self._server.close()
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            await asyncio.gather(self._accept_task, return_exceptions=True)
+        if self._lsock is not None:
+            self._lsock.close()
         for peer in list(self._out):
             self._drop_conn(peer)
         for t in list(self._in_tasks):
             t.cancel()
         if self._in_tasks:
             await asyncio.gather(*self._in_tasks, return_exceptions=True)
-        if self._server is not None:
-            try:
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
-            except asyncio.TimeoutError:
-                pass
