@@ -179,7 +179,6 @@ class TcpTransport(Transport):
         self._out: dict = {}  # peer -> connected socket
         self._out_locks: dict = {}
         self._in_tasks: set = set()
-        self._in_socks: set = set()
         self._closed = False
 
     @classmethod
@@ -234,7 +233,6 @@ class TcpTransport(Transport):
                 continue
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._in_socks.add(conn)
             task = asyncio.ensure_future(self._serve(conn))
             self._in_tasks.add(task)
             task.add_done_callback(self._in_tasks.discard)
@@ -290,7 +288,6 @@ class TcpTransport(Transport):
                 box.unclaim(claim, PeerClosed(f"peer {peer} closed its connection mid-message"))
             if peer is not None and not self._closed:
                 box.peer_closed(peer)
-            self._in_socks.discard(conn)
             conn.close()
 
     async def recv(self, into, *, peer: Address | None = None, tag: int | None = None,
