@@ -75,7 +75,16 @@ from torch._C._distributed_c10d import ReduceOp
 
 from . import collectives as C
 from .errors import ConfigError
+# imported here, in the importing thread, not lazily in the group's event-loop thread: CPython 3.11 builds ASTs with
+# an interpreter-wide recursion counter, and a module compiled in that thread while the main thread compiles another
+# failed once with "SystemError: AST constructor recursion depth mismatch" (session 57, a test on a fresh tree)
+from .schedules.executor import Executor, Slots
+from .schedules.partial import Partial
+from .schedules.program import Program, worker
+from .schedules.tags import MAX_ITERATION
 from .torch_plugin import BACKEND_NAME, install
+from .transport import open_transport
+from .transport.ltp import LtpTransport
 
 #: bits of a collective tag that number the steps of one collective (so at most 4096 steps)
 STEP_BITS = 12
@@ -249,13 +258,9 @@ async def open_tolerant_transport(kind: str, host: str, *, job_key: bytes | None
     collective's own timeout.
     """
     if kind == "ltp":
-        from .transport.ltp import LtpTransport
-
         return await LtpTransport.open(host, 0, job_key=job_key, advertise_host=advertise_host,
                                        config_kwargs={"peer_silence_min_s": PEER_SILENCE_S,
                                                       "idle_timeout_s": PEER_SILENCE_S})
-    from .transport import open_transport
-
     return await open_transport(kind, host, 0, cc=cc, job_key=job_key, advertise_host=advertise_host)
 
 
@@ -358,8 +363,6 @@ class LtpProcessGroup(dist.ProcessGroup):
         for r in range(world_size):
             h, _, p = store.get(f"ltp/addr/{r}").decode().rpartition(":")
             self.peers.append((h, int(p)))
-        from .schedules.program import worker
-
         self._node = worker(rank)
         self._nodes = {worker(r): p for r, p in enumerate(self.peers)}  # the executor's address book
         self._rsgcm_plan = None
@@ -656,10 +659,6 @@ class LtpProcessGroup(dist.ProcessGroup):
 
     async def _run_schedule(self, seq: int, name: str, flat: torch.Tensor, schedule: str, deadline: float) -> None:
         """All-reduce (sum) the float32 ``flat`` in place with a schedule program on the executor, exactly."""
-        from .schedules.executor import Executor, Slots
-        from .schedules.program import Program
-        from .schedules.tags import MAX_ITERATION
-
         it = seq & MAX_ITERATION  # tags pack(it, phase >= 2, ...) >= 2**32: apart from this group's plan tags
         prog = C.schedule_program(schedule, self._rank, self._world, flat.numel(), it,
                                   ring_plan=self._ring_plan() if schedule == "rsgcm" else None)
@@ -1055,8 +1054,6 @@ class _ExactSum:
         self.buf, self.world, self.bad = buf, world, []
 
     def compute(self, step, slots):
-        from .schedules.partial import Partial
-
         slots.put_partial(step.slot, Partial.of_gradient(self.buf))
 
     def adopt(self, step, slots):

@@ -400,3 +400,27 @@ async def test_tcp_a_send_after_the_peer_restarted_redials_instead_of_writing_in
     finally:
         await a.close()
         await b.close()
+
+
+async def test_tcp_closing_mid_message_leaves_the_receive_buffer_alone():
+    b = await TcpTransport.open()
+    s, _ = await asyncio.to_thread(_raw_peer, b.local_addr)
+    try:
+        into = np.zeros(1 << 20, np.uint8)
+        posted = asyncio.ensure_future(b.recv(into, tag=3, timeout=10))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(s.sendall, _frame_head(3, into.nbytes) + b"\1" * 100_000)
+        await asyncio.sleep(0.1)
+        await b.close()
+        with pytest.raises(TransportError):
+            await posted
+        into[:] = 7
+        try:
+            await asyncio.to_thread(s.sendall, b"\2" * 100_000)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the closed transport's kernel may refuse the rest
+        await asyncio.sleep(0.1)
+        assert (into == 7).all()
+    finally:
+        s.close()
+        await b.close()

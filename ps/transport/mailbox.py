@@ -129,7 +129,8 @@ class Mailbox:
         if claim.private is None and not claim.fut.done():
             claim.fut.set_result((peer, tag, claim.length, meta))
         else:
-            self.deliver(peer, tag, claim.private if claim.private is not None else bytes(claim.view), meta)
+            self.deliver(peer, tag, claim.private if claim.private is not None else bytes(claim.view[:claim.length]),
+                         meta)
 
     def unclaim(self, claim: Claim, exc: BaseException) -> None:
         """``claim``'s message will never complete (its connection closed): a receive that named that peer
@@ -187,7 +188,8 @@ class Mailbox:
         for _, _, fut, _ in self._waiting:
             if not fut.done():
                 fut.set_exception(exc)
-        for fut in self._claims:
+        for fut, c in self._claims.items():
+            c.detach()  # a reader still running writes its own buffer, never the caller's, from now on
             if not fut.done():
                 fut.set_exception(exc)
         self._claims.clear()
