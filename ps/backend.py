@@ -76,8 +76,9 @@ from torch._C._distributed_c10d import ReduceOp
 from . import collectives as C
 from .errors import ConfigError
 # imported here, in the importing thread, not lazily in the group's event-loop thread: CPython 3.11 builds ASTs with
-# an interpreter-wide recursion counter, and a module compiled in that thread while the main thread compiles another
-# failed once with "SystemError: AST constructor recursion depth mismatch" (session 57, a test on a fresh tree)
+# an interpreter-wide recursion counter, so two threads compiling modules at once can fail with "SystemError: AST
+# constructor recursion depth mismatch". A torchrun test's rank 0 failed so once (session 57, just after these
+# modules' sources changed, so they were compiled on import); which two compiles met was not caught
 from .schedules.executor import Executor, Slots
 from .schedules.partial import Partial
 from .schedules.program import Program, worker
