@@ -267,6 +267,23 @@ def _frame_head(tag, length):
     return struct.pack("!4sQQ", b"LTPF", tag, length)
 
 
+async def _post_then_send_part(b, s, into, tag, timeout, part):
+    """Post ``b.recv(into, tag)``, then (so the receive claims the message: read in place) have the raw peer ``s``
+    send a frame of ``into.nbytes`` bytes carrying only ``part``; returns the receive's task."""
+    posted = asyncio.ensure_future(b.recv(into, tag=tag, timeout=timeout))
+    await asyncio.sleep(0.05)  # posted before the header arrives
+    await asyncio.to_thread(s.sendall, _frame_head(tag, into.nbytes) + bytes(part))
+    return posted
+
+
+async def _until_dropped(t, reason):
+    """Wait up to 1 s for transport ``t`` to count a drop for ``reason``."""
+    for _ in range(100):
+        if t.dropped[reason]:
+            return
+        await asyncio.sleep(0.01)
+
+
 async def test_tcp_receives_in_place_large_and_small_frames_and_several_per_read():
     from ltp_ps.transport.tcp import STAGE_BYTES
 
@@ -297,9 +314,7 @@ async def test_tcp_a_receive_that_timed_out_mid_message_is_never_written_again_a
     try:
         msg = np.random.default_rng(2).integers(0, 255, 1 << 20, dtype=np.uint8)
         into = np.zeros(msg.nbytes, np.uint8)
-        posted = asyncio.ensure_future(b.recv(into, tag=7, timeout=0.4))
-        await asyncio.sleep(0.05)  # posted before the header arrives: the message is read into ``into``
-        await asyncio.to_thread(s.sendall, _frame_head(7, msg.nbytes) + msg[:300_000].tobytes())
+        posted = await _post_then_send_part(b, s, into, 7, 0.4, msg[:300_000])
         with pytest.raises(TransportTimeout):
             await posted
         assert (into[:300_000] == msg[:300_000]).all() and not into[300_000:].any()  # placed there, in place
@@ -319,10 +334,7 @@ async def test_tcp_a_frame_beyond_the_memory_bound_is_refused_before_any_buffer_
     s, _ = await asyncio.to_thread(_raw_peer, b.local_addr)
     try:
         await asyncio.to_thread(s.sendall, _frame_head(1, 1 << 60))  # "an exabyte follows"
-        for _ in range(100):
-            if b.dropped["too_large"]:
-                break
-            await asyncio.sleep(0.01)
+        await _until_dropped(b, "too_large")
         assert b.dropped["too_large"] == 1
         s.settimeout(2)
         assert await asyncio.to_thread(s.recv, 1) == b""  # the connection was closed
@@ -354,9 +366,7 @@ async def test_tcp_a_receive_from_any_peer_outlives_a_peer_that_died_mid_message
     s, _ = await asyncio.to_thread(_raw_peer, b.local_addr)
     try:
         into = np.zeros(200_000, np.uint8)
-        posted = asyncio.ensure_future(b.recv(into, tag=5, timeout=10))
-        await asyncio.sleep(0.05)
-        await asyncio.to_thread(s.sendall, _frame_head(5, 200_000) + b"\1" * 50_000)
+        posted = await _post_then_send_part(b, s, into, 5, 10, b"\1" * 50_000)
         await asyncio.sleep(0.1)
         s.close()  # died mid-message: its message never completes
         await asyncio.sleep(0.1)
@@ -375,10 +385,7 @@ async def test_tcp_a_bad_hello_is_counted_and_closed(hello):
     try:
         s = await asyncio.to_thread(socket.create_connection, tuple(b.local_addr))
         await asyncio.to_thread(s.sendall, hello + b"\0" * 20)
-        for _ in range(100):
-            if b.dropped["bad_hello"]:
-                break
-            await asyncio.sleep(0.01)
+        await _until_dropped(b, "bad_hello")
         assert b.dropped["bad_hello"] == 1
         s.close()
     finally:
@@ -407,9 +414,7 @@ async def test_tcp_closing_mid_message_leaves_the_receive_buffer_alone():
     s, _ = await asyncio.to_thread(_raw_peer, b.local_addr)
     try:
         into = np.zeros(1 << 20, np.uint8)
-        posted = asyncio.ensure_future(b.recv(into, tag=3, timeout=10))
-        await asyncio.sleep(0.05)
-        await asyncio.to_thread(s.sendall, _frame_head(3, into.nbytes) + b"\1" * 100_000)
+        posted = await _post_then_send_part(b, s, into, 3, 10, b"\1" * 100_000)
         await asyncio.sleep(0.1)
         await b.close()
         with pytest.raises(TransportError):

@@ -86,7 +86,7 @@ class Mailbox:
                 fut.set_result((peer, tag, payload, meta))
                 return
         size = len(payload)
-        if self._arrived_bytes + self._reserved + size > self.max_bytes:
+        if not self._room(size):
             self.dropped["memory"] += 1
             return
         self._arrived.append((peer, tag, payload, meta))
@@ -150,9 +150,13 @@ class Mailbox:
         if c is not None:
             c.detach()
 
+    def _room(self, n: int) -> bool:
+        """Whether ``n`` more bytes fit the bound beside the buffered and the reserved ones."""
+        return self._arrived_bytes + self._reserved + n <= self.max_bytes
+
     def reserve(self, n: int) -> bool:
         """Count ``n`` bytes of a message read into a private buffer against ``max_bytes``; False if over."""
-        if self._arrived_bytes + self._reserved + n > self.max_bytes:
+        if not self._room(n):
             return False
         self._reserved += n
         return True
