@@ -13,11 +13,11 @@ never closer than the loop's timer resolution, :func:`timer_delay`; ACKs that ti
 send late go out early, :meth:`Engine.flush_acks`). While batches keep coming (at least
 ``DRAIN_MIN_DATAGRAMS``) a wake-up reads until the socket is empty, so datagrams that arrive
 while a batch is processed cost no second wake-up.
-**Bulk drain** (:attr:`Endpoint.bulk_drain`): while one bulk receive is the only one open
-(:meth:`Engine.bulk_flow`), its DATA goes from the socket straight into the flow's window in compiled code,
-batch after batch (``UdpIO.drain``), and the engine accounts for it once per drain
-(:meth:`Engine.bulk_ingested`); the first datagram that is anything else ends the drain, and the rest of its
-batch takes the per-batch path.
+**Bulk drain** (:attr:`Endpoint.bulk_drain`): while bulk receives are open (:meth:`Engine.bulk_flows`: past
+their first segments; one, or the several of a gather), their DATA goes from the socket straight into the
+flows' windows in compiled code, batch after batch (``UdpIO.drain_flows``), and the engine accounts for each
+flow once per drain (:meth:`Engine.bulk_ingested`); the first datagram that is anything else ends the drain,
+and the rest of its batch takes the per-batch path.
 **Connected endpoints** (``open_endpoint(peer=...)``): the socket is ``connect()``ed to its one peer, so the
 kernel finds the socket and route of that peer's datagrams by early demux instead of per datagram, and drops
 every other host's; :meth:`_resolve` refuses any other peer before anything is sent.
@@ -621,10 +621,10 @@ class Endpoint:
         ready (an empty read then means an error report is waiting, which is read at once so the watch
         stops firing).
 
-        While one bulk receive is open (:meth:`Engine.bulk_flow`) its DATA goes from the socket straight
-        into the flow's window in compiled code (``UdpIO.drain``), batch after batch, and the engine
-        accounts for it once per drain (:meth:`Engine.bulk_ingested`); any other datagram ends the drain
-        and takes the per-batch path below."""
+        While bulk receives are open (:meth:`Engine.bulk_flows`) their DATA goes from the socket straight
+        into the flows' windows in compiled code (``UdpIO.drain_flows``), batch after batch, and the engine
+        accounts for each flow once per drain (:meth:`Engine.bulk_ingested`); any other datagram ends the
+        drain and takes the per-batch path below."""
         io = self._io
         eng = self.engine
         empty = woken
@@ -632,17 +632,21 @@ class Endpoint:
         left = self.max_batches_per_wakeup
         drain = self.bulk_drain
         while left > 0:
-            flow = eng.bulk_flow() if drain else None
+            flows = eng.bulk_flows() if drain else None
             try:
-                if flow is not None:
-                    batches, n, used, nbytes, resume = io.drain(flow.window, flow.peer, left, DRAIN_MIN_DATAGRAMS)
+                if flows:
+                    batches, n, used, nbytes, resume = io.drain_flows([f.window for f in flows], [f.peer for f in flows],
+                                                                      left, DRAIN_MIN_DATAGRAMS)
                     left -= batches
-                    if used:
-                        self.loop_stats["drained"] += used
+                    now = self._clock()
+                    for flow, k, b in zip(flows, used, nbytes):
+                        if not k:
+                            continue
+                        self.loop_stats["drained"] += k
                         try:
-                            eng.bulk_ingested(flow, used, nbytes, self._clock())
+                            eng.bulk_ingested(flow, k, b, now)
                         except Exception:  # a bug must not kill the loop; count and log it
-                            eng.stats.drop("internal_error", used)
+                            eng.stats.drop("internal_error", k)
                             log.exception("ltp: error while accounting for drained datagrams from %s", flow.peer)
                     n_last = len(io)
                 else:

@@ -1,7 +1,7 @@
 """Type stubs for the compiled ``ltp_ext._udpio`` (twin: ``ltp_ext._udpio_py``)."""
 
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -77,6 +77,9 @@ class UdpIO:
     def drain(
         self, window: Any, addr: Address, max_batches: int, min_datagrams: int = 0
     ) -> tuple[int, int, int, int, int]: ...
+    def drain_flows(
+        self, windows: Sequence[Any], addrs: Sequence[Address], max_batches: int, min_datagrams: int = 0
+    ) -> tuple[int, int, list[int], list[int], int]: ...
     def send(self, addr: Address | None, data: Buffer, segment_size: int) -> int: ...
     def send_many(self, items: Iterable[tuple[Address | None, Buffer, int]]) -> int: ...
     def send_segments(

@@ -1614,78 +1614,116 @@ cdef class UdpIO:
     def drain(self, window, addr, int max_batches, int min_datagrams=0):
         """Receive batch after batch and feed one flow's DATA straight into ``window``.
 
+        :meth:`drain_flows` for one flow. Returns ``(batches, read, consumed, consumed_bytes,
+        resume)``: receives made, datagrams read, datagrams the window consumed (its duplicates
+        and bad ones included) and their bytes, and the index of the last batch's first datagram
+        not consumed (``len(self)`` when none is left)."""
+        batches, read, consumed, cbytes, resume = self.drain_flows((window,), (addr,), max_batches, min_datagrams)
+        return batches, read, consumed[0], cbytes[0], resume
+
+    def drain_flows(self, windows, addrs, int max_batches, int min_datagrams=0):
+        """Receive batch after batch and feed several flows' DATA straight into their windows.
+
         The bulk-receive loop of an endpoint without a Python call per batch: up to
         ``max_batches`` receives (:meth:`recv_batch`; an empty one counts), each batch's
-        datagrams from ``addr`` (same host and port) handed to ``window.ingest`` (for a
-        compiled :class:`~ltp_ext._datapath.RecvWindow` its C loop, with the GIL held).
+        datagrams handed, run by run of one source, to the window of that source (``addrs[k]``,
+        same host and port, is the sender of ``windows[k]``; several windows may share a source,
+        and the first that consumes a run's first datagram takes the run): for a compiled
+        :class:`~ltp_ext._datapath.RecvWindow` its C loop, with the GIL held.
         It stops after
 
         * an empty batch, or one of fewer than ``min_datagrams`` datagrams (and fewer than
           ``batch``: the socket is drained);
-        * a datagram that is not from ``addr`` or that the window does not consume (another
+        * a datagram from no listed source, or that no window of its source consumes (another
           flow's, not DATA, a full ACK buffer): the batch then stays readable as after
           :meth:`recv_batch`, and ``runs(resume)`` lists what is left of it;
-        * a batch that completed the window (every segment received).
+        * a batch that completed a window (every segment received).
 
         Returns ``(batches, read, consumed, consumed_bytes, resume)``: receives made,
-        datagrams read, datagrams the window consumed (its duplicates and bad ones included)
-        and their bytes, and the index of the last batch's first datagram not consumed
-        (``len(self)`` when none is left). A socket error is raised as by :meth:`recv_batch`
-        when it comes first; after consumed batches it ends the drain, and the next receive meets it."""
-        cdef sockaddr_storage ss
-        cdef socklen_t nl
-        cdef Py_ssize_t n = 0, i = 0, j, lim, slot, batches = 0, read = 0, consumed = 0, k
-        cdef long long cbytes = 0
+        datagrams read, per window the datagrams it consumed (its duplicates and bad ones
+        included) and their bytes (two lists, in ``windows`` order), and the index of the last
+        batch's first datagram not consumed (``len(self)`` when none is left). A socket error is
+        raised as by :meth:`recv_batch` when it comes first; after consumed batches it ends the
+        drain, and the next receive meets it."""
+        cdef Py_ssize_t nw, n = 0, i = 0, j, lim, slot, batches = 0, read = 0, k, m
         cdef int err = 0
-        cdef RecvWindow w = None
+        cdef bint done = False
+        cdef RecvWindow w
         cdef Py_ssize_t blen = self._slot_size * self.batch
+        cdef sockaddr_storage *names = NULL
+        cdef socklen_t *name_lens = NULL
         if max_batches < 1:
             raise ValueError(f"max_batches must be at least 1, got {max_batches}")
-        if isinstance(window, RecvWindow):
-            w = <RecvWindow>window
-        elif not hasattr(window, "ingest"):
-            raise TypeError(f"drain needs a RecvWindow (with ingest()), got {type(window).__name__}")
-        nl = <socklen_t>self._encode_name(addr, &ss)
-        self._n = 0
-        while batches < max_batches:
-            i = 0
-            try:
-                n = self._recv_once()
-            except OSError:
-                if batches == 0:
-                    raise
-                self._n = 0
-                break  # what was consumed is reported now; the next receive meets the error again
-            batches += 1
-            if n == 0:
-                break
-            read += n
-            while i < n:
-                slot = self._slot[i]
-                if not ltp_same_host_port(&self._rnames[slot], self._rmsgs[slot].msg_hdr.msg_namelen, &ss, nl):
+        windows = list(windows)
+        addrs = list(addrs)
+        nw = len(windows)
+        if nw < 1 or nw != len(addrs):
+            raise ValueError(f"drain_flows needs one source address per window and at least one window "
+                             f"(got {nw} windows, {len(addrs)} addresses)")
+        for window in windows:
+            if not isinstance(window, RecvWindow) and not hasattr(window, "ingest"):
+                raise TypeError(f"drain needs a RecvWindow (with ingest()), got {type(window).__name__}")
+        consumed = [0] * nw
+        cbytes = [0] * nw
+        names = <sockaddr_storage *>malloc(nw * sizeof(sockaddr_storage))
+        name_lens = <socklen_t *>malloc(nw * sizeof(socklen_t))
+        if names == NULL or name_lens == NULL:
+            free(names)
+            free(name_lens)
+            raise MemoryError()
+        try:
+            for k in range(nw):
+                name_lens[k] = <socklen_t>self._encode_name(addrs[k], &names[k])
+            self._n = 0
+            while batches < max_batches:
+                i = 0
+                try:
+                    n = self._recv_once()
+                except OSError:
+                    if batches == 0:
+                        raise
+                    self._n = 0
+                    break  # what was consumed is reported now; the next receive meets the error again
+                batches += 1
+                if n == 0:
                     break
-                lim = i + 1
-                while lim < n and self._same_source(slot, self._slot[lim]):
-                    lim += 1
-                if w is not None:
-                    j = w._run(<const uint8_t *>self._buf, blen, <const char *>&self._off[0], sizeof(int64_t),
-                               <const char *>&self._len[0], sizeof(int64_t), i, lim, &err)
-                    if err:
-                        raise RuntimeError(f"UdpIO.drain: datagram {j} lies outside the receive buffer")
-                else:
-                    j = window.ingest(self._buffer_view, self._off_arr, self._len_arr, i, lim)
-                for k in range(i, j):
-                    cbytes += self._len[k]
-                consumed += j - i
-                i = j
-                if j < lim:
+                read += n
+                while i < n:
+                    slot = self._slot[i]
+                    lim = i + 1
+                    while lim < n and self._same_source(slot, self._slot[lim]):
+                        lim += 1
+                    j = i
+                    for k in range(nw):
+                        if not ltp_same_host_port(&self._rnames[slot], self._rmsgs[slot].msg_hdr.msg_namelen,
+                                                  &names[k], name_lens[k]):
+                            continue
+                        window = windows[k]
+                        if isinstance(window, RecvWindow):
+                            w = <RecvWindow>window
+                            j = w._run(<const uint8_t *>self._buf, blen, <const char *>&self._off[0],
+                                       sizeof(int64_t), <const char *>&self._len[0], sizeof(int64_t), i, lim, &err)
+                            if err:
+                                raise RuntimeError(f"UdpIO.drain: datagram {j} lies outside the receive buffer")
+                        else:
+                            j = window.ingest(self._buffer_view, self._off_arr, self._len_arr, i, lim)
+                        if j > i:
+                            consumed[k] += j - i
+                            for m in range(i, j):
+                                cbytes[k] += self._len[m]
+                            if window.received >= window.seg_count:
+                                done = True
+                            break
+                    if j == i:
+                        break  # a datagram for the caller's own path
+                    i = j
+                if i < n or done:
+                    break  # left for the caller, or a window is complete: the caller closes it now
+                if n < self.batch and n < min_datagrams:
                     break
-            if i < n:
-                break  # a datagram for the caller's own path
-            if window.received >= window.seg_count:
-                break  # complete: the caller closes it now
-            if n < self.batch and n < min_datagrams:
-                break
+        finally:
+            free(names)
+            free(name_lens)
         return batches, read, consumed, cbytes, i
 
     # ------------------------------------------------------------------ send

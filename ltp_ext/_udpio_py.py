@@ -688,33 +688,53 @@ class UdpIO:
     def drain(self, window, addr, max_batches: int, min_datagrams: int = 0) -> tuple:
         """Receive batch after batch and feed one flow's DATA straight into ``window``.
 
+        :meth:`drain_flows` for one flow. Returns ``(batches, read, consumed, consumed_bytes,
+        resume)``: receives made, datagrams read, datagrams the window consumed (its duplicates
+        and bad ones included) and their bytes, and the index of the last batch's first datagram
+        not consumed (``len(self)`` when none is left)."""
+        batches, read, consumed, cbytes, resume = self.drain_flows((window,), (addr,), max_batches, min_datagrams)
+        return batches, read, consumed[0], cbytes[0], resume
+
+    def drain_flows(self, windows, addrs, max_batches: int, min_datagrams: int = 0) -> tuple:
+        """Receive batch after batch and feed several flows' DATA straight into their windows.
+
         The bulk-receive loop of an endpoint without a Python call per batch: up to
         ``max_batches`` receives (:meth:`recv_batch`; an empty one counts), each batch's
-        datagrams from ``addr`` (same host and port) handed to ``window.ingest`` (for a
-        compiled :class:`~ltp_ext._datapath.RecvWindow` its C loop, with the GIL held).
+        datagrams handed, run by run of one source, to the window of that source (``addrs[k]``,
+        same host and port, is the sender of ``windows[k]``; several windows may share a source,
+        and the first that consumes a run's first datagram takes the run): for a compiled
+        :class:`~ltp_ext._datapath.RecvWindow` its C loop, with the GIL held.
         It stops after
 
         * an empty batch, or one of fewer than ``min_datagrams`` datagrams (and fewer than
           ``batch``: the socket is drained);
-        * a datagram that is not from ``addr`` or that the window does not consume (another
+        * a datagram from no listed source, or that no window of its source consumes (another
           flow's, not DATA, a full ACK buffer): the batch then stays readable as after
           :meth:`recv_batch`, and ``runs(resume)`` lists what is left of it;
-        * a batch that completed the window (every segment received).
+        * a batch that completed a window (every segment received).
 
         Returns ``(batches, read, consumed, consumed_bytes, resume)``: receives made,
-        datagrams read, datagrams the window consumed (its duplicates and bad ones included)
-        and their bytes, and the index of the last batch's first datagram not consumed
-        (``len(self)`` when none is left). A socket error is raised as by :meth:`recv_batch`
-        when it comes first; after consumed batches it ends the drain, and the next receive meets it."""
+        datagrams read, per window the datagrams it consumed (its duplicates and bad ones
+        included) and their bytes (two lists, in ``windows`` order), and the index of the last
+        batch's first datagram not consumed (``len(self)`` when none is left). A socket error is
+        raised as by :meth:`recv_batch` when it comes first; after consumed batches it ends the
+        drain, and the next receive meets it."""
         max_batches = _operator.index(max_batches)
         min_datagrams = _operator.index(min_datagrams)
         if max_batches < 1:
             raise ValueError(f"max_batches must be at least 1, got {max_batches}")
-        if not hasattr(window, "ingest"):
-            raise TypeError(f"drain needs a RecvWindow (with ingest()), got {type(window).__name__}")
-        want = self._host_port(self._resolve(addr))
+        windows, addrs = list(windows), list(addrs)
+        if not windows or len(windows) != len(addrs):
+            raise ValueError(f"drain_flows needs one source address per window and at least one window "
+                             f"(got {len(windows)} windows, {len(addrs)} addresses)")
+        for window in windows:
+            if not hasattr(window, "ingest"):
+                raise TypeError(f"drain needs a RecvWindow (with ingest()), got {type(window).__name__}")
+        wants = [self._host_port(self._resolve(a)) for a in addrs]
+        consumed, cbytes = [0] * len(windows), [0] * len(windows)
         self._n = 0
-        batches = read = consumed = cbytes = i = 0
+        batches = read = i = 0
+        done = False
         while batches < max_batches:
             i = 0
             try:
@@ -729,19 +749,24 @@ class UdpIO:
                 break
             read += n
             lens = self._len_arr
-            for address, start, stop in self.runs():
-                if self._host_port(address) != want:
-                    break
-                j = window.ingest(self._buffer_view, self._off_arr, lens, start, stop)
-                cbytes += int(lens[start:j].sum())
-                consumed += j - start
+            while i < n:
+                source, _start, stop = self.runs(i)[0]
+                source = self._host_port(source)
+                j = i
+                for k, window in enumerate(windows):
+                    if wants[k] != source:
+                        continue
+                    j = window.ingest(self._buffer_view, self._off_arr, lens, i, stop)
+                    if j > i:
+                        consumed[k] += j - i
+                        cbytes[k] += int(lens[i:j].sum())
+                        done = done or window.received >= window.seg_count
+                        break
+                if j == i:
+                    break  # a datagram for the caller's own path
                 i = j
-                if j < stop:
-                    break
-            if i < n:
-                break  # a datagram for the caller's own path
-            if window.received >= window.seg_count:
-                break  # complete: the caller closes it now
+            if i < n or done:
+                break  # left for the caller, or a window is complete: the caller closes it now
             if n < self._batch and n < min_datagrams:
                 break
         return batches, read, consumed, cbytes, i

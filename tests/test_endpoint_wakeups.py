@@ -696,10 +696,11 @@ async def test_a_socket_not_watched_is_off_its_wait_queue_and_watched_again_at_o
 
 
 # ---------------------------------------------------------------------------- the compiled bulk drain
-async def _bulk(drain: bool, *, size: int, second: bool = False, mode_reliable: bool = True):
+async def _bulk(drain: bool, *, size: int, second: bool = False, mode_reliable: bool = True,
+                same_sender: bool = False):
     a = await ltp.open_endpoint(("127.0.0.1", 0))
     b = await ltp.open_endpoint(("127.0.0.1", 0))
-    c = await ltp.open_endpoint(("127.0.0.1", 0)) if second else None
+    c = (a if same_sender else await ltp.open_endpoint(("127.0.0.1", 0))) if second else None
     b.bulk_drain = drain
     try:
         data = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
@@ -717,9 +718,8 @@ async def _bulk(drain: bool, *, size: int, second: bool = False, mode_reliable: 
             assert np.array_equal(out2, data)
         return reps, dict(b.loop_stats), b.stats
     finally:
-        for ep in (a, b, c):
-            if ep is not None:
-                await ep.close()
+        for ep in {a, b, c} - {None}:
+            await ep.close()
 
 
 @pytest.mark.parametrize("drain", [True, False])
@@ -735,23 +735,27 @@ def test_a_bulk_receive_is_drained_into_its_window_only_when_asked(drain):
     assert not stats.dropped.get("internal_error")
 
 
-def test_two_interleaved_receives_are_exact_with_the_drain_on(monkeypatch):
-    """Two bulk receives open at once: the drain never serves either while the other is open (they take the
-    per-batch path, which interleaves them), and both arrive exact."""
+@pytest.mark.parametrize("same_sender", [False, True])
+def test_interleaved_receives_are_drained_together_and_exact(monkeypatch, same_sender):
+    """Two bulk receives open at once (a gather; from two senders, or two messages of one sender, whose
+    datagrams share a source address): the drain serves every one past its first segments, most of their
+    datagrams take it, and both arrive exact. Before session 58 neither was drained while the other was open."""
     served = []
-    real = Engine.bulk_flow
+    real = Engine.bulk_flows
 
     def watched(self):
-        flow = real(self)
-        if flow is not None:
-            served.append(len(self._rx))
-        return flow
+        flows = real(self)
+        served.append(len(flows))
+        return flows
 
-    monkeypatch.setattr(Engine, "bulk_flow", watched)
-    reps, loops, _ = asyncio.run(_bulk(True, size=8_000_000, second=True))
+    monkeypatch.setattr(Engine, "bulk_flows", watched)
+    size = 8_000_000
+    reps, loops, stats = asyncio.run(_bulk(True, size=size, second=True, same_sender=same_sender))
     assert [r.regime for r in reps] == ["complete", "complete"]
-    assert set(served) <= {1}
-    assert loops["drained"] <= 2 * (8_000_000 // 1456 + 1)
+    # one sender serves its flows to a peer in order (ltp.path), so its two messages may never overlap
+    assert max(served) == 2 or (same_sender and max(served) == 1)
+    assert 2 * (size // 1456 + 1) >= loops["drained"] > 0.5 * 2 * (size // 1456 - QUICKACK_SEGMENTS)
+    assert not stats.dropped.get("internal_error")
 
 
 # ---------------------------------------------------------------------------- sends started together leave together
@@ -817,7 +821,7 @@ def test_a_failing_drain_is_counted_and_the_endpoint_reads_per_batch_from_then_o
         def __init__(self, real):
             self._real = real
 
-        def drain(self, *a, **k):
+        def drain_flows(self, *a, **k):
             calls.append(1)
             raise RuntimeError("injected")
 

@@ -213,6 +213,73 @@ def test_misuse_raises_a_clear_error(io_mod, dp, net):
         io.drain(w, tx.getsockname(), 1)
 
 
+def window_of(dp, msg: bytes, fid: int, token: int = TOKEN):
+    return dp.RecvWindow(bytearray(len(msg)), len(msg), SEG, fid, token, None, 4096)
+
+
+def test_drain_flows_feeds_interleaved_flows_of_several_sources_and_one_source(io_mod, dp, net):
+    """A gather: flows from two senders and a second flow of the first sender, interleaved datagram by datagram,
+    each fed into its own window; the counts come back per window, in the order given."""
+    rx, a, b = net.sock(), net.sock(), net.sock()
+    msgs = [message(30, last=7), message(20), message(25, last=3)]
+    dst = rx.getsockname()
+    plan = [(a, 0, FID), (b, 1, FID), (a, 2, FID + 1)]  # (sender, message, flow id)
+    nsegs = [-(-len(msgs[m]) // SEG) for _s, m, _f in plan]
+    order = [(k, seq) for seq in range(max(nsegs)) for k in range(3) if seq < nsegs[k]]
+    for k, seq in order:
+        sock, m, fid = plan[k]
+        sock.sendto(data(msgs[m], seq, fid=fid), dst)
+    settle(rx, len(order))
+    io = io_mod.UdpIO(rx, batch=16)
+    ws = [window_of(dp, msgs[m], fid) for _s, m, fid in plan]
+    srcs = [sock.getsockname() for sock, _m, _f in plan]
+    consumed = [0, 0, 0]
+    nbytes = [0, 0, 0]
+    while True:
+        batches, read, used, nb, resume = io.drain_flows(ws, srcs, 64)
+        assert isinstance(used, list) and len(used) == len(nb) == 3
+        consumed = [x + y for x, y in zip(consumed, used)]
+        nbytes = [x + y for x, y in zip(nbytes, nb)]
+        assert resume == len(io)  # every datagram belongs to a listed flow
+        if read == 0:
+            break
+    for w, m, used, nb in zip(ws, msgs, consumed, nbytes):
+        assert bytes(w.dest) == m and w.received == w.seg_count == used
+        assert nb == used * 16 + len(m)
+
+
+def test_drain_flows_stops_at_an_unlisted_source_and_at_a_completed_window(io_mod, dp, net):
+    rx, a, b, c = net.sock(), net.sock(), net.sock(), net.sock()
+    m1, m2 = message(4), message(40)
+    dst = rx.getsockname()
+    for seq in range(4):  # a's whole message, then b's first segments: the batch that completes a's window ends it
+        a.sendto(data(m1, seq), dst)
+        b.sendto(data(m2, seq), dst)
+    c.sendto(data(m2, 4), dst)  # right flow id and token, a source that is not listed
+    b.sendto(data(m2, 5), dst)
+    settle(rx, 10)
+    io = io_mod.UdpIO(rx, batch=8)
+    w1, w2 = window(dp, m1), window(dp, m2)
+    batches, read, used, nb, resume = io.drain_flows([w1, w2], [a.getsockname(), b.getsockname()], 32)
+    assert (batches, read, used, resume) == (1, 8, [4, 4], 8)  # w1 complete: the caller closes it now
+    assert w1.received == w1.seg_count
+    batches, read, used, nb, resume = io.drain_flows([w2], [b.getsockname()], 32)
+    assert (batches, read, used, resume) == (1, 2, [0], 0)  # c's datagram is the caller's
+    assert io.runs(resume) == [(c.getsockname(), 0, 1), (b.getsockname(), 1, 2)]
+
+
+def test_drain_flows_misuse_raises_a_clear_error(io_mod, dp, net):
+    rx, tx = net.sock(), net.sock()
+    io = io_mod.UdpIO(rx)
+    w = window(dp, message(3))
+    with pytest.raises(ValueError, match="one source address per window"):
+        io.drain_flows([w, w], [tx.getsockname()], 1)
+    with pytest.raises(ValueError, match="at least one window"):
+        io.drain_flows([], [], 1)
+    with pytest.raises(TypeError, match="RecvWindow"):
+        io.drain_flows([w, object()], [tx.getsockname()] * 2, 1)
+
+
 @pytest.mark.parametrize("which", ["compiled", "twin"])
 def test_drain_matches_the_per_batch_path(which, net):
     """Same datagrams, two receivers: one drains, the other reads batch by batch and ingests run by run."""
