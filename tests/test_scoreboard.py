@@ -383,6 +383,34 @@ def test_broadcast_bench_delivers_to_every_peer(transport, threads, connected):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(_problem is not None, reason=f"network lab unavailable: {_problem}")
+@pytest.mark.parametrize("transport", ["ltp", "cubic"])
+def test_gather_bench_receives_every_senders_message_every_round(transport):
+    from ltp_tools import gather_bench as GB
+
+    r = GB.run(transport=transport, size=2_000_000, peers=3, rounds=3, timeout=60)
+    assert r["transport"] == transport and r["peers"] == 3 and len(r["rounds"]) == 3
+    for row in r["rounds"]:  # run() raises on a message that arrived incomplete or wrong
+        assert row["gather_s"] > 0 and row["receiver_cpu_s"] >= 0 and row["sender_cpu_s"] > 0
+        assert row["machine_cpu_s"] is None or row["machine_cpu_s"] > 0
+        if transport == "ltp":
+            assert row["delivered"] == [1.0, 1.0, 1.0]
+    steady = sorted(row["gather_s"] for row in r["rounds"][1:])
+    assert r["median"]["gather_s"] == pytest.approx((steady[0] + steady[1]) / 2)  # the cold first round left out
+    assert r["goodput_gbps"] == pytest.approx(3 * 2_000_000 * 8 / r["median"]["gather_s"] / 1e9)
+
+
+def test_gather_bench_refuses_an_empty_run():
+    from ltp_tools import gather_bench as GB
+
+    for kw in (dict(peers=0), dict(size=0), dict(rounds=0)):
+        with pytest.raises(ValueError, match="need peers >= 1"):
+            GB.run(**kw)
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_problem is not None, reason=f"network lab unavailable: {_problem}")
 def test_quick_ps_round_job_in_the_lab():
     from ltp_tools.experiments import scoreboard_rows as SR
 
