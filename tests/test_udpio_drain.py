@@ -348,3 +348,60 @@ def test_compiled_and_twin_drain_agree(net, plan, batch, max_batches, min_dgrams
             break
     assert bytes(wa.dest) == bytes(wb.dest)
     assert (wa.received, wa.duplicates, wa.n_acks) == (wb.received, wb.duplicates, wb.n_acks)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 29)), min_size=1, max_size=150),
+       batch=st.integers(1, 40), max_batches=st.integers(1, 6), min_dgrams=st.integers(0, 10))
+def test_drain_flows_agrees_with_its_twin_and_with_the_per_batch_path(net, plan, batch, max_batches, min_dgrams):
+    """Random interleavings of three flows' DATA (two flows of one source, kinds 0 and 1; one of another source,
+    kind 2), DATA from a source nobody listed (3) and junk (4): the compiled ``drain_flows`` and its twin return the
+    same and leave the same windows, and a receiver that drains and hands each batch's rest to the per-batch path
+    (as the endpoint does) ends with the windows of one that read batch by batch only."""
+    comp, twin = _load("udpio", "compiled"), _load("udpio", "twin")
+    dpc, dpt = _load("datapath", "compiled"), _load("datapath", "twin")
+    rxa, rxb, rxc, tx, other, stranger = net.sock(), net.sock(), net.sock(), net.sock(), net.sock(), net.sock()
+    msg = message(30, last=9)
+    flows = [(tx, FID), (tx, FID + 1), (other, FID)]  # kind -> (source, flow id)
+    for dst in (rxa.getsockname(), rxb.getsockname(), rxc.getsockname()):
+        for kind, seq in plan:
+            if kind < 3:
+                sock, fid = flows[kind]
+                sock.sendto(data(msg, seq, fid=fid), dst)
+            elif kind == 3:
+                stranger.sendto(data(msg, seq), dst)
+            else:
+                tx.sendto(b"\x11junk", dst)
+    settle(rxc, len(plan))
+    srcs = [sock.getsockname() for sock, _fid in flows]
+    ioa, iob, ioc = comp.UdpIO(rxa, batch=batch), twin.UdpIO(rxb, batch=batch), comp.UdpIO(rxc, batch=batch)
+    wa = [window_of(dpc, msg, fid) for _s, fid in flows]
+    wb = [window_of(dpt, msg, fid) for _s, fid in flows]
+    wc = [window_of(dpc, msg, fid) for _s, fid in flows]
+
+    def per_batch(io, ws, start):  # the caller's path: each run to the windows of its source, in turn
+        for addr, a, z in io.runs(start):
+            while a < z:
+                took = a
+                for w, src in zip(ws, srcs):
+                    if src == addr:
+                        took = w.ingest(io.buffer, io.offsets, io.lengths, a, z)
+                        if took > a:
+                            break
+                a = took if took > a else a + 1  # not DATA of a listed flow: dropped by the caller
+
+    while True:
+        ra = ioa.drain_flows(wa, srcs, max_batches, min_dgrams)
+        rb = iob.drain_flows(wb, srcs, max_batches, min_dgrams)
+        assert ra == rb
+        assert ioa.runs(ra[4]) == iob.runs(rb[4])
+        per_batch(ioa, wa, ra[4])
+        per_batch(iob, wb, rb[4])
+        if ra[1] == 0:
+            break
+    while ioc.recv_batch():
+        per_batch(ioc, wc, 0)
+    for x, y, z in zip(wa, wb, wc):
+        assert bytes(x.dest) == bytes(y.dest) == bytes(z.dest)
+        assert (x.received, x.duplicates) == (y.received, y.duplicates) == (z.received, z.duplicates)
+        assert np.array_equal(x.bitmap, z.bitmap)
