@@ -1649,27 +1649,29 @@ cdef class UdpIO:
         cdef int err = 0
         cdef bint done = False
         cdef RecvWindow w
+        cdef list wl
         cdef Py_ssize_t blen = self._slot_size * self.batch
         cdef sockaddr_storage *names = NULL
         cdef socklen_t *name_lens = NULL
+        cdef int64_t *counts = NULL  # per window: datagrams consumed, then their bytes (nw each)
         if max_batches < 1:
             raise ValueError(f"max_batches must be at least 1, got {max_batches}")
-        windows = list(windows)
+        wl = list(windows)
         addrs = list(addrs)
-        nw = len(windows)
+        nw = len(wl)
         if nw < 1 or nw != len(addrs):
             raise ValueError(f"drain_flows needs one source address per window and at least one window "
                              f"(got {nw} windows, {len(addrs)} addresses)")
-        for window in windows:
+        for window in wl:
             if not isinstance(window, RecvWindow) and not hasattr(window, "ingest"):
                 raise TypeError(f"drain needs a RecvWindow (with ingest()), got {type(window).__name__}")
-        consumed = [0] * nw
-        cbytes = [0] * nw
         names = <sockaddr_storage *>malloc(nw * sizeof(sockaddr_storage))
         name_lens = <socklen_t *>malloc(nw * sizeof(socklen_t))
-        if names == NULL or name_lens == NULL:
+        counts = <int64_t *>calloc(2 * nw, sizeof(int64_t))
+        if names == NULL or name_lens == NULL or counts == NULL:
             free(names)
             free(name_lens)
+            free(counts)
             raise MemoryError()
         try:
             for k in range(nw):
@@ -1698,21 +1700,23 @@ cdef class UdpIO:
                         if not ltp_same_host_port(&self._rnames[slot], self._rmsgs[slot].msg_hdr.msg_namelen,
                                                   &names[k], name_lens[k]):
                             continue
-                        window = windows[k]
+                        window = wl[k]
                         if isinstance(window, RecvWindow):
                             w = <RecvWindow>window
                             j = w._run(<const uint8_t *>self._buf, blen, <const char *>&self._off[0],
                                        sizeof(int64_t), <const char *>&self._len[0], sizeof(int64_t), i, lim, &err)
                             if err:
                                 raise RuntimeError(f"UdpIO.drain: datagram {j} lies outside the receive buffer")
+                            if j > i and w.received >= w.seg_count:
+                                done = True
                         else:
                             j = window.ingest(self._buffer_view, self._off_arr, self._len_arr, i, lim)
-                        if j > i:
-                            consumed[k] += j - i
-                            for m in range(i, j):
-                                cbytes[k] += self._len[m]
-                            if window.received >= window.seg_count:
+                            if j > i and window.received >= window.seg_count:
                                 done = True
+                        if j > i:
+                            counts[k] += j - i
+                            for m in range(i, j):
+                                counts[nw + k] += self._len[m]
                             break
                     if j == i:
                         break  # a datagram for the caller's own path
@@ -1721,9 +1725,12 @@ cdef class UdpIO:
                     break  # left for the caller, or a window is complete: the caller closes it now
                 if n < self.batch and n < min_datagrams:
                     break
+            consumed = [counts[k] for k in range(nw)]
+            cbytes = [counts[nw + k] for k in range(nw)]
         finally:
             free(names)
             free(name_lens)
+            free(counts)
         return batches, read, consumed, cbytes, i
 
     # ------------------------------------------------------------------ send

@@ -429,3 +429,94 @@ async def test_tcp_closing_mid_message_leaves_the_receive_buffer_alone():
     finally:
         s.close()
         await b.close()
+
+
+# -- placement hints (expect): an early message lands in the buffer its receive will use --------------------------
+async def test_tcp_an_expected_message_that_arrives_early_lands_in_place_and_takes_no_mailbox_memory():
+    a, b = await _pair()
+    try:
+        msg = np.random.default_rng(5).integers(0, 255, 2_000_003, dtype=np.uint8)
+        into = np.zeros(msg.nbytes, np.uint8)
+        await b.expect(a.local_addr, into, tag=9)
+        await a.send(b.local_addr, msg, tag=9, element_size=1)
+        for _ in range(200):  # arrived, before anyone asked: in the hint's buffer, not in a private one
+            if (into == msg).all():
+                break
+            await asyncio.sleep(0.01)
+        assert (into == msg).all()
+        assert b._mailbox._arrived_bytes == 0 and b._mailbox._reserved == 0
+        rep = await b.recv(into, peer=a.local_addr, tag=9, timeout=5)
+        assert rep.total_bytes == msg.nbytes and rep.delivered_fraction == 1.0 and (into == msg).all()
+        # a hint is used once: the same tag again is an ordinary message
+        again = np.zeros(msg.nbytes, np.uint8)
+        await a.send(b.local_addr, msg[::-1].copy(), tag=9, element_size=1)
+        assert (await b.recv(again, tag=9, timeout=5)).total_bytes == msg.nbytes
+        assert (again == msg[::-1]).all() and (into == msg).all()
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.parametrize("case", ["other buffer", "hint too small", "hint of a finished round"])
+async def test_tcp_a_hint_that_cannot_be_used_still_delivers_the_message_whole(case):
+    a, b = await _pair()
+    try:
+        msg = np.random.default_rng(6).integers(0, 255, 300_000, dtype=np.uint8)
+        hint = np.zeros(msg.nbytes if case != "hint too small" else msg.nbytes - 1, np.uint8)
+        await b.expect(a.local_addr, hint, tag=20)
+        if case == "hint of a finished round":
+            b.discard_before(21)
+        await a.send(b.local_addr, msg, tag=20, element_size=1)
+        await asyncio.sleep(0.1)
+        into = np.zeros(msg.nbytes, np.uint8)
+        rep = await b.recv(into, tag=20, timeout=5)
+        assert rep.total_bytes == msg.nbytes and (into == msg).all()
+        if case == "other buffer":
+            assert (hint == msg).all()  # it was read into the hint, then copied to the receive's buffer
+        else:
+            assert not hint.any()  # never written: too small, or dropped with its round
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.parametrize("same_buffer", [True, False])
+async def test_tcp_a_receive_posted_while_its_hinted_message_is_read_then_timing_out_frees_the_hint_buffer(
+        same_buffer):
+    """The hinted message is half read when its receive is posted: on the hint's buffer the receive takes the read
+    over (in place); on another, the rest goes to a private copy. Either way, once the receive timed out, neither
+    buffer is written again, and the message is then received whole."""
+    b = await TcpTransport.open()
+    s, peer = await asyncio.to_thread(_raw_peer, b.local_addr)
+    try:
+        msg = np.random.default_rng(7).integers(0, 255, 1 << 20, dtype=np.uint8)
+        hint = np.zeros(msg.nbytes, np.uint8)
+        await b.expect(peer, hint, tag=3)
+        await asyncio.to_thread(s.sendall, _frame_head(3, msg.nbytes) + msg[:300_000].tobytes())
+        for _ in range(200):
+            if hint[299_999] == msg[299_999]:
+                break
+            await asyncio.sleep(0.01)
+        assert (hint[:300_000] == msg[:300_000]).all()
+        into = hint if same_buffer else np.zeros(msg.nbytes, np.uint8)
+        with pytest.raises(TransportTimeout):
+            await b.recv(into, peer=peer, tag=3, timeout=0.3)
+        hint[:] = 0xEE
+        into[:] = 0xEE  # the caller reuses its buffers at once
+        await asyncio.to_thread(s.sendall, msg[300_000:].tobytes())
+        again = np.zeros(msg.nbytes, np.uint8)
+        rep = await b.recv(again, tag=3, timeout=5)
+        assert rep.total_bytes == msg.nbytes and rep.peer == peer and (again == msg).all()
+        assert (hint == 0xEE).all() and (into == 0xEE).all()
+    finally:
+        s.close()
+        await b.close()
+
+
+async def test_tcp_expect_refuses_a_read_only_buffer():
+    b = await TcpTransport.open()
+    try:
+        with pytest.raises(ValueError, match="writable"):
+            await b.expect(("127.0.0.1", 1), bytes(10), tag=1)
+    finally:
+        await b.close()

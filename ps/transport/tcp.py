@@ -18,9 +18,12 @@ does, so that comparisons with LTP are fair: a send hands the caller's buffer
 to the kernel as it is (``sock_sendall`` of the view: no copy in user space),
 and a receive posted before its message's header arrives gets the payload
 read by the kernel straight into its buffer (:class:`~.mailbox.Claim`: one
-copy, as LTP's in-place receive).  Small frames are parsed out of a per-
-connection stage of ``STAGE_BYTES``; a message nobody has asked for yet is
-read into a private buffer and matched later, counted against
+copy, as LTP's in-place receive), and so does one that arrives before its
+receive is posted when :meth:`TcpTransport.expect` named its buffer (a hint,
+as LTP's placement hints; the PS gives one per worker's gradient: before
+session 58 early gradients were buffered and copied).  Small frames are parsed
+out of a per-connection stage of ``STAGE_BYTES``; any other message nobody has
+asked for yet is read into a private buffer and matched later, counted against
 ``max_receive_memory`` *before* it is read, and a frame longer than that
 closes the connection (``dropped["too_large"]``): nothing a peer says commits
 memory beyond the bound.  Until 2026-12-06 both directions went through
@@ -322,6 +325,15 @@ class TcpTransport(Transport):
                      timeout: float | None = None, clock: str = "first") -> list[RecvReport]:
         self._check_open()
         return await gather_by_recv(self, peers, into, tag=tag, timeout=timeout)
+
+    async def expect(self, peer: Address, into, *, tag: int) -> None:
+        """A hint (:meth:`Transport.expect`): the message ``tag`` from ``peer`` is read straight into ``into`` if it
+        arrives before its receive is posted, as a receive posted in time would be (``Mailbox.hint``)."""
+        self._check_open()
+        view = as_bytes_view(into)
+        if view.readonly:
+            raise ValueError("expect: the buffer must be writable")
+        self._mailbox.hint(peer, tag, view)
 
     # -- sending ---------------------------------------------------------
     async def _connect(self, peer: Address) -> socket.socket:
