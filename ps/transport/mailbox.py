@@ -101,12 +101,20 @@ def _address(view: memoryview) -> int | None:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
+def _same_buffer(a: memoryview | None, b: memoryview) -> bool:
+    """Whether ``a`` starts where ``b`` does (a receive's buffer and a hint's: the same memory)."""
+    if a is None:
+        return False
+    start = _address(a)
+    return start is not None and start == _address(b)
+
+
 def _for_receive(payload, into: memoryview | None):
     """What a receive posted on ``into`` gets for ``payload``: a placed message already in ``into`` is its length
     (in place); in another buffer, a view of its bytes to copy; anything else as it is."""
     if not isinstance(payload, _Placed):
         return payload
-    if into is not None and _address(into) is not None and _address(into) == _address(payload.view):
+    if _same_buffer(into, payload.view):
         return payload.length
     return payload.view[:payload.length]
 
@@ -156,8 +164,7 @@ class Mailbox:
                 return fut
         for c in list(self._claims.values()):  # its hinted message is being read now
             if c.hinted and not c.fut.done() and self._match(peer, tag, c.peer, c.tag):
-                if c.private is None and into is not None and _address(into) is not None \
-                        and _address(into) == _address(c.view) and into.nbytes >= c.length:
+                if c.private is None and _same_buffer(into, c.view) and into.nbytes >= c.length:
                     del self._claims[c.fut]  # the receive takes the claim over: in place, abandon()-able
                     c.fut, c.hinted = fut, False
                     self._claims[fut] = c
