@@ -281,6 +281,7 @@ class _WorkerHandlers:
         self.stopped = False
         self.orphaned = False  # every parameter source was declared dead: no gradient this round
         self.sources_gone = False  # every parameter source is a worker whose connection closed (not yet declared)
+        self.computed = False  # this round's gradient was computed (on the parameters held, maybe stale ones)
 
     def _whole(self, slots, i: int) -> bool:
         """False when this round's parameter receive for shard index ``i`` ended incomplete."""
@@ -386,6 +387,7 @@ class _WorkerHandlers:
         slots.clear_partials()
         slots.put_partial(step.slot, Partial.of_gradient(np.asarray(grad, np.float32), samples=samples, loss=loss))
         w.last_loss = loss
+        self.computed = True
         return None
 
 
@@ -480,7 +482,9 @@ async def worker_run(w, start: int = 0) -> dict:
                                    f"{sorted(sources)} closed their connections, and the job did not declare them "
                                    f"dead within --pull-timeout ({w.cfg.pull_timeout_s:g} s)")
         first = [r for st, r in zip(prog.steps(), res.reports) if st.op == "recv" and st.payload == "params"]
-        if first and all(getattr(r, "received_bytes", 0) == 0 for r in first):
+        # a round that computed had a parameter message of its own, if cut short (a relay that died mid-message:
+        # its receive was abandoned, and its report counts no bytes though the header and part of the slice came)
+        if first and not h.computed and all(getattr(r, "received_bytes", 0) == 0 for r in first):
             raise TransportTimeout(f"worker {w.cfg.rank}: no parameters for round {it} within "
                                    f"{w.cfg.pull_timeout_s} s")
         w.iterations += 1

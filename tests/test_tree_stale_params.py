@@ -146,3 +146,54 @@ def test_a_relay_is_bounded_by_its_share_of_the_round_and_relays_nothing_it_does
     assert ParamsHeader.unpack(sl.buffer(step.slot)).iteration == 4 and step.timeout_s == pytest.approx(1.0)
     assert h.prepare_transfer(dataclasses.replace(fwd, payload="partial"), sl) is None  # only parameter relays
     assert w.empty_relays == 2
+
+
+def _tree_worker(rank, workers=3):
+    """A worker of a one-shard RAT tree (worker 0 aggregates and relays the parameters to the others)."""
+    from ltp_ps.schedules.base import World
+    from ltp_ps.schedules.rat import RatSchedule
+
+    wl = workload()
+    net = MemoryNetwork(loss=0.0, segment_size=1024, seed=0)
+    refs = [ShardRef(0, ("127.0.0.1", 9000), 0, wl.n_params)]
+    planner = RatSchedule(World(workers=range(workers), n_elems=wl.n_params, shards=((0, wl.n_params),)))
+    w = Worker(wl, net.endpoint(), refs, WorkerConfig(rank=rank, world_size=workers, seed=3, max_iterations=1),
+               planner=planner)
+    w._batches = wl.batches(rank, workers, 3)
+    return wl, w
+
+
+@pytest.mark.parametrize("came", ["nothing", "cut short"])
+def test_a_round_whose_relay_died_mid_message_computes_and_goes_on_rather_than_rejoin(came):
+    # Seen in CI (RAT, the aggregator SIGKILLed while relaying round 1's parameters): the worker's receive was
+    # abandoned when the board declared the relay dead, and its report counted no bytes, though the header and
+    # part of the slice had come; the worker computed on the parameters it held, and then the round's end said
+    # "no parameters for round 1" and made it rejoin, which starved its own children in the repaired tree
+    from ltp_ps.program_roles import worker_run
+    from ltp_ps.schedules.executor import RunResult
+    from ltp_ps.transport.base import missing_report
+
+    wl, w = _tree_worker(rank=1)
+    calls = []
+
+    async def run(prog, slots, handlers, *, iteration, exclude=()):
+        steps = prog.steps()
+        recv = next(st for st in steps if st.op == "recv" and st.payload == "params")
+        assert recv.peer == "worker:0"
+        report = missing_report(("127.0.0.1", 1), recv.tag, 4000, "cancelled", 0.5)
+        slots.reports[recv.slot] = report
+        if came == "cut short":  # the header and the first part of the slice, the rest zero
+            buf = slots.buffer(recv.slot)
+            ParamsHeader(KIND_PARAMS, 0, iteration, iteration, wl.n_params, 0, 0).pack_into(buf)
+        step = next(st for st in steps if st.op == "compute")
+        calls.append(await handlers.compute(step, slots))
+        return RunResult(reports=[report if st is recv else None for st in steps], group_s={})
+
+    w.executor.run = run
+    if came == "nothing":  # no parameter message at all, and nobody declared dead: a timeout, as before
+        with pytest.raises(TransportTimeout, match="no parameters of any shard for round 0"):
+            asyncio.run(worker_run(w))
+        return
+    out = asyncio.run(worker_run(w))
+    assert calls == [None] and out["iterations"] == 1 and not out["stopped"]
+    assert w.stale_param_slices == 1  # computed on the parameters it held, and said so
