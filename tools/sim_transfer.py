@@ -1,0 +1,131 @@
+"""One reliable LTP transfer through ``ltp.sim``'s emulated link: the protocol's goodput with no CPU cost at all.
+
+Theory of operation
+    The lab's rows measure the protocol and this machine's CPU together. This command takes the CPU out:
+    two sans-IO :class:`ltp.engine.Engine` objects (the production state machines, ``Config`` defaults)
+    exchange one message through :class:`ltp.sim.SimNetwork` on a virtual clock. The forward link is what
+    the lab's ``--rate/--delay/--loss`` make of a host's link:
+
+    * ``rate``: wire bit/s, counted as the lab's tbf counts them (Ethernet frames, the datagram + 42 bytes):
+      the simulator's link counts IP packets (the datagram + 28), so its rate is
+      ``rate x (datagram + 28) / (datagram + 42)``;
+    * ``queue``: the bottleneck's drop-tail queue in bytes (default 5 ms of the rate, the lab's default);
+    * ``delay``: one-way, both directions; ``loss``: random drop of DATA-sized datagrams (the lab's rule).
+
+    The result names what the run cost the path: datagrams sent, resends, random and queue drops, and a
+    trace per ``--interval`` of the sender's BBR state, its BtlBw and what the link sent and dropped. The
+    ``ceiling_gbps`` is the goodput an instant start and no tail would give (every packet the message and its
+    random losses need, at the link's packet rate). Same seed, same run.
+
+    python -m ltp_tools.sim_transfer --size 200M --rate 1gbit --delay 10ms --loss 0.01 [--trace]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import numpy as np
+
+from ltp_tools.argtypes import number
+
+#: bytes the wire adds to a datagram (Ethernet 14 + IPv4 20 + UDP 8), as ltp.link_share counts it
+WIRE_OVERHEAD_BYTES = 42
+#: bytes ltp.sim's links add to a datagram when they time it (IPv4 20 + UDP 8)
+SIM_OVERHEAD_BYTES = 28
+
+
+def run(*, size: int, rate_bps: float, delay_s: float = 0.0, loss: float = 0.0, queue_bytes: int | None = None,
+        interval_s: float = 0.02, seed: int = 0, limit_s: float = 600.0) -> dict:
+    """One transfer of ``size`` bytes; the result dict (see the module docstring). Raises RuntimeError when the
+    message did not arrive whole within ``limit_s`` of virtual time."""
+    from ltp import Config
+    from ltp.engine import Engine
+    from ltp.sim import SimNetwork
+    from ltp.wire import HEADER_SIZE
+
+    if size < 1 or rate_bps <= 0 or delay_s < 0 or not 0 <= loss < 1 or interval_s <= 0:
+        raise ValueError(f"need size >= 1, rate > 0, delay >= 0, 0 <= loss < 1 and interval > 0 (got {size}, "
+                         f"{rate_bps}, {delay_s}, {loss}, {interval_s})")
+    cfg = Config()
+    datagram = cfg.mtu - 28  # IPv4 + UDP headers
+    seg = datagram - HEADER_SIZE
+    ip_packet = datagram + SIM_OVERHEAD_BYTES
+    link_rate = rate_bps / 8 * ip_packet / (datagram + WIRE_OVERHEAD_BYTES)  # the simulator's bytes/s
+    queue = int(rate_bps / 8 * 0.005) if queue_bytes is None else int(queue_bytes)
+    net = SimNetwork(seed=seed)
+    a, b = ("10.0.0.1", 7447), ("10.0.0.2", 7447)
+    tx = Engine(cfg, rng=random.Random(seed * 2 + 1), local_addr=a)
+    rx = Engine(cfg, rng=random.Random(seed * 2 + 2), local_addr=b)
+    net.add_host(a, tx)
+    net.add_host(b, rx)
+    fwd = net.set_link(a, b, rate=link_rate, delay_s=delay_s, loss=loss, loss_min_size=200, queue_bytes=queue)
+    net.set_link(b, a, delay_s=delay_s)
+    data = (np.arange(size, dtype=np.int64) * 2654435761 % 251).astype(np.uint8)
+    buf = np.zeros(size, np.uint8)
+    rx.post_receive([(a, 1, buf)], now=0.0, timeout=None)
+    tx.send(b, data, now=0.0, reliable=True, tag=1)
+    done: list = []
+    trace: list = []
+    last = {"t": -interval_s, "sent": 0, "queue_drop": 0, "lost": 0}
+
+    def stop() -> bool:
+        if net.now - last["t"] >= interval_s:
+            st = fwd.stats
+            path = tx._paths.get(b)
+            trace.append({"t": round(net.now, 6), "sent": st["sent"] - last["sent"],
+                          "queue_drops": st["queue_drop"] - last["queue_drop"], "random_drops": st["lost"] - last["lost"],
+                          "state": path.bbr.state if path else None,
+                          "btlbw_gbps": round(path.bbr.btlbw * 8e-9, 4) if path else 0.0})
+            last.update(t=net.now, sent=st["sent"], queue_drop=st["queue_drop"], lost=st["lost"])
+        while (ev := tx.next_event()) is not None:
+            done.append(ev)
+        while rx.next_event() is not None:
+            pass
+        return bool(done)
+
+    net.run(until=limit_s, stop=stop)
+    if not done or getattr(done[0], "error", None) is not None:
+        raise RuntimeError(f"the transfer did not complete within {limit_s} s of virtual time: "
+                           f"{done[0].error if done else 'no event'}")
+    rep = done[0].report
+    if rep.delivered_fraction != 1.0 or not np.array_equal(buf, data):
+        raise RuntimeError(f"the message did not arrive whole: delivered {rep.delivered_fraction}")
+    packets = -(-size // seg)
+    needed = packets / (1 - loss)  # every packet once, and each random loss again (in expectation)
+    st = fwd.stats
+    return dict(size_bytes=size, rate_bps=rate_bps, delay_s=delay_s, loss=loss, queue_bytes=queue, seed=seed,
+                duration_s=round(rep.duration_s, 6), goodput_gbps=round(size * 8 / rep.duration_s / 1e9, 4),
+                ceiling_gbps=round(size * 8 / (needed / (link_rate / ip_packet)) / 1e9, 4),
+                packets_sent=rep.packets_sent, retransmitted=rep.retransmitted_packets,
+                queue_drops=st["queue_drop"], random_drops=st["lost"],
+                btlbw_gbps=round(rep.btlbw_bps * 8e-9, 4), trace=trace)
+
+
+def main(argv=None) -> int:
+    from ltp_tools.bench import parse_rate, parse_size, parse_time
+
+    ap = argparse.ArgumentParser(prog="python -m ltp_tools.sim_transfer", description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=parse_size, default=parse_size("200M"))
+    ap.add_argument("--rate", type=parse_rate, default=parse_rate("1gbit"), help="wire rate, e.g. 1gbit")
+    ap.add_argument("--delay", type=parse_time, default=0.0, help="one-way delay, e.g. 10ms")
+    ap.add_argument("--loss", type=number(float, 0.0, 0.99, what="loss"), default=0.0)
+    ap.add_argument("--queue", type=parse_size, default=None, help="bottleneck queue bytes (default 5 ms of --rate)")
+    ap.add_argument("--interval", type=number(float, 1e-4, 10.0, what="trace interval"), default=0.02)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", action="store_true", help="print the trace too (one line per interval)")
+    a = ap.parse_args(argv)
+    if a.rate is None:
+        ap.error("--rate: the simulated link needs a rate (e.g. 1gbit)")
+    res = run(size=a.size, rate_bps=a.rate, delay_s=a.delay, loss=a.loss, queue_bytes=a.queue,
+              interval_s=a.interval, seed=a.seed)
+    trace = res.pop("trace")
+    if a.trace:
+        for row in trace:
+            print(json.dumps(row))
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
