@@ -26,7 +26,10 @@ import heapq
 import random
 from dataclasses import dataclass, field
 
-__all__ = ["SimLink", "SimNetwork"]
+__all__ = ["IP_UDP_HEADER_BYTES", "SimLink", "SimNetwork"]
+
+#: bytes a link adds to each datagram when it times it (IPv4 20 + UDP 8): its rate is in IP packet bytes
+IP_UDP_HEADER_BYTES = 28
 
 
 @dataclass
@@ -155,7 +158,7 @@ class SimNetwork:
                 if link.queue_bytes is not None and (start - self.now) * link.rate > link.queue_bytes:
                     link.stats["queue_drop"] += 1
                     continue
-                link.busy_until = start + (len(data) + 28) / link.rate
+                link.busy_until = start + (len(data) + IP_UDP_HEADER_BYTES) / link.rate
                 depart = link.busy_until
             else:
                 depart = self.now

@@ -9,7 +9,7 @@ Theory of operation
     * ``rate``: wire bit/s, counted as the lab's tbf counts them (Ethernet frames, the datagram + 42 bytes):
       the simulator's link counts IP packets (the datagram + 28), so its rate is
       ``rate x (datagram + 28) / (datagram + 42)``;
-    * ``queue``: the bottleneck's drop-tail queue in bytes (default 5 ms of the rate, the lab's default);
+    * ``queue``: the bottleneck's drop-tail queue in bytes (default: the lab's, ``netlab.lab.tbf_queue_bytes``);
     * ``delay``: one-way, both directions; ``loss``: random drop of DATA-sized datagrams (the lab's rule).
 
     The result names what the run cost the path: datagrams sent, resends, random and queue drops, and a
@@ -29,11 +29,6 @@ import numpy as np
 
 from ltp_tools.argtypes import number
 
-#: bytes the wire adds to a datagram (Ethernet 14 + IPv4 20 + UDP 8), as ltp.link_share counts it
-WIRE_OVERHEAD_BYTES = 42
-#: bytes ltp.sim's links add to a datagram when they time it (IPv4 20 + UDP 8)
-SIM_OVERHEAD_BYTES = 28
-
 
 def run(*, size: int, rate_bps: float, delay_s: float = 0.0, loss: float = 0.0, queue_bytes: int | None = None,
         interval_s: float = 0.02, seed: int = 0, limit_s: float = 600.0) -> dict:
@@ -41,18 +36,21 @@ def run(*, size: int, rate_bps: float, delay_s: float = 0.0, loss: float = 0.0, 
     message did not arrive whole within ``limit_s`` of virtual time."""
     from ltp import Config
     from ltp.engine import Engine
-    from ltp.sim import SimNetwork
+    from ltp.link_share import WIRE_OVERHEAD_BYTES
+    from ltp.sim import IP_UDP_HEADER_BYTES, SimNetwork
     from ltp.wire import HEADER_SIZE
+    from ltp_tools.netlab.lab import tbf_queue_bytes
+    from ltp_tools.payload import pattern, verify
 
     if size < 1 or rate_bps <= 0 or delay_s < 0 or not 0 <= loss < 1 or interval_s <= 0:
         raise ValueError(f"need size >= 1, rate > 0, delay >= 0, 0 <= loss < 1 and interval > 0 (got {size}, "
                          f"{rate_bps}, {delay_s}, {loss}, {interval_s})")
     cfg = Config()
-    datagram = cfg.mtu - 28  # IPv4 + UDP headers
-    seg = datagram - HEADER_SIZE
-    ip_packet = datagram + SIM_OVERHEAD_BYTES
+    seg = cfg.segment_size_for(1)  # the message is bytes
+    datagram = seg + HEADER_SIZE
+    ip_packet = datagram + IP_UDP_HEADER_BYTES
     link_rate = rate_bps / 8 * ip_packet / (datagram + WIRE_OVERHEAD_BYTES)  # the simulator's bytes/s
-    queue = int(rate_bps / 8 * 0.005) if queue_bytes is None else int(queue_bytes)
+    queue = tbf_queue_bytes(rate_bps, datagram + WIRE_OVERHEAD_BYTES) if queue_bytes is None else int(queue_bytes)
     net = SimNetwork(seed=seed)
     a, b = ("10.0.0.1", 7447), ("10.0.0.2", 7447)
     tx = Engine(cfg, rng=random.Random(seed * 2 + 1), local_addr=a)
@@ -61,7 +59,7 @@ def run(*, size: int, rate_bps: float, delay_s: float = 0.0, loss: float = 0.0, 
     net.add_host(b, rx)
     fwd = net.set_link(a, b, rate=link_rate, delay_s=delay_s, loss=loss, loss_min_size=200, queue_bytes=queue)
     net.set_link(b, a, delay_s=delay_s)
-    data = (np.arange(size, dtype=np.int64) * 2654435761 % 251).astype(np.uint8)
+    data = pattern(size)
     buf = np.zeros(size, np.uint8)
     rx.post_receive([(a, 1, buf)], now=0.0, timeout=None)
     tx.send(b, data, now=0.0, reliable=True, tag=1)
@@ -89,7 +87,7 @@ def run(*, size: int, rate_bps: float, delay_s: float = 0.0, loss: float = 0.0, 
         raise RuntimeError(f"the transfer did not complete within {limit_s} s of virtual time: "
                            f"{done[0].error if done else 'no event'}")
     rep = done[0].report
-    if rep.delivered_fraction != 1.0 or not np.array_equal(buf, data):
+    if rep.delivered_fraction != 1.0 or not verify(buf):
         raise RuntimeError(f"the message did not arrive whole: delivered {rep.delivered_fraction}")
     packets = -(-size // seg)
     needed = packets / (1 - loss)  # every packet once, and each random loss again (in expectation)
@@ -110,7 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=parse_rate, default=parse_rate("1gbit"), help="wire rate, e.g. 1gbit")
     ap.add_argument("--delay", type=parse_time, default=0.0, help="one-way delay, e.g. 10ms")
     ap.add_argument("--loss", type=number(float, 0.0, 0.99, what="loss"), default=0.0)
-    ap.add_argument("--queue", type=parse_size, default=None, help="bottleneck queue bytes (default 5 ms of --rate)")
+    ap.add_argument("--queue", type=parse_size, default=None,
+                    help="bottleneck queue bytes (default the lab's: 5 ms of --rate, at least 10 frames)")
     ap.add_argument("--interval", type=number(float, 1e-4, 10.0, what="trace interval"), default=0.02)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", action="store_true", help="print the trace too (one line per interval)")

@@ -94,6 +94,11 @@ TBF_MAX_BURST_BYTES = 64 * 1024
 TBF_PEAK_RATE_BPS = 1e12
 
 
+def tbf_queue_bytes(rate_bps: float, wire: int) -> int:
+    """Bytes of a lab tbf's queue when none is asked for: 5 ms of ``rate_bps``, at least 10 frames of ``wire`` bytes."""
+    return max(10 * wire, int(rate_bps / 8 * 0.005))
+
+
 def tbf_burst(rate_bps: float, wire: int, hz: int | None = None) -> int:
     """Bytes of tbf bucket for ``rate_bps``: one kernel timer tick of tokens (tc-tbf(8): "the minimum buffer
     size can be calculated by dividing the rate by HZ"), at most :data:`TBF_MAX_BURST_BYTES`, at least two
@@ -414,7 +419,7 @@ class Lab:
         at a peak rate far above the link's it never delays a frame.  pyroute2 does not send tbf's peak
         rate, so this qdisc is made with iproute2's ``tc``."""
         wire = self.mtu + ETH_HLEN
-        qbytes = queue_bytes if queue_bytes is not None else max(10 * wire, int(rate_bps / 8 * 0.005))
+        qbytes = queue_bytes if queue_bytes is not None else tbf_queue_bytes(rate_bps, wire)
         peak = max(TBF_PEAK_RATE_BPS, 10 * rate_bps)
         self._sh(ns, [f"tc qdisc add dev {ifname} root handle 1: tbf rate {int(rate_bps)}bit "
                       f"burst {tbf_burst(rate_bps, wire)} limit {max(qbytes, wire)} peakrate {int(peak)}bit mtu {wire}"])
