@@ -19,6 +19,14 @@ def test_a_short_path_runs_at_the_links_ceiling_and_never_above_it():
     assert res["packets_sent"] == packets
 
 
+@pytest.mark.parametrize("size", [1, 1457, 100_000])
+def test_no_message_beats_the_ceiling_whatever_its_last_packet(size):
+    # the ceiling counts the bytes the link carries: a short last packet is short (a 1-byte message read 7 x
+    # its ceiling while the ceiling counted every packet full-size)
+    res = sim_transfer.run(size=size, rate_bps=1e9, delay_s=0.0005)
+    assert 0 < res["goodput_gbps"] <= 1.001 * res["ceiling_gbps"]
+
+
 def test_random_loss_is_resent_and_a_long_path_pays_its_start_up():
     short = sim_transfer.run(size=12_000_000, rate_bps=1e9, loss=0.02, seed=3)
     assert short["random_drops"] > 0 and short["retransmitted"] >= short["random_drops"]

@@ -48,8 +48,7 @@ def run(*, size: int, rate_bps: float, delay_s: float = 0.0, loss: float = 0.0, 
     cfg = Config()
     seg = cfg.segment_size_for(1)  # the message is bytes
     datagram = seg + HEADER_SIZE
-    ip_packet = datagram + IP_UDP_HEADER_BYTES
-    link_rate = rate_bps / 8 * ip_packet / (datagram + WIRE_OVERHEAD_BYTES)  # the simulator's bytes/s
+    link_rate = rate_bps / 8 * (datagram + IP_UDP_HEADER_BYTES) / (datagram + WIRE_OVERHEAD_BYTES)  # the simulator's bytes/s
     queue = tbf_queue_bytes(rate_bps, datagram + WIRE_OVERHEAD_BYTES) if queue_bytes is None else int(queue_bytes)
     net = SimNetwork(seed=seed)
     a, b = ("10.0.0.1", 7447), ("10.0.0.2", 7447)
@@ -90,14 +89,21 @@ def run(*, size: int, rate_bps: float, delay_s: float = 0.0, loss: float = 0.0, 
     if rep.delivered_fraction != 1.0 or not verify(buf):
         raise RuntimeError(f"the message did not arrive whole: delivered {rep.delivered_fraction}")
     packets = -(-size // seg)
-    needed = packets / (1 - loss)  # every packet once, and each random loss again (in expectation)
+    # every packet once, and each random loss again (in expectation), timed as the link times it: the payload and
+    # each packet's headers (the last packet may be short)
+    link_s = (size + packets * (HEADER_SIZE + IP_UDP_HEADER_BYTES)) / link_rate / (1 - loss)
     st = fwd.stats
     return dict(size_bytes=size, rate_bps=rate_bps, delay_s=delay_s, loss=loss, queue_bytes=queue, seed=seed,
-                duration_s=round(rep.duration_s, 6), goodput_gbps=round(size * 8 / rep.duration_s / 1e9, 4),
-                ceiling_gbps=round(size * 8 / (needed / (link_rate / ip_packet)) / 1e9, 4),
+                duration_s=round(rep.duration_s, 6), goodput_gbps=_sig(size * 8 / rep.duration_s / 1e9),
+                ceiling_gbps=_sig(size * 8 / link_s / 1e9),
                 packets_sent=rep.packets_sent, retransmitted=rep.retransmitted_packets,
                 queue_drops=st["queue_drop"], random_drops=st["lost"],
                 btlbw_gbps=round(rep.btlbw_bps * 8e-9, 4), trace=trace)
+
+
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (a 1-byte message's Gbit/s is not 0.0)."""
+    return float(f"{x:.4g}")
 
 
 def main(argv=None) -> int:
