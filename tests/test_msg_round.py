@@ -30,11 +30,34 @@ def test_both_transports_move_every_message_and_the_ratio_is_printed(capsys):
     for r in runs:
         assert r["workers"] == 3 and r["size_bytes"] == 20_000 and r["rounds"] == 4
         assert r["cpu_ms_per_round"] > 0 and r["wall_ms_per_round"] > 0
-        assert r["cpu_us_per_message"] == pytest.approx(r["cpu_ms_per_round"] * 1e3 / 9)
+        assert r["ready_notes"] is False
+        assert r["cpu_us_per_message"] == pytest.approx(r["cpu_ms_per_round"] * 1e3 / 6)  # params + gradient each
     assert runs[0]["job_key"] is True and runs[1]["job_key"] is None
     ratio = rows[-1]
     assert ratio["repeats"] == 2 and ratio["ltp_over_tcp_cpu"] == pytest.approx(
         ratio["ltp_cpu_ms_per_round"] / ratio["tcp_cpu_ms_per_round"])
+
+
+def test_the_round_before_session_54_with_ready_notes(capsys):
+    assert msg_round.main(["--workers", "2", "--size", "3k", "--rounds", "3", "--warmup", "0", "--ready"]) == 0
+    runs = [r for r in _rows(capsys.readouterr().out) if "transport" in r]
+    assert [r["transport"] for r in runs] == ["ltp", "tcp"]
+    for r in runs:
+        assert r["ready_notes"] is True
+        assert r["cpu_us_per_message"] == pytest.approx(r["cpu_ms_per_round"] * 1e3 / 6)  # 3 messages x 2 workers
+
+
+def test_a_tcp_message_that_arrives_wrong_fails_the_run(monkeypatch, capsys):
+    real = msg_round._recv_into
+
+    async def corrupting(loop, sock, buf):
+        await real(loop, sock, buf)
+        buf[-1] ^= 0xFF
+
+    monkeypatch.setattr(msg_round, "_recv_into", corrupting)
+    assert msg_round.main(["--workers", "2", "--size", "5k", "--rounds", "2", "--warmup", "0",
+                           "--transport", "tcp"]) == 1
+    assert "arrived wrong" in capsys.readouterr().err
 
 
 def test_one_datagram_messages_and_a_run_without_a_job_key(capsys):

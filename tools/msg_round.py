@@ -1,20 +1,26 @@
 """Per-message CPU of a parameter-server round, LTP against kernel TCP, in one process on loopback.
 
 Theory of operation
-    A PS round of the README's job moves three messages per worker: the PS broadcasts the parameters
-    (reliable), each worker answers with an 8-byte READY note (reliable) and its gradient (LTP:
-    loss-tolerant, the first 64 bytes critical; TCP: a stream write). On the digits model each
-    message is 153 kB. On this 2-core machine the job is CPU-bound, so what each message costs the
-    processes decides its round time (``docs/performance.md``, session 47). This command isolates that
-    cost: one PS endpoint and ``--workers`` worker endpoints in ONE process and one event loop
-    (uvloop), over loopback, no lab, no training, so the process CPU per round is the transport's
-    work for ``3 x workers`` messages, both ends of each, kernel included.
+    A BSP round of the README's job moves two messages per worker: the PS broadcasts the parameters
+    (reliable) and gathers each worker's gradient (LTP: loss-tolerant, the first 64 bytes critical,
+    gathered with the Early Close clock started once every gradient registered, ``clock="all"``, as
+    ``ltp_ps`` does since session 54; TCP: a stream write). On the digits model each message is 153 kB.
+    On this 2-core machine the job is CPU-bound, so what each message costs the processes decides its
+    round time (``docs/performance.md``, session 47). This command isolates that cost: one PS endpoint
+    and ``--workers`` worker endpoints in ONE process and one event loop (uvloop), over loopback, no
+    lab, no training, so the process CPU per round is the transport's work for ``2 x workers`` messages,
+    both ends of each, kernel included.
 
-    * ``ltp``: :meth:`ltp.Endpoint.broadcast`, ``recv`` of the READY notes, :meth:`ltp.Endpoint.gather`
+    ``--ready`` adds the 8-byte reliable READY note each worker sent before its gradient until session
+    54 (``3 x workers`` messages a round): the round the figures of sessions 47-53 were measured on.
+
+    * ``ltp``: :meth:`ltp.Endpoint.broadcast`, (``recv`` of the READY notes,) :meth:`ltp.Endpoint.gather`
       of the gradients; with a job key (every registration MACed, as ``ltp-ps`` runs) unless
       ``--no-key``.
-    * ``tcp``: one loopback TCP connection per worker (asyncio streams); the PS writes the parameters
-      to every connection and reads each READY and gradient with ``readexactly``.
+    * ``tcp``: one loopback TCP connection per worker, moved as ``ltp_ps``'s TCP transport moves them
+      (since session 60): the sender hands its own buffer to the kernel (``sock_sendall``) and the
+      receiver has the kernel write straight into the message's buffer (``sock_recv_into``). Before,
+      asyncio streams copied each message twice more.
 
     Every round's parameters and gradients are checked byte for byte at the receiver after the clock
     (the gradient's delivered fraction too: on loopback nothing is lost, so anything short is a
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import sys
 import time
 
@@ -51,7 +58,12 @@ def _messages(workers: int, size: int):
     return params, grads
 
 
-async def _ltp_rounds(workers: int, size: int, rounds: int, warmup: int, key: bool) -> dict:
+def messages_per_round(workers: int, ready: bool) -> int:
+    """Messages one round moves: the parameters and a gradient per worker, and a READY note with ``ready``."""
+    return (3 if ready else 2) * workers
+
+
+async def _ltp_rounds(workers: int, size: int, rounds: int, warmup: int, key: bool, ready: bool = False) -> dict:
     import ltp
 
     cfg = ltp.Config(job_key=b"msg-round-bench-key" if key else None)
@@ -66,13 +78,16 @@ async def _ltp_rounds(workers: int, size: int, rounds: int, warmup: int, key: bo
 
         async def worker(i: int, r: int) -> None:
             await ws[i].recv(pin[i], peer=pa, tag=3 * r)
-            await ws[i].send(pa, b"R" * READY_BYTES, reliable=True, tag=3 * r + 1)
+            if ready:
+                await ws[i].send(pa, b"R" * READY_BYTES, reliable=True, tag=3 * r + 1)
             await ws[i].send(pa, grads[i], reliable=False, critical=CRITICAL, tag=3 * r + 2)
 
         async def server(r: int) -> list:
             await ps.broadcast(wa, params, tag=3 * r)
-            await asyncio.gather(*(ps.recv(rin[i], peer=wa[i], tag=3 * r + 1) for i in range(workers)))
-            return await ps.gather(wa, gin, tag=3 * r + 2)
+            if ready:
+                await asyncio.gather(*(ps.recv(rin[i], peer=wa[i], tag=3 * r + 1) for i in range(workers)))
+                return await ps.gather(wa, gin, tag=3 * r + 2)
+            return await ps.gather(wa, gin, tag=3 * r + 2, clock="all")
 
         def check(reports) -> None:
             for i in range(workers):
@@ -94,53 +109,71 @@ async def _round(server_coro, worker_coros):
     return out[0]
 
 
-async def _tcp_rounds(workers: int, size: int, rounds: int, warmup: int) -> dict:
+async def _tcp_rounds(workers: int, size: int, rounds: int, warmup: int, ready: bool = False) -> dict:
+    loop = asyncio.get_running_loop()
     params, grads = _messages(workers, size)
-    accepted: asyncio.Queue = asyncio.Queue()
-
-    async def on_conn(reader, writer):
-        await accepted.put((reader, writer))
-
-    srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
-    port = srv.sockets[0].getsockname()[1]
-    wconns, pconns = [], []
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    wsocks, psocks = [], []
     try:
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen(workers)
+        lsock.setblocking(False)
         for _ in range(workers):
-            wconns.append(await asyncio.open_connection("127.0.0.1", port))
-            pconns.append(await accepted.get())
-        got_params: list = [b""] * workers
-        got_grads: list = [b""] * workers
+            w = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            w.setblocking(False)
+            wsocks.append(w)
+            await asyncio.gather(loop.sock_connect(w, lsock.getsockname()), _accept(loop, lsock, psocks))
+        for s in wsocks + psocks:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pin = [bytearray(size) for _ in range(workers)]
+        gin = [bytearray(size) for _ in range(workers)]
+        rin = [bytearray(READY_BYTES) for _ in range(workers)]
+        ready_note = b"R" * READY_BYTES
 
         async def worker(i: int) -> None:
-            reader, writer = wconns[i]
-            got_params[i] = await reader.readexactly(size)
-            writer.write(b"R" * READY_BYTES)
-            writer.write(grads[i])
-            await writer.drain()
+            w = wsocks[i]
+            await _recv_into(loop, w, pin[i])
+            if ready:
+                await loop.sock_sendall(w, ready_note)
+            await loop.sock_sendall(w, grads[i])
 
         async def read_one(i: int) -> None:
-            reader = pconns[i][0]
-            await reader.readexactly(READY_BYTES)
-            got_grads[i] = await reader.readexactly(size)
+            if ready:
+                await _recv_into(loop, psocks[i], rin[i])
+            await _recv_into(loop, psocks[i], gin[i])
 
         async def server() -> None:
-            for _, writer in pconns:
-                writer.write(params)
-            await asyncio.gather(*(w.drain() for _, w in pconns))
+            await asyncio.gather(*(loop.sock_sendall(p, params) for p in psocks))
             await asyncio.gather(*(read_one(i) for i in range(workers)))
 
         def check(_result) -> None:
             for i in range(workers):
-                if got_params[i] != params:
+                if pin[i] != params:
                     raise RoundFailed(f"worker {i}: parameters arrived wrong")
-                if got_grads[i] != grads[i]:
+                if gin[i] != grads[i]:
                     raise RoundFailed(f"worker {i}: gradient arrived wrong")
 
         return await _timed(lambda r: _round(server(), [worker(i) for i in range(workers)]), check, rounds, warmup)
     finally:
-        for _, writer in wconns + pconns:
-            writer.close()
-        srv.close()
+        for s in wsocks + psocks + [lsock]:
+            s.close()
+
+
+async def _accept(loop, lsock, into: list) -> None:
+    conn, _ = await loop.sock_accept(lsock)
+    conn.setblocking(False)
+    into.append(conn)
+
+
+async def _recv_into(loop, sock, buf: bytearray) -> None:
+    """Read exactly ``len(buf)`` bytes into ``buf`` itself (the kernel writes there; no intermediate copy)."""
+    view = memoryview(buf)
+    got = 0
+    while got < len(buf):
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise RoundFailed(f"the connection closed after {got} of {len(buf)} bytes")
+        got += n
 
 
 async def _timed(one_round, check, rounds: int, warmup: int) -> dict:
@@ -154,19 +187,20 @@ async def _timed(one_round, check, rounds: int, warmup: int) -> dict:
     return dict(cpu_s=cpu, wall_s=wall)
 
 
-def run(transport: str, *, workers: int, size: int, rounds: int, warmup: int, key: bool = True) -> dict:
+def run(transport: str, *, workers: int, size: int, rounds: int, warmup: int, key: bool = True,
+        ready: bool = False) -> dict:
     """One transport's rounds; returns its result row (raises :class:`RoundFailed` on a wrong message)."""
     import uvloop
 
     if transport == "ltp":
-        coro = _ltp_rounds(workers, size, rounds, warmup, key)
+        coro = _ltp_rounds(workers, size, rounds, warmup, key, ready)
     elif transport == "tcp":
-        coro = _tcp_rounds(workers, size, rounds, warmup)
+        coro = _tcp_rounds(workers, size, rounds, warmup, ready)
     else:
         raise ValueError(f"unknown transport {transport!r}: ltp or tcp")
     res = uvloop.run(coro)
-    messages = 3 * workers * rounds
-    return dict(transport=transport, workers=workers, size_bytes=size, rounds=rounds,
+    messages = messages_per_round(workers, ready) * rounds
+    return dict(transport=transport, workers=workers, size_bytes=size, rounds=rounds, ready_notes=ready,
                 cpu_ms_per_round=res["cpu_s"] / rounds * 1e3, wall_ms_per_round=res["wall_s"] / rounds * 1e3,
                 cpu_us_per_message=res["cpu_s"] / messages * 1e6, job_key=key if transport == "ltp" else None)
 
@@ -181,6 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--transport", default="ltp,tcp", help="ltp, tcp or both (ltp,tcp): alternated per --repeats")
     ap.add_argument("--repeats", type=int, default=1, help="runs per transport, alternated")
     ap.add_argument("--no-key", action="store_true", help="LTP without a job key (no REG MACs)")
+    ap.add_argument("--ready", action="store_true",
+                    help="each worker also sends an 8-byte READY note before its gradient (the PS round before "
+                         "session 54, which the figures of sessions 47-53 measured)")
     args = ap.parse_args(argv)
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
     if args.workers < 1 or args.rounds < 1 or args.warmup < 0 or args.repeats < 1 or args.size < 64:
@@ -192,7 +229,7 @@ def main(argv=None) -> int:
         for t in transports:
             try:
                 row = run(t, workers=args.workers, size=args.size, rounds=args.rounds, warmup=args.warmup,
-                          key=not args.no_key)
+                          key=not args.no_key, ready=args.ready)
             except RoundFailed as exc:
                 print(f"msg_round: {t}: {exc}", file=sys.stderr)
                 return 1
