@@ -75,6 +75,18 @@ carries the same grant and at least the same count). A one-datagram message
 whose REG copies and DATA were read together is then answered with its ACK and
 STOP alone: four datagrams back became two.
 
+An answer waits for that company as an ACK entry does: it is *held*
+(:attr:`Admission.held`) until ``Config.ack_delay_s`` after its REG was read,
+and goes out with the first control datagrams of its flow that confirm the
+registration (folded away there) or alone once due (:meth:`Admission.release_answers`,
+called by the engine as it collects what to send; its due time arms the engine's
+``ACK_DELAY`` timer). The sender needs the answer only to stop repeating its
+REG, which it does a probe timeout later at the earliest (``Config.min_pto_s``,
+8x the hold), and it sends its DATA without waiting for it. Before session 60
+the answers went out at once; where a sender's REG copies and its DATA were read
+in separate wake-ups (a broadcast whose DATA leaves through sender threads after
+the REGs of every peer), each REG copy cost a datagram each way more.
+
 It writes its answers (ACK, RESET, STOP datagrams) to the engine's control
 queue and its counts to the engine's :class:`~ltp.reports.EndpointStats`;
 the engine owns the flows and receive slots and tells it what it needs to
@@ -119,6 +131,10 @@ LAPSED_TTL_S = 2.0
 STOP_REPEAT_S = 0.002
 #: RESET ``unregistered`` answers to DATA of unknown flows: at most this many per second (and burst)
 UNREGISTERED_RESETS_PER_S = 1000.0
+#: a flow told RESET ``unregistered`` has its next REG answered at once, not held (its sender holds its DATA
+#: until that answer comes, so no company will come), for this long after the RESET (seconds; the sender's
+#: registration rounds are at most ``sender.REG_GAP_MAX_S`` = 1 s apart)
+UNREGISTERED_MEMORY_S = 1.0
 
 
 #: at most this many source addresses keep their canonical MAC bytes (``address_bytes``); the table is emptied
@@ -171,19 +187,25 @@ def _entries(data) -> int:
     return data[14] << 8 | data[15]
 
 
-def fold_reg_answers(ctrl) -> int:
-    """Drop from ``ctrl`` -- a deque of ``(datagram, addr)`` control datagrams about to go out together -- every
-    REG answer (an ACK without entries) of a flow that also has an ACK with entries or a STOP among them, to the
-    same address; returns how many were dropped. What is kept keeps its order."""
+def _confirmed_flows(ctrl) -> set:
+    """``(addr, flow id and token bytes)`` of every flow with an ACK with entries or a STOP in ``ctrl``."""
     confirmed = set()
-    answers = 0
     for data, addr in ctrl:
         b0 = data[0]
         if b0 == _STOP_B0 or (b0 == _ACK_B0 and _entries(data)):
             confirmed.add((addr, bytes(data[2:8])))  # flow id and token
-        elif b0 == _ACK_B0:
-            answers += 1
-    if not answers or not confirmed:
+    return confirmed
+
+
+def fold_reg_answers(ctrl) -> int:
+    """Drop from ``ctrl`` -- a deque of ``(datagram, addr)`` control datagrams about to go out together -- every
+    REG answer (an ACK without entries) of a flow that also has an ACK with entries or a STOP among them, to the
+    same address; returns how many were dropped. What is kept keeps its order."""
+    answers = sum(1 for data, _ in ctrl if data[0] == _ACK_B0 and not _entries(data))
+    if not answers:
+        return 0
+    confirmed = _confirmed_flows(ctrl)
+    if not confirmed:
         return 0
     kept = [(d, a) for d, a in ctrl
             if not (d[0] == _ACK_B0 and not _entries(d) and (a, bytes(d[2:8])) in confirmed)]
@@ -303,6 +325,11 @@ class Admission:
         self._unreg_at: float | None = None
         self.closed: OrderedDict = OrderedDict()  # (peer, fid) -> [token, code, count, expiry, last_stop]
         self.expired_tags: OrderedDict = OrderedDict()  # (peer, tag) -> expiry
+        #: REG answers waiting for company (see the module docstring): ``(due, datagram, addr)`` in arrival order
+        self.held: list = []
+        #: (peer, fid) -> until when: flows told RESET ``unregistered``, whose next REG is answered at once; as
+        #: many as the RESETs' rate limit allows in UNREGISTERED_MEMORY_S
+        self.told_unregistered: OrderedDict = OrderedDict()
 
     # ------------------------------------------------------------------ registrations
     def refuse(self, addr, fid: int, token: int, reason: str, code: str | None = None) -> None:
@@ -352,7 +379,7 @@ class Admission:
         if existing is not None or pend is not None:
             if (existing or pend).token == token:
                 received = existing.window.received if existing is not None else 0
-                self.ctrl.append((wire.pack_ack(fid, token, received, 0, (), self.grant(seg, addr)), addr))
+                self._answer(key, wire.pack_ack(fid, token, received, 0, (), self.grant(seg, addr)), addr, life_from)
                 self.stats.reg_repeats += 1
                 if pend is not None:
                     pend.expires = max(pend.expires, life_from + pending_lifetime(self._rtt_hint(addr, w3)))
@@ -402,8 +429,40 @@ class Admission:
         self.lapsed.pop(key, None)  # registered afresh: the new registration counts, not an expired one
         self._hold(pend)
         self.expiries.push(pend.expires, key)
-        self.ctrl.append((wire.pack_ack(fid, token, 0, 0, (), self.grant(seg, addr)), addr))
+        self._answer(key, wire.pack_ack(fid, token, 0, 0, (), self.grant(seg, addr)), addr, life_from)
         return None
+
+    def _answer(self, key, ack: bytes, addr, now: float) -> None:
+        """Hold the answer ``ack`` to a REG of flow ``key`` read at ``now`` until ``Config.ack_delay_s`` later
+        (module docstring); at once where the flow was told RESET ``unregistered`` (its sender holds its DATA)."""
+        if self.told_unregistered.pop(key, None) is not None:
+            self.ctrl.append((ack, addr))
+            return
+        self.held.append((now + self.config.ack_delay_s, ack, addr))
+
+    def next_answer_due(self) -> float | None:
+        """When the earliest held REG answer is due, or None when none is held (part of the ``ACK_DELAY`` timer)."""
+        return min(due for due, _, _ in self.held) if self.held else None
+
+    def release_answers(self, now: float, *, everything: bool = False) -> int:
+        """Move to the control queue the held REG answers that are due by ``now`` (all with ``everything``), and
+        those whose flow has an ACK with entries or a STOP queued there (:func:`fold_reg_answers` then folds them
+        away); the rest stay held. Returns how many were moved."""
+        held = self.held
+        if not held:
+            return 0
+        confirmed = _confirmed_flows(self.ctrl)
+        keep = []
+        ctrl = self.ctrl
+        for item in held:
+            due, ack, addr = item
+            if everything or due <= now or (addr, bytes(ack[2:8])) in confirmed:
+                ctrl.append((ack, addr))
+            else:
+                keep.append(item)
+        moved = len(held) - len(keep)
+        self.held = keep
+        return moved
 
     def _cap_reached(self, addr) -> tuple | None:
         """The refusal (reason, wire code) if one more receive flow from ``addr`` exceeds a cap, else None."""
@@ -560,6 +619,8 @@ class Admission:
         self.pending.clear()
         self.lapsed.clear()
         self.expiries.clear()
+        self.held = []
+        self.told_unregistered.clear()
         self.per_peer.clear()
         self.link_peers = 0
         self.per_host.clear()
@@ -646,10 +707,15 @@ class Admission:
             self._unreg_budget -= 1.0
             self.ctrl.append((wire.pack_header(wire.T_RESET, 0, key[1], token, wire.RESET_CODES["unregistered"], 0),
                               key[0]))
+            told = self.told_unregistered
+            told.pop(key, None)
+            told[key] = now + UNREGISTERED_MEMORY_S
+            while len(told) > UNREGISTERED_RESETS_PER_S * UNREGISTERED_MEMORY_S:
+                told.popitem(last=False)
 
     def purge(self, now: float) -> None:
-        """Forget closed flows and expired tags older than ``closed_flow_ttl_s``, and lapsed registrations past
-        their :data:`LAPSED_TTL_S`."""
+        """Forget closed flows and expired tags older than ``closed_flow_ttl_s``, lapsed registrations past
+        their :data:`LAPSED_TTL_S`, and flows told RESET ``unregistered`` :data:`UNREGISTERED_MEMORY_S` ago."""
         while self.lapsed:
             key, (pend, until) = next(iter(self.lapsed.items()))
             if until > now:
@@ -665,3 +731,9 @@ class Admission:
             if exp > now:
                 break
             self.expired_tags.popitem(last=False)
+        told = self.told_unregistered
+        while told:
+            key, until = next(iter(told.items()))
+            if until > now:
+                break
+            told.popitem(last=False)

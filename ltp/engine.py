@@ -923,8 +923,11 @@ class Engine:
         those holding at least :data:`EARLY_ACK_MIN_ENTRIES` entries, and any of a
         flow still in its first :data:`QUICKACK_SEGMENTS` segments (its sender may be
         in a slow-start round, waiting for them). A lone entry of a slow flow waits
-        for company or the timer. ``due_by`` None: every pending ACK, now."""
+        for company or the timer, and so does a held REG answer (:mod:`ltp.admission`): it has nothing to
+        carry but the registration's confirmation. ``due_by`` None: every pending ACK and held answer, now."""
         self._note_stall(now)
+        if due_by is None:
+            self._admission.release_answers(now, everything=True)
         if not self._ack_dirty:
             return 0
         delay, n = self.config.ack_delay_s, 0
@@ -954,6 +957,8 @@ class Engine:
         if self.config.link_rate is not None and self.config.share_egress:
             self._share_egress(now)
         out = []
+        if self._admission.held:  # REG answers that are due, or have company to be folded into
+            self._admission.release_answers(now)
         if len(self._ctrl) > 1:
             self.stats.reg_answers_folded += fold_reg_answers(self._ctrl)
         while self._ctrl:
@@ -1054,7 +1059,7 @@ class Engine:
                 if silence is None or t < silence:
                     silence = t
         early = min(self._wakes.values()) if self._wakes else None
-        ack = None
+        ack = self._admission.next_answer_due()  # held REG answers wait as ACK entries do
         if self._ack_dirty:
             delay = self.config.ack_delay_s
             for f in self._ack_dirty.values():

@@ -14,7 +14,7 @@ armed from the state it belongs to:
   ``PEER_SILENCE`` (the dead-peer rule);
 * per receive flow — ``EARLY_CLOSE`` (its Early Close decision can change with
   no new data) and ``ACK_DELAY`` (its oldest unacknowledged DATA waited
-  ``ack_delay_s``);
+  ``ack_delay_s``, or a REG answer held for company did: :mod:`ltp.admission`);
 * per receive group — ``RECEIVE_GROUP`` (its deadline for slots nobody
   registered for, and the caller's timeout);
 * per endpoint — ``REGISTRATION_EXPIRY`` (the oldest pending registration,
@@ -55,7 +55,7 @@ class Timer(enum.IntEnum):
     PEER_SILENCE = 3
     #: a receive flow's Early Close decision can change without new data
     EARLY_CLOSE = 4
-    #: a receive flow's batched ACK has waited ack_delay_s
+    #: a receive flow's batched ACK, or a held REG answer, has waited ack_delay_s
     ACK_DELAY = 5
     #: a receive group's deadline (unregistered slots expire) or the caller's timeout
     RECEIVE_GROUP = 6

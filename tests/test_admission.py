@@ -151,7 +151,7 @@ def test_replay_from_the_same_source_is_refused_and_not_answered():
     reg = captured_reg()
     b.receive_datagram(reg, A, 0.001)
     assert len(b._pending) == 1
-    out(b, 0.001)
+    out(b, 0.01)  # its answer, once held for company
     b.handle_timer(1.5)  # the first copy's pending registration expired (no DATA)
     assert not b._pending and b.stats.dropped["registration_expired"] == 1
     b.receive_datagram(reg, A, 2.0)
@@ -283,6 +283,8 @@ def test_pending_registration_expires_within_a_few_rtts():
     assert pending_lifetime(None) == pending_lifetime(0.0) == PENDING_MAX_S  # no estimate: not a guess
     _, b = engines()
     b.receive_datagram(captured_reg(), A, 0.0)  # a first REG: no RTprop advertised, no srtt here
+    assert b.get_timer() == pytest.approx(Config().ack_delay_s)  # its answer, held for company
+    out(b, b.get_timer())
     assert b.get_timer() == pytest.approx(PENDING_MAX_S)
     b.handle_timer(b.get_timer())
     assert not b._pending and b._rx_per_peer == {} and b._per_host == {}

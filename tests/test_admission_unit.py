@@ -46,7 +46,12 @@ def test_reg_becomes_pending_counted_and_acked_and_expires():
     data, flags, fid, token, w3 = _reg()
     assert adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0) is None
     assert list(adm.pending) == [(A, fid)] and adm.per_peer == {A: 1} and adm.per_host == {A[0]: 1}
-    assert _types(ctrl) == [wire.T_ACK] and adm.memory == 0  # nothing committed on a REG
+    assert _types(ctrl) == [] and adm.memory == 0  # nothing committed on a REG
+    # its answer is held for company until ack_delay_s after the REG (ltp/admission.py)
+    hold = adm.config.ack_delay_s
+    assert adm.next_answer_due() == pytest.approx(hold)
+    assert adm.release_answers(hold / 2) == 0 and _types(ctrl) == []
+    assert adm.release_answers(hold) == 1 and _types(ctrl) == [wire.T_ACK] and adm.next_answer_due() is None
     assert adm.pending_for((A, fid), token) is not None and adm.pending_for((A, fid), token ^ 1) is None
     expiry = adm.expiries.next_time()
     adm.expire_pending(expiry - 1e-6)
@@ -209,3 +214,25 @@ def test_a_lapsed_registration_for_a_receive_that_expired_meanwhile_is_not_reviv
     fid, token, expiry = _lapsed(adm, tag=5)
     adm.expire_tag(A, 5, expiry)  # the receive for (A, 5) passed its deadline
     assert adm.revive((A, fid), token, expiry + 0.01) is None and not adm.pending and not adm.lapsed
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(0.0, 0.002)), max_size=12),
+       st.sets(st.integers(0, 3)), st.floats(0.0, 0.003))
+def test_held_answers_go_when_due_or_with_company_and_nothing_is_lost(answers, company, now):
+    """``release_answers``: a held REG answer moves to the control queue when due or when an ACK with entries or a
+    STOP of its flow is there (to be folded); every other one stays held, in order; none is dropped or doubled."""
+    adm, ctrl = _admission()
+    for fid in sorted(company):
+        ctrl.append((wire.pack_header(wire.T_STOP, 0, fid, 7, 0, wire.STOP_CODES["complete"] << 24), A))
+    before = len(ctrl)
+    held = [(due, wire.pack_ack(fid, 7, 0, 0, (), 0), A) for fid, due in answers]
+    adm.held = list(held)
+    moved = adm.release_answers(now)
+    out = [d for d, _ in list(ctrl)[before:]]
+    want_out = [ack for due, ack, _ in held if due <= now or wire.unpack_header(ack)[2] in company]
+    want_kept = [h for h in held if not (h[0] <= now or wire.unpack_header(h[1])[2] in company)]
+    assert out == want_out and moved == len(want_out) and adm.held == want_kept
+    assert adm.next_answer_due() == (min(h[0] for h in want_kept) if want_kept else None)
+    adm.release_answers(now, everything=True)
+    assert adm.held == [] and len(ctrl) == before + len(held)

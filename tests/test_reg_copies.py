@@ -26,6 +26,7 @@ from ltp.config import REG_COPIES_MAX, Config
 from ltp.engine import Engine, ReceiveDone, SendDone
 from ltp.errors import LocalProtocolError
 from ltp.sender import FlowSender
+from ltp.timers import Timer
 
 KEY = b"job-secret"
 A = ("10.0.0.1", 7447)
@@ -71,7 +72,9 @@ def test_every_copy_is_admitted_once_and_answered():
     for r in regs:
         b.receive_datagram(r, A, 0.001)
     assert len(b._pending) == 1 and b.stats.refused == {} and b.stats.dropped == {} and b.stats.reg_repeats == 1
-    answers = [d for d in _out(b, 0.001) if d[0] & 0x0F == wire.T_ACK]
+    hold = Config().ack_delay_s
+    assert _out(b, 0.001) == []  # held for company (an ACK or STOP of the flow), as ACK entries are
+    answers = [d for d in _out(b, 0.001 + hold) if d[0] & 0x0F == wire.T_ACK]
     assert len(answers) == 2  # a lost answer is as unlikely as a lost REG
 
 
@@ -116,8 +119,68 @@ def test_regs_whose_data_was_lost_are_each_answered():
     for d in _out(a, 0.0):
         if _is_reg(d):
             b.receive_datagram(d, A, 0.001)
-    back = _out(b, 0.001)
+    assert b.get_timer() == pytest.approx(0.001 + Config().ack_delay_s)  # the answers' hold arms the ACK timer
+    assert b.timers().get(Timer.ACK_DELAY) == b.get_timer()
+    back = _out(b, b.get_timer())
     assert len(_answers(back)) == 2 and b.stats.reg_answers_folded == 0
+
+
+def test_regs_read_before_their_data_are_answered_by_its_ack_and_stop_alone():
+    """The REG copies are read in one wake-up and the DATA in a later one (a broadcast's DATA leaves through
+    sender threads after every peer's REGs): the answers wait for the DATA's ACK and STOP and are folded into
+    them, two datagrams back instead of four. Before session 60 the answers went out at once."""
+    a = Engine(Config(job_key=KEY), rng=random.Random(1), local_addr=A, wall_offset=T0)
+    b = Engine(Config(job_key=KEY), rng=random.Random(2), local_addr=B, wall_offset=T0)
+    out = bytearray(1000)
+    b.post_receive([(A, 5, out)], now=0.0)
+    a.send(B, np.arange(1000, dtype=np.uint8), now=0.0, tag=5, reliable=True)
+    sent = _out(a, 0.0)
+    for d in sent:
+        if _is_reg(d):
+            b.receive_datagram(d, A, 0.001)
+    assert _out(b, 0.001) == []
+    for d in sent:
+        if not _is_reg(d):
+            b.receive_datagram(d, A, 0.0012)  # within the hold
+    back = _out(b, 0.0012)
+    assert [d[0] & 0x0F for d in back] == [wire.T_ACK, wire.T_STOP] and not _answers(back)
+    assert b.stats.reg_answers_folded == 2 and bytes(out) == bytes(range(256)) * 3 + bytes(range(232))
+    assert _out(b, 0.01) == []  # nothing held is left to go out later
+    for d in back:
+        a.receive_datagram(d, B, 0.0013)
+    ev = a.next_event()
+    assert isinstance(ev, SendDone) and ev.error is None and ev.report.delivered_fraction == 1.0
+
+
+def test_a_reg_after_reset_unregistered_is_answered_at_once():
+    """A sender told RESET ``unregistered`` holds its DATA until a REG is answered: no DATA will come to fold the
+    answer into, so that REG is answered at once, not held (and a later registration of the flow id is held
+    again)."""
+    a = Engine(Config(job_key=KEY), rng=random.Random(1), local_addr=A, wall_offset=T0)
+    b = Engine(Config(job_key=KEY), rng=random.Random(2), local_addr=B, wall_offset=T0)
+    b.post_receive([(A, 5, bytearray(1000))], now=0.0)
+    a.send(B, np.zeros(1000, np.uint8), now=0.0, tag=5)
+    sent = _out(a, 0.0)
+    for d in sent:  # every REG lost: the DATA meets no registration
+        if not _is_reg(d):
+            b.receive_datagram(d, A, 0.001)
+    back = _out(b, 0.001)
+    assert [wire.unpack_header(d)[0] for d in back] == [wire.T_RESET]
+    for d in back:
+        a.receive_datagram(d, B, 0.002)
+    t = 0.002
+    regs = [d for d in _out(a, t) if _is_reg(d)]
+    if not regs:  # the RESET brought the next registration round forward: it goes at its timer
+        t = a.get_timer()
+        a.handle_timer(t)
+        regs = [d for d in _out(a, t) if _is_reg(d)]
+    assert len(regs) == 2
+    now = t + 0.0001
+    b.receive_datagram(regs[0], A, now)
+    assert len(_answers(_out(b, now))) == 1  # at once
+    b.receive_datagram(regs[1], A, now)
+    assert _answers(_out(b, now)) == []  # the next copy's answer is held as usual
+    assert len(_answers(_out(b, now + Config().ack_delay_s))) == 1
 
 
 def _ctl(kind: str, fid: int, token: int = 7, entries: int = 0) -> bytes:
