@@ -902,6 +902,12 @@ class Engine:
             self._ctrl.append((wire.pack_ack(flow.flow_id, flow.token, w.received, delay_us,
                                              entries[k:k + step], grant), flow.peer))
 
+    def _acking(self, addr, fid: int, token: int) -> bool:
+        """Whether receive flow ``(addr, fid)`` of ``token`` holds ACK entries that are yet to go out (an ACK with
+        entries is due within ``ack_delay_s``: it confirms the flow's registration, so its REG answers need not)."""
+        flow = self._rx.get((addr, fid))
+        return flow is not None and flow.token == token and flow.window.n_acks > 0
+
     def _share_egress(self, now: float) -> None:
         """Split this host's link rate equally among the paths with data to send or in flight (loopback
         paths do not use the link: they are neither counted nor capped)."""
@@ -958,7 +964,7 @@ class Engine:
             self._share_egress(now)
         out = []
         if self._admission.held:  # REG answers that are due, or have company to be folded into
-            self._admission.release_answers(now)
+            self._admission.release_answers(now, acking=self._acking)
         if len(self._ctrl) > 1:
             self.stats.reg_answers_folded += fold_reg_answers(self._ctrl)
         while self._ctrl:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ltp import wire
 from ltp.admission import LAPSED_TTL_S, STOP_REPEAT_S, UNREGISTERED_RESETS_PER_S, Admission
-from ltp.config import Config
+from ltp.config import REG_COPIES_MAX, Config
 from ltp.engine import Engine
 from ltp.regimes import CloseReason
 from ltp.reports import EndpointStats
@@ -236,3 +236,15 @@ def test_held_answers_go_when_due_or_with_company_and_nothing_is_lost(answers, c
     assert adm.next_answer_due() == (min(h[0] for h in want_kept) if want_kept else None)
     adm.release_answers(now, everything=True)
     assert adm.held == [] and len(ctrl) == before + len(held)
+
+
+def test_a_flood_of_regs_holds_at_most_held_max_answers_and_answers_the_rest_at_once():
+    """A peer that repeats one REG (no job key, so no replay cache) is answered every time, as before; past
+    ``held_max`` held answers the rest go at once instead of growing the list."""
+    adm, ctrl = _admission(max_pending_registrations=4)
+    assert adm.held_max == 4 * REG_COPIES_MAX
+    data, flags, fid, token, w3 = _reg()
+    for _ in range(3 * adm.held_max):
+        adm.on_reg(data, A, flags, fid, token, w3, 0.0, 0.0)
+    assert len(adm.held) == adm.held_max and len(ctrl) == 2 * adm.held_max
+    assert _types(ctrl) == [wire.T_ACK] * len(ctrl) and adm.stats.reg_repeats == 3 * adm.held_max - 1

@@ -348,3 +348,42 @@ def test_any_loss_of_registrations_and_answers_ends_every_send(harness, seed, re
     else:
         assert h.addrs[1][0] in str(sent.error), sent.error
     assert h.now <= 60.0 + 1e-6, h.now
+
+
+def test_answers_due_while_the_flows_first_ack_waits_are_folded_into_it():
+    """The REGs are read, then the first DATA of a 20 kB message, whose ACK waits ``ack_delay_s`` for company:
+    the answers fall due first, and are folded (that ACK confirms the registration) instead of going alone."""
+    a = Engine(Config(job_key=KEY), rng=random.Random(1), local_addr=A, wall_offset=T0)
+    b = Engine(Config(job_key=KEY), rng=random.Random(2), local_addr=B, wall_offset=T0)
+    hold = Config().ack_delay_s
+    b.post_receive([(A, 5, bytearray(20_000))], now=0.0)
+    a.send(B, np.zeros(20_000, np.uint8), now=0.0, tag=5, reliable=True)
+    sent = _out(a, 0.0)
+    for d in sent:
+        if _is_reg(d):
+            b.receive_datagram(d, A, 0.001)
+    data = [d for d in sent if not _is_reg(d)]
+    assert len(data) >= 3
+    for d in data[:3]:
+        b.receive_datagram(d, A, 0.001 + hold / 2)
+    assert _out(b, 0.001 + hold) == [] and b.stats.reg_answers_folded == 2  # due, and folded
+    back = _out(b, 0.001 + hold / 2 + hold)  # the ACK's own delay
+    assert [d[0] & 0x0F for d in back] == [wire.T_ACK] and not _answers(back)
+    assert wire.unpack_header(back[0])[5] & 0xFFFF == 3  # the three entries
+
+
+def test_a_bulk_messages_regs_are_answered_at_once():
+    """A message of more than ``HOLD_ANSWER_MAX_SEGMENTS`` segments: its answers go at once, as before session 60
+    (a bulk transfer's dynamics were tuned with them; they are a few datagrams among thousands)."""
+    from ltp.admission import HOLD_ANSWER_MAX_SEGMENTS
+
+    a = Engine(Config(job_key=KEY), rng=random.Random(1), local_addr=A, wall_offset=T0)
+    b = Engine(Config(job_key=KEY), rng=random.Random(2), local_addr=B, wall_offset=T0)
+    seg = Config().segment_size_for(1)
+    for segments, held in ((HOLD_ANSWER_MAX_SEGMENTS, True), (HOLD_ANSWER_MAX_SEGMENTS + 1, False)):
+        a.send(B, np.zeros(segments * seg, np.uint8), now=0.0, tag=segments)
+        for d in _out(a, 0.0):
+            if _is_reg(d):
+                b.receive_datagram(d, A, 0.001)
+        assert len(_answers(_out(b, 0.001))) == (0 if held else 2), segments
+        _out(b, 0.01)
