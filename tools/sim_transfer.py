@@ -39,7 +39,7 @@ def run(*, size: int, rate_bps: float, delay_s: float = 0.0, loss: float = 0.0, 
     from ltp.link_share import WIRE_OVERHEAD_BYTES
     from ltp.sim import IP_UDP_HEADER_BYTES, SimNetwork
     from ltp.wire import HEADER_SIZE
-    from ltp_tools.netlab.lab import tbf_queue_bytes
+    from ltp_tools.netlab.lab import DATA_MIN_IP_LEN, tbf_queue_bytes
     from ltp_tools.payload import pattern, verify
 
     if size < 1 or rate_bps <= 0 or delay_s < 0 or not 0 <= loss < 1 or interval_s <= 0:
@@ -48,7 +48,8 @@ def run(*, size: int, rate_bps: float, delay_s: float = 0.0, loss: float = 0.0, 
     cfg = Config()
     seg = cfg.segment_size_for(1)  # the message is bytes
     datagram = seg + HEADER_SIZE
-    link_rate = rate_bps / 8 * (datagram + IP_UDP_HEADER_BYTES) / (datagram + WIRE_OVERHEAD_BYTES)  # the simulator's bytes/s
+    # the simulator's bytes/s: its links time IP packets, the tbf Ethernet frames
+    link_rate = rate_bps / 8 * (datagram + IP_UDP_HEADER_BYTES) / (datagram + WIRE_OVERHEAD_BYTES)
     queue = tbf_queue_bytes(rate_bps, datagram + WIRE_OVERHEAD_BYTES) if queue_bytes is None else int(queue_bytes)
     net = SimNetwork(seed=seed)
     a, b = ("10.0.0.1", 7447), ("10.0.0.2", 7447)
@@ -56,7 +57,10 @@ def run(*, size: int, rate_bps: float, delay_s: float = 0.0, loss: float = 0.0, 
     rx = Engine(cfg, rng=random.Random(seed * 2 + 2), local_addr=b)
     net.add_host(a, tx)
     net.add_host(b, rx)
-    fwd = net.set_link(a, b, rate=link_rate, delay_s=delay_s, loss=loss, loss_min_size=200, queue_bytes=queue)
+    # random loss takes what the lab's rule takes: IP packets longer than DATA_MIN_IP_LEN (the simulator counts
+    # datagrams, 28 bytes shorter)
+    fwd = net.set_link(a, b, rate=link_rate, delay_s=delay_s, loss=loss,
+                       loss_min_size=DATA_MIN_IP_LEN - IP_UDP_HEADER_BYTES, queue_bytes=queue)
     net.set_link(b, a, delay_s=delay_s)
     data = pattern(size)
     buf = np.zeros(size, np.uint8)
