@@ -284,7 +284,8 @@ def test_cleanup_after_exception_and_processes_killed():
     assert "ltpp" not in root_links and "ltpeth" not in root_links
 
 
-def test_cleanup_on_sigterm(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_cleanup_on_signal(sig):
     prefix = _prefix()
     script = textwrap.dedent(f"""
         import time
@@ -298,8 +299,8 @@ def test_cleanup_on_sigterm(tmp_path):
     try:
         assert p.stdout.readline().strip() == "up"
         assert len(list_netns(prefix + "-")) == 3
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=20)
+        p.send_signal(sig)
+        assert p.wait(timeout=20) == 128 + sig
     finally:
         if p.poll() is None:
             p.kill()

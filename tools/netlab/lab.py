@@ -84,6 +84,9 @@ OFFLOADS_OFF = ["tso", "off", "gso", "off", "gro", "off", "tx-udp-segmentation",
 #: a host interface of a ``gro=True`` lab: the same, but receive GRO on (as a NIC's driver does)
 OFFLOADS_HOST_GRO = OFFLOADS_OFF[:4] + ["gro", "on"] + OFFLOADS_OFF[6:]
 DIRECTIONS = ("ingress", "egress")
+# signals that end a process holding a (non-persistent) lab: the lab turns them into SystemExit so that its
+# namespaces are removed on the way out (SIGHUP: the terminal or session that started the run went away)
+CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 #: the most bytes a tbf bucket holds: a transfer of ``S`` bytes can beat the rate by at most this much
@@ -188,7 +191,7 @@ class Lab:
         self._procs: list[subprocess.Popen] = []
         self._created: list[str] = []
         self._open = False
-        self._old_sigterm = None
+        self._old_handlers: dict = {}  # signal -> the handler this lab replaced
         self._delay_backend: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -214,11 +217,11 @@ class Lab:
             support.claim(self.prefix)  # `ltp-lab clean` leaves a lab alone while this process runs it
             atexit.register(self.close)
             if threading.current_thread() is threading.main_thread():
-                self._old_sigterm = signal.getsignal(signal.SIGTERM)
-                if self._old_sigterm in (signal.SIG_DFL, None):
-                    signal.signal(signal.SIGTERM, _raise_system_exit)
-                else:
-                    self._old_sigterm = None
+                for sig in CLEANUP_SIGNALS:
+                    old = signal.getsignal(sig)
+                    if old in (signal.SIG_DFL, None):
+                        signal.signal(sig, _raise_system_exit)
+                        self._old_handlers[sig] = old
         try:
             self._build()
         except BaseException:
@@ -245,12 +248,12 @@ class Lab:
         self._created.clear()
         if not self.persistent:
             support.release(self.prefix)
-        if self._old_sigterm is not None:
+        for sig, old in self._old_handlers.items():
             try:
-                signal.signal(signal.SIGTERM, self._old_sigterm)
+                signal.signal(sig, old if old is not None else signal.SIG_DFL)
             except ValueError:
                 pass
-            self._old_sigterm = None
+        self._old_handlers.clear()
         try:
             atexit.unregister(self.close)
         except Exception:  # noqa: BLE001
