@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import TrainingFailed
-from .metrics import MetricsLog, summarize
+from .metrics import MetricsLog, figure, summarize
 from .optim import FlatOptimizer
 from .schedules.executor import Executor, Slots
 from .schedules.partial import Partial
@@ -266,11 +266,12 @@ class PeerWorker:
         loss = [r["loss"] for r in rows if r["loss"] == r["loss"]] or [float("nan")]
         fr = [f for r in rows for f in r["delivered"].values()] or [float("nan")]
         row = {"event": "epoch", "t": time.time(), "epoch": epoch, "iteration": self.iteration,
-               "loss": float(np.mean(loss)), "sync_mean_s": float(np.mean(sync)), "delivered_mean": float(np.mean(fr)),
+               "loss": float(np.mean(loss)) if self.workload.reports_loss else float("nan"),
+               "sync_mean_s": float(np.mean(sync)), "delivered_mean": float(np.mean(fr)),
                "workers": self.cfg.world_size, **ev}
         self.metrics.write(row)
         acc = f"acc {ev['accuracy']:.4f}  " if "accuracy" in ev else ""
-        line = (f"[{self.planner.name} w0] epoch {epoch + 1:>3}/{self.epochs_total}  {acc}loss {row['loss']:.4f}  "
+        line = (f"[{self.planner.name} w0] epoch {epoch + 1:>3}/{self.epochs_total}  {acc}loss {figure(row['loss'], '.4f')}  "
                 f"reduce {row['sync_mean_s'] * 1e3:7.2f} ms  delivered {row['delivered_mean']:.4f}")
         self.epoch_lines.append(line)
         self.log(line)

@@ -312,7 +312,8 @@ class ParameterServer:
             epoch_rows.append(row)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", sync=f"{sync_s(row) * 1e3:.1f}ms")
+                shown = row["loss"] if self.workload.reports_loss else None
+                bar.set_postfix(loss=figure(shown, ".3f"), sync=f"{sync_s(row) * 1e3:.1f}ms")
             if self.iteration % self.ipe == 0 or self.iteration == self.total:
                 self._end_epoch(epoch_rows)
                 epoch_rows = []
@@ -541,12 +542,13 @@ class ParameterServer:
         fr = [f for r in rows for f in r["delivered"].values()] or [float("nan")]
         loss = [r["loss"] for r in rows if r["loss"] == r["loss"]] or [float("nan")]
         row = {"event": "epoch", "t": time.time(), "shard": self.shard, "epoch": epoch,
-               "iteration": self.iteration, "loss": float(np.mean(loss)), "sync_mean_s": float(np.mean(sync)),
+               "iteration": self.iteration, "loss": float(np.mean(loss)) if self.workload.reports_loss else float("nan"),
+               "sync_mean_s": float(np.mean(sync)),
                "delivered_mean": float(np.mean(fr)), "workers": len(self.membership.active()), **ev}
         self.metrics.write(row)
         self.verdict.observe(epoch, ev)
         acc = f"acc {ev['accuracy']:.4f}  " if "accuracy" in ev else ""
-        line = (f"[ps{self.shard}] epoch {epoch + 1:>3}/{self.epochs_total}  {acc}loss {row['loss']:.4f}  "
+        line = (f"[ps{self.shard}] epoch {epoch + 1:>3}/{self.epochs_total}  {acc}loss {figure(row['loss'], '.4f')}  "
                 f"sync {figure(row['sync_mean_s'] * 1e3, '7.2f'):>7} ms  delivered {row['delivered_mean']:.4f}  "
                 f"workers {row['workers']}")
         self.epoch_lines.append(line)

@@ -51,6 +51,9 @@ class Workload:
     name = "abstract"
     batch_size = 32
     chance_accuracy: float | None = None  # test accuracy of always guessing the commonest label; None: not judged
+    #: ``compute`` returns a real training loss. False (synthetic gradients): its 0.0 is a placeholder the health
+    #: checks accept, and the epoch lines and metrics show no loss ('-' / NaN) rather than a made-up 0.0000
+    reports_loss = True
 
     def build_model(self) -> nn.Module | None:
         return None
@@ -178,7 +181,9 @@ class DigitsWorkload(ModuleWorkload):
 
 
 class SyntheticWorkload(Workload):
-    """A parameter set of ``n`` float32 with random gradients after ``compute_delay_s`` seconds."""
+    """A parameter set of ``n`` float32 with random gradients after ``compute_delay_s`` seconds (no loss)."""
+
+    reports_loss = False
 
     def __init__(self, name: str, n: int, compute_delay_s: float = 0.0, tensors: int = 160,
                  iters_per_epoch: int = 10):

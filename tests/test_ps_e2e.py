@@ -26,7 +26,7 @@ def test_launch_digits_four_workers_over_tcp(tmp_path):
                               "--transport", "tcp", "--cc", "cubic", "--summary-json", summary, "--metrics", metrics),
                        env=child_env(), capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert len(re.findall(r"epoch +\d+/10 +acc", p.stdout)) == 10
+    assert len(re.findall(r"epoch +\d+/10 +acc \d\.\d{4} +loss \d+\.\d{4} ", p.stdout)) == 10
     assert "batch sync mean" in p.stdout and "delivered fraction" in p.stdout
     s = json.loads(summary.read_text())
     assert s["final_accuracy"] >= 0.95
@@ -34,6 +34,20 @@ def test_launch_digits_four_workers_over_tcp(tmp_path):
     it = [r for r in rows if r["event"] == "iteration"]
     assert len(it) == s["iterations"] and all(set(r["delivered"]) == {"0", "1", "2", "3"} for r in it)
     assert all(r["gather_s"] >= 0 and r["broadcast_s"] > 0 and r["regime"]["0"] == "complete" for r in it)
+
+
+@pytest.mark.parametrize("schedule", ["direct", "ring", "hoplite"])
+def test_synthetic_gradients_report_no_loss(tmp_path, schedule):
+    """A synthetic workload has no training loss: its epoch lines say '-' and its metrics NaN, not 0.0000."""
+    metrics = tmp_path / "m.jsonl"
+    p = subprocess.run(ps_cmd("launch", "--workers", 2, "--epochs", 2, "--model", "synthetic:20000", "--lab", "off",
+                              "--transport", "tcp", "--schedule", schedule, "--metrics", metrics),
+                       env=child_env(), capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert len(re.findall(r"epoch +\d/2 +loss - ", p.stdout)) == 2, p.stdout
+    assert "loss 0.0000" not in p.stdout
+    epochs = [r for r in read_jsonl(str(metrics)) if r["event"] == "epoch"]
+    assert epochs and all(r["loss"] != r["loss"] for r in epochs)
 
 
 def _wait_rows(path, pred, timeout, proc):
