@@ -53,8 +53,8 @@ Theory of operation
     Order on the downlink path: delay (switch, as the packet is forwarded to the port), rate
     (tbf on the port), then loss (at the host; with ``gro``, at the port before the tbf).
 
-    Cleanup. :meth:`Lab.close` (run by ``__exit__``, by a SIGTERM handler installed while the
-    lab is open, and by ``atexit``) kills every process in the lab's namespaces and deletes
+    Cleanup. :meth:`Lab.close` (run by ``__exit__``, by SIGTERM and SIGHUP handlers installed while
+    the lab is open, and by ``atexit``) kills every process in the lab's namespaces and deletes
     the namespaces, which removes all links, qdiscs and rules. ``support.clean(prefix)``
     does the same for leftovers of crashed runs.
 """
@@ -144,8 +144,8 @@ class Impairment:
 class Lab:
     """A set of hosts (network namespaces) behind a bridge switch, with per-host impairments.
 
-    Use as a context manager; everything is removed on exit, also on exceptions, Ctrl-C and
-    SIGTERM. ``racks`` (e.g. ``[2, 2]``) builds a two-tier topology and overrides
+    Use as a context manager; everything is removed on exit, also on exceptions, Ctrl-C,
+    SIGTERM and SIGHUP. ``racks`` (e.g. ``[2, 2]``) builds a two-tier topology and overrides
     ``n_hosts`` with ``sum(racks)``. ``prefix`` names every namespace (default
     ``"ltplab-" + 6 random hex digits``). ``persistent=True`` keeps the lab after the
     process exits (used by ``ltp-lab up``; remove it with :func:`destroy` / ``ltp-lab down``).
