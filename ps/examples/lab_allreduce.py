@@ -10,7 +10,7 @@ hosts drop ``--loss`` of their incoming data packets (and, with ``--rate``,
 are rate-limited).  Modes: ``gloo`` and ``ltp`` (the backend, exact), and,
 with ``--ddp``, ``gloo-hook`` (gloo backend + LTP gradient hook) and
 ``ltp-hook``; a mode may end in ``@LOSS`` to run at that loss instead of
-``--loss`` (``gloo@0,ltp@0.01``).  ``--digits`` runs the DDP tutorial
+``--loss`` (``gloo@0,ltp@0.01``); any other mode is refused before the lab is built.  ``--digits`` runs the DDP tutorial
 (``ddp_digits``, ``--epochs``) instead of the benchmark and reports rank 0's
 seconds to ``--target`` test accuracy.  ``--schedule`` / ``--hook-schedule`` choose the backend's and
 the hook's reduction schedules.  ``--pyspy DIR`` samples rank 0 with py-spy
@@ -30,14 +30,32 @@ from ltp_tools.netlab import Lab, check_support
 
 RUN_TIMEOUT_S = 900  # seconds per mode
 MASTER_PORT = 29511
+BACKENDS = ("gloo", "ltp")
+
+
+def parse_mode(mode: str) -> tuple[str, bool, float | None]:
+    """``BACKEND[-hook][@LOSS]`` -> ``(backend, hook, loss or None)``; ValueError names what is wrong."""
+    name, at, loss_text = mode.partition("@")
+    backend, dash, suffix = name.partition("-")
+    if backend not in BACKENDS or (dash and suffix != "hook"):
+        raise ValueError(f"mode {mode!r}: expected BACKEND[-hook][@LOSS] with BACKEND one of {', '.join(BACKENDS)} "
+                         f"(e.g. gloo, ltp-hook, ltp@0.01)")
+    loss = None
+    if at:
+        try:
+            loss = float(loss_text)
+        except ValueError:
+            loss = -1.0
+        if not 0.0 <= loss < 1.0:
+            raise ValueError(f"mode {mode!r}: the loss after '@' must be a number in [0, 1)")
+    return backend, bool(dash), loss
 
 
 def run_mode(lab: Lab, mode: str, args) -> dict:
-    name, _, at = mode.partition("@")
-    loss = float(at) if at else args.loss
+    backend, hook, loss = parse_mode(mode)
+    loss = args.loss if loss is None else loss
     for h in lab.hosts:
         lab.impair(h, "ingress", loss=loss, rate_bps=args.rate)
-    backend, _, hook = name.partition("-")
     procs = []
     for r, h in enumerate(lab.hosts[:args.ranks]):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.ranks),
@@ -91,13 +109,19 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=0.95, help="with --digits: test accuracy to time")
     ap.add_argument("--pyspy", default=None, help="directory for py-spy profiles of rank 0 (collapsed stacks)")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    for mode in modes:
+        try:
+            parse_mode(mode)
+        except ValueError as exc:
+            ap.error(str(exc))
     reason = check_support()
     if reason:
         print(f"cannot build the lab: {reason}", file=sys.stderr)
         return 2
     failed = False
     with Lab(n_hosts=args.ranks) as lab:
-        for mode in args.modes.split(","):
+        for mode in modes:
             res = run_mode(lab, mode, args)
             print("RESULT " + json.dumps(res), flush=True)
             failed = failed or "error" in res or not res.get("correct", True)
