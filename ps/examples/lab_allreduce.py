@@ -40,14 +40,14 @@ def parse_mode(mode: str) -> tuple[str, bool, float | None]:
     if backend not in BACKENDS or (dash and suffix != "hook"):
         raise ValueError(f"mode {mode!r}: expected BACKEND[-hook][@LOSS] with BACKEND one of {', '.join(BACKENDS)} "
                          f"(e.g. gloo, ltp-hook, ltp@0.01)")
-    loss = None
-    if at:
-        try:
-            loss = float(loss_text)
-        except ValueError:
-            loss = -1.0
-        if not 0.0 <= loss < 1.0:
-            raise ValueError(f"mode {mode!r}: the loss after '@' must be a number in [0, 1)")
+    if not at:
+        return backend, bool(dash), None
+    try:
+        loss = float(loss_text)
+    except ValueError:
+        loss = None
+    if loss is None or not 0.0 <= loss < 1.0:
+        raise ValueError(f"mode {mode!r}: the loss after '@' must be a number in [0, 1)")
     return backend, bool(dash), loss
 
 
