@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import TrainingFailed
-from .metrics import MetricsLog, figure, summarize
+from .metrics import MetricsLog, epoch_loss, figure, summarize
 from .optim import FlatOptimizer
 from .schedules.executor import Executor, Slots
 from .schedules.partial import Partial
@@ -263,10 +263,9 @@ class PeerWorker:
         epoch = (self.iteration - 1) // self.ipe
         ev = self.workload.evaluate(self.params) if self.cfg.evaluate else {}
         sync = [r["gather_s"] for r in rows] or [float("nan")]
-        loss = [r["loss"] for r in rows if r["loss"] == r["loss"]] or [float("nan")]
         fr = [f for r in rows for f in r["delivered"].values()] or [float("nan")]
         row = {"event": "epoch", "t": time.time(), "epoch": epoch, "iteration": self.iteration,
-               "loss": float(np.mean(loss)) if self.workload.reports_loss else float("nan"),
+               "loss": epoch_loss(rows, self.workload.reports_loss),
                "sync_mean_s": float(np.mean(sync)), "delivered_mean": float(np.mean(fr)),
                "workers": self.cfg.world_size, **ev}
         self.metrics.write(row)

@@ -97,6 +97,13 @@ def summarize(rows: Iterable[dict]) -> dict:
     return out
 
 
+def epoch_loss(rows: list[dict], reports_loss: bool = True) -> float:
+    """The mean training loss of an epoch's round rows, those that carry one (not NaN); NaN where none does, or
+    where the workload has no loss (``Workload.reports_loss`` False: its 0.0 is a placeholder)."""
+    losses = [r["loss"] for r in rows if r["loss"] == r["loss"]]
+    return statistics.fmean(losses) if reports_loss and losses else float("nan")
+
+
 def figure(x, spec: str) -> str:
     """``format(x, spec)``, or '-' where nothing was measured (None or NaN)."""
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)

@@ -52,7 +52,7 @@ from .checkpoint import load_latest, save_checkpoint
 from .deadlines import GatherDeadline
 from .errors import ConfigError, RendezvousError, TrainingFailed
 from .membership import Membership, Staleness
-from .metrics import MetricsLog, figure, format_summary, summarize, sync_s
+from .metrics import MetricsLog, epoch_loss, figure, format_summary, summarize, sync_s
 from .optim import CLIP_FACTOR, FlatOptimizer, NormGuard
 from .schedule import DirectSchedule, Schedule
 from .schedules import World, create as create_schedule
@@ -540,9 +540,8 @@ class ParameterServer:
         ev = self._evaluate(epoch)
         sync = [s for r in rows if (s := sync_s(r)) is not None] or [float("nan")]
         fr = [f for r in rows for f in r["delivered"].values()] or [float("nan")]
-        loss = [r["loss"] for r in rows if r["loss"] == r["loss"]] or [float("nan")]
         row = {"event": "epoch", "t": time.time(), "shard": self.shard, "epoch": epoch,
-               "iteration": self.iteration, "loss": float(np.mean(loss)) if self.workload.reports_loss else float("nan"),
+               "iteration": self.iteration, "loss": epoch_loss(rows, self.workload.reports_loss),
                "sync_mean_s": float(np.mean(sync)),
                "delivered_mean": float(np.mean(fr)), "workers": len(self.membership.active()), **ev}
         self.metrics.write(row)

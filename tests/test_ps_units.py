@@ -16,7 +16,7 @@ from ltp_ps.checkpoint import checkpoint_path, load_latest, save_checkpoint
 from ltp_ps.errors import ConfigError
 from ltp_ps.feedback import ErrorFeedback
 from ltp_ps.membership import Membership, Staleness, State
-from ltp_ps.metrics import MetricsLog, format_summary, read_jsonl, summarize
+from ltp_ps.metrics import MetricsLog, epoch_loss, format_summary, read_jsonl, summarize
 from ltp_ps.optim import FlatOptimizer
 from ltp_ps.schedule import DirectSchedule, get_schedule
 from ltp_ps.sharding import ShardPlan
@@ -426,3 +426,11 @@ def test_summary_json_is_standard_json_with_null_for_unmeasured_figures(tmp_path
     assert got == {"sync_mean_s": None, "peak": None, "acc": 0.5, "rows": [1, 2, {"x": None}], "name": "mlfabric",
                    "ok": True}
     assert strict_json((1.5, None)) == [1.5, None]
+
+
+def test_epoch_loss_means_the_rounds_that_report_one():
+    rows = [{"loss": 0.5}, {"loss": float("nan")}, {"loss": 1.5}]
+    assert epoch_loss(rows) == 1.0
+    assert epoch_loss([{"loss": float("nan")}]) != epoch_loss([{"loss": float("nan")}])  # NaN: no round had one
+    assert epoch_loss([]) != epoch_loss([])
+    assert epoch_loss(rows, reports_loss=False) != epoch_loss(rows, reports_loss=False)  # a placeholder is no loss
