@@ -540,7 +540,8 @@ class _AsyncServerRole(_ServerRole):
         row = {"event": "iteration", "t": time.time(), "shard": ps.shard, "iteration": u,
                "epoch": u // self.per_epoch, "workers": len(self.ctrl.live), "contributors": a["contributors"],
                "members": members, "staleness": {w: staleness.get(w, 0) for w in members},
-               "gather_s": 0.0, "broadcast_s": 0.0, "round_s": now - (self._t_last or self._t0),
+               "gather_s": None, "broadcast_s": None,  # no sync round (as MLfabric's): updates apply as gradients come
+               "round_s": now - (self._t_last or self._t0),
                "delivered": {"all": a.get("delivered", 0.0)}, "regime": {}, "clip_scale": ps._clip_scale,
                "loss": a.get("loss", float("nan")), "samples": a.get("samples", 0), "schedule": "hoplite",
                "mode": "async", "version": ps.version}

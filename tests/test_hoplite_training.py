@@ -263,6 +263,10 @@ def test_launch_hoplite_async_half_batch_trains_digits(tmp_path, transport):
     its = [r for r in map(json.loads, open(metrics)) if r.get("event") == "iteration"]
     assert len(its) == 288 and all(r["mode"] == "async" and r["contributors"] >= 2 for r in its)
     assert max(max(r["staleness"].values()) for r in its) <= 2
+    # asynchronous updates have no batch synchronisation: nothing made up (it read "sync 0.00 ms" before)
+    assert all(r["gather_s"] is None and r["broadcast_s"] is None for r in its)
+    assert s["sync_mean_s"] is None and "batch sync mean       - ms" in p.stdout, p.stdout[-2000:]
+    assert all(" sync       - ms " in ln for ln in p.stdout.splitlines() if "] epoch " in ln), p.stdout[-2000:]
     acc = [r["accuracy"] for r in map(json.loads, open(metrics)) if r.get("event") == "epoch"
            and r.get("accuracy") is not None]
     # asynchronous updates are noisy from epoch to epoch and the first epochs are slow (two CI runs under load
