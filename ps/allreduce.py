@@ -250,7 +250,7 @@ class PeerWorker:
         frac = st.get("delivered", 0) / (n * max(1, self.cfg.world_size))
         row = {"event": "iteration", "t": time.time(), "rank": self.cfg.rank, "iteration": it,
                "epoch": it // self.ipe, "workers": self.cfg.world_size, "contributors": st.get("contributors", 0),
-               "gather_s": reduce_s, "broadcast_s": 0.0, "round_s": wall, "compute_max_s": st.get("compute_s", 0.0),
+               "gather_s": reduce_s, "broadcast_s": None, "round_s": wall, "compute_max_s": st.get("compute_s", 0.0),
                "delivered": {str(self.cfg.rank): frac}, "missing_steps": len(res.missing),
                "loss": st.get("loss", float("nan")), "samples": st.get("samples", 0)}
         if write:

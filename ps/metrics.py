@@ -70,9 +70,11 @@ def _pct(values, q):
 
 def sync_s(row: dict) -> float | None:
     """An iteration row's batch synchronisation time (gather + broadcast, seconds); None where the mode has no
-    such round (MLfabric's dynamic updates arrive through aggregators, timed by nobody)."""
+    such round (``gather_s`` None: MLfabric's dynamic updates arrive through aggregators, timed by nobody, and
+    Hoplite's asynchronous updates apply as gradients come).  ``broadcast_s`` None: the round has no broadcast
+    timed apart (an all-reduce has none; a tree's program carries the parameters down inside ``gather_s``)."""
     g, b = row.get("gather_s"), row.get("broadcast_s")
-    return None if g is None or b is None else g + b
+    return None if g is None else g + (b or 0.0)
 
 
 def summarize(rows: Iterable[dict]) -> dict:
@@ -87,7 +89,8 @@ def summarize(rows: Iterable[dict]) -> dict:
         "sync_p50_s": _pct(sync, 0.5),
         "sync_p99_s": _pct(sync, 0.99),
         "gather_mean_s": statistics.fmean(r["gather_s"] for r in timed) if timed else float("nan"),
-        "broadcast_mean_s": statistics.fmean(r["broadcast_s"] for r in timed) if timed else float("nan"),
+        "broadcast_mean_s": statistics.fmean(b) if (b := [r["broadcast_s"] for r in timed
+                                                           if r.get("broadcast_s") is not None]) else float("nan"),
         "delivered_mean": statistics.fmean(fr) if fr else float("nan"),
         "delivered_min": min(fr) if fr else float("nan"),
         "final_accuracy": epochs[-1].get("accuracy") if epochs else None,

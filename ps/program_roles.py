@@ -196,7 +196,8 @@ async def server_round(ps) -> dict:
     ps.iteration += 1
     row = {"event": "iteration", "t": time.time(), "shard": ps.shard, "iteration": it, "epoch": it // ps.ipe,
            "workers": len(members), "contributors": contributors, "gather_s": wall, "gather_wait_s": wall,
-           "broadcast_s": 0.0, "round_s": wall, "delivered": {"all": frac}, "regime": {}, "bubbles": {},
+           "broadcast_s": None,  # not timed apart: the tree's program carries the parameters down inside gather_s
+           "round_s": wall, "delivered": {"all": frac}, "regime": {}, "bubbles": {},
            "lost_elements": {}, "missing_steps": len(res.missing), "loss": loss,
            "samples": p.samples if p is not None else 0, "schedule": ps.planner.name}
     ps._write_member_events(it)

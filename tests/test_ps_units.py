@@ -391,6 +391,22 @@ def test_rows_with_no_sync_round_are_not_averaged_in_as_zero(tmp_path):
     assert summarize(rows)["sync_mean_s"] == pytest.approx(0.006)  # only the timed row counts
 
 
+def test_rows_without_a_broadcast_timed_apart_count_their_round_and_no_made_up_broadcast():
+    """A tree's round (rat) and an all-reduce step (ring, rsgcm) time the whole exchange as ``gather_s`` with no
+    broadcast apart (``broadcast_s`` None): the batch sync is the round, and the summary's broadcast is '-', where
+    it printed 'broadcast 0.00 ms' that nothing measured."""
+    rows = [{"event": "iteration", "t": float(i), "gather_s": 0.01 * (i + 1), "broadcast_s": None,
+             "delivered": {"all": 1.0}} for i in range(3)]
+    s = summarize(rows)
+    assert s["sync_mean_s"] == pytest.approx(0.02) and s["gather_mean_s"] == pytest.approx(0.02)
+    assert s["broadcast_mean_s"] != s["broadcast_mean_s"]  # NaN
+    text = format_summary(s)
+    assert "batch sync mean       20.00 ms  (gather 20.00 ms, broadcast - ms)" in text, text
+    rows.append({"event": "iteration", "t": 3.0, "gather_s": 0.004, "broadcast_s": 0.002, "delivered": {"0": 1.0}})
+    s = summarize(rows)
+    assert s["sync_mean_s"] == pytest.approx(0.0165) and s["broadcast_mean_s"] == pytest.approx(0.002)
+
+
 def test_the_summary_title_says_mlfabric_applies_updates_asynchronously():
     from types import SimpleNamespace
 
