@@ -37,7 +37,11 @@ arrive.  Reduce hops stay store-and-forward: a node sends its running sum on
 once its incoming hop is combined.  Faults: workers send an
 ``{"alive": true}`` note every ``HEARTBEAT_S``; a worker whose control stream
 closes, whose grant delivery fails, or that stays silent for ``SILENT_S``
-(``--join-timeout`` if shorter) is reported ``NodeFailed`` and every other worker is told
+(``--join-timeout`` if shorter) is reported ``NodeFailed``; one silent for ``PROBE_AFTER_S`` is sent a probe
+on a stream of its own (``PROBE``, read and ignored), and a probe that finds no process there (``PeerGone``:
+a killed worker's port answers ICMP unreachable) writes it off at once, where nothing else would have been sent
+to it until the silence ran out (a paused worker answers nothing either way: the silence decides).  Every
+other worker is told
 ``{"failed": node}`` (a stage with that peer is aborted at once: the
 re-routed grants queue behind it); the controller re-routes the
 broadcast and the chain (``ltp_ps.schedules.hoplite``) and the round closes
@@ -71,7 +75,7 @@ import time
 import numpy as np
 
 from .errors import ConfigError, RemoteError, TrainingFailed, TransportTimeout
-from .schedules.driver import (DOWN, UP, ControlChannel, ControlDecodeError, ControllerDriver, event_from_json,
+from .schedules.driver import (DOWN, PROBE, UP, ControlChannel, ControlDecodeError, ControllerDriver, event_from_json,
                                event_to_json, next_control_message, stop_workers, transfer_events)
 from .schedules.executor import IN_ORDER_WINDOW, Slots
 from .schedules.hoplite import chunk_slot, parse_chunk_slot
@@ -86,8 +90,11 @@ BATCH_BYTES = 32 * 1024  # JSON bytes of grants batched into one control message
 EVENTS_PER_MESSAGE = 200  # a grant's receive reports per control message (~130 bytes each; CONTROL_BYTES is 64 KiB)
 POLL_S = 0.01  # seconds between the PS's looks at a round's progress
 HEARTBEAT_S = 0.5  # seconds between a worker's "alive" notes (a worker blocked on a dead peer is not silent)
-SILENT_S = 10.0  # seconds without a note (20 heartbeats) before the PS writes a worker off: a worker killed while no
-#                  transfer with it was in flight is found by nothing else (no send to it fails)
+SILENT_S = 10.0  # seconds without a note (20 heartbeats) before the PS writes a worker off: a worker paused or cut off
+#                  while no transfer with it was in flight is found by nothing else (no send to it fails)
+PROBE_AFTER_S = 4 * HEARTBEAT_S  # seconds without a note before the PS probes the worker: a send to a process that
+#                                  is gone fails at once (ICMP port unreachable, a refused connection: PeerGone),
+#                                  so a killed worker is written off then, not after SILENT_S
 QUIESCE_S = 2.0  # seconds the PS waits, after a round closed, for grants still being delivered
 RETURN_POLL_S = 0.5  # --mode async: seconds between the PS's looks at the store for workers joining again
 READY_STAGGER_ENV = "LTP_HOPLITE_READY_STAGGER_S"  # experiments only: rank r reports its gradient r x this many
@@ -229,19 +236,54 @@ class _ServerRole:
         """Turn ``node``'s up-stream messages into controller events until it fails or the run ends."""
         ch = self.channels[node]
         rank = parse_node(node)[1]
-        while True:
-            msg = await next_control_message(ch, min(SILENT_S, self.ps.cfg.join_timeout_s), self.counters,
-                                             lambda why: self._fail(node, rank, why))
-            if msg is None:
+        heard = [time.monotonic()]
+        prober = asyncio.ensure_future(self._probe_when_silent(node, rank, ch.epoch, heard))
+        try:
+            while True:
+                msg = await next_control_message(ch, min(SILENT_S, self.ps.cfg.join_timeout_s), self.counters,
+                                                 lambda why: self._fail(node, rank, why))
+                if msg is None:
+                    return
+                heard[0] = time.monotonic()
+                if "alive" in msg:
+                    continue
+                self._dispatch(node, rank, msg)
+        finally:
+            prober.cancel()
+
+    async def _probe_when_silent(self, node: str, rank: int, epoch: int, heard: list) -> None:
+        """While ``node`` is live here: once it has been silent for ``PROBE_AFTER_S``, send it a probe; a probe
+        that finds no process (``ConnectionError``: ``PeerGone``) writes it off.  Any other outcome (answered:
+        alive; no answer within ``SILENT_S``: paused or cut off) leaves the verdict to the silence rule."""
+        probes = ControlChannel(self.ps.executor, node, out_dir=PROBE, in_dir=PROBE, epoch=epoch,
+                                patience_s=SILENT_S)
+        probed = float("-inf")  # when the last probe went (one per PROBE_AFTER_S at most, answered or not)
+        while node not in self.failed:
+            now = time.monotonic()
+            quiet = now - heard[0]
+            wait = PROBE_AFTER_S - min(quiet, now - probed)
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            probed = now
+            self.counters["probes"] = self.counters.get("probes", 0) + 1
+            try:
+                await probes.send({"probe": round(quiet, 3)}, timeout_s=PROBE_AFTER_S)
+            except ConnectionError as exc:
+                self.counters["gone"] = self.counters.get("gone", 0) + 1
+                self._fail(node, rank, f"gone: a probe after {quiet:.1f} s of silence found no process there ({exc})")
                 return
-            if "alive" in msg:
-                continue
-            batch = msg.get("events") if "events" in msg else [msg]
-            if not isinstance(batch, list):
-                self.counters["undecodable"] += 1
-                continue
-            for d in batch:  # a grant's reports come as one message, in order (chunks before transfer ends)
-                self._event(node, rank, d)
+            except Exception:
+                pass  # not answered (paused, cut off): the silence rule decides
+
+    def _dispatch(self, node: str, rank: int, msg: dict) -> None:
+        """One up-stream message (not a heartbeat): its events, in order."""
+        batch = msg.get("events") if "events" in msg else [msg]
+        if not isinstance(batch, list):
+            self.counters["undecodable"] += 1
+            return
+        for d in batch:  # a grant's reports come as one message, in order (chunks before transfer ends)
+            self._event(node, rank, d)
 
     def _event(self, node: str, rank: int, d) -> None:
         try:
@@ -693,6 +735,7 @@ async def worker_run(w) -> dict:
     ps = server_node(s0.shard)
     ch = ControlChannel(w.executor, ps, out_dir=UP, in_dir=DOWN, patience_s=w.cfg.pull_timeout_s,
                         epoch=w.join_tickets.get(s0.shard, 0))
+    probes = ControlChannel(w.executor, ps, out_dir=PROBE, in_dir=PROBE, epoch=ch.epoch)
     w.executor.in_order_payloads = IN_ORDER_PAYLOADS
     ctrl = w.planner.controller()
     chunks = chunk_ranges(s0.lo, s0.hi, ctrl.chunk_bytes, ctrl.elem_bytes)
@@ -873,6 +916,17 @@ async def worker_run(w) -> dict:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             await ch.send({"alive": True})
+
+    async def read_probes() -> None:
+        """The PS's liveness probes (``PROBE`` stream): taken and dropped; answering them is the transport's."""
+        while True:
+            try:
+                if await probes.recv(w.cfg.pull_timeout_s) is not None:
+                    stats["probes"] = stats.get("probes", 0) + 1
+            except ControlDecodeError:
+                stats["undecodable"] += 1
+            except ConnectionError:
+                return  # the PS closed its streams: the control reader sees it too
 
     work: asyncio.Queue = asyncio.Queue()
     dead_peers: set = set()  # nodes the PS wrote off ("failed" notes)
@@ -1056,11 +1110,12 @@ async def worker_run(w) -> dict:
     reader = asyncio.ensure_future(read())
     fol = asyncio.ensure_future(follow())
     beat = asyncio.ensure_future(heartbeat())
+    probed = asyncio.ensure_future(read_probes())
     lane = asyncio.ensure_future(relay_lane())
     prog = asyncio.ensure_future(report_progress())
     disp = asyncio.ensure_future(dispatch())
     sender = asyncio.ensure_future(send_events())
-    for t in (fol, beat, lane, prog, disp, sender):
+    for t in (fol, beat, probed, lane, prog, disp, sender):
         t.add_done_callback(_raise_later)
     try:
         return await reader
@@ -1072,7 +1127,7 @@ async def worker_run(w) -> dict:
         raise
     finally:
         w.slots.on_report = None
-        for t in [fol, beat, lane, prog, disp, sender, *tasks, *hops_in,
+        for t in [fol, beat, probed, lane, prog, disp, sender, *tasks, *hops_in,
                   *([relay["task"]] if relay["task"] is not None else [])]:
             t.cancel()
-        await asyncio.gather(fol, beat, lane, prog, disp, sender, *tasks, return_exceptions=True)
+        await asyncio.gather(fol, beat, probed, lane, prog, disp, sender, *tasks, return_exceptions=True)

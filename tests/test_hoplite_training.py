@@ -93,6 +93,45 @@ async def test_hoplite_round_closes_without_a_dead_worker(piece_bytes):
     assert rows[-1]["contributors"] == 3 and "worker:1" not in rows[-1]["members"]
     assert all(o.get("stopped") for i, o in enumerate(outs) if i != 1)
     assert workload().evaluate(ps.params)["accuracy"] >= 0.5  # 3 epochs; chance is 0.1
+    # found by the probe after PROBE_AFTER_S of silence (its endpoint is gone), not by the silence rule
+    drops = [e.reason for e in ps.membership.events_log if e.kind == "dropped"]
+    assert len(drops) == 1 and drops[0].startswith("gone: a probe after"), drops
+
+
+async def test_a_silent_worker_that_answers_its_probe_is_not_written_off(monkeypatch):
+    """No heartbeats, and worker 1 computes one gradient for 3.5 s: silent past PROBE_AFTER_S (2 s), so the PS
+    probes it; its endpoint answers, so it stays (the silence rule, SILENT_S, is the only other verdict), and
+    every round has all four contributions."""
+    from ltp_ps import hoplite_roles
+
+    monkeypatch.setattr(hoplite_roles, "HEARTBEAT_S", 1000.0)
+    ps, workers = make_job(4, epochs=1, lr=0.1)
+    slow = workers[1]
+    compute, slept = slow.workload.compute, []
+
+    def slow_once(model, batch):
+        if len(slept) == 0 and slow.iterations == 2:
+            slept.append(1)
+            time.sleep(3.5)  # in compute's thread: the worker's loop runs, its endpoint answers
+        return compute(model, batch)
+    slow.workload = _Wrapped(slow.workload, compute=slow_once)
+    out = await asyncio.gather(ps.run(), *(w.run() for w in workers))
+    assert slept and all(o.get("stopped") for o in out[1:])
+    rows = [r for r in ps.metrics.rows if r["event"] == "iteration"]
+    assert len(rows) == ps.total and all(r["contributors"] == 4 for r in rows)
+    assert max(r["round_s"] for r in rows) >= 3.0  # the slow round did wait for it
+    assert not [e for e in ps.membership.events_log if e.kind == "dropped"]
+    assert out[2].get("probes", 0) >= 1, out[1:]  # worker 1 read the probe the PS sent it
+
+
+class _Wrapped:
+    """A workload with some attributes replaced."""
+
+    def __init__(self, inner, **over):
+        self._inner, self._over = inner, over
+
+    def __getattr__(self, name):
+        return self._over[name] if name in self._over else getattr(self._inner, name)
 
 
 async def test_a_receiver_stops_waiting_for_a_relay_the_directory_gave_up_on(monkeypatch):
@@ -385,15 +424,23 @@ def test_hoplite_cli_accepts_one_shard_bsp_or_async_and_names_the_fix_otherwise(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_launch_hoplite_kill_worker_drill_drops_the_worker(tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "ltp"])
+def test_launch_hoplite_kill_worker_drill_drops_the_worker(tmp_path, transport):
     """``--kill-worker-after 5``: worker 0 leaves once its 5th gradient went up (it was ignored: the Hoplite
-    worker never looked at --max-iterations); the PS drops it and the others finish the run."""
+    worker never looked at --max-iterations); the PS drops it and the others finish the run.  Over LTP nothing
+    is in flight to it when it exits: the PS's probe after PROBE_AFTER_S of silence finds its port closed (ICMP
+    unreachable) and drops it then; before the probe, the round waited out SILENT_S (10 s)."""
+    from ltp_ps.hoplite_roles import PROBE_AFTER_S, SILENT_S
+
     metrics = tmp_path / "m.jsonl"
     p = subprocess.run(ps_cmd("launch", "--schedule", "hoplite", "--workers", 3, "--epochs", 2, "--lab", "off",
-                              "--transport", "tcp", "--kill-worker-after", 5, "--metrics", metrics, "--model", "digits",
-                              "--seed", 0), env=child_env(), capture_output=True, text=True, timeout=110)
+                              "--transport", transport, "--kill-worker-after", 5, "--metrics", metrics, "--model",
+                              "digits", "--seed", 0), env=child_env(), capture_output=True, text=True, timeout=110)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "dropped worker 0" in p.stdout, p.stdout[-3000:]
     its = [r for r in map(json.loads, open(metrics)) if r.get("event") == "iteration"]
     assert [r["contributors"] for r in its[:5]] == [3] * 5 and its[-1]["contributors"] == 2
     assert all("worker:0" not in r["members"] for r in its[6:])
+    if transport == "ltp":
+        assert "dropped worker 0: gone: a probe after" in p.stdout, p.stdout[-3000:]
+        assert its[5]["round_s"] < (PROBE_AFTER_S + SILENT_S) / 2, its[5]

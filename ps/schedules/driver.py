@@ -66,6 +66,7 @@ RATE_EWMA = 0.5  # weight of a new rate sample in the monitor's running estimate
 PIPE_FILL_RTTS = 4.0
 DOWN = 0  # control stream direction: host -> node (grants, stop)
 UP = 1  # node -> host (ready notes, transfer reports)
+PROBE = 2  # host -> node liveness probes, read and ignored (a send to a dead process fails: ``hoplite_roles``)
 _LEN = struct.Struct("<I")
 
 
