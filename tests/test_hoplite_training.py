@@ -93,9 +93,10 @@ async def test_hoplite_round_closes_without_a_dead_worker(piece_bytes):
     assert rows[-1]["contributors"] == 3 and "worker:1" not in rows[-1]["members"]
     assert all(o.get("stopped") for i, o in enumerate(outs) if i != 1)
     assert workload().evaluate(ps.params)["accuracy"] >= 0.5  # 3 epochs; chance is 0.1
-    # found by the probe after PROBE_AFTER_S of silence (its endpoint is gone), not by the silence rule
+    # found by the probe after PROBE_AFTER_S of silence (its endpoint is gone), not by the silence rule; a kill
+    # that lands while one of its control messages is on its way closes that stream first, which is found at once
     drops = [e.reason for e in ps.membership.events_log if e.kind == "dropped"]
-    assert len(drops) == 1 and drops[0].startswith("gone: a probe after"), drops
+    assert len(drops) == 1 and drops[0].startswith(("gone: a probe after", "its control stream closed")), drops
 
 
 async def test_a_silent_worker_that_answers_its_probe_is_not_written_off(monkeypatch):
@@ -213,19 +214,13 @@ async def test_hoplite_reduce_in_rank_order_is_bitwise_direct(monkeypatch, piece
     assert np.abs(direct).max() > 0
 
 
-class _Recording:
+def _recording(wl, w, seen):
     """The job's workload, recording each worker's gradient by the parameters it was computed on."""
-
-    def __init__(self, wl, w, seen):
-        self.wl, self.w, self.seen = wl, w, seen
-
-    def __getattr__(self, name):
-        return getattr(self.wl, name)
-
-    def compute(self, model, batch):
-        g, loss, n = self.wl.compute(model, batch)
-        self.seen[(self.w.node, hash(self.w.flat.tobytes()))] = np.asarray(g, np.float32).copy()
+    def compute(model, batch):
+        g, loss, n = wl.compute(model, batch)
+        seen[(w.node, hash(w.flat.tobytes()))] = np.asarray(g, np.float32).copy()
         return g, loss, n
+    return _Wrapped(wl, compute=compute)
 
 
 @pytest.mark.parametrize("n_workers", [3, 4])
@@ -235,7 +230,7 @@ async def test_hoplite_async_half_batch_applies_the_exact_mean_and_trains(n_work
     ps, workers = make_job(n_workers, epochs=6, lr=0.4, momentum=0.0, mode="async")
     seen, versions, applied = {}, {0: hash(ps.params.tobytes())}, []
     for w in workers:
-        w.workload = _Recording(w.workload, w, seen)
+        w.workload = _recording(w.workload, w, seen)
     step = ps.optimizer.step
 
     def record(grad, mask=None):

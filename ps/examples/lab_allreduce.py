@@ -51,8 +51,9 @@ def parse_mode(mode: str) -> tuple[str, bool, float | None]:
     return backend, bool(dash), loss
 
 
-def run_mode(lab: Lab, mode: str, args) -> dict:
-    backend, hook, loss = parse_mode(mode)
+def run_mode(lab: Lab, mode: str, parsed: tuple, args) -> dict:
+    """One mode (``parsed``: what :func:`parse_mode` made of it) on every rank of the lab."""
+    backend, hook, loss = parsed
     loss = args.loss if loss is None else loss
     for h in lab.hosts:
         lab.impair(h, "ingress", loss=loss, rate_bps=args.rate)
@@ -109,10 +110,10 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=0.95, help="with --digits: test accuracy to time")
     ap.add_argument("--pyspy", default=None, help="directory for py-spy profiles of rank 0 (collapsed stacks)")
     args = ap.parse_args(argv)
-    modes = args.modes.split(",")
-    for mode in modes:
+    modes = []
+    for mode in args.modes.split(","):
         try:
-            parse_mode(mode)
+            modes.append((mode, parse_mode(mode)))
         except ValueError as exc:
             ap.error(str(exc))
     reason = check_support()
@@ -121,8 +122,8 @@ def main(argv=None) -> int:
         return 2
     failed = False
     with Lab(n_hosts=args.ranks) as lab:
-        for mode in modes:
-            res = run_mode(lab, mode, args)
+        for mode, parsed in modes:
+            res = run_mode(lab, mode, parsed, args)
             print("RESULT " + json.dumps(res), flush=True)
             failed = failed or "error" in res or not res.get("correct", True)
     return 1 if failed else 0
