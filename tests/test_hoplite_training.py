@@ -93,10 +93,11 @@ async def test_hoplite_round_closes_without_a_dead_worker(piece_bytes):
     assert rows[-1]["contributors"] == 3 and "worker:1" not in rows[-1]["members"]
     assert all(o.get("stopped") for i, o in enumerate(outs) if i != 1)
     assert workload().evaluate(ps.params)["accuracy"] >= 0.5  # 3 epochs; chance is 0.1
-    # found by the probe after PROBE_AFTER_S of silence (its endpoint is gone), not by the silence rule; a kill
-    # that lands while one of its control messages is on its way closes that stream first, which is found at once
+    # written off once, by something that found its endpoint gone -- the probe after PROBE_AFTER_S of silence, or
+    # whichever send or stream met the kill first (a round note, a control message on its way) -- never by the
+    # silence rule: before the probe, a kill between messages waited out the whole silence
     drops = [e.reason for e in ps.membership.events_log if e.kind == "dropped"]
-    assert len(drops) == 1 and drops[0].startswith(("gone: a probe after", "its control stream closed")), drops
+    assert len(drops) == 1 and not drops[0].startswith("silent"), drops
 
 
 async def test_a_silent_worker_that_answers_its_probe_is_not_written_off(monkeypatch):
