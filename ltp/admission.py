@@ -283,6 +283,7 @@ class PendingRegistration:
     est: tuple
     registered: float  # when the first copy of the REG arrived (the flow's Early Close start)
     expires: float
+    copies: int = 1  # REG copies of this registration read (more than one: its sender's path shows loss)
 
 
 def pending_lifetime(rtt_s: float | None) -> float:
@@ -387,6 +388,7 @@ class Admission:
         pend = self.pending.get(key)
         if existing is not None or pend is not None:
             if (existing or pend).token == token:
+                (existing or pend).copies += 1
                 received = existing.window.received if existing is not None else 0
                 self._answer(key, wire.pack_ack(fid, token, received, 0, (), self.grant(seg, addr)), addr, life_from,
                              count)

@@ -71,7 +71,9 @@ class Config:
     #: REG datagrams per registration attempt, sent back to back, each stamped afresh. A receiver drops
     #: DATA of a flow it holds no registration for, so a lost REG costs the whole first flight and at
     #: least a round trip; two copies make that p^2 instead of p at random loss p (and each copy is
-    #: answered, so a lost answer is p^2 too). 1 sends one; at most REG_COPIES_MAX.
+    #: answered, so a lost answer is p^2 too). 1 sends one; at most REG_COPIES_MAX. A *clean* path (one that
+    #: lost nothing in its last ltp.path.CLEAN_PATH_PACKETS packets) sends one whatever this says, and its
+    #: receivers leave out the guard STOP behind a completing ACK (docs/protocol.md, REG).
     reg_copies: int = 2
     #: a transfer fails when the peer has been silent this long (upper bound of the dead-peer rule)
     idle_timeout_s: float = 10.0

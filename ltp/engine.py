@@ -262,7 +262,7 @@ class Engine:
         flow = FlowSender(handle=handle, peer=peer, flow_id=fid, token=token, data=data,
                           element_size=element_size, segment_size=seg, reliable=reliable, critical=critical,
                           tag=tag, now=now, job_key=self.config.job_key, source=source,
-                          reg_copies=self.config.reg_copies)
+                          reg_copies=self.config.reg_copies if not path.clean else 1)
         regs = flow.reg_datagrams(now, path.est_word(), path.base_pto(), self._wall_us(now),  # before it is known
                                   liveness.reg_gap_max(self.config, path.srtt))
         if not path.flows:
@@ -567,6 +567,7 @@ class Engine:
             if confirms and flow.data_refused:
                 refused = flow.resend_refused(now)
                 if refused.shape[0]:
+                    path.note_loss()
                     flow.requeue_lost(refused)
             if flow.all_acked():
                 flow.finish(now, CloseReason.ACKED)
@@ -591,6 +592,8 @@ class Engine:
             if flow is not None and flow.token == token:
                 if reason == "unregistered" and flow.state == OPEN and \
                         flow.reregister(now, 2 * self._paths[addr].base_pto()):
+                    self._paths[addr].note_loss()  # its REG was lost (or overtaken): the next sends take copies
+                    flow.reg_copies = self.config.reg_copies
                     self.stats.reregistrations += 1
                     return True
                 if reason == "stale" and flow.state == OPEN:
@@ -679,6 +682,7 @@ class Engine:
                             reliable=pend.reliable, critical_runs=pend.ranges, dest=dest, internal=internal,
                             now=max(pend.registered, self._paused_until), est=pend.est, padding=max(0, padding))
         flow.placed = placed is not None
+        flow.copies = pend.copies
         self._rx[pend.key] = flow
         if self._rx_idle_next is None:  # the first receive arms the idle scan (handle_timer re-arms it from then on)
             self._rx_idle_next = liveness.next_idle_scan(cfg, now)
@@ -785,7 +789,10 @@ class Engine:
         if cause:
             report = flow.report = dataclasses.replace(report, cause=cause)
         code = wire.STOP_CODES[stop_reason(regime)]
-        if send_stop:
+        # A complete flow's last ACK says all: the STOP behind it only guards against that ACK's loss (else the
+        # sender's probe timeout asks, and the closed-flow record answers), so it goes where the sender's path
+        # showed loss (it sent REG copies), as the REG copies themselves do
+        if send_stop and (regime is not Regime.COMPLETE or flow.copies > 1):
             self._ctrl.append((stop_datagram(flow.flow_id, flow.token, code, flow.window.received), flow.peer))
         self._rx.pop(flow.key, None)
         self._wakes.pop(flow.key, None)
@@ -1182,11 +1189,15 @@ class Engine:
                     self._end_send(flow, now)
                     continue
                 if not flow.reg_confirmed and now >= flow.reg_next:
+                    if flow.reg_rounds:  # a registration unanswered for its timeout: a REG or its answer was lost
+                        path.note_loss()
+                        flow.reg_copies = self.config.reg_copies
                     self._ctrl.extend((reg, flow.peer) for reg in flow.reg_datagrams(
                         now, path.est_word(), path.base_pto(), self._wall_us(now),
                         liveness.reg_gap_max(self.config, path.srtt)))
                 lost = path.reordered(flow, now)  # RACK: overtaken, and a round trip + reordering window old
                 if lost.shape[0]:
+                    path.note_loss()
                     flow.requeue_lost(lost)
                 if flow.window.inflight_count and max(flow.window.oldest_inflight_time(), flow.last_heard) + pto <= now:
                     # a nanosecond of slack so the transmission the timer was armed for is included

@@ -71,6 +71,15 @@ PTO_BACKOFF_MAX = 3
 #: took 950 ms
 PTO_BACKOFF_MIN_PACKETS = 4
 
+#: packets a path must deliver in a row, with nothing declared lost and no registration repeated, before it counts
+#: as *clean*: its sends then register with one REG (not ``Config.reg_copies``), and so their receivers send no
+#: guard STOP behind the ACK that completes a message (``Engine._close_rx``). Both copies insure against a lost
+#: control datagram (a lost REG costs a round trip and the first flight, a lost completing ACK a probe timeout), at
+#: about a fifth of a small message's CPU on this project's 2-core machine (docs/performance.md, session 63).
+#: *Choice*: 1,000, so that a path losing 1 % of its packets (P(1,000 in a row) = 4e-5) keeps the insurance, one
+#: at 0.1 % keeps it about two thirds of the time, and a loss-free path drops it after about 1.5 MB.
+CLEAN_PATH_PACKETS = 1000
+
 
 @dataclass
 class Transmit:
@@ -172,6 +181,8 @@ class Path:
         #: tail-loss timeouts in a row that no acknowledgement answered and that re-sent at least
         #: PTO_BACKOFF_MIN_PACKETS packets (the PTO backs off)
         self.pto_count = 0
+        #: packets acknowledged since this path last showed loss (CLEAN_PATH_PACKETS; a new path is not clean)
+        self.clean_packets = 0
         self.next_flow_id = rng.randrange(1 << 16)
         self._rng = rng
         self._out = bytearray(0)
@@ -199,10 +210,22 @@ class Path:
             return max(self.config.min_pto_s, 2 * self.config.initial_rtt_s) * 2
         return max(self.config.min_pto_s, self.srtt + 4 * self.rttvar)
 
+    @property
+    def clean(self) -> bool:
+        """The last :data:`CLEAN_PATH_PACKETS` packets this path acknowledged came with no loss declared and no
+        registration repeated (False until then: a new path has shown nothing)."""
+        return self.clean_packets >= CLEAN_PATH_PACKETS
+
+    def note_loss(self) -> None:
+        """Something sent on this path was lost (a packet declared lost, a REG sent again): it is not clean."""
+        self.clean_packets = 0
+
     def on_tail_loss(self, declared: int) -> None:
         """This turn's tail-loss timeouts declared ``declared`` packets lost over all the path's flows: the next
         probe timeout is twice as long (``pto_count``, until an ACK answers), unless they were fewer than
         :data:`PTO_BACKOFF_MIN_PACKETS`, which floods no one."""
+        if declared:
+            self.clean_packets = 0
         if declared >= PTO_BACKOFF_MIN_PACKETS:
             self.pto_count += 1
 
@@ -428,6 +451,10 @@ class Path:
                 self.reordering.on_spurious(spurious, now, self.srtt)
             elif lost.shape[0]:
                 self.reordering.on_loss_episode()
+        if lost.shape[0]:
+            self.clean_packets = 0
+        elif newly:
+            self.clean_packets += newly
         if newly:
             self.pto_count = 0
             self.bbr.on_ack(now, delivered=self.delivered, prior_delivered=prior_delivered,

@@ -95,6 +95,10 @@ class FlowReceiver:
         self.dest = dest
         self.internal = internal
         self.placed = False  # an unexpected message written into the buffer a caller hinted (ltp.placement)
+        #: REG copies of this flow read (its pending registration's, and any after): more than one says its sender
+        #: takes copies, i.e. its path showed loss (``ltp.path.CLEAN_PATH_PACKETS``), and the flow's completing ACK
+        #: gets a guard STOP behind it (``Engine._close_rx``)
+        self.copies = 1
         self.claimed = 0  # an internal buffer's bytes already copied into the slot that claimed it
         self.slot: RecvSlot | None = None
         self.start = now
