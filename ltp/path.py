@@ -22,7 +22,12 @@ delivered time, first-sent time, app-limited mark) that turns each ACK into
 a BBR sample. With ``Config.spread_sends`` a large gather batch is built in
 *lanes* (:func:`spread_parts`): contiguous parts the adapter may hand to
 different sender threads, whose packets then interleave on the wire; loss
-detection counts each lane apart (``SendWindow.build(lanes=)``).
+detection counts each lane apart (``SendWindow.build(lanes=)``). Last, the
+path says whether it is *clean* (:attr:`Path.clean`): :data:`CLEAN_PATH_PACKETS`
+packets acknowledged since anything on it was declared lost or a registration
+had to be repeated. The engine spends the redundant control datagrams (REG
+copies, and through them the receiver's STOP behind a completing ACK) only on
+paths that are not.
 """
 
 from __future__ import annotations
