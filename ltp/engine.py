@@ -262,7 +262,7 @@ class Engine:
         flow = FlowSender(handle=handle, peer=peer, flow_id=fid, token=token, data=data,
                           element_size=element_size, segment_size=seg, reliable=reliable, critical=critical,
                           tag=tag, now=now, job_key=self.config.job_key, source=source,
-                          reg_copies=self.config.reg_copies if not path.clean else 1)
+                          reg_copies=1 if path.clean else self.config.reg_copies)
         regs = flow.reg_datagrams(now, path.est_word(), path.base_pto(), self._wall_us(now),  # before it is known
                                   liveness.reg_gap_max(self.config, path.srtt))
         if not path.flows:

@@ -230,7 +230,7 @@ class Path:
         probe timeout is twice as long (``pto_count``, until an ACK answers), unless they were fewer than
         :data:`PTO_BACKOFF_MIN_PACKETS`, which floods no one."""
         if declared:
-            self.clean_packets = 0
+            self.note_loss()
         if declared >= PTO_BACKOFF_MIN_PACKETS:
             self.pto_count += 1
 
@@ -457,7 +457,7 @@ class Path:
             elif lost.shape[0]:
                 self.reordering.on_loss_episode()
         if lost.shape[0]:
-            self.clean_packets = 0
+            self.note_loss()
         elif newly:
             self.clean_packets += newly
         if newly:
