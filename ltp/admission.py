@@ -700,6 +700,19 @@ class Admission:
         while len(self.closed) > self.config.max_closed_flows:
             self.closed.popitem(last=False)
 
+    def recent_closed(self, now: float, within_s: float, limit: int) -> list:
+        """``(key, token, code, count)`` of the remembered flows closed in the last ``within_s`` seconds, the
+        newest ``limit`` of them, newest first: what their STOP says."""
+        since = now - within_s + self.config.closed_flow_ttl_s  # a record's expiry is its close time + the TTL
+        out = []
+        for key in reversed(self.closed):
+            token, code, count, expiry, _ = self.closed[key]
+            if expiry >= since:
+                out.append((key, token, code, count))
+                if len(out) >= limit:
+                    break
+        return out
+
     def expire_tag(self, peer, tag: int, now: float) -> None:
         """A posted receive for ``(peer, tag)`` expired unfilled: its REG gets STOP ``deadline``."""
         self.expired_tags[(peer, tag)] = now + self.config.closed_flow_ttl_s

@@ -113,6 +113,13 @@ QUICKACK_SEGMENTS = 256
 #: closes a reliable flow before it is complete, so a check between two of these only refreshed its
 #: reported LT threshold and deadline; completion is still seen on the batch that completes it.
 RELIABLE_CHECK_INTERVAL_S = 0.001
+#: :meth:`Engine.close`: the flows received whole in the last CLOSING_STOP_WINDOW_S seconds (the newest
+#: CLOSING_STOPS_MAX of them) get their STOP once more as the endpoint closes. Their completing ACK may have been
+#: lost; on a clean path no guard STOP followed it, and the sender's probe would meet a closed port (an ICMP
+#: unreachable fails a send whose message arrived whole). A second more than covers a probe timeout and its
+#: back-off on the paths LTP is built for; a STOP for a send that already finished is counted as a late answer.
+CLOSING_STOP_WINDOW_S = 1.0
+CLOSING_STOPS_MAX = 256
 _add_reduce = np.add.reduce  # a batch's byte count: the ufunc directly, without np.sum's dispatch
 
 
@@ -384,7 +391,8 @@ class Engine:
             self._finish_group(group, now, TransferAborted("receive cancelled"))
 
     def close(self, *, now: float) -> None:
-        """Abort everything: RESET every open flow and fail every pending call."""
+        """Abort everything: RESET every open flow and fail every pending call; the flows closed in the last
+        :data:`CLOSING_STOP_WINDOW_S` get their STOP again (their senders may still wait for the last ACK)."""
         if self._closed_engine:
             return
         for flow in list(self._tx.values()):
@@ -396,6 +404,9 @@ class Engine:
         for flow in list(self._rx.values()):
             self._ctrl.append((wire.pack_header(wire.T_RESET, 0, flow.flow_id, flow.token,
                                                 wire.RESET_CODES["shutdown"], 0), flow.peer))
+        for (peer, fid), token, code, count in self._admission.recent_closed(now, CLOSING_STOP_WINDOW_S,
+                                                                            CLOSING_STOPS_MAX):
+            self._ctrl.append((stop_datagram(fid, token, code, count), peer))
         for group in list(self._matcher.groups.values()):
             if not group.done:
                 self._finish_group(group, now, TransferAborted("endpoint closed"))

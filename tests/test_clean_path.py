@@ -187,3 +187,49 @@ def test_clean_counts_acknowledged_packets_and_any_loss_resets_it(harness):
     p.clean_packets = CLEAN_PATH_PACKETS
     p.note_loss()
     assert not p.clean
+
+
+def test_an_endpoint_closed_right_after_a_receive_answers_its_lost_completing_ack(harness):
+    """On a clean path no guard STOP follows the completing ACK. If that ACK is lost and the receiver closes at
+    once, the sender's probe would find no one: the closing engine sends the STOP of every flow it closed in the
+    last ``CLOSING_STOP_WINDOW_S`` instead. Without it this send fails after the dead-peer limit."""
+    h, up, down = _pair(harness)
+    _until_clean(h)
+    target = {}
+
+    def drop(d):  # the ACKs with entries of the next flow: the completing one among them
+        return _kind(d) == wire.T_ACK and _fid(d) == target.get("fid") and _entries(d) > 0
+
+    down.drop = drop
+    eng = h.engines[0]
+    data = np.arange(MSG_FLOATS, dtype=np.float32)
+    buf = np.zeros_like(data)
+    hs = eng.send(h.addrs[1], data, now=h.now, reliable=True, tag=7)
+    fid = target["fid"] = eng._tx_by_handle[hs].flow_id
+    hr = h.engines[1].post_receive([(h.addrs[0], 7, buf)], now=h.now)
+    (got,) = h.wait([(1, hr)], timeout=30)
+    assert got.error is None and np.array_equal(buf, data)
+    assert down.dropped and down.of(fid, wire.T_STOP) == []  # the ACK was lost and no guard STOP went
+    t0 = h.now
+    h.engines[1].close(now=h.now)
+    h.net.pump(h.addrs[1])
+    (sent,) = h.wait([(0, hs)], timeout=30)
+    assert sent.error is None, sent
+    assert sent.report.delivered_fraction == 1.0
+    assert len(down.of(fid, wire.T_STOP)) == 1
+    assert h.now - t0 < 0.01, h.now - t0  # the STOP's one-way trip, not a probe timeout
+
+
+def test_the_closing_stops_are_the_recent_records_newest_first_and_bounded():
+    from collections import deque
+
+    from ltp.admission import Admission
+    from ltp.reports import EndpointStats
+
+    adm = Admission(Config(closed_flow_ttl_s=10.0), EndpointStats(), deque())
+    for k in range(6):
+        adm.remember_closed((("10.0.0.2", 7447), k), 100 + k, 1, k, now=float(k))
+    assert [key[1] for key, *_ in adm.recent_closed(5.0, 2.5, 10)] == [5, 4, 3]
+    assert adm.recent_closed(5.0, 2.5, 2) == [((("10.0.0.2", 7447), 5), 105, 1, 5),
+                                              ((("10.0.0.2", 7447), 4), 104, 1, 4)]
+    assert adm.recent_closed(20.0, 1.0, 10) == []

@@ -50,10 +50,12 @@ class MutedIO:
         return self._io.send_segments(addr, headers, payload, seqs, seg_size, total, **kw)
 
 
-async def _received_with_every_answer_lost(linger: float):
+async def _received_with_every_answer_lost(linger: float, *, answers_after: bool = True):
     """``a`` sends 8 kB reliably (inside the initial window, so it needs no ACK to get it all out) to ``b``, whose
-    every answer is lost until its receive is complete; ``b`` then closes with ``linger``.  Returns the outcome
-    of ``a``'s send (its report or its exception) and what ``b`` dropped."""
+    every answer is lost until its receive is complete; ``b`` then closes with ``linger``, its answers getting
+    through from then on if ``answers_after`` (else the close's own STOPs are lost too).  Returns the outcome of
+    ``a``'s send (its report or its exception), what ``b`` dropped, and whether the send had ended while ``b``
+    still lingered."""
     a = await ltp.open_endpoint(("127.0.0.1", 0))
     b = await ltp.open_endpoint(("127.0.0.1", 0))
     b._io = muted = MutedIO(b._io)
@@ -64,22 +66,33 @@ async def _received_with_every_answer_lost(linger: float):
         report = await b.recv(out, peer=a.local_addr, tag=1)
         assert report.regime == "complete" and np.array_equal(out, data)
         assert not send.done()  # it heard nothing: not an ACK, not the STOP
-        muted.muted = False
-        await b.close(linger=linger)
+        muted.muted = not answers_after
+        closing = asyncio.ensure_future(b.close(linger=linger))
+        await asyncio.wait([send], timeout=linger / 2 if linger else None)
+        during_linger = send.done() and not closing.done()
+        await closing
         outcome = await asyncio.gather(send, return_exceptions=True)
-    return outcome[0], muted.dropped
+    return outcome[0], muted.dropped, during_linger
 
 
 async def test_a_lingering_receiver_answers_the_probe_of_a_sender_whose_last_acks_were_lost():
-    outcome, dropped = await _received_with_every_answer_lost(linger=1.0)
+    outcome, dropped, during_linger = await _received_with_every_answer_lost(linger=1.0)
     assert dropped > 0
     assert not isinstance(outcome, BaseException), outcome
     assert outcome.delivered_fraction == 1.0 and outcome.reliable
+    assert during_linger  # the probe's answer ended it, not the STOPs the close sends when the linger is over
 
 
-async def test_without_linger_the_same_sender_fails_although_its_message_arrived():
-    """The case linger is for: the test above would pass without it if this one did not fail."""
-    outcome, _ = await _received_with_every_answer_lost(linger=0.0)
+async def test_without_linger_the_closing_stops_answer_the_same_sender():
+    """A close sends the STOP of every flow received in the last second once more (``CLOSING_STOP_WINDOW_S``)."""
+    outcome, _, _ = await _received_with_every_answer_lost(linger=0.0)
+    assert not isinstance(outcome, BaseException), outcome
+    assert outcome.delivered_fraction == 1.0
+
+
+async def test_without_linger_a_sender_whose_closing_stop_is_lost_too_fails_although_its_message_arrived():
+    """The case linger is for: the probe finds a closed port."""
+    outcome, _, _ = await _received_with_every_answer_lost(linger=0.0, answers_after=False)
     assert isinstance(outcome, (PeerUnreachable, TransferTimeout)), outcome
 
 
