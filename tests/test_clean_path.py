@@ -117,8 +117,9 @@ def test_a_path_that_loses_data_keeps_both_copies_and_the_guard(harness, seed):
     assert h.net.link(h.addrs[0], h.addrs[1]).stats["lost"] > 0
 
 
-def test_a_lost_completing_ack_on_a_clean_path_ends_the_send_and_unclean_it(harness):
-    h, up, down = _pair(harness)
+def _send_losing_its_completing_ack(h, down, tag: int):
+    """On a clean path, send a message from host 0 to host 1 whose ACKs with entries (the completing one among
+    them) are dropped, and post its receive; returns (send handle, receive handle, flow id, data, buffer)."""
     _until_clean(h)
     target = {}
 
@@ -129,14 +130,20 @@ def test_a_lost_completing_ack_on_a_clean_path_ends_the_send_and_unclean_it(harn
     eng = h.engines[0]
     data = np.arange(MSG_FLOATS, dtype=np.float32)
     buf = np.zeros_like(data)
-    t0 = h.now
-    hs = eng.send(h.addrs[1], data, now=h.now, reliable=True, tag=7)
+    hs = eng.send(h.addrs[1], data, now=h.now, reliable=True, tag=tag)
     target["fid"] = eng._tx_by_handle[hs].flow_id
-    hr = h.engines[1].post_receive([(h.addrs[0], 7, buf)], now=h.now)
+    hr = h.engines[1].post_receive([(h.addrs[0], tag, buf)], now=h.now)
+    return hs, hr, target["fid"], data, buf
+
+
+def test_a_lost_completing_ack_on_a_clean_path_ends_the_send_and_unclean_it(harness):
+    h, up, down = _pair(harness)
+    hs, hr, fid, data, buf = _send_losing_its_completing_ack(h, down, 7)
+    t0 = h.now
     got, sent = h.wait([(1, hr), (0, hs)], timeout=30)
     assert got.error is None and np.array_equal(buf, data)
     assert sent.error is None, sent
-    assert down.dropped and down.of(target["fid"], wire.T_STOP), "the closed flow's STOP answered the probe"
+    assert down.dropped and down.of(fid, wire.T_STOP), "the closed flow's STOP answered the probe"
     assert h.now - t0 < 0.05, h.now - t0  # a probe timeout of a 2 ms round trip, not the dead-peer limit
     assert not _path(h).clean  # the probe declared the window lost
     down.drop = None
@@ -194,19 +201,7 @@ def test_an_endpoint_closed_right_after_a_receive_answers_its_lost_completing_ac
     once, the sender's probe would find no one: the closing engine sends the STOP of every flow it closed in the
     last ``CLOSING_STOP_WINDOW_S`` instead. Without it this send fails after the dead-peer limit."""
     h, up, down = _pair(harness)
-    _until_clean(h)
-    target = {}
-
-    def drop(d):  # the ACKs with entries of the next flow: the completing one among them
-        return _kind(d) == wire.T_ACK and _fid(d) == target.get("fid") and _entries(d) > 0
-
-    down.drop = drop
-    eng = h.engines[0]
-    data = np.arange(MSG_FLOATS, dtype=np.float32)
-    buf = np.zeros_like(data)
-    hs = eng.send(h.addrs[1], data, now=h.now, reliable=True, tag=7)
-    fid = target["fid"] = eng._tx_by_handle[hs].flow_id
-    hr = h.engines[1].post_receive([(h.addrs[0], 7, buf)], now=h.now)
+    hs, hr, fid, data, buf = _send_losing_its_completing_ack(h, down, 7)
     (got,) = h.wait([(1, hr)], timeout=30)
     assert got.error is None and np.array_equal(buf, data)
     assert down.dropped and down.of(fid, wire.T_STOP) == []  # the ACK was lost and no guard STOP went
