@@ -364,8 +364,8 @@ class Endpoint:
         does. A receive that completed just before the close may have lost its last ACKs and its STOP on the
         way back; the sender then probes again, and a closed port answers that probe with an ICMP unreachable,
         which fails the sender's send with :class:`~ltp.errors.PeerUnreachable` although its message arrived
-        whole. Every close therefore first sends the STOP of each flow received in the last second once more
-        (:data:`ltp.engine.CLOSING_STOP_WINDOW_S`); a lingering endpoint also answers the probe with the STOP,
+        whole. Every close therefore sends the STOP of each flow received in the last second once more just before
+        the socket closes (:data:`ltp.engine.CLOSING_STOP_WINDOW_S`); a lingering endpoint also answers the probe,
         so the send fails only if neither arrives. Transfers still open may finish
         while it lingers, and new calls are refused; what is left when the time is up is aborted as without
         ``linger``. A lingering close that is cancelled still closes; a second close during the linger, with
