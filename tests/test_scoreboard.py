@@ -383,7 +383,7 @@ def test_broadcast_bench_delivers_to_every_peer(transport, threads, connected):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(_problem is not None, reason=f"network lab unavailable: {_problem}")
-@pytest.mark.parametrize("transport", ["ltp", "cubic"])
+@pytest.mark.parametrize("transport", ["ltp", "ltp-connected", "cubic"])
 def test_gather_bench_receives_every_senders_message_every_round(transport):
     from ltp_tools import gather_bench as GB
 
@@ -392,7 +392,7 @@ def test_gather_bench_receives_every_senders_message_every_round(transport):
     for row in r["rounds"]:  # run() raises on a message that arrived incomplete or wrong
         assert row["gather_s"] > 0 and row["receiver_cpu_s"] >= 0 and row["sender_cpu_s"] > 0
         assert row["machine_cpu_s"] is None or row["machine_cpu_s"] > 0
-        if transport == "ltp":
+        if transport.startswith("ltp"):
             assert row["delivered"] == [1.0, 1.0, 1.0]
     steady = sorted(row["gather_s"] for row in r["rounds"][1:])
     assert r["median"]["gather_s"] == pytest.approx((steady[0] + steady[1]) / 2)  # the cold first round left out

@@ -8,6 +8,11 @@ Theory of operation
     * LTP: the receiver posts one :meth:`ltp.Endpoint.gather` of the N messages (one buffer per
       sender), then prints ``ready``; each sender then sends its message reliably. The round's clock
       runs in the receiver, from the post to the gather's return.
+    * ``ltp-connected``: the same, except that the receiver opens one *connected* endpoint per sender
+      (``ltp.open_endpoint(peer=...)``, each on its own port, ``PORT + 10 + i`` for sender ``i``) and posts
+      one ``recv`` on each, so the kernel delivers each sender's datagrams by early demux to a socket of
+      their own (no route lookup and no wildcard socket lookup per datagram). Session 64 measured it
+      against ``ltp`` (``docs/performance.md``): what a parameter server with an endpoint per worker would gain.
     * TCP: the receiver has accepted one connection per sender; per round it starts one thread per
       connection, each reading that sender's whole message into its buffer with ``recv_into``
       (``recv_into`` releases the GIL, so the copies run on every core, as N TCP streams into one
@@ -26,7 +31,7 @@ Theory of operation
     ``sender_cpu_s`` (summed over the senders), their medians over the rounds after the first (the
     first, a cold start, is reported but not in the medians), and ``goodput_gbps`` from the median.
 
-    python -m ltp_tools.gather_bench --transport ltp|cubic|bbr --size 100M --peers 4 --rounds 5
+    python -m ltp_tools.gather_bench --transport ltp|ltp-connected|cubic|bbr --size 100M --peers 4 --rounds 5
 """
 from __future__ import annotations
 
@@ -73,12 +78,40 @@ async def main():
 ltp.run(main())
 '''
 
+_LTP_RECV_CONNECTED = _COMMON + r'''
+import asyncio, numpy as np, ltp
+from ltp_tools.payload import verify
+async def main():
+    size, rounds, timeout, port = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    peers = [(h, port + 1) for h in sys.argv[5:]]
+    eps = [await ltp.open_endpoint(("0.0.0.0", port + 10 + i), peer=p) for i, p in enumerate(peers)]
+    bufs = [np.zeros(size, np.uint8) for _ in peers]
+    for b in bufs:
+        b.fill(1)  # fault the pages in before any clock
+    for r in range(rounds):
+        for b in bufs:
+            b.fill(0)
+        tasks = [asyncio.ensure_future(ep.recv(b, peer=p, tag=r + 1, timeout=timeout))
+                 for ep, b, p in zip(eps, bufs, peers)]
+        await asyncio.sleep(0)  # posted
+        t0, c0 = time.monotonic(), cpu()
+        print("ready", flush=True)
+        reports = await asyncio.gather(*tasks)
+        t1, c1 = time.monotonic(), cpu()
+        ok = all(verify(b) for b in bufs)
+        print(json.dumps({"gather_s": t1 - t0, "receiver_cpu_s": c1 - c0, "verified": ok,
+                          "delivered": [rep.delivered_fraction for rep in reports]}), flush=True)
+    for ep in eps:
+        await ep.close(linger=0.3)
+ltp.run(main())
+'''
+
 _LTP_SEND = _COMMON + r'''
 import asyncio, ltp
 from ltp_tools.payload import pattern
 async def main():
     size, rounds, timeout, port, dst = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    ep = await ltp.open_endpoint(("0.0.0.0", port + 1))
+    ep = await ltp.open_endpoint(("0.0.0.0", int(sys.argv[6])))  # the receiver's port, then our own
     data = pattern(size)
     loop = asyncio.get_running_loop()
     print("ready", flush=True)
@@ -174,11 +207,14 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, roun
     rows = []
     with Lab(n_hosts=peers + 1) as lab:
         rx_host, tx_hosts = lab.hosts[0], lab.hosts[1:]
-        if transport == "ltp":
-            rx = lab.popen(rx_host, [py, "-c", _LTP_RECV, str(size), str(rounds), str(timeout), str(PORT),
-                                     *[h.addr for h in tx_hosts]], **kw)
-            txs = [lab.popen(h, [py, "-c", _LTP_SEND, str(size), str(rounds), str(timeout), str(PORT), rx_host.addr],
-                             **kw) for h in tx_hosts]
+        if transport in ("ltp", "ltp-connected"):
+            connected = transport == "ltp-connected"
+            rx = lab.popen(rx_host, [py, "-c", _LTP_RECV_CONNECTED if connected else _LTP_RECV, str(size),
+                                     str(rounds), str(timeout), str(PORT), *[h.addr for h in tx_hosts]], **kw)
+            # every sender binds PORT + 1; it sends to PORT, or to its own endpoint's PORT + 10 + i where connected
+            txs = [lab.popen(h, [py, "-c", _LTP_SEND, str(size), str(rounds), str(timeout),
+                                 str(PORT + 10 + i if connected else PORT), rx_host.addr,
+                                 str(PORT + 1)], **kw) for i, h in enumerate(tx_hosts)]
         else:
             rx = lab.popen(rx_host, [py, "-c", _TCP_RECV, str(size), str(rounds), str(TCP_PORT), str(peers)], **kw)
             if _line(rx, "TCP receiver") != "listening":
@@ -218,7 +254,8 @@ def main(argv=None) -> int:
     from ltp_tools.bench import parse_size
 
     ap = argparse.ArgumentParser(prog="python -m ltp_tools.gather_bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--transport", default="ltp", help="ltp, or a TCP congestion control: cubic, bbr, reno")
+    ap.add_argument("--transport", default="ltp",
+                    help="ltp, ltp-connected (an endpoint per sender), or a TCP congestion control: cubic, bbr, reno")
     ap.add_argument("--size", type=parse_size, default=parse_size("100M"), help="bytes per sender per round")
     ap.add_argument("--peers", type=number(int, 1, 60, what="senders"), default=4)
     ap.add_argument("--rounds", type=number(int, 1, 1000, what="rounds"), default=5)
