@@ -56,47 +56,27 @@ _LTP_RECV = _COMMON + r'''
 import asyncio, numpy as np, ltp
 from ltp_tools.payload import verify
 async def main():
-    size, rounds, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    peers = [(h, int(sys.argv[4]) + 1) for h in sys.argv[5:]]
-    ep = await ltp.open_endpoint(("0.0.0.0", int(sys.argv[4])))
+    size, rounds, timeout, port = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    connected = sys.argv[5] == "connected"
+    peers = [(h, port + 1) for h in sys.argv[6:]]
+    if connected:  # an endpoint per sender, sender i's on port + 10 + i
+        eps = [await ltp.open_endpoint(("0.0.0.0", port + 10 + i), peer=p) for i, p in enumerate(peers)]
+    else:
+        eps = [await ltp.open_endpoint(("0.0.0.0", port))]
     bufs = [np.zeros(size, np.uint8) for _ in peers]
     for b in bufs:
         b.fill(1)  # fault the pages in before any clock
     for r in range(rounds):
         for b in bufs:
             b.fill(0)
-        task = asyncio.ensure_future(ep.gather(peers, bufs, tag=r + 1, timeout=timeout))
+        if connected:
+            task = asyncio.gather(*[ep.recv(b, peer=p, tag=r + 1, timeout=timeout) for ep, b, p in zip(eps, bufs, peers)])
+        else:
+            task = asyncio.ensure_future(eps[0].gather(peers, bufs, tag=r + 1, timeout=timeout))
         await asyncio.sleep(0)  # posted
         t0, c0 = time.monotonic(), cpu()
         print("ready", flush=True)
         reports = await task
-        t1, c1 = time.monotonic(), cpu()
-        ok = all(verify(b) for b in bufs)
-        print(json.dumps({"gather_s": t1 - t0, "receiver_cpu_s": c1 - c0, "verified": ok,
-                          "delivered": [rep.delivered_fraction for rep in reports]}), flush=True)
-    await ep.close(linger=0.3)
-ltp.run(main())
-'''
-
-_LTP_RECV_CONNECTED = _COMMON + r'''
-import asyncio, numpy as np, ltp
-from ltp_tools.payload import verify
-async def main():
-    size, rounds, timeout, port = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-    peers = [(h, port + 1) for h in sys.argv[5:]]
-    eps = [await ltp.open_endpoint(("0.0.0.0", port + 10 + i), peer=p) for i, p in enumerate(peers)]
-    bufs = [np.zeros(size, np.uint8) for _ in peers]
-    for b in bufs:
-        b.fill(1)  # fault the pages in before any clock
-    for r in range(rounds):
-        for b in bufs:
-            b.fill(0)
-        tasks = [asyncio.ensure_future(ep.recv(b, peer=p, tag=r + 1, timeout=timeout))
-                 for ep, b, p in zip(eps, bufs, peers)]
-        await asyncio.sleep(0)  # posted
-        t0, c0 = time.monotonic(), cpu()
-        print("ready", flush=True)
-        reports = await asyncio.gather(*tasks)
         t1, c1 = time.monotonic(), cpu()
         ok = all(verify(b) for b in bufs)
         print(json.dumps({"gather_s": t1 - t0, "receiver_cpu_s": c1 - c0, "verified": ok,
@@ -209,8 +189,8 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, roun
         rx_host, tx_hosts = lab.hosts[0], lab.hosts[1:]
         if transport in ("ltp", "ltp-connected"):
             connected = transport == "ltp-connected"
-            rx = lab.popen(rx_host, [py, "-c", _LTP_RECV_CONNECTED if connected else _LTP_RECV, str(size),
-                                     str(rounds), str(timeout), str(PORT), *[h.addr for h in tx_hosts]], **kw)
+            rx = lab.popen(rx_host, [py, "-c", _LTP_RECV, str(size), str(rounds), str(timeout), str(PORT),
+                                     "connected" if connected else "one", *[h.addr for h in tx_hosts]], **kw)
             # every sender binds PORT + 1; it sends to PORT, or to its own endpoint's PORT + 10 + i where connected
             txs = [lab.popen(h, [py, "-c", _LTP_SEND, str(size), str(rounds), str(timeout),
                                  str(PORT + 10 + i if connected else PORT), rx_host.addr,
