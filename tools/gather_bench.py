@@ -91,7 +91,7 @@ import asyncio, ltp
 from ltp_tools.payload import pattern
 async def main():
     size, rounds, timeout, port, dst = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    ep = await ltp.open_endpoint(("0.0.0.0", int(sys.argv[6])))  # the receiver's port, then our own
+    ep = await ltp.open_endpoint(("0.0.0.0", int(sys.argv[6])))  # our own port (argv 4 is the receiver's)
     data = pattern(size)
     loop = asyncio.get_running_loop()
     print("ready", flush=True)
