@@ -702,15 +702,15 @@ class Admission:
 
     def recent_closed(self, now: float, within_s: float, limit: int) -> list:
         """``(key, token, code, count)`` of the remembered flows closed in the last ``within_s`` seconds, the
-        newest ``limit`` of them, newest first: what their STOP says."""
+        newest ``limit`` of them, newest first: what their STOP says. Records are kept in the order they closed
+        (as :meth:`purge` relies on), so the walk back from the newest stops at the first one closed earlier."""
         since = now - within_s + self.config.closed_flow_ttl_s  # a record's expiry is its close time + the TTL
         out = []
         for key in reversed(self.closed):
             token, code, count, expiry, _ = self.closed[key]
-            if expiry >= since:
-                out.append((key, token, code, count))
-                if len(out) >= limit:
-                    break
+            if expiry < since or len(out) >= limit:
+                break
+            out.append((key, token, code, count))
         return out
 
     def expire_tag(self, peer, tag: int, now: float) -> None:

@@ -113,11 +113,12 @@ QUICKACK_SEGMENTS = 256
 #: closes a reliable flow before it is complete, so a check between two of these only refreshed its
 #: reported LT threshold and deadline; completion is still seen on the batch that completes it.
 RELIABLE_CHECK_INTERVAL_S = 0.001
-#: :meth:`Engine.close`: the flows this endpoint closed as a receiver in the last CLOSING_STOP_WINDOW_S seconds (the
-#: newest CLOSING_STOPS_MAX of its closed-flow records) get their STOP once more as the endpoint closes. A complete
-#: one's completing ACK may have been lost; on a clean path no guard STOP followed it, and the sender's probe would
-#: meet a closed port (an ICMP unreachable fails a send whose message arrived whole). A second more than covers a probe timeout and its
-#: back-off on the paths LTP is built for; a STOP for a send that already finished is counted as a late answer.
+#: :meth:`Engine.close`: the flows this endpoint closed as a receiver in the last CLOSING_STOP_WINDOW_S seconds
+#: (the newest CLOSING_STOPS_MAX of its closed-flow records) get their STOP once more as the endpoint closes. A
+#: complete one's completing ACK may have been lost; on a clean path no guard STOP followed it, and the sender's
+#: probe would meet a closed port (an ICMP unreachable fails a send whose message arrived whole). A second more
+#: than covers a probe timeout and its back-off on the paths LTP is built for; a STOP for a send that already
+#: finished is counted as a late answer.
 CLOSING_STOP_WINDOW_S = 1.0
 CLOSING_STOPS_MAX = 256
 _add_reduce = np.add.reduce  # a batch's byte count: the ufunc directly, without np.sum's dispatch

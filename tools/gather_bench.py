@@ -70,7 +70,8 @@ async def main():
         for b in bufs:
             b.fill(0)
         if connected:
-            task = asyncio.gather(*[ep.recv(b, peer=p, tag=r + 1, timeout=timeout) for ep, b, p in zip(eps, bufs, peers)])
+            task = asyncio.gather(*[ep.recv(b, peer=p, tag=r + 1, timeout=timeout)
+                                    for ep, b, p in zip(eps, bufs, peers)])
         else:
             task = asyncio.ensure_future(eps[0].gather(peers, bufs, tag=r + 1, timeout=timeout))
         await asyncio.sleep(0)  # posted
