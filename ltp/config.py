@@ -8,12 +8,14 @@ from ltp_ext.constants import SEND_THREADS_MAX
 
 from .errors import LocalProtocolError
 
-__all__ = ["Config", "DCN", "WAN", "REG_COPIES_MAX"]
+__all__ = ["Config", "DCN", "WAN", "REG_COPIES_MAX", "PEER_SOCKETS_MAX"]
 
 _GiB = 1 << 30
 _MiB = 1 << 20
 #: most REG copies per registration attempt (Config.reg_copies)
 REG_COPIES_MAX = 4
+#: the most peer sockets one endpoint may open (``Config.peer_sockets``): each is a file descriptor
+PEER_SOCKETS_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,13 @@ class Config:
     #: the late packets it waits for stay in flight against BBR's window (2 x BtlBw x the jittered path's minimum
     #: RTT), and it moved 1.05-1.25 Gbit/s against 1.69-1.76 without it (docs/performance.md, "Session 51")
     learn_reordering: bool = False
+    #: Linux: the asyncio adapter of an endpoint that serves several peers opens, for each of up to this many peers
+    #: a receive names (``recv(peer=)``, ``gather``, ``expect``), a *peer socket*: one more UDP socket bound to the
+    #: endpoint's own address and port and connected to that peer, so the kernel finds that peer's datagrams by
+    #: early demux (no wildcard socket lookup and no route lookup per datagram, as for a TCP connection) and
+    #: queues them apart from the other peers'. Peers see one address; the engine is the same. 0 turns it off.
+    #: See ltp/endpoint.py, "Peer sockets", and docs/performance.md, "Change 23"
+    peer_sockets: int = 64
 
     def __post_init__(self) -> None:
         if not 576 <= self.mtu <= 65535:
@@ -174,6 +183,10 @@ class Config:
                                      "e.g. 0.0002")
         if not isinstance(self.spread_sends, bool):
             raise LocalProtocolError(f"spread_sends={self.spread_sends!r}: pass True or False")
+        if isinstance(self.peer_sockets, bool) or not isinstance(self.peer_sockets, int) or \
+                not 0 <= self.peer_sockets <= PEER_SOCKETS_MAX:
+            raise LocalProtocolError(f"peer_sockets={self.peer_sockets!r}: pass an int from 0 (one socket for every "
+                                     f"peer) to {PEER_SOCKETS_MAX}")
         if not isinstance(self.learn_reordering, bool):
             raise LocalProtocolError(f"learn_reordering={self.learn_reordering!r}: pass True or False")
         for name in ("max_flow_bytes", "max_flows_per_peer", "max_receive_memory", "lt_window",

@@ -21,6 +21,17 @@ and the rest of its batch takes the per-batch path.
 **Connected endpoints** (``open_endpoint(peer=...)``): the socket is ``connect()``ed to its one peer, so the
 kernel finds the socket and route of that peer's datagrams by early demux instead of per datagram, and drops
 every other host's; :meth:`_resolve` refuses any other peer before anything is sent.
+**Peer sockets** (``Config.peer_sockets``, Linux): an endpoint that serves several peers gets the same for each
+peer a receive names (``recv(peer=)``, ``gather``, ``expect``; up to ``peer_sockets`` of them, for the endpoint's
+life): one more socket, bound to the endpoint's own address and port and connected to that peer. Linux prefers a
+connected socket to an unconnected one on the same port for datagrams from its peer (a 4-tuple match scores
+higher), and finds it by early demux. The peer still sees one address, every socket feeds the one engine, and
+everything is still sent from the first socket (an ICMP report about a datagram sent to that peer is queued on
+its peer socket, whose error queue is read too). Two sockets can share a port only while every socket on it has
+``SO_REUSEPORT`` set, and Linux lets a new socket join when the first one it meets there has it set: so every
+socket of the endpoint has it cleared, except during the few system calls of :meth:`_open_peer_socket`, and no
+other socket can bind the port meanwhile. A peer socket that cannot be made (out of descriptors) is counted in
+``loop_stats["peer_socket_errors"]``, and that peer's datagrams keep arriving on the first socket.
 **Flushes are coalesced**: a send or receive asks for a flush once the loop has run the callbacks already due
 (:meth:`_flush_soon`), so the transfers that tasks start together (a broadcast's per-peer sends) all go out
 in one flush.
@@ -95,6 +106,9 @@ LITERAL_PEER_CACHE = 4096
 # Python's socket module does not export these (Linux values, asm-generic/socket.h)
 _SO_SNDBUFFORCE = 32 if sys.platform.startswith("linux") else None
 _SO_RCVBUFFORCE = 33 if sys.platform.startswith("linux") else None
+#: peer sockets share the endpoint's port through SO_REUSEPORT, whose Linux meaning (the connected socket is
+#: preferred for its peer's datagrams) they rely on
+_SO_REUSEPORT = getattr(socket, "SO_REUSEPORT", None) if sys.platform.startswith("linux") else None
 
 
 def _v4_mapped(host: str) -> bool:
@@ -124,6 +138,7 @@ class _SocketWatch:
 
     def __init__(self, loop, fd: int, on_readable, on_writable) -> None:
         self._loop, self._fd = loop, fd
+        self._extra: list = []  # peer sockets' descriptors, in the reading set beside ``fd``
         self._on_writable = on_writable
         self._rset = self._wset = None
         if hasattr(select, "epoll"):
@@ -139,6 +154,17 @@ class _SocketWatch:
         self.reading = True
         self.writing = False
 
+    @property
+    def can_add(self) -> bool:
+        """Whether :meth:`add_readable` can watch more descriptors (it needs the private epoll set)."""
+        return self._rset is not None
+
+    def add_readable(self, fd: int) -> None:
+        """Watch one more socket for reading, with the same callback (a peer socket)."""
+        self._extra.append(fd)
+        if self.reading:
+            self._rset.register(fd, select.EPOLLIN)
+
     def want_readable(self, on: bool) -> None:
         """Start (True) or stop (False) calling ``on_readable`` when datagrams arrive (receive polling
         stops it and reads on a timer)."""
@@ -147,17 +173,19 @@ class _SocketWatch:
         self.reading = on
         if on:
             if self._rset is not None:
-                self._rset.register(self._fd, select.EPOLLIN)  # level-triggered: ready at once if data waits
+                for fd in (self._fd, *self._extra):
+                    self._rset.register(fd, select.EPOLLIN)  # level-triggered: ready at once if data waits
             self._loop.add_reader(self._rfd, self._on_readable)
         else:
             self._loop.remove_reader(self._rfd)
             if self._rset is not None:
                 # off the socket's wait queue too: every datagram the kernel queues would otherwise call
                 # the set's wake-up (a lock and a ready-list entry) for a watch nobody reads
-                try:
-                    self._rset.unregister(self._fd)
-                except OSError:  # the socket is already closed (closing removed it from the set)
-                    pass
+                for fd in (self._fd, *self._extra):
+                    try:
+                        self._rset.unregister(fd)
+                    except OSError:  # the socket is already closed (closing removed it from the set)
+                        pass
 
     def want_writable(self, on: bool) -> None:
         """Start (True) or stop (False) calling ``on_writable`` while the socket can take data."""
@@ -179,6 +207,29 @@ class _SocketWatch:
         for s in (self._rset, self._wset):
             if s is not None:
                 s.close()
+
+
+class _Reader:
+    """A peer socket's ``UdpIO`` (None for the endpoint's own socket, whose io is ``Endpoint._io``) and when the
+    socket's error queue was read."""
+
+    __slots__ = ("io", "icmp_seen", "errq_next")
+
+    def __init__(self, io) -> None:
+        self.io = io
+        self.icmp_seen = 0
+        self.errq_next = 0.0
+
+
+def _set_buffers(sock: socket.socket, size: int) -> None:
+    """Ask for ``size`` bytes of socket buffer each way (beyond ``net.core.[rw]mem_max`` where allowed)."""
+    for opt, force in ((socket.SO_RCVBUF, _SO_RCVBUFFORCE), (socket.SO_SNDBUF, _SO_SNDBUFFORCE)):
+        sock.setsockopt(socket.SOL_SOCKET, opt, size)
+        if force is not None and sock.getsockopt(socket.SOL_SOCKET, opt) < size:
+            try:  # with CAP_NET_ADMIN the *FORCE options may exceed net.core.[rw]mem_max
+                sock.setsockopt(socket.SOL_SOCKET, force, size)
+            except OSError:
+                pass
 
 
 class Endpoint:
@@ -207,8 +258,6 @@ class Endpoint:
         self._wildcard = self._local_addr[0] in ("0.0.0.0", "::")
         self._peer: tuple | None = None  # the one peer of a connected endpoint (open_endpoint(peer=...))
         self._sources: dict = {}
-        self._icmp_seen = 0
-        self._errq_next = 0.0
         self._waiters: dict = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -228,6 +277,10 @@ class Endpoint:
         self._tick_wakeups = 0  # readable wake-ups since _tick_since, within one loop tick
         self._tick_since = 0.0
         self._watch = _SocketWatch(self._loop, sock.fileno(), self._on_readable, self._on_writable)
+        self._own_reader = _Reader(None)  # the endpoint's own socket's error-queue state (its io is ``_io``)
+        self._readers: list = []  # the peer sockets' (``Config.peer_sockets``), in the order of ``_peer_sockets``
+        self._peer_sockets: dict = {}  # peer -> its connected socket
+        self._peer_socket_failed: set = set()  # peers whose socket could not be made: not tried again
 
     # ------------------------------------------------------------------ properties
     @property
@@ -247,8 +300,15 @@ class Endpoint:
 
     @property
     def io_stats(self) -> dict:
-        """Counters of the batched socket layer (syscalls, EAGAIN, ICMP errors...)."""
+        """Counters of the batched socket layer (syscalls, EAGAIN, ICMP errors...) of the endpoint's own socket,
+        which sends everything and receives what no peer socket does."""
         return self._io.stats
+
+    @property
+    def peer_sockets(self) -> dict:
+        """``{peer: counters}`` of each peer socket (``Config.peer_sockets``): the datagrams of ``peer`` it
+        received (``datagrams_in``) and its system calls, in the form of :attr:`io_stats`."""
+        return {peer: r.io.stats for peer, r in zip(self._peer_sockets, self._readers)}
 
     def _clock(self) -> float:
         """``now`` (monotonic), with the engine's wall-clock offset brought up to date: REGs are stamped, and
@@ -285,6 +345,8 @@ class Endpoint:
         _check_timeout(timeout)
         peer = None if peer is None else await self._resolve(peer)
         self._check_open()
+        if peer is not None:
+            self._open_peer_socket(peer)
         handle = self.engine.post_receive([(peer, tag, into)], now=_now(), timeout=timeout)
         reports = await self._wait(handle, None)
         rep = reports[0]
@@ -313,6 +375,8 @@ class Endpoint:
             raise LocalProtocolError(f"gather got peer {dup} more than once: one message per peer and tag is "
                                      f"received; list each peer once (use recv() for several messages of one peer)")
         self._check_open()
+        for p in peers:
+            self._open_peer_socket(p)
         handle = self.engine.post_receive([(p, tag, b) for p, b in zip(peers, into)], now=_now(),
                                           timeout=timeout, clock=clock)
         return await self._wait(handle, None)
@@ -327,6 +391,7 @@ class Endpoint:
         used once; posting the receive drops an unused one (:mod:`ltp.placement`)."""
         peer = await self._resolve(peer)
         self._check_open()
+        self._open_peer_socket(peer)
         self.engine.expect(peer, tag, into, now=_now())
         self._flush()  # a superseded message's STOP goes now
 
@@ -394,6 +459,8 @@ class Endpoint:
             self._timer.cancel()
         self._io.stop_send_threads()  # the DATA they still hold goes out before the socket closes
         self._sock.close()
+        for ps in self._peer_sockets.values():
+            ps.close()
         for fut in self._waiters.values():
             if not fut.done():
                 fut.cancel()
@@ -433,6 +500,40 @@ class Endpoint:
                                      f"{self._local_addr[1]} to its peer {resolved[0]}:{resolved[1]}: "
                                      f"{exc.strerror}") from None
         self._peer = resolved
+
+    def _open_peer_socket(self, peer: tuple) -> None:
+        """Give ``peer`` (resolved) a peer socket if it has none and one may be made (module docstring, "Peer
+        sockets"). Never raises: a socket that cannot be made leaves ``peer``'s datagrams on the first socket."""
+        if peer in self._peer_sockets or self._peer is not None or len(self._peer_sockets) >= self.config.peer_sockets \
+                or peer in self._peer_socket_failed or _SO_REUSEPORT is None or not self._watch.can_add:
+            return
+        ours = [self._sock, *self._peer_sockets.values()]
+        ps = None
+        try:
+            ps = socket.socket(self._family, socket.SOCK_DGRAM)
+            _set_buffers(ps, self.config.socket_buffer_bytes)
+            ps.setsockopt(socket.SOL_SOCKET, _SO_REUSEPORT, 1)
+            for s in ours:
+                s.setsockopt(socket.SOL_SOCKET, _SO_REUSEPORT, 1)
+            try:
+                ps.bind(self._sock.getsockname())
+                ps.connect(peer)
+            finally:  # the port is closed to other sockets again before anything else runs
+                for s in (*ours, ps):
+                    s.setsockopt(socket.SOL_SOCKET, _SO_REUSEPORT, 0)
+            ps.setblocking(False)
+            io = _udpio.UdpIO(ps, batch=self.config.io_batch, max_datagram=max(2048, self.config.mtu),
+                              send_threads=0, stage_sends=self.stage_sends)
+            self._watch.add_readable(ps.fileno())
+        except OSError as exc:
+            self._peer_socket_failed.add(peer)
+            self.loop_stats["peer_socket_errors"] = self.loop_stats.get("peer_socket_errors", 0) + 1
+            log.debug("ltp: no peer socket for %s (%s); its datagrams arrive on the endpoint's socket", peer, exc)
+            if ps is not None:
+                ps.close()
+            return
+        self._peer_sockets[peer] = ps
+        self._readers.append(_Reader(io))
 
     async def _resolve_address(self, peer) -> tuple:
         if not isinstance(peer, tuple) or len(peer) < 2:
@@ -619,15 +720,37 @@ class Endpoint:
         self._watch.want_readable(True)  # level-triggered: what arrived since the last read wakes it at once
 
     def _receive_pending(self, woken: bool = False) -> int:
-        """Read what arrived; returns the number of datagrams read. ``woken``: the loop said the socket is
-        ready (an empty read then means an error report is waiting, which is read at once so the watch
-        stops firing).
+        """Read what arrived on every socket (the endpoint's, then its peer sockets); returns the number of
+        datagrams read. ``woken``: the loop said a socket is ready (an empty read then means an error report
+        is waiting, which is read at once so the watch stops firing)."""
+        readers = self._readers
+        if not readers:
+            total = self._read_socket(self._io, self._own_reader, woken)
+            if total:  # the kernel's count of datagrams this socket dropped for want of room (SO_RXQ_OVFL)
+                self.engine.stats.socket_drops = self._io.socket_drops
+            return total
+        # not ``woken``: which socket woke us is unknown, and each error-queue read is a syscall
+        total = self._read_socket(self._io, self._own_reader, False)
+        for r in readers:
+            if self._closed:
+                return total
+            total += self._read_socket(r.io, r, False)
+        if total:
+            self.engine.stats.socket_drops = self._io.socket_drops + sum(r.io.socket_drops for r in readers)
+        elif woken:  # a wake-up that found no datagram anywhere: an error report is waiting on one of them
+            for io in (self._io, *(r.io for r in readers)):
+                if io.recverr_enabled:
+                    self._read_errors(io)
+        return total
+
+    def _read_socket(self, io, reader: "_Reader", woken: bool) -> int:
+        """Read what arrived on ``io``'s socket (``reader``: its error-queue state); returns the number of
+        datagrams read.
 
         While bulk receives are open (:meth:`Engine.bulk_flows`) their DATA goes from the socket straight
         into the flows' windows in compiled code (``UdpIO.drain_flows``), batch after batch, and the engine
         accounts for each flow once per drain (:meth:`Engine.bulk_ingested`); any other datagram ends the
         drain and takes the per-batch path below."""
-        io = self._io
         eng = self.engine
         empty = woken
         total = 0
@@ -668,28 +791,25 @@ class Endpoint:
             empty = False
             total += n
             if resume < n_last:
-                self._process_batch(resume)
+                self._process_batch(io, resume)
             if n_last < io.batch and n_last < DRAIN_MIN_DATAGRAMS:
                 break  # datagrams arrive slower than we process them: another read would find none
             # a short batch of several datagrams does not end the wake-up: the sender's softirq
             # keeps filling the socket while we process, and a read that finds more now saves a
             # sleep and a wake-up (measured on the lab path: 37% fewer wake-ups, a third fewer
             # ACKs); the empty read ends it
-        if total:  # the kernel's count of datagrams this socket dropped for want of room (SO_RXQ_OVFL)
-            eng.stats.socket_drops = io.socket_drops
         if io.recverr_enabled:
             # an ICMP report also sets the socket error, which the receive above met and counted:
             # read the error queue only then (each read is a syscall), and every so often anyway
             now = _now()
-            if empty or io.icmp_errors != self._icmp_seen or now >= self._errq_next:
-                self._icmp_seen = io.icmp_errors
-                self._errq_next = now + _ERRQ_POLL_S
-                self._read_errors()
+            if empty or io.icmp_errors != reader.icmp_seen or now >= reader.errq_next:
+                reader.icmp_seen = io.icmp_errors
+                reader.errq_next = now + _ERRQ_POLL_S
+                self._read_errors(io)
         return total
 
-    def _process_batch(self, start: int) -> None:
-        """Hand the engine the datagrams of the adapter's last batch from index ``start`` on, run by run."""
-        io = self._io
+    def _process_batch(self, io, start: int) -> None:
+        """Hand the engine the datagrams of ``io``'s last batch from index ``start`` on, run by run."""
         eng = self.engine
         now = self._clock()
         buf, offs, lens = io.buffer, io.offsets, io.lengths
@@ -705,11 +825,11 @@ class Endpoint:
                 eng.stats.drop("internal_error", b - a)
                 log.exception("ltp: error while processing datagrams from %s", addr)
 
-    def _read_errors(self) -> None:
-        """Feed ICMP unreachable reports (IP_RECVERR error queue) to the engine: a dead peer is noticed
-        within a round trip of our next datagram to it, not after a timeout."""
+    def _read_errors(self, io=None) -> None:
+        """Feed ICMP unreachable reports (IP_RECVERR error queue of ``io``'s socket, the endpoint's own by default)
+        to the engine: a dead peer is noticed within a round trip of our next datagram to it, not after a timeout."""
         try:
-            reports = self._io.recv_errors()
+            reports = (self._io if io is None else io).recv_errors()  # not ``io or``: an empty batch is falsy
         except OSError:
             return
         for addr, err, _origin, _type, _code in reports:
@@ -982,13 +1102,7 @@ async def open_endpoint(local_addr=("0.0.0.0", 0), *, config: Config | None = No
     family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
-        for opt, force in ((socket.SO_RCVBUF, _SO_RCVBUFFORCE), (socket.SO_SNDBUF, _SO_SNDBUFFORCE)):
-            sock.setsockopt(socket.SOL_SOCKET, opt, config.socket_buffer_bytes)
-            if force is not None and sock.getsockopt(socket.SOL_SOCKET, opt) < config.socket_buffer_bytes:
-                try:  # with CAP_NET_ADMIN the *FORCE options may exceed net.core.[rw]mem_max
-                    sock.setsockopt(socket.SOL_SOCKET, force, config.socket_buffer_bytes)
-                except OSError:
-                    pass
+        _set_buffers(sock, config.socket_buffer_bytes)
         try:
             sock.bind(local_addr)
         except OSError as exc:

@@ -338,7 +338,8 @@ async def test_a_wall_clock_stepped_after_opening_still_stamps_fresh_registratio
     cfg = Config(job_key=b"job-secret")
     a = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
     monkeypatch.setattr(ep, "time", _SteppedClock(real_time, 30.0))
-    b = await ltp.open_endpoint(("127.0.0.1", 0), config=cfg)
+    # no peer socket at B: its reads must all go through the wrapped io, whose kernel times are hidden
+    b = await ltp.open_endpoint(("127.0.0.1", 0), config=Config(job_key=b"job-secret", peer_sockets=0))
     a._io, b._io = _NoKernelTimes(a._io), _NoKernelTimes(b._io)
     async with a, b:
         data = np.arange(50_000, dtype=np.float32)

@@ -383,7 +383,7 @@ def test_broadcast_bench_delivers_to_every_peer(transport, threads, connected):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(_problem is not None, reason=f"network lab unavailable: {_problem}")
-@pytest.mark.parametrize("transport", ["ltp", "ltp-connected", "cubic"])
+@pytest.mark.parametrize("transport", ["ltp", "ltp-one-socket", "ltp-connected", "cubic"])
 def test_gather_bench_receives_every_senders_message_every_round(transport):
     from ltp_tools import gather_bench as GB
 
@@ -394,6 +394,11 @@ def test_gather_bench_receives_every_senders_message_every_round(transport):
         assert row["machine_cpu_s"] is None or row["machine_cpu_s"] > 0
         if transport.startswith("ltp"):
             assert row["delivered"] == [1.0, 1.0, 1.0]
+    last = r["rounds"][-1]
+    if transport == "ltp":  # across namespaces, every sender's datagrams came to its peer socket
+        assert last["peer_socket_datagrams"] > 3 * 3 * 2_000_000 // 1500 and last["own_socket_datagrams"] == 0
+    elif transport.startswith("ltp"):
+        assert last["peer_socket_datagrams"] == 0 and last["own_socket_datagrams"] > 3 * 3 * 2_000_000 // 1500
     steady = sorted(row["gather_s"] for row in r["rounds"][1:])
     assert r["median"]["gather_s"] == pytest.approx((steady[0] + steady[1]) / 2)  # the cold first round left out
     assert r["goodput_gbps"] == pytest.approx(3 * 2_000_000 * 8 / r["median"]["gather_s"] / 1e9)

@@ -7,7 +7,10 @@ Theory of operation
 
     * LTP: the receiver posts one :meth:`ltp.Endpoint.gather` of the N messages (one buffer per
       sender), then prints ``ready``; each sender then sends its message reliably. The round's clock
-      runs in the receiver, from the post to the gather's return.
+      runs in the receiver, from the post to the gather's return. Since change 23 the receiving endpoint
+      reads each sender's datagrams from a peer socket of their own (``Config.peer_sockets``).
+    * ``ltp-one-socket``: the same with ``Config(peer_sockets=0)``: every datagram on the endpoint's one
+      unconnected socket, as before change 23 (``docs/performance.md``).
     * ``ltp-connected``: the same, except that the receiver opens one *connected* endpoint per sender
       (``ltp.open_endpoint(peer=...)``, each on its own port, ``PORT + 10 + i`` for sender ``i``) and posts
       one ``recv`` on each, so the kernel delivers each sender's datagrams by early demux to a socket of
@@ -28,10 +31,12 @@ Theory of operation
     context on a veth path.
 
     Result: one JSON line with the per-round ``gather_s``, ``machine_cpu_s``, ``receiver_cpu_s`` and
-    ``sender_cpu_s`` (summed over the senders), their medians over the rounds after the first (the
+    ``sender_cpu_s`` (summed over the senders; LTP's rows also count the datagrams read so far from peer
+    sockets and from the endpoints' own sockets), their medians over the rounds after the first (the
     first, a cold start, is reported but not in the medians), and ``goodput_gbps`` from the median.
 
-    python -m ltp_tools.gather_bench --transport ltp|ltp-connected|cubic|bbr --size 100M --peers 4 --rounds 5
+    python -m ltp_tools.gather_bench --transport ltp|ltp-one-socket|ltp-connected|cubic|bbr --size 100M --peers 4 \
+        --rounds 5
 """
 from __future__ import annotations
 
@@ -46,6 +51,8 @@ from ltp_tools.machine_cpu import machine_cpu_s
 
 PORT = 7447  # the LTP receiver's port; its senders bind PORT + 1
 TCP_PORT = 5201
+#: the LTP variants: ``--transport`` -> the receiver script's mode
+LTP_VARIANTS = {"ltp": "one", "ltp-one-socket": "single", "ltp-connected": "connected"}
 
 _COMMON = r'''
 import json, sys, time
@@ -61,8 +68,9 @@ async def main():
     peers = [(h, port + 1) for h in sys.argv[6:]]
     if connected:  # an endpoint per sender, sender i's on port + 10 + i
         eps = [await ltp.open_endpoint(("0.0.0.0", port + 10 + i), peer=p) for i, p in enumerate(peers)]
-    else:
-        eps = [await ltp.open_endpoint(("0.0.0.0", port))]
+    else:  # "one": peer sockets as configured by default; "single": none
+        cfg = ltp.Config(peer_sockets=0) if sys.argv[5] == "single" else None
+        eps = [await ltp.open_endpoint(("0.0.0.0", port), config=cfg)]
     bufs = [np.zeros(size, np.uint8) for _ in peers]
     for b in bufs:
         b.fill(1)  # fault the pages in before any clock
@@ -80,8 +88,12 @@ async def main():
         reports = await task
         t1, c1 = time.monotonic(), cpu()
         ok = all(verify(b) for b in bufs)
+        # where the datagrams were read, so far: peer sockets (Config.peer_sockets) or the endpoints' own
         print(json.dumps({"gather_s": t1 - t0, "receiver_cpu_s": c1 - c0, "verified": ok,
-                          "delivered": [rep.delivered_fraction for rep in reports]}), flush=True)
+                          "delivered": [rep.delivered_fraction for rep in reports],
+                          "peer_socket_datagrams": sum(s["datagrams_in"] for ep in eps
+                                                       for s in ep.peer_sockets.values()),
+                          "own_socket_datagrams": sum(ep.io_stats["datagrams_in"] for ep in eps)}), flush=True)
     for ep in eps:
         await ep.close(linger=0.3)
 ltp.run(main())
@@ -188,10 +200,10 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, roun
     rows = []
     with Lab(n_hosts=peers + 1) as lab:
         rx_host, tx_hosts = lab.hosts[0], lab.hosts[1:]
-        if transport in ("ltp", "ltp-connected"):
+        if transport in LTP_VARIANTS:
             connected = transport == "ltp-connected"
             rx = lab.popen(rx_host, [py, "-c", _LTP_RECV, str(size), str(rounds), str(timeout), str(PORT),
-                                     "connected" if connected else "one", *[h.addr for h in tx_hosts]], **kw)
+                                     LTP_VARIANTS[transport], *[h.addr for h in tx_hosts]], **kw)
             # every sender binds PORT + 1; it sends to PORT, or to its own endpoint's PORT + 10 + i where connected
             txs = [lab.popen(h, [py, "-c", _LTP_SEND, str(size), str(rounds), str(timeout),
                                  str(PORT + 10 + i if connected else PORT), rx_host.addr,
@@ -236,7 +248,8 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m ltp_tools.gather_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--transport", default="ltp",
-                    help="ltp, ltp-connected (an endpoint per sender), or a TCP congestion control: cubic, bbr, reno")
+                    help="ltp, ltp-one-socket (no peer sockets), ltp-connected (an endpoint per sender), or a TCP "
+                         "congestion control: cubic, bbr, reno")
     ap.add_argument("--size", type=parse_size, default=parse_size("100M"), help="bytes per sender per round")
     ap.add_argument("--peers", type=number(int, 1, 60, what="senders"), default=4)
     ap.add_argument("--rounds", type=number(int, 1, 1000, what="rounds"), default=5)
