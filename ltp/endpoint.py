@@ -512,15 +512,18 @@ class Endpoint:
         try:
             ps = socket.socket(self._family, socket.SOCK_DGRAM)
             _set_buffers(ps, self.config.socket_buffer_bytes)
-            ps.setsockopt(socket.SOL_SOCKET, _SO_REUSEPORT, 1)
-            for s in ours:
-                s.setsockopt(socket.SOL_SOCKET, _SO_REUSEPORT, 1)
             try:
+                for s in (ps, *ours):
+                    s.setsockopt(socket.SOL_SOCKET, _SO_REUSEPORT, 1)
                 ps.bind(self._sock.getsockname())
                 ps.connect(peer)
             finally:  # the port is closed to other sockets again before anything else runs
                 for s in (*ours, ps):
-                    s.setsockopt(socket.SOL_SOCKET, _SO_REUSEPORT, 0)
+                    try:
+                        s.setsockopt(socket.SOL_SOCKET, _SO_REUSEPORT, 0)
+                    except OSError:  # never seen; the socket's own error is the one to report
+                        log.warning("ltp: could not clear SO_REUSEPORT on a socket of the endpoint at %s",
+                                    self._local_addr)
             ps.setblocking(False)
             io = _udpio.UdpIO(ps, batch=self.config.io_batch, max_datagram=max(2048, self.config.mtu),
                               send_threads=0, stage_sends=self.stage_sends)

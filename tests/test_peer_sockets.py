@@ -179,3 +179,21 @@ async def test_a_dead_peers_icmp_report_on_its_peer_socket_fails_a_send_at_once(
 def test_a_bad_peer_sockets_setting_names_the_fix(bad):
     with pytest.raises(LocalProtocolError, match="peer_sockets"):
         ltp.Config(peer_sockets=bad)
+
+
+async def test_a_peer_socket_whose_connect_fails_leaves_the_port_closed_to_other_sockets():
+    """``connect`` to a broadcast address is refused (EACCES without SO_BROADCAST) after the bind succeeded:
+    the half-made socket is closed, the failure counted, and ``SO_REUSEPORT`` cleared on every socket left."""
+    rx = await ltp.open_endpoint(("0.0.0.0", 0))
+    tx = await ltp.open_endpoint(("127.0.0.1", 0))
+    try:
+        await _gather_rounds(rx, [tx], rounds=1, size=50_000)  # one good peer socket first
+        await rx.expect(("255.255.255.255", 9), bytearray(100), tag=1)
+        assert rx.loop_stats["peer_socket_errors"] == 1 and len(rx.peer_sockets) == 1
+        for s in (rx._sock, *rx._peer_sockets.values()):
+            assert s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 0
+        _bind_fails(("127.0.0.1", rx.local_addr[1]))
+        await _gather_rounds(rx, [tx], rounds=1, size=50_000)  # still serving
+    finally:
+        await rx.close()
+        await tx.close()
