@@ -139,9 +139,10 @@ class Config:
     learn_reordering: bool = False
     #: Linux: the asyncio adapter of an endpoint that serves several peers opens, for each of up to this many peers
     #: a receive names (``recv(peer=)``, ``gather``, ``expect``), a *peer socket*: one more UDP socket bound to the
-    #: endpoint's own address and port and connected to that peer, so the kernel finds that peer's datagrams by
-    #: early demux (no wildcard socket lookup and no route lookup per datagram, as for a TCP connection) and
-    #: queues them apart from the other peers'. Peers see one address; the engine is the same. 0 turns it off.
+    #: endpoint's own address and port and connected to that peer, so the kernel finds that peer's socket by an
+    #: exact match (early demux; no wildcard socket lookup) and queues its datagrams apart from the other peers'
+    #: (each socket's receive queue has its own lock, which the senders' softirqs no longer contend for). Peers see
+    #: one address; the engine is the same. 0 turns it off.
     #: See ltp/endpoint.py, "Peer sockets", and docs/performance.md, "Change 23"
     peer_sockets: int = 64
 

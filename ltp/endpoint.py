@@ -25,7 +25,8 @@ every other host's; :meth:`_resolve` refuses any other peer before anything is s
 peer a receive names (``recv(peer=)``, ``gather``, ``expect``; up to ``peer_sockets`` of them, for the endpoint's
 life): one more socket, bound to the endpoint's own address and port and connected to that peer. Linux prefers a
 connected socket to an unconnected one on the same port for datagrams from its peer (a 4-tuple match scores
-higher), and finds it by early demux. The peer still sees one address, every socket feeds the one engine, and
+higher), and finds it by early demux, on a receive queue of its own (docs/design.md, "Peer sockets", says
+what that saves, measured). The peer still sees one address, every socket feeds the one engine, and
 everything is still sent from the first socket (an ICMP report about a datagram sent to that peer is queued on
 its peer socket, whose error queue is read too). Two sockets can share a port only while every socket on it has
 ``SO_REUSEPORT`` set, and Linux lets a new socket join when the first one it meets there has it set: so every

@@ -14,7 +14,7 @@ Theory of operation
     * ``ltp-connected``: the same, except that the receiver opens one *connected* endpoint per sender
       (``ltp.open_endpoint(peer=...)``, each on its own port, ``PORT + 10 + i`` for sender ``i``) and posts
       one ``recv`` on each, so the kernel delivers each sender's datagrams by early demux to a socket of
-      their own (no route lookup and no wildcard socket lookup per datagram). Session 64 measured it
+      their own (no wildcard socket lookup per datagram, and a receive queue per sender). Session 64 measured it
       against ``ltp`` (``docs/performance.md``): what a parameter server with an endpoint per worker would gain.
     * TCP: the receiver has accepted one connection per sender; per round it starts one thread per
       connection, each reading that sender's whole message into its buffer with ``recv_into``
