@@ -211,12 +211,13 @@ class _SocketWatch:
 
 
 class _Reader:
-    """A peer socket's ``UdpIO`` (None for the endpoint's own socket, whose io is ``Endpoint._io``) and when the
-    socket's error queue was read."""
+    """A socket the endpoint reads, its ``UdpIO`` (None for the endpoint's own socket, whose io is
+    ``Endpoint._io``), and when the socket's error queue was read."""
 
-    __slots__ = ("io", "icmp_seen", "errq_next")
+    __slots__ = ("sock", "io", "icmp_seen", "errq_next")
 
-    def __init__(self, io) -> None:
+    def __init__(self, sock, io) -> None:
+        self.sock = sock
         self.io = io
         self.icmp_seen = 0
         self.errq_next = 0.0
@@ -278,9 +279,8 @@ class Endpoint:
         self._tick_wakeups = 0  # readable wake-ups since _tick_since, within one loop tick
         self._tick_since = 0.0
         self._watch = _SocketWatch(self._loop, sock.fileno(), self._on_readable, self._on_writable)
-        self._own_reader = _Reader(None)  # the endpoint's own socket's error-queue state (its io is ``_io``)
-        self._readers: list = []  # the peer sockets' (``Config.peer_sockets``), in the order of ``_peer_sockets``
-        self._peer_sockets: dict = {}  # peer -> its connected socket
+        self._own_reader = _Reader(sock, None)  # the endpoint's own socket's error-queue state (its io is ``_io``)
+        self._peer_readers: dict = {}  # peer -> its peer socket's _Reader (``Config.peer_sockets``)
         self._peer_socket_failed: set = set()  # peers whose socket could not be made: not tried again
 
     # ------------------------------------------------------------------ properties
@@ -309,7 +309,7 @@ class Endpoint:
     def peer_sockets(self) -> dict:
         """``{peer: counters}`` of each peer socket (``Config.peer_sockets``): the datagrams of ``peer`` it
         received (``datagrams_in``) and its system calls, in the form of :attr:`io_stats`."""
-        return {peer: r.io.stats for peer, r in zip(self._peer_sockets, self._readers)}
+        return {peer: r.io.stats for peer, r in self._peer_readers.items()}
 
     def _clock(self) -> float:
         """``now`` (monotonic), with the engine's wall-clock offset brought up to date: REGs are stamped, and
@@ -460,8 +460,8 @@ class Endpoint:
             self._timer.cancel()
         self._io.stop_send_threads()  # the DATA they still hold goes out before the socket closes
         self._sock.close()
-        for ps in self._peer_sockets.values():
-            ps.close()
+        for r in self._peer_readers.values():
+            r.sock.close()
         for fut in self._waiters.values():
             if not fut.done():
                 fut.cancel()
@@ -505,10 +505,10 @@ class Endpoint:
     def _open_peer_socket(self, peer: tuple) -> None:
         """Give ``peer`` (resolved) a peer socket if it has none and one may be made (module docstring, "Peer
         sockets"). Never raises: a socket that cannot be made leaves ``peer``'s datagrams on the first socket."""
-        if peer in self._peer_sockets or self._peer is not None or len(self._peer_sockets) >= self.config.peer_sockets \
+        if peer in self._peer_readers or self._peer is not None or len(self._peer_readers) >= self.config.peer_sockets \
                 or peer in self._peer_socket_failed or _SO_REUSEPORT is None or not self._watch.can_add:
             return
-        ours = [self._sock, *self._peer_sockets.values()]
+        ours = [self._sock, *(r.sock for r in self._peer_readers.values())]
         ps = None
         try:
             ps = socket.socket(self._family, socket.SOCK_DGRAM)
@@ -536,8 +536,7 @@ class Endpoint:
             if ps is not None:
                 ps.close()
             return
-        self._peer_sockets[peer] = ps
-        self._readers.append(_Reader(io))
+        self._peer_readers[peer] = _Reader(ps, io)
 
     async def _resolve_address(self, peer) -> tuple:
         if not isinstance(peer, tuple) or len(peer) < 2:
@@ -727,7 +726,7 @@ class Endpoint:
         """Read what arrived on every socket (the endpoint's, then its peer sockets); returns the number of
         datagrams read. ``woken``: the loop said a socket is ready (an empty read then means an error report
         is waiting, which is read at once so the watch stops firing)."""
-        readers = self._readers
+        readers = self._peer_readers
         if not readers:
             total = self._read_socket(self._io, self._own_reader, woken)
             if total:  # the kernel's count of datagrams this socket dropped for want of room (SO_RXQ_OVFL)
@@ -735,14 +734,14 @@ class Endpoint:
             return total
         # not ``woken``: which socket woke us is unknown, and each error-queue read is a syscall
         total = self._read_socket(self._io, self._own_reader, False)
-        for r in readers:
+        for r in readers.values():
             if self._closed:
                 return total
             total += self._read_socket(r.io, r, False)
         if total:
-            self.engine.stats.socket_drops = self._io.socket_drops + sum(r.io.socket_drops for r in readers)
+            self.engine.stats.socket_drops = self._io.socket_drops + sum(r.io.socket_drops for r in readers.values())
         elif woken:  # a wake-up that found no datagram anywhere: an error report is waiting on one of them
-            for io in (self._io, *(r.io for r in readers)):
+            for io in (self._io, *(r.io for r in readers.values())):
                 if io.recverr_enabled:
                     self._read_errors(io)
         return total

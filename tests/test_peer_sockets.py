@@ -45,6 +45,11 @@ async def _gather_rounds(rx, txs, rounds: int, *, size: int = SIZE) -> None:
         assert all(bytes(b) == d for b, d in zip(bufs, data)), f"round {rnd}: a message arrived changed"
 
 
+async def _close(*endpoints) -> None:
+    for e in endpoints:
+        await e.close()
+
+
 def _bind_fails(addr) -> None:
     """No socket of another program may bind ``addr``, with ``SO_REUSEPORT`` or without."""
     family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
@@ -75,8 +80,7 @@ async def test_each_gathered_peer_gets_its_own_socket_and_every_message_arrives_
         assert all(t.stats.dropped.get("unknown_flow", 0) == 0 for t in txs)
         _bind_fails(rx.local_addr)
     finally:
-        for e in (rx, *txs):
-            await e.close()
+        await _close(rx, *txs)
 
 
 async def test_the_port_stays_closed_to_other_sockets_before_and_after_peer_sockets():
@@ -87,11 +91,10 @@ async def test_the_port_stays_closed_to_other_sockets_before_and_after_peer_sock
         await _gather_rounds(rx, [tx], rounds=1)
         assert len(rx.peer_sockets) == 1
         _bind_fails(rx.local_addr)
-        for s in (rx._sock, *rx._peer_sockets.values()):
+        for s in (rx._sock, *(r.sock for r in rx._peer_readers.values())):
             assert s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 0
     finally:
-        await rx.close()
-        await tx.close()
+        await _close(rx, tx)
     # closed: the port is free again, peer sockets included
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind(rx.local_addr)
@@ -108,8 +111,7 @@ async def test_the_cap_holds_and_the_other_peers_use_the_endpoints_socket(cap):
         assert rx.io_stats["datagrams_in"] > 0  # the peers beyond the cap
         assert all(s["datagrams_in"] > 0 for s in rx.peer_sockets.values())
     finally:
-        for e in (rx, *txs):
-            await e.close()
+        await _close(rx, *txs)
 
 
 async def test_recv_and_expect_from_a_peer_open_its_socket_and_a_connected_endpoint_opens_none():
@@ -132,8 +134,7 @@ async def test_recv_and_expect_from_a_peer_open_its_socket_and_a_connected_endpo
         await t
         assert solo.peer_sockets == {}  # already connected to its one peer
     finally:
-        for e in (rx, tx, solo):
-            await e.close()
+        await _close(rx, tx, solo)
 
 
 async def test_a_peer_socket_that_cannot_be_made_is_counted_and_its_peer_still_gets_through(monkeypatch):
@@ -153,8 +154,7 @@ async def test_a_peer_socket_that_cannot_be_made_is_counted_and_its_peer_still_g
         assert rx.peer_sockets == {} and rx.io_stats["datagrams_in"] > 0
     finally:
         monkeypatch.setattr(ltp.endpoint.socket, "socket", real)
-        await rx.close()
-        await tx.close()
+        await _close(rx, tx)
 
 
 async def test_a_dead_peers_icmp_report_on_its_peer_socket_fails_a_send_at_once():
@@ -171,8 +171,7 @@ async def test_a_dead_peers_icmp_report_on_its_peer_socket_fails_a_send_at_once(
         assert time.monotonic() - t0 < 0.5
         assert rx.loop_stats["readable"] < 1000  # and the report did not leave the socket signalling an error
     finally:
-        await rx.close()
-        await tx.close()
+        await _close(rx, tx)
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5, PEER_SOCKETS_MAX + 1])
@@ -190,10 +189,9 @@ async def test_a_peer_socket_whose_connect_fails_leaves_the_port_closed_to_other
         await _gather_rounds(rx, [tx], rounds=1, size=50_000)  # one good peer socket first
         await rx.expect(("255.255.255.255", 9), bytearray(100), tag=1)
         assert rx.loop_stats["peer_socket_errors"] == 1 and len(rx.peer_sockets) == 1
-        for s in (rx._sock, *rx._peer_sockets.values()):
+        for s in (rx._sock, *(r.sock for r in rx._peer_readers.values())):
             assert s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 0
         _bind_fails(("127.0.0.1", rx.local_addr[1]))
         await _gather_rounds(rx, [tx], rounds=1, size=50_000)  # still serving
     finally:
-        await rx.close()
-        await tx.close()
+        await _close(rx, tx)
