@@ -58,6 +58,7 @@ threads that never hold the GIL.
 from __future__ import annotations
 
 import errno as _errno
+import mmap as _mmap
 import operator as _operator
 import os as _os
 import queue as _queue
@@ -247,7 +248,10 @@ class UdpIO:
                 self._recverr = sock.family == _socket.AF_INET6 and bool(
                     sock.getsockopt(_socket.IPPROTO_IPV6, IPV6_RECVERR_OPT))
         self._slot_size = max(max_datagram, GRO_SLOT_SIZE) if self._gro else max_datagram
-        self._buf = bytearray(self._slot_size * batch)
+        # an anonymous mapping, not a bytearray: its pages are committed only when a datagram lands in them (a
+        # GRO slot is 64 kB and most datagrams fill its first page), as the compiled module's malloc'd buffer is;
+        # a zero-filled bytearray committed all 4 MB at once for every socket (64 peer sockets: 260 MB)
+        self._buf = _mmap.mmap(-1, self._slot_size * batch)
         self._buffer_view = memoryview(self._buf)
         self._slots = [self._buffer_view[i * self._slot_size:(i + 1) * self._slot_size] for i in range(batch)]
         self._alloc_out(batch * GSO_MAX_SEGMENTS if self._gro else batch)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import errno
 import importlib
 import json
+import os
 import socket
 import struct
+import sys
 import time
 
 import numpy as np
@@ -495,3 +497,31 @@ def test_the_sockets_own_drops_are_reported_with_the_datagrams_read(mod, socks):
     tx.sendto(b"z" * 10, dst)
     assert drain(io, 1)
     assert io.socket_drops == 200 - len(got) and io.stats["socket_drops"] == io.socket_drops
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_receive_buffers_commit_memory_only_where_datagrams_land(mod, socks):
+    """An endpoint opens up to 64 peer sockets, each with a ``UdpIO`` whose GRO receive buffer is 64 slots of
+    64 kB: the buffer must not be committed until datagrams are written into it (the twin zero-filled a bytearray,
+    4 MB per socket), and a datagram commits only the pages it lands in."""
+    n = 32
+    probe = mod.UdpIO(socks.make(), gro=True)
+    if not probe.gro_enabled:
+        pytest.skip("UDP_GRO refused by this kernel: the receive slots are datagram-sized")
+    size = len(probe.buffer)
+    assert size >= 64 * 65536 // 2  # the case this test is about: a large, mostly unused buffer
+    before = _rss_bytes()
+    sockets = [socks.make() for _ in range(n)]
+    ios = [mod.UdpIO(s, gro=True) for s in sockets]
+    grown = _rss_bytes() - before
+    assert grown < n * size // 8, f"{n} receive buffers of {size} bytes committed {grown} bytes"
+    tx = mod.UdpIO(socks.make())
+    data = payload(1000)
+    for _ in range(64):
+        assert tx.send(sockets[0].getsockname(), data, 1000) == len(data)
+    assert [p for p, _ in drain(ios[0], 64)] == [data] * 64
