@@ -709,6 +709,10 @@ def launch(args) -> int:
                 argv += ["--max-iterations", str(args.kill_worker_after)]
             workers.append(_Child(f"worker {r}", argv, spawner(r if colocate else args.num_servers + r)))
         children += workers
+        drilled = workers[0] if args.kill_worker_after is not None and workers else None
+        if drilled is not None:
+            print(f"[launch] drill (--kill-worker-after): {drilled.name} leaves the job after "
+                  f"{args.kill_worker_after} iterations; the others go on without it", flush=True)
         failures: list[tuple[str, int]] = []
         restarts_left = args.ps_restarts
         reported: set = set()
@@ -732,6 +736,10 @@ def launch(args) -> int:
                 print(f"[launch] {what}", flush=True)
                 failures.append((what, rc))
                 fatal = fatal or c in servers or c is store_proc
+            if drilled is not None and drilled.poll() == 0 and not all(c.poll() == 0 for c in (servers or workers)):
+                print(f"[launch] {drilled.name} (pid {drilled.proc.pid}) left after {args.kill_worker_after} "
+                      f"iterations, as drilled", flush=True)
+                drilled = None
             if fatal or all(c.poll() == 0 for c in (servers or workers)):
                 break
             give_up = None  # why the launch ends the job now ("": nothing more to report than the failures)

@@ -664,14 +664,22 @@ class ParameterServer:
                                                         timeout=self.deadline.timeout(HEADER_BYTES + ELEM * self.n, 1))
             except Exception as exc:  # dead or slow worker
                 if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-                    if self.membership.missed(m.rank, "no gradient within the gather timeout"):
+                    why = "no gradient within the gather timeout"
+                    if self.membership.missed(m.rank, why):
+                        self.log(f"[ps{self.shard}] dropped worker {m.rank}: {why} {self.cfg.max_missed} times "
+                                 f"in a row (version {self.version})")
                         break
                     continue
-                self.membership.failed(m.rank, f"transfer failed: {exc}")
+                why = f"transfer failed at version {self.version}: {type(exc).__name__}: {exc}"
+                self.membership.failed(m.rank, why)
+                self.log(f"[ps{self.shard}] dropped worker {m.rank}: {why}")
                 break
             c = self.schedule.contribution(m.rank, buf, r, self.n)
             if not c.usable or c.header.rank != m.rank:
-                self.membership.missed(m.rank, "unusable gradient")
+                if self.membership.missed(m.rank, "unusable gradient"):
+                    self.log(f"[ps{self.shard}] dropped worker {m.rank}: unusable gradient {self.cfg.max_missed} "
+                             f"times in a row (version {self.version})")
+                    break
                 continue
             self.membership.delivered(m.rank)
             self.deadline.observe_compute(c.header.compute_s)
@@ -686,7 +694,10 @@ class ParameterServer:
             st = self.staleness.record(c.header.model_version, self.version)
             grad = self.schedule.combine(self.aggregator, [c])
             if not self.aggregator.contributors or not np.isfinite(grad.sum(dtype=np.float32)):
-                self.membership.missed(m.rank, "non-finite gradient")
+                if self.membership.missed(m.rank, "non-finite gradient"):
+                    self.log(f"[ps{self.shard}] dropped worker {m.rank}: non-finite gradient {self.cfg.max_missed} "
+                             f"times in a row (version {self.version})")
+                    break
                 continue
             # no await between snapshot and update: atomic in asyncio
             mask = self.aggregator.applied_mask()

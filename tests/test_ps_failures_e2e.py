@@ -161,3 +161,20 @@ def test_launch_at_chance_accuracy_with_a_finite_loss_exits_3_naming_why(tmp_pat
     assert re.search(r"\[launch\] FAILED: .*ps0 \(pid \d+\) exited with code 3", out), out
     assert out.count("PS shard 0 stopped the job") == 2, out  # both workers read the verdict, before STOP
     assert "final / best accuracy" not in out
+
+
+@pytest.mark.parametrize("mode", ["async", "bsp"])
+def test_a_drilled_worker_is_announced_and_its_drop_logged_and_the_job_goes_on(tmp_path, mode):
+    """``--kill-worker-after 3``: the launch says which worker the drill stops and when it left; the PS logs
+    the drop with its cause in either mode (the asynchronous PS dropped it silently before), and the job
+    finishes with the other workers."""
+    job = Launch(tmp_path, "--transport", "tcp", "--workers", 3, "--epochs", 2, "--mode", mode,
+                 "--kill-worker-after", 3)
+    rc = job.wait(150)
+    out = job.text()
+    assert rc == 0, out
+    assert "[launch] drill (--kill-worker-after): worker 0 leaves the job after 3 iterations" in out, out
+    assert re.search(r"\[launch\] worker 0 \(pid \d+\) left after 3 iterations, as drilled", out), out
+    assert re.search(r"\[ps0\] dropped worker 0: ", out), out
+    assert "dropped worker 1" not in out and "dropped worker 2" not in out, out
+    assert "final / best accuracy" in out and "workers 2" in out, out
