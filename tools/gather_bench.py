@@ -32,7 +32,8 @@ Theory of operation
 
     Result: one JSON line with the per-round ``gather_s``, ``machine_cpu_s``, ``receiver_cpu_s`` and
     ``sender_cpu_s`` (summed over the senders; LTP's rows also count the datagrams read so far from peer
-    sockets and from the endpoints' own sockets), their medians over the rounds after the first (the
+    sockets and from the endpoints' own sockets, and the senders' loop wake-ups, socket syscalls, datagrams sent
+    and packets retransmitted in the round, summed), their medians over the rounds after the first (the
     first, a cold start, is reported but not in the medians), and ``goodput_gbps`` from the median.
 
     python -m ltp_tools.gather_bench --transport ltp|ltp-one-socket|ltp-connected|cubic|bbr --size 100M --peers 4 \
@@ -111,8 +112,16 @@ async def main():
     for r in range(rounds):
         await loop.run_in_executor(None, sys.stdin.readline)
         c0 = cpu()
-        await ep.send((dst, port), data, reliable=True, tag=r + 1, timeout=timeout)
-        print(json.dumps({"sender_cpu_s": cpu() - c0}), flush=True)
+        w0 = sum(v for k, v in ep.loop_stats.items() if k in ("readable", "timer", "writable"))
+        io0 = ep.io_stats
+        rep = await ep.send((dst, port), data, reliable=True, tag=r + 1, timeout=timeout)
+        io1 = ep.io_stats
+        print(json.dumps({"sender_cpu_s": cpu() - c0,
+                          "sender_wakeups": sum(v for k, v in ep.loop_stats.items()
+                                                if k in ("readable", "timer", "writable")) - w0,
+                          "sender_syscalls": io1["syscalls"] - io0["syscalls"],
+                          "sender_datagrams_out": io1["datagrams_out"] - io0["datagrams_out"],
+                          "sender_retransmitted": rep.retransmitted_packets}), flush=True)
     await ep.close(linger=0.3)
 ltp.run(main())
 '''
@@ -226,7 +235,9 @@ def run(*, transport: str = "ltp", size: int = 100_000_000, peers: int = 4, roun
                 p.stdin.flush()
             row = json.loads(_line(rx, "receiver"))
             m1 = machine_cpu_s()
-            row["sender_cpu_s"] = sum(json.loads(_line(p, "sender"))["sender_cpu_s"] for p in txs)
+            sent = [json.loads(_line(p, "sender")) for p in txs]
+            for key in sent[0]:  # summed over the senders (LTP's also count wake-ups, syscalls, datagrams)
+                row[key] = sum(s[key] for s in sent)
             row["machine_cpu_s"] = None if m0 is None or m1 is None else round(m1 - m0, 3)
             if not row.pop("verified") or any(d != 1.0 for d in row.get("delivered", [1.0])):
                 raise RuntimeError(f"{transport}: a message arrived incomplete or wrong in round {len(rows)}: {row}")
