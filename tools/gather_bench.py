@@ -103,6 +103,8 @@ ltp.run(main())
 _LTP_SEND = _COMMON + r'''
 import asyncio, ltp
 from ltp_tools.payload import pattern
+def wakeups(ep):  # the loop's wake-ups so far: readable, timer and writable callbacks
+    return sum(ep.loop_stats[k] for k in ("readable", "timer", "writable"))
 async def main():
     size, rounds, timeout, port, dst = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     ep = await ltp.open_endpoint(("0.0.0.0", int(sys.argv[6])))  # our own port (argv 4 is the receiver's)
@@ -112,13 +114,10 @@ async def main():
     for r in range(rounds):
         await loop.run_in_executor(None, sys.stdin.readline)
         c0 = cpu()
-        w0 = sum(v for k, v in ep.loop_stats.items() if k in ("readable", "timer", "writable"))
-        io0 = ep.io_stats
+        w0, io0 = wakeups(ep), ep.io_stats
         rep = await ep.send((dst, port), data, reliable=True, tag=r + 1, timeout=timeout)
         io1 = ep.io_stats
-        print(json.dumps({"sender_cpu_s": cpu() - c0,
-                          "sender_wakeups": sum(v for k, v in ep.loop_stats.items()
-                                                if k in ("readable", "timer", "writable")) - w0,
+        print(json.dumps({"sender_cpu_s": cpu() - c0, "sender_wakeups": wakeups(ep) - w0,
                           "sender_syscalls": io1["syscalls"] - io0["syscalls"],
                           "sender_datagrams_out": io1["datagrams_out"] - io0["datagrams_out"],
                           "sender_retransmitted": rep.retransmitted_packets}), flush=True)
