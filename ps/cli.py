@@ -736,11 +736,12 @@ def launch(args) -> int:
                 print(f"[launch] {what}", flush=True)
                 failures.append((what, rc))
                 fatal = fatal or c in servers or c is store_proc
-            if drilled is not None and drilled.poll() == 0 and not all(c.poll() == 0 for c in (servers or workers)):
+            finished = all(c.poll() == 0 for c in (servers or workers))
+            if drilled is not None and drilled.poll() == 0 and not finished:
                 print(f"[launch] {drilled.name} (pid {drilled.proc.pid}) left after {args.kill_worker_after} "
                       f"iterations, as drilled", flush=True)
                 drilled = None
-            if fatal or all(c.poll() == 0 for c in (servers or workers)):
+            if fatal or finished:
                 break
             give_up = None  # why the launch ends the job now ("": nothing more to report than the failures)
             if not servers and failures:

@@ -633,6 +633,14 @@ class ParameterServer:
         if self._failed is not None:
             raise self._failed
 
+    def _async_missed(self, rank: int, why: str) -> bool:
+        """Count a miss of worker ``rank`` (asynchronous mode); True if it was dropped now, which is logged."""
+        if not self.membership.missed(rank, why):
+            return False
+        self.log(f"[ps{self.shard}] dropped worker {rank}: {why} {self.cfg.max_missed} times in a row "
+                 f"(version {self.version})")
+        return True
+
     async def _async_worker(self, m) -> None:
         own = np.zeros(params_message_capacity(self.n), dtype=np.uint8)
         buf = self._bufs[m.rank]
@@ -664,10 +672,7 @@ class ParameterServer:
                                                         timeout=self.deadline.timeout(HEADER_BYTES + ELEM * self.n, 1))
             except Exception as exc:  # dead or slow worker
                 if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-                    why = "no gradient within the gather timeout"
-                    if self.membership.missed(m.rank, why):
-                        self.log(f"[ps{self.shard}] dropped worker {m.rank}: {why} {self.cfg.max_missed} times "
-                                 f"in a row (version {self.version})")
+                    if self._async_missed(m.rank, "no gradient within the gather timeout"):
                         break
                     continue
                 why = f"transfer failed at version {self.version}: {type(exc).__name__}: {exc}"
@@ -676,9 +681,7 @@ class ParameterServer:
                 break
             c = self.schedule.contribution(m.rank, buf, r, self.n)
             if not c.usable or c.header.rank != m.rank:
-                if self.membership.missed(m.rank, "unusable gradient"):
-                    self.log(f"[ps{self.shard}] dropped worker {m.rank}: unusable gradient {self.cfg.max_missed} "
-                             f"times in a row (version {self.version})")
+                if self._async_missed(m.rank, "unusable gradient"):
                     break
                 continue
             self.membership.delivered(m.rank)
@@ -694,9 +697,7 @@ class ParameterServer:
             st = self.staleness.record(c.header.model_version, self.version)
             grad = self.schedule.combine(self.aggregator, [c])
             if not self.aggregator.contributors or not np.isfinite(grad.sum(dtype=np.float32)):
-                if self.membership.missed(m.rank, "non-finite gradient"):
-                    self.log(f"[ps{self.shard}] dropped worker {m.rank}: non-finite gradient {self.cfg.max_missed} "
-                             f"times in a row (version {self.version})")
+                if self._async_missed(m.rank, "non-finite gradient"):
                     break
                 continue
             # no await between snapshot and update: atomic in asyncio
